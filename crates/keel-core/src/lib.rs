@@ -1,0 +1,23 @@
+//! The vocabulary every Keel crate shares.
+//!
+//! Resilience policies, the messaging runtime and the HTTP and gRPC edges all
+//! need to agree on a few things, and this crate is where they are defined once:
+//!
+//! - [`error`]: what kind of failure an error is ([`ErrorClass`]: retryable,
+//!   permanent, rejected by a policy, or of unknown outcome), the refusals a
+//!   policy can answer with ([`Rejected`]), and walking an error's causes.
+//! - [`deadline`]: the current request's [`Deadline`], carried in a task-local
+//!   and across the wire as `X-Request-Deadline-Unix-Ms` or gRPC's `grpc-timeout`.
+//! - [`trace`]: W3C `traceparent` parsing and formatting.
+//! - [`id`]: time-ordered UUIDv7 identifiers.
+//! - [`clock`]: the one place that reads time, so tests can pause it.
+
+pub mod clock;
+pub mod deadline;
+pub mod error;
+pub mod id;
+pub mod trace;
+
+pub use deadline::Deadline;
+pub use error::{BoxError, Classified, Classify, ErrorClass, Name, PolicyError, Rejected};
+pub use trace::TraceParent;
