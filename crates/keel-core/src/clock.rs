@@ -42,9 +42,11 @@ pub fn instant_from_unix_millis(unix_ms: u64) -> Instant {
     let now = now();
     if unix_ms >= now_ms {
         let ahead = Duration::from_millis(unix_ms - now_ms);
-        now.checked_add(ahead).unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
+        now.checked_add(ahead)
+            .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
     } else {
-        now.checked_sub(Duration::from_millis(now_ms - unix_ms)).unwrap_or(now)
+        now.checked_sub(Duration::from_millis(now_ms - unix_ms))
+            .unwrap_or(now)
     }
 }
 

@@ -80,7 +80,9 @@ impl Deadline {
     /// A deadline `timeout` from now.
     pub fn after(timeout: Duration) -> Self {
         let now = clock::now();
-        Self { at: now.checked_add(timeout).unwrap_or_else(|| far_future(now)) }
+        Self {
+            at: now.checked_add(timeout).unwrap_or_else(|| far_future(now)),
+        }
     }
 
     /// The instant of the deadline.
@@ -107,7 +109,11 @@ impl Deadline {
     /// `min` remains.
     pub fn check_start(&self, min: Duration) -> Result<Duration, Rejected> {
         let remaining = self.remaining();
-        if remaining <= min { Err(Rejected::DeadlineExceeded) } else { Ok(remaining) }
+        if remaining <= min {
+            Err(Rejected::DeadlineExceeded)
+        } else {
+            Ok(remaining)
+        }
     }
 
     /// The earlier of this deadline and `other`.
@@ -167,13 +173,17 @@ impl Deadline {
         if value.is_empty() {
             return Err(InvalidDeadline::Empty);
         }
-        let ms: u64 = value.parse().map_err(|_| InvalidDeadline::NotANumber(truncate(value)))?;
+        let ms: u64 = value
+            .parse()
+            .map_err(|_| InvalidDeadline::NotANumber(truncate(value)))?;
         Ok(Self::from_unix_millis(ms))
     }
 
     /// A deadline at a wall-clock time in Unix milliseconds.
     pub fn from_unix_millis(ms: u64) -> Self {
-        Self { at: clock::instant_from_unix_millis(ms) }
+        Self {
+            at: clock::instant_from_unix_millis(ms),
+        }
     }
 
     /// The deadline as wall-clock Unix milliseconds, for the header.
@@ -217,7 +227,9 @@ pub mod grpc_timeout {
     /// ```
     pub fn decode(value: &str) -> Result<Duration, InvalidDeadline> {
         let bad = || InvalidDeadline::GrpcTimeout(truncate(value));
-        let (digits, unit) = value.split_at_checked(value.len().wrapping_sub(1)).ok_or_else(bad)?;
+        let (digits, unit) = value
+            .split_at_checked(value.len().wrapping_sub(1))
+            .ok_or_else(bad)?;
         if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
             return Err(bad());
         }
@@ -277,7 +289,9 @@ mod tests {
                     .scope(async move { assert_eq!(Deadline::current(), Some(outer)) })
                     .await;
                 let inner = Deadline::after(Duration::from_millis(100));
-                inner.scope(async move { assert_eq!(Deadline::current(), Some(inner)) }).await;
+                inner
+                    .scope(async move { assert_eq!(Deadline::current(), Some(inner)) })
+                    .await;
             })
             .await;
     }
@@ -287,7 +301,10 @@ mod tests {
         let d = Deadline::after(Duration::from_millis(120));
         assert!(d.check_start(MIN_TIME_TO_START).is_ok());
         tokio::time::advance(Duration::from_millis(70)).await;
-        assert_eq!(d.check_start(MIN_TIME_TO_START), Err(Rejected::DeadlineExceeded));
+        assert_eq!(
+            d.check_start(MIN_TIME_TO_START),
+            Err(Rejected::DeadlineExceeded)
+        );
         tokio::time::advance(Duration::from_millis(100)).await;
         assert!(d.is_expired());
         assert_eq!(d.remaining(), Duration::ZERO);
@@ -309,14 +326,23 @@ mod tests {
     #[test]
     fn malformed_headers_are_errors() {
         assert_eq!(Deadline::parse_header(""), Err(InvalidDeadline::Empty));
-        assert!(matches!(Deadline::parse_header("-5"), Err(InvalidDeadline::NotANumber(_))));
-        assert!(matches!(Deadline::parse_header("1.5"), Err(InvalidDeadline::NotANumber(_))));
+        assert!(matches!(
+            Deadline::parse_header("-5"),
+            Err(InvalidDeadline::NotANumber(_))
+        ));
+        assert!(matches!(
+            Deadline::parse_header("1.5"),
+            Err(InvalidDeadline::NotANumber(_))
+        ));
         assert!(matches!(
             Deadline::parse_header("99999999999999999999999"),
             Err(InvalidDeadline::NotANumber(_))
         ));
         for bad in ["", "m", "5", "5x", "123456789m", "-1m", "1.5S", "ééé"] {
-            assert!(grpc_timeout::decode(bad).is_err(), "{bad:?} must be rejected");
+            assert!(
+                grpc_timeout::decode(bad).is_err(),
+                "{bad:?} must be rejected"
+            );
         }
     }
 

@@ -56,6 +56,12 @@ impl ErrorClass {
 pub trait Classify {
     /// The class of this error.
     fn class(&self) -> ErrorClass;
+
+    /// When the failing side asked to be tried again (a `Retry-After`), if
+    /// it did. Retries honour it within their bounds.
+    fn retry_after(&self) -> Option<Duration> {
+        None
+    }
 }
 
 impl Classify for std::io::Error {
@@ -67,6 +73,10 @@ impl Classify for std::io::Error {
 impl Classify for BoxError {
     fn class(&self) -> ErrorClass {
         classify(self.as_ref())
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        find_cause::<Rejected>(self.as_ref()).and_then(Rejected::retry_after)
     }
 }
 
@@ -176,7 +186,10 @@ pub struct Classified {
 impl Classified {
     /// Wraps `source` with an explicit class.
     pub fn new(class: ErrorClass, source: impl Into<BoxError>) -> Self {
-        Self { class, source: source.into() }
+        Self {
+            class,
+            source: source.into(),
+        }
     }
 
     /// A transient failure that is safe to retry.
@@ -274,7 +287,9 @@ pub enum Rejected {
     #[error("deadline exceeded: too little time is left to start this call")]
     DeadlineExceeded,
     /// A call took longer than its timeout and was cancelled.
-    #[error("`{name}` timed out after {after:?}: the call was cancelled; it may or may not have taken effect")]
+    #[error(
+        "`{name}` timed out after {after:?}: the call was cancelled; it may or may not have taken effect"
+    )]
     Timeout {
         /// The timeout policy's name.
         name: Name,
@@ -323,6 +338,10 @@ impl Rejected {
 }
 
 impl Classify for Rejected {
+    fn retry_after(&self) -> Option<Duration> {
+        Rejected::retry_after(self)
+    }
+
     fn class(&self) -> ErrorClass {
         match self {
             // The attempt was sent and cut off: it may have happened.
@@ -417,6 +436,13 @@ impl<E: Classify> Classify for PolicyError<E> {
             Self::Rejected(r) => r.class(),
         }
     }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Inner(e) => e.retry_after(),
+            Self::Rejected(r) => r.retry_after(),
+        }
+    }
 }
 
 impl<E: fmt::Display> fmt::Display for PolicyError<E> {
@@ -469,12 +495,18 @@ mod tests {
 
     #[test]
     fn refusals_are_not_dependency_failures() {
-        let r = Rejected::CircuitOpen { name: "payments".into(), retry_after: Duration::from_secs(3) };
+        let r = Rejected::CircuitOpen {
+            name: "payments".into(),
+            retry_after: Duration::from_secs(3),
+        };
         assert_eq!(r.class(), ErrorClass::Rejected);
         assert!(!r.class().is_dependency_failure());
         assert_eq!(r.retry_after(), Some(Duration::from_secs(3)));
         assert!(r.to_string().contains("payments"));
-        let timeout = Rejected::Timeout { name: "payments".into(), after: Duration::from_millis(5) };
+        let timeout = Rejected::Timeout {
+            name: "payments".into(),
+            after: Duration::from_millis(5),
+        };
         assert!(timeout.class().is_dependency_failure());
     }
 

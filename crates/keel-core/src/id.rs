@@ -27,6 +27,9 @@ mod tests {
         let ids: Vec<Uuid> = (0..1000).map(|_| new_id()).collect();
         let mut sorted = ids.clone();
         sorted.sort();
-        assert_eq!(ids, sorted, "uuid::now_v7 keeps a per-process monotonic counter");
+        assert_eq!(
+            ids, sorted,
+            "uuid::now_v7 keeps a per-process monotonic counter"
+        );
     }
 }

@@ -56,17 +56,28 @@ pub enum InvalidTraceParent {
 impl TraceParent {
     /// Builds a trace parent from its parts.
     pub fn new(trace_id: [u8; 16], parent_id: [u8; 8], sampled: bool) -> Self {
-        Self { trace_id, parent_id, flags: u8::from(sampled) }
+        Self {
+            trace_id,
+            parent_id,
+            flags: u8::from(sampled),
+        }
     }
 
     /// A new trace, with random ids, sampled.
     pub fn new_root() -> Self {
-        Self { trace_id: nonzero_random::<16>(), parent_id: nonzero_random::<8>(), flags: 1 }
+        Self {
+            trace_id: nonzero_random::<16>(),
+            parent_id: nonzero_random::<8>(),
+            flags: 1,
+        }
     }
 
     /// A child of this span: the same trace, a new span id.
     pub fn child(&self) -> Self {
-        Self { parent_id: nonzero_random::<8>(), ..*self }
+        Self {
+            parent_id: nonzero_random::<8>(),
+            ..*self
+        }
     }
 
     /// The 16-byte trace id.
@@ -130,13 +141,23 @@ impl FromStr for TraceParent {
         if trace_id == [0; 16] || parent_id == [0; 8] {
             return Err(InvalidTraceParent::ZeroId);
         }
-        Ok(Self { trace_id, parent_id, flags })
+        Ok(Self {
+            trace_id,
+            parent_id,
+            flags,
+        })
     }
 }
 
 impl fmt::Display for TraceParent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "00-{}-{}-{:02x}", hex(&self.trace_id), hex(&self.parent_id), self.flags)
+        write!(
+            f,
+            "00-{}-{}-{:02x}",
+            hex(&self.trace_id),
+            hex(&self.parent_id),
+            self.flags
+        )
     }
 }
 
@@ -194,12 +215,30 @@ mod tests {
     fn rejects_what_the_spec_rejects() {
         let cases = [
             ("", InvalidTraceParent::Format),
-            ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", InvalidTraceParent::ForbiddenVersion),
-            ("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", InvalidTraceParent::NotLowercaseHex),
-            ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", InvalidTraceParent::ZeroId),
-            ("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01", InvalidTraceParent::ZeroId),
-            ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra", InvalidTraceParent::Format),
-            ("00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", InvalidTraceParent::Format),
+            (
+                "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                InvalidTraceParent::ForbiddenVersion,
+            ),
+            (
+                "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+                InvalidTraceParent::NotLowercaseHex,
+            ),
+            (
+                "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+                InvalidTraceParent::ZeroId,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+                InvalidTraceParent::ZeroId,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+                InvalidTraceParent::Format,
+            ),
+            (
+                "00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                InvalidTraceParent::Format,
+            ),
         ];
         for (input, want) in cases {
             assert_eq!(input.parse::<TraceParent>(), Err(want), "{input:?}");
@@ -209,7 +248,9 @@ mod tests {
     #[test]
     fn future_versions_ignore_extra_fields() {
         let tp: TraceParent =
-            "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-the-future-holds".parse().unwrap();
+            "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-the-future-holds"
+                .parse()
+                .unwrap();
         assert_eq!(tp.to_string(), SPEC_EXAMPLE);
     }
 
@@ -217,7 +258,8 @@ mod tests {
     async fn scope_sets_current() {
         assert!(TraceParent::current().is_none());
         let root = TraceParent::new_root();
-        root.scope(async move { assert_eq!(TraceParent::current(), Some(root)) }).await;
+        root.scope(async move { assert_eq!(TraceParent::current(), Some(root)) })
+            .await;
     }
 
     proptest! {

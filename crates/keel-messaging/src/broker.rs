@@ -1,0 +1,251 @@
+//! The broker contract: durable topics, consumer groups, leases, acks.
+//!
+//! Keel ships two implementations: the embedded broker on SQLite
+//! (`keel-sqlite`, the default) and NATS JetStream (`keel-nats`). Both pass the
+//! same conformance suite (`keel-testkit`), which is the precise meaning of
+//! every sentence below.
+//!
+//! Semantics every [`Broker`] provides:
+//!
+//! - **At-least-once.** A delivery that is not acked before its lease expires
+//!   is delivered again, with [`Delivery::delivery_count`] one higher.
+//! - **Consumer groups.** Every group on a topic receives every message; within
+//!   a group, each message goes to one consumer at a time.
+//! - **Per-key order.** Within a group, a message is not delivered while an
+//!   earlier message with the same [`Message::key`] is unacked.
+//! - **Publisher dedupe.** A message whose id was already published on the
+//!   topic (within the broker's dedupe window) is accepted and dropped.
+//! - **Ack last.** Consumers ack only after their effect committed; see
+//!   [`crate::consumer`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use keel_core::{BoxError, Classify, ErrorClass};
+
+/// Message headers. Small, ordered, and string-valued like every broker's.
+pub type Headers = BTreeMap<String, String>;
+
+/// Header names Keel puts on every message.
+pub mod header {
+    /// The event id consumers dedupe on (also the message id).
+    pub const EVENT_ID: &str = "event-id";
+    /// W3C trace context of the producer.
+    pub const TRACEPARENT: &str = "traceparent";
+    /// The request deadline (Unix ms) for request-reply and time-bound work.
+    pub const DEADLINE: &str = keel_core::deadline::DEADLINE_HEADER;
+    /// Where a responder publishes its reply.
+    pub const REPLY_TO: &str = "reply-to";
+    /// Ties a reply to its request.
+    pub const CORRELATION_ID: &str = "correlation-id";
+    /// The event type, so routers need not parse the body.
+    pub const EVENT_TYPE: &str = "ce-type";
+}
+
+/// A message as published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Unique id (the event id); brokers dedupe publishes on it.
+    pub id: String,
+    /// The topic (stream) it belongs to.
+    pub topic: String,
+    /// The partition key: messages with the same key keep their order.
+    pub key: String,
+    /// Headers (event id, traceparent, ...).
+    pub headers: Headers,
+    /// The body, usually a structured-mode CloudEvent.
+    pub payload: Bytes,
+}
+
+impl Message {
+    /// A message with the given id, topic, key and payload, and the event-id
+    /// and (if set) traceparent headers filled in.
+    pub fn new(
+        id: impl Into<String>,
+        topic: impl Into<String>,
+        key: impl Into<String>,
+        payload: impl Into<Bytes>,
+    ) -> Self {
+        let id = id.into();
+        let mut headers = Headers::new();
+        headers.insert(header::EVENT_ID.to_owned(), id.clone());
+        if let Some(tp) = keel_core::TraceParent::current() {
+            headers.insert(header::TRACEPARENT.to_owned(), tp.to_string());
+        }
+        Self {
+            id,
+            topic: topic.into(),
+            key: key.into(),
+            headers,
+            payload: payload.into(),
+        }
+    }
+
+    /// Adds a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+}
+
+/// Where and how a consumer group reads a topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubscribeOptions {
+    /// The topic to read.
+    pub topic: String,
+    /// The consumer group; each group sees every message.
+    pub group: String,
+    /// How long a delivery stays invisible to others before redelivery.
+    pub lease: Duration,
+}
+
+impl SubscribeOptions {
+    /// Options for `group` on `topic`, with a 30 s lease.
+    pub fn new(topic: impl Into<String>, group: impl Into<String>) -> Self {
+        Self {
+            topic: topic.into(),
+            group: group.into(),
+            lease: Duration::from_secs(30),
+        }
+    }
+
+    /// Sets the lease.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+}
+
+/// One delivery of a message to a consumer, with the handle to settle it.
+pub struct Delivery {
+    /// The message.
+    pub message: Message,
+    /// How many times this message has been delivered to this group,
+    /// this delivery included (1 the first time).
+    pub delivery_count: u32,
+    control: Box<dyn DeliveryControl>,
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery")
+            .field("message", &self.message)
+            .field("delivery_count", &self.delivery_count)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    /// A delivery settled through `control` (for broker implementations).
+    pub fn new(message: Message, delivery_count: u32, control: Box<dyn DeliveryControl>) -> Self {
+        Self {
+            message,
+            delivery_count,
+            control,
+        }
+    }
+
+    /// Done: never deliver this message to this group again. Call only after
+    /// the effect committed.
+    pub async fn ack(&self) -> Result<(), BrokerError> {
+        self.control.ack().await
+    }
+
+    /// Not done: deliver it again after `delay`.
+    pub async fn nack(&self, delay: Duration) -> Result<(), BrokerError> {
+        self.control.nack(delay).await
+    }
+
+    /// Still working: keep it invisible to others for `lease` from now.
+    pub async fn extend_lease(&self, lease: Duration) -> Result<(), BrokerError> {
+        self.control.extend(lease).await
+    }
+
+    /// Give up for good (it was dead-lettered): never deliver it again.
+    pub async fn terminate(&self) -> Result<(), BrokerError> {
+        self.control.terminate().await
+    }
+}
+
+/// How a broker settles one delivery. Implemented by brokers, used through
+/// [`Delivery`].
+#[async_trait]
+pub trait DeliveryControl: Send + Sync {
+    /// See [`Delivery::ack`].
+    async fn ack(&self) -> Result<(), BrokerError>;
+    /// See [`Delivery::nack`].
+    async fn nack(&self, delay: Duration) -> Result<(), BrokerError>;
+    /// See [`Delivery::extend_lease`].
+    async fn extend(&self, lease: Duration) -> Result<(), BrokerError>;
+    /// See [`Delivery::terminate`].
+    async fn terminate(&self) -> Result<(), BrokerError>;
+}
+
+/// A durable message broker.
+#[async_trait]
+pub trait Broker: Send + Sync + 'static {
+    /// Publishes messages in order. Returns once the broker has durably
+    /// accepted all of them; a message id already seen on its topic is
+    /// accepted and dropped.
+    async fn publish(&self, messages: &[Message]) -> Result<(), BrokerError>;
+
+    /// Opens (creating if needed) a consumer group's subscription.
+    async fn subscribe(
+        &self,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>, BrokerError>;
+
+    /// A cheap liveness check for `/debug/deep`.
+    async fn ping(&self) -> Result<(), BrokerError> {
+        Ok(())
+    }
+}
+
+/// A consumer group's view of a topic.
+#[async_trait]
+pub trait Subscription: Send {
+    /// Up to `max` deliveries, waiting up to `wait` for the first one.
+    /// Returns an empty batch when nothing arrived in time.
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>, BrokerError>;
+}
+
+/// A broker operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BrokerError {
+    /// The broker could not be reached or is restarting; try again.
+    #[error("broker unavailable: {0}")]
+    Unavailable(#[source] BoxError),
+    /// A publish may or may not have been stored (a timeout waiting for the
+    /// ack). Republishing is safe: the message id dedupes it.
+    #[error("broker outcome unknown: {0}")]
+    OutcomeUnknown(#[source] BoxError),
+    /// The delivery's lease expired and someone else may hold it now; the
+    /// settle had no effect.
+    #[error("the lease on this delivery expired; it will be redelivered")]
+    LeaseLost,
+    /// A message or option the broker refuses (too large, bad topic name).
+    #[error("broker refused the request: {0}")]
+    Invalid(String),
+    /// Anything else.
+    #[error("broker error: {0}")]
+    Other(#[source] BoxError),
+}
+
+impl Classify for BrokerError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            Self::Unavailable(_) => ErrorClass::Retryable,
+            Self::OutcomeUnknown(_) => ErrorClass::OutcomeUnknown,
+            Self::LeaseLost | Self::Invalid(_) | Self::Other(_) => ErrorClass::Permanent,
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! Durable messaging that survives crashes, redelivery and duplicates.
+//!
+//! The network delivers messages at least once, in an order you did not
+//! choose, sometimes long after anyone cared. This crate turns that into
+//! effects that happen exactly once, in per-entity order, or land in a
+//! dead-letter store with their story:
+//!
+//! - [`envelope`]: CloudEvents 1.0 with a tolerant, lossless reader.
+//! - [`store`] and [`broker`]: the contracts a database and a broker fulfil
+//!   (`keel-sqlite` is the embedded default; `keel-postgres` and `keel-nats`
+//!   scale out).
+//! - [`outbox`]: write the event in the business transaction; the
+//!   [`relay`](outbox::OutboxRelay) publishes it afterwards.
+//! - [`consumer`]: the consumer runtime: inbox dedupe in the effect's
+//!   transaction, ack last, lease extension, retries with backoff,
+//!   dead-lettering after N deliveries.
+//! - [`dead_letter`]: list, inspect, replay and discard what failed.
+//! - [`saga`]: orchestrated sagas with a pivot, derived idempotency keys and
+//!   resumable compensation.
+//! - [`reply`]: request-reply over the broker.
+//! - [`fence`]: fencing tokens checked by the resource.
+//! - [`dedup`]: a bounded dedupe window for consumers without a transaction.
+
+pub mod broker;
+pub mod envelope;
+pub mod store;
+
+pub use broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
+pub use envelope::{Envelope, Event, EventMeta};
+pub use store::{MessagingStore, Store, StoreError};

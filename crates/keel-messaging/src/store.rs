@@ -1,0 +1,425 @@
+//! The storage contract: the tables the messaging patterns need.
+//!
+//! The user's own database transaction is the unit of work. A [`Store`] hands
+//! out its backend's transaction type ([`Store::Tx`], e.g.
+//! `sqlx::Transaction<'static, Sqlite>`), the user writes business rows in it
+//! with their own SQL, and Keel adds its rows to the *same* transaction: the
+//! outbox row commits with the order, the inbox row commits with the effect.
+//! That is the whole trick of both patterns, so it is in the type signatures.
+//!
+//! Each capability is its own trait so a backend can be tested (and a user
+//! can depend) capability by capability; [`MessagingStore`] is all of them.
+//! `keel-sqlite` and `keel-postgres` implement them; `keel-testkit` holds the
+//! conformance suite that defines their behaviour.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use keel_core::{BoxError, Classify, ErrorClass};
+use serde::{Deserialize, Serialize};
+
+use crate::broker::{Headers, Message};
+
+/// A store operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The database could not be reached, or asked us to retry (busy,
+    /// serialization failure, deadlock). Nothing was committed.
+    #[error("store unavailable, try again: {0}")]
+    Unavailable(#[source] BoxError),
+    /// The connection failed during COMMIT: the transaction may or may not
+    /// have committed. Resolve by reading back, never by guessing.
+    #[error("store commit outcome unknown: {0}")]
+    OutcomeUnknown(#[source] BoxError),
+    /// A uniqueness or version check failed.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The row does not exist.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// Anything else (a bug, a schema mismatch).
+    #[error("store error: {0}")]
+    Other(#[source] BoxError),
+}
+
+impl StoreError {
+    /// Wraps any error as [`StoreError::Other`].
+    pub fn other(err: impl Into<BoxError>) -> Self {
+        Self::Other(err.into())
+    }
+}
+
+impl Classify for StoreError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            Self::Unavailable(_) => ErrorClass::Retryable,
+            Self::OutcomeUnknown(_) => ErrorClass::OutcomeUnknown,
+            Self::Conflict(_) | Self::NotFound(_) | Self::Other(_) => ErrorClass::Permanent,
+        }
+    }
+}
+
+/// A database that can run transactions.
+#[async_trait]
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The backend's transaction, in which users write their own rows too.
+    type Tx: Send;
+
+    /// Starts a transaction.
+    async fn begin(&self) -> Result<Self::Tx, StoreError>;
+
+    /// Commits a transaction. [`StoreError::OutcomeUnknown`] when the
+    /// connection failed during COMMIT.
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
+
+    /// Rolls a transaction back (dropping it does too).
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
+
+    /// Whether the schema is migrated and the pool is usable (`/readyz`).
+    async fn ready(&self) -> Result<(), StoreError>;
+}
+
+/// An event to put in the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// The event id; unique in the outbox, and the message id.
+    pub event_id: String,
+    /// The destination topic.
+    pub topic: String,
+    /// Keeps per-entity order on the broker.
+    pub partition_key: String,
+    /// Message headers (traceparent, type, ...).
+    pub headers: Headers,
+    /// The message body.
+    pub payload: Bytes,
+}
+
+impl OutboxRecord {
+    /// The broker message for this record.
+    pub fn to_message(&self) -> Message {
+        Message {
+            id: self.event_id.clone(),
+            topic: self.topic.clone(),
+            key: self.partition_key.clone(),
+            headers: self.headers.clone(),
+            payload: self.payload.clone(),
+        }
+    }
+}
+
+/// An unpublished outbox row claimed by a relay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingOutbox {
+    /// The row id; the relay publishes in id order.
+    pub id: i64,
+    /// The event.
+    pub record: OutboxRecord,
+    /// When the business transaction wrote it.
+    pub created_at: DateTime<Utc>,
+}
+
+/// The relay's view of the outbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct OutboxStats {
+    /// Rows not yet published.
+    pub unpublished: u64,
+    /// Age of the oldest unpublished row: the relay lag.
+    pub oldest_unpublished_age: Option<Duration>,
+}
+
+/// The transactional outbox table.
+#[async_trait]
+pub trait OutboxStore: Store {
+    /// Adds events inside the caller's business transaction.
+    async fn outbox_append(
+        &self,
+        tx: &mut Self::Tx,
+        records: &[OutboxRecord],
+    ) -> Result<(), StoreError>;
+
+    /// Claims up to `limit` unpublished rows, lowest id first, for `lease`:
+    /// other relays skip them until the lease ends. A row whose partition key
+    /// has an earlier unpublished row claimed by another relay is not
+    /// returned, so per-key order survives several relays. Never skips a
+    /// row because a higher id committed first.
+    async fn outbox_claim(
+        &self,
+        relay: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Vec<PendingOutbox>, StoreError>;
+
+    /// Marks rows published (after the broker accepted them).
+    async fn outbox_mark_published(&self, ids: &[i64]) -> Result<(), StoreError>;
+
+    /// Gives claimed rows back without publishing them.
+    async fn outbox_release(&self, ids: &[i64]) -> Result<(), StoreError>;
+
+    /// Deletes up to `batch` rows published before `before`; returns how many.
+    async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
+
+    /// Unpublished count and relay lag.
+    async fn outbox_stats(&self) -> Result<OutboxStats, StoreError>;
+}
+
+/// The idempotent consumer's table of processed events.
+#[async_trait]
+pub trait InboxStore: Store {
+    /// Records that `handler` processed `event_id`, inside the transaction of
+    /// its effect. `false` if it already had: the caller skips the effect.
+    async fn inbox_record(
+        &self,
+        tx: &mut Self::Tx,
+        event_id: &str,
+        handler: &str,
+    ) -> Result<bool, StoreError>;
+
+    /// Deletes inbox rows older than `before` (beyond any redelivery window).
+    async fn inbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
+}
+
+/// One failed attempt at handling a message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptError {
+    /// The delivery count of the attempt.
+    pub attempt: u32,
+    /// What went wrong (the full cause chain).
+    pub error: String,
+    /// When.
+    pub at: DateTime<Utc>,
+}
+
+/// What has become of a dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadLetterStatus {
+    /// Waiting for an operator.
+    Pending,
+    /// Sent back to its topic.
+    Replayed,
+    /// Thrown away on purpose.
+    Discarded,
+}
+
+impl DeadLetterStatus {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Replayed => "replayed",
+            Self::Discarded => "discarded",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pending" => Some(Self::Pending),
+            "replayed" => Some(Self::Replayed),
+            "discarded" => Some(Self::Discarded),
+            _ => None,
+        }
+    }
+}
+
+/// A message that could not be processed, with its whole error history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The dead letter's own id.
+    pub id: String,
+    /// The original message.
+    pub message: Message,
+    /// The consumer group (handler) that gave up on it.
+    pub group: String,
+    /// A short error category for grouping (`poison`, `malformed`,
+    /// `unknown_type`, `too_many_attempts`, `expired`, ...).
+    pub error_kind: String,
+    /// Every attempt, oldest first.
+    pub attempts: Vec<AttemptError>,
+    /// When it was dead-lettered.
+    pub dead_at: DateTime<Utc>,
+    /// What has become of it.
+    pub status: DeadLetterStatus,
+}
+
+/// Which dead letters to list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadLetterFilter {
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// Only this error kind.
+    pub error_kind: Option<String>,
+    /// Only this status (default: any).
+    pub status: Option<DeadLetterStatus>,
+    /// At most this many (default 100).
+    pub limit: Option<usize>,
+}
+
+/// The dead-letter table.
+#[async_trait]
+pub trait DeadLetterStore: Store {
+    /// Stores a dead letter.
+    async fn dead_letter_put(&self, letter: &DeadLetter) -> Result<(), StoreError>;
+
+    /// Lists dead letters, oldest first.
+    async fn dead_letter_list(
+        &self,
+        filter: &DeadLetterFilter,
+    ) -> Result<Vec<DeadLetter>, StoreError>;
+
+    /// One dead letter.
+    async fn dead_letter_get(&self, id: &str) -> Result<Option<DeadLetter>, StoreError>;
+
+    /// Sets the status of a dead letter inside `tx` (so a replay's outbox
+    /// row and the status change commit together). `false` if it was not
+    /// pending.
+    async fn dead_letter_settle(
+        &self,
+        tx: &mut Self::Tx,
+        id: &str,
+        status: DeadLetterStatus,
+    ) -> Result<bool, StoreError>;
+
+    /// Pending dead letters counted by error kind.
+    async fn dead_letter_counts(&self) -> Result<Vec<(String, u64)>, StoreError>;
+}
+
+/// Where a saga is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SagaStatus {
+    /// Running its steps forward.
+    Running,
+    /// Undoing completed steps in reverse.
+    Compensating,
+    /// All steps done.
+    Completed,
+    /// All completed steps undone.
+    Compensated,
+    /// Past the pivot and failing: retried forward until a human acts.
+    Stuck,
+    /// Cancelled by an operator before the pivot, after compensation.
+    Cancelled,
+}
+
+impl SagaStatus {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Compensating => "compensating",
+            Self::Completed => "completed",
+            Self::Compensated => "compensated",
+            Self::Stuck => "stuck",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "running" => Self::Running,
+            "compensating" => Self::Compensating,
+            "completed" => Self::Completed,
+            "compensated" => Self::Compensated,
+            "stuck" => Self::Stuck,
+            "cancelled" => Self::Cancelled,
+            _ => return None,
+        })
+    }
+
+    /// Whether the saga has finished for good.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Completed | Self::Compensated | Self::Cancelled)
+    }
+}
+
+/// A saga instance as persisted after every step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SagaRecord {
+    /// The saga id (idempotency keys derive from it).
+    pub id: String,
+    /// The saga definition's name.
+    pub kind: String,
+    /// Where it is.
+    pub status: SagaStatus,
+    /// Forward: the next step to run. Compensating: steps below this index
+    /// still need undoing.
+    pub step: u32,
+    /// The saga's data, shared by its steps.
+    pub data: serde_json::Value,
+    /// Failed attempts at the current step.
+    pub attempts: u32,
+    /// The last error, for the operator.
+    pub last_error: Option<String>,
+    /// Not before this time is the saga worked on again (backoff).
+    pub next_attempt_at: DateTime<Utc>,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+    /// Optimistic-concurrency version, bumped on every save.
+    pub version: i64,
+}
+
+/// Which sagas to list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SagaFilter {
+    /// Only this status.
+    pub status: Option<SagaStatus>,
+    /// Only sagas not updated since this time (the "stuck for how long" view).
+    pub updated_before: Option<DateTime<Utc>>,
+    /// At most this many (default 100).
+    pub limit: Option<usize>,
+}
+
+/// The saga table.
+#[async_trait]
+pub trait SagaStore: Store {
+    /// Creates a saga inside the caller's transaction (e.g. an inbox handler).
+    /// A saga with the same id already existing is not an error: `false`.
+    async fn saga_insert(&self, tx: &mut Self::Tx, saga: &SagaRecord) -> Result<bool, StoreError>;
+
+    /// Loads a saga.
+    async fn saga_get(&self, id: &str) -> Result<Option<SagaRecord>, StoreError>;
+
+    /// Saves a saga if its stored version is still `saga.version - 1`
+    /// (the caller bumps it). `false` if someone else saved first.
+    async fn saga_save(&self, saga: &SagaRecord) -> Result<bool, StoreError>;
+
+    /// Sagas that are not terminal and due (`next_attempt_at <= now`),
+    /// oldest first.
+    async fn saga_due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<Vec<SagaRecord>, StoreError>;
+
+    /// Sagas for the operator view, oldest update first.
+    async fn saga_list(&self, filter: &SagaFilter) -> Result<Vec<SagaRecord>, StoreError>;
+
+    /// Counts by status.
+    async fn saga_counts(&self) -> Result<Vec<(SagaStatus, u64)>, StoreError>;
+}
+
+/// Monotonic fencing tokens.
+#[async_trait]
+pub trait FenceStore: Store {
+    /// The next token for `resource`: strictly greater than every token
+    /// handed out before for it, across restarts.
+    async fn fence_next(&self, resource: &str) -> Result<u64, StoreError>;
+}
+
+/// Every messaging capability in one bound.
+pub trait MessagingStore:
+    OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore
+{
+}
+
+impl<S> MessagingStore for S where
+    S: OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore
+{
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole test suite, as the README's quick start and CI run it.
+#
+# It installs and starts everything the tests need on loopback, then runs:
+# formatting, clippy with warnings as errors, every test of every crate with
+# every feature, and the doc tests. Set KEEL_TEST_QUICK=1 to skip fmt/clippy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n==> %s\n' "$*"; }
+
+if ! command -v cargo-nextest >/dev/null 2>&1; then
+  log "installing cargo-nextest"
+  cargo install --locked cargo-nextest
+fi
+
+if [ "${KEEL_TEST_QUICK:-0}" != 1 ]; then
+  log "cargo fmt --check"
+  cargo fmt --all -- --check
+  log "cargo clippy --all-targets --all-features -D warnings"
+  cargo clippy --workspace --all-targets --all-features -- -D warnings
+fi
+
+log "cargo nextest run (unit, integration and behaviour tests)"
+cargo nextest run --workspace --all-features --no-fail-fast
+
+log "doc tests"
+cargo test --workspace --all-features --doc
