@@ -28,3 +28,17 @@ pub mod store;
 pub use broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 pub use envelope::{Envelope, Event, EventMeta};
 pub use store::{MessagingStore, Store, StoreError};
+
+pub mod consumer;
+pub mod dead_letter;
+pub mod dedup;
+pub mod outbox;
+
+#[cfg(feature = "claim-check")]
+pub mod claim_check;
+#[cfg(feature = "fence")]
+pub mod fence;
+#[cfg(feature = "reply")]
+pub mod reply;
+#[cfg(feature = "saga")]
+pub mod saga;

@@ -285,6 +285,26 @@ pub trait DeadLetterStore: Store {
 
     /// Pending dead letters counted by error kind.
     async fn dead_letter_counts(&self) -> Result<Vec<(String, u64)>, StoreError>;
+
+    /// Remembers a failed attempt at `message_id` by `group`, so the whole
+    /// history travels with the message if it is dead-lettered later (the
+    /// broker only counts deliveries; it does not keep errors).
+    async fn failure_record(
+        &self,
+        group: &str,
+        message_id: &str,
+        failure: &AttemptError,
+    ) -> Result<(), StoreError>;
+
+    /// The failed attempts recorded for `message_id` by `group`, oldest first.
+    async fn failure_history(
+        &self,
+        group: &str,
+        message_id: &str,
+    ) -> Result<Vec<AttemptError>, StoreError>;
+
+    /// Forgets the failure history (after success or dead-lettering).
+    async fn failure_clear(&self, group: &str, message_id: &str) -> Result<(), StoreError>;
 }
 
 /// Where a saga is in its life.

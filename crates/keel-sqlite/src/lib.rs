@@ -1,0 +1,12 @@
+//! Keel on SQLite: durable messaging with no server to run.
+//!
+//! - [`store`]: the messaging [`Store`](keel_messaging::Store) (outbox, inbox,
+//!   dead letters, sagas, fencing tokens) on SQLite in WAL mode, with embedded
+//!   migrations.
+//! - [`broker`]: an embedded durable [`Broker`](keel_messaging::Broker) on
+//!   SQLite: topics, consumer groups, per-key order, leases, redelivery.
+
+#[cfg(feature = "broker")]
+pub mod broker;
+#[cfg(feature = "store")]
+pub mod store;

@@ -1,0 +1,1 @@
+//! Broker conformance suite (in progress).
