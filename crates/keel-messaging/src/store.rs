@@ -134,6 +134,7 @@ pub struct OutboxStats {
 #[async_trait]
 pub trait OutboxStore: Store {
     /// Adds events inside the caller's business transaction.
+    /// [`StoreError::Conflict`] if an event id is already in the outbox.
     async fn outbox_append(
         &self,
         tx: &mut Self::Tx,
@@ -144,7 +145,9 @@ pub trait OutboxStore: Store {
     /// other relays skip them until the lease ends. A row whose partition key
     /// has an earlier unpublished row claimed by another relay is not
     /// returned, so per-key order survives several relays. Never skips a
-    /// row because a higher id committed first.
+    /// row because a higher id committed first. Rows already leased by
+    /// `relay` itself are returned again (lease renewed), so a restarted
+    /// relay with the same name resumes at once.
     async fn outbox_claim(
         &self,
         relay: &str,
@@ -262,6 +265,7 @@ pub struct DeadLetterFilter {
 #[async_trait]
 pub trait DeadLetterStore: Store {
     /// Stores a dead letter.
+    /// [`StoreError::Conflict`] if a letter with this id exists.
     async fn dead_letter_put(&self, letter: &DeadLetter) -> Result<(), StoreError>;
 
     /// Lists dead letters, oldest first.
@@ -408,6 +412,7 @@ pub trait SagaStore: Store {
 
     /// Saves a saga if its stored version is still `saga.version - 1`
     /// (the caller bumps it). `false` if someone else saved first.
+    /// [`StoreError::NotFound`] if there is no such saga.
     async fn saga_save(&self, saga: &SagaRecord) -> Result<bool, StoreError>;
 
     /// Sagas that are not terminal and due (`next_attempt_at <= now`),
@@ -442,4 +447,223 @@ pub trait MessagingStore:
 impl<S> MessagingStore for S where
     S: OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore
 {
+}
+
+/// A response stored under an idempotency key, replayed for retries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredResponse {
+    /// The HTTP status.
+    pub status: u16,
+    /// Headers worth replaying (content type, location, ...).
+    pub headers: Vec<(String, String)>,
+    /// The body bytes.
+    pub body: Bytes,
+}
+
+/// What an idempotency key already stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdempotencyBegin {
+    /// The key is new and now recorded as in flight: process the request.
+    Started,
+    /// A request with this key is being processed right now.
+    InFlight,
+    /// The key finished before with this response: replay it.
+    Completed(StoredResponse),
+    /// The key was used before for a different request (fingerprint).
+    Mismatch,
+}
+
+/// Idempotency keys with their stored responses.
+#[async_trait]
+pub trait IdempotencyStore: Store {
+    /// Records `key` (scoped to `principal`) as in flight for a request with
+    /// `fingerprint`, atomically, unless it exists; says what it stands for.
+    /// Recording *before* processing is what makes concurrent duplicates
+    /// execute once.
+    async fn idempotency_begin(
+        &self,
+        principal: &str,
+        key: &str,
+        fingerprint: &str,
+        expires_at: DateTime<Utc>,
+    ) -> Result<IdempotencyBegin, StoreError>;
+
+    /// Like [`idempotency_begin`](Self::idempotency_begin), but the in-flight
+    /// record is only *locked* until `locked_until`: once that has passed,
+    /// the process that recorded it is presumed dead (it neither completed
+    /// nor released the key), and a request with the same `fingerprint`
+    /// takes the key over ([`IdempotencyBegin::Started`]) instead of being
+    /// refused as in flight until `expires_at`. A different fingerprint is
+    /// still [`IdempotencyBegin::Mismatch`]. A key expires at `expires_at`
+    /// inclusive, after which any request starts it afresh.
+    ///
+    /// The default implementation ignores `locked_until` (an in-flight key
+    /// is then held until it expires); backends should override it.
+    async fn idempotency_begin_locked(
+        &self,
+        principal: &str,
+        key: &str,
+        fingerprint: &str,
+        locked_until: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        let _ = locked_until;
+        self.idempotency_begin(principal, key, fingerprint, expires_at)
+            .await
+    }
+
+    /// Stores the response for an in-flight key, making it completed.
+    /// [`StoreError::NotFound`] if the key is not in flight (it was
+    /// released, pruned, or never begun).
+    async fn idempotency_complete(
+        &self,
+        principal: &str,
+        key: &str,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError>;
+
+    /// Forgets an in-flight key whose request failed in a way the client may
+    /// retry (so the retry is processed, not refused as in flight). A
+    /// completed key, or no key at all, is left alone (not an error).
+    async fn idempotency_release(&self, principal: &str, key: &str) -> Result<(), StoreError>;
+
+    /// Deletes up to `batch` keys that expired at or before `now`, in flight
+    /// or completed; returns how many.
+    async fn idempotency_prune(&self, now: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
+}
+
+/// The state of an asynchronous job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    /// Accepted, waiting for a worker.
+    Queued,
+    /// A worker is on it.
+    Running,
+    /// Done; the result is at `result_location`.
+    Succeeded,
+    /// Failed; see `error`.
+    Failed,
+    /// Cancelled by the client.
+    Cancelled,
+}
+
+impl JobStatus {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "queued" => Self::Queued,
+            "running" => Self::Running,
+            "succeeded" => Self::Succeeded,
+            "failed" => Self::Failed,
+            "cancelled" => Self::Cancelled,
+            _ => return None,
+        })
+    }
+
+    /// Whether the job has finished for good (succeeded, failed or
+    /// cancelled): no update moves it again.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+}
+
+/// An asynchronous job (202 Accepted, then poll).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobRecord {
+    /// The job id.
+    pub id: String,
+    /// What kind of job (`report`).
+    pub kind: String,
+    /// The idempotency key it was created with (unique per kind).
+    pub idempotency_key: String,
+    /// The job's parameters.
+    pub params: serde_json::Value,
+    /// Where it is.
+    pub status: JobStatus,
+    /// 0 to 100.
+    pub progress: u8,
+    /// Where the result lives once succeeded (for the 303).
+    pub result_location: Option<String>,
+    /// What went wrong, once failed.
+    pub error: Option<String>,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+    /// After this the job is gone (410).
+    pub expires_at: DateTime<Utc>,
+}
+
+/// Asynchronous jobs.
+#[async_trait]
+pub trait JobStore: Store {
+    /// Creates a job inside the caller's transaction (with its outbox event).
+    /// If a job with the same kind and idempotency key exists, returns it
+    /// instead and creates nothing.
+    async fn job_create(&self, tx: &mut Self::Tx, job: &JobRecord) -> Result<JobRecord, StoreError>;
+
+    /// One job.
+    async fn job_get(&self, id: &str) -> Result<Option<JobRecord>, StoreError>;
+
+    /// Updates status, progress, result and error (and `updated_at`).
+    /// Refuses (false) to move a job out of a final state (succeeded,
+    /// failed, cancelled): the check and the write are one atomic step, so a
+    /// client's cancel and a worker's success cannot both win.
+    /// [`StoreError::NotFound`] if there is no such job.
+    async fn job_update(&self, job: &JobRecord) -> Result<bool, StoreError>;
+
+    /// Deletes up to `batch` jobs whose `expires_at` is before `before`;
+    /// returns how many. Keep expired jobs for a while before pruning them
+    /// (pass a time well before now): until then they answer `410 Gone`,
+    /// afterwards only `404`.
+    async fn job_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
+}
+
+/// One event in a user's resumable event log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoggedEvent {
+    /// Position in the stream; strictly increasing per stream.
+    pub seq: i64,
+    /// The event type.
+    pub event_type: String,
+    /// The payload.
+    pub data: serde_json::Value,
+    /// When it was appended.
+    pub at: DateTime<Utc>,
+}
+
+/// Per-stream (per-user) event logs behind long polling, SSE and WebSocket.
+#[async_trait]
+pub trait EventLogStore: Store {
+    /// Appends to `stream` inside the caller's transaction; returns its seq.
+    async fn event_log_append(
+        &self,
+        tx: &mut Self::Tx,
+        stream: &str,
+        event_type: &str,
+        data: &serde_json::Value,
+    ) -> Result<i64, StoreError>;
+
+    /// Events of `stream` with seq greater than `after`, oldest first.
+    async fn event_log_read_after(
+        &self,
+        stream: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<LoggedEvent>, StoreError>;
+
+    /// Deletes up to `batch` events appended before `before` (retention).
+    async fn event_log_trim(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
 }

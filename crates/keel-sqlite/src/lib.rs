@@ -10,3 +10,13 @@
 pub mod broker;
 #[cfg(feature = "store")]
 pub mod store;
+#[cfg(feature = "store")]
+pub use store::{SqliteStore, SqliteStoreOptions};
+#[cfg(feature = "event-log")]
+mod event_log;
+#[cfg(feature = "idempotency")]
+mod idempotency;
+#[cfg(feature = "jobs")]
+mod jobs;
+#[cfg(feature = "webhooks")]
+mod webhooks;

@@ -1,0 +1,81 @@
+//! How SQLite's failures become [`StoreError`]s.
+//!
+//! Callers retry on [`StoreError::Unavailable`] only, so the mapping decides
+//! what is transient: SQLite's `BUSY` and `LOCKED` (another writer held the
+//! lock for longer than the busy timeout), a pool that had no connection in
+//! time, and I/O errors. A unique violation is a [`StoreError::Conflict`].
+//! A failed `COMMIT` whose cause is not a lock is
+//! [`StoreError::OutcomeUnknown`]: the caller must read back, not guess.
+
+use keel_messaging::StoreError;
+use sqlx::error::ErrorKind;
+
+/// SQLite's primary result codes for "another connection holds the lock".
+const SQLITE_BUSY: i32 = 5;
+const SQLITE_LOCKED: i32 = 6;
+
+/// A stored row that this version of Keel cannot read (a schema mismatch or
+/// a row written by something else).
+#[derive(Debug, thiserror::Error)]
+#[error("unreadable {what} in the SQLite store: {detail}")]
+pub(crate) struct CorruptRow {
+    what: &'static str,
+    detail: String,
+}
+
+/// A [`StoreError::Other`] for a row that does not decode.
+pub(crate) fn corrupt(what: &'static str, detail: impl ToString) -> StoreError {
+    StoreError::other(CorruptRow {
+        what,
+        detail: detail.to_string(),
+    })
+}
+
+/// Maps an error of an ordinary statement.
+pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
+    if is_busy(&err) {
+        metrics::counter!("keel_sqlite_busy_total").increment(1);
+        tracing::debug!(error = %err, "sqlite store busy");
+        return StoreError::Unavailable(err.into());
+    }
+    match err {
+        sqlx::Error::Database(db) if db.kind() == ErrorKind::UniqueViolation => {
+            StoreError::Conflict(db.message().to_owned())
+        }
+        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => {
+            StoreError::Unavailable(err.into())
+        }
+        other => StoreError::other(other),
+    }
+}
+
+/// Maps an error of `COMMIT`. A lock error means SQLite did not commit (the
+/// transaction is rolled back when it is dropped); anything else may have
+/// happened after the commit record was written.
+pub(crate) fn commit_error(err: sqlx::Error) -> StoreError {
+    if is_busy(&err) {
+        return db_error(err);
+    }
+    tracing::warn!(error = %err, "sqlite commit failed; outcome unknown");
+    StoreError::OutcomeUnknown(err.into())
+}
+
+/// Whether `err` is SQLite's `BUSY` or `LOCKED` (any extended code).
+pub(crate) fn is_busy(err: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = err else {
+        return false;
+    };
+    db.code()
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, SQLITE_BUSY | SQLITE_LOCKED))
+}
+
+/// A count or id from SQLite's `i64` into `u64` (negative → corrupt).
+pub(crate) fn to_u64(what: &'static str, value: i64) -> Result<u64, StoreError> {
+    u64::try_from(value).map_err(|_| corrupt(what, format!("negative value {value}")))
+}
+
+/// A `usize` limit as a SQL integer (saturating).
+pub(crate) fn sql_limit(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
