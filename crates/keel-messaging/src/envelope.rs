@@ -57,6 +57,9 @@ pub const SPEC_VERSION: &str = "1.0";
 /// an object store, with a claim check on the message.
 pub const DEFAULT_MAX_SIZE: usize = 256 * 1024;
 
+/// Binary-mode message parts: the headers and the body.
+pub type BinaryParts = (Vec<(String, String)>, Vec<u8>);
+
 /// The content type of structured-mode CloudEvents.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
 
@@ -303,7 +306,7 @@ impl Envelope {
 
     /// Binary mode: the attributes as message headers (`ce-id`, `ce-type`,
     /// ..., `content-type`, `traceparent`), with `data` as the body.
-    pub fn to_binary(&self) -> Result<(Vec<(String, String)>, Vec<u8>), EnvelopeError> {
+    pub fn to_binary(&self) -> Result<BinaryParts, EnvelopeError> {
         let mut headers = vec![
             ("ce-specversion".to_owned(), self.specversion.clone()),
             ("ce-id".to_owned(), self.id.clone()),

@@ -26,6 +26,10 @@ pub mod envelope;
 pub mod store;
 
 pub use broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
+pub use consumer::{Consumer, Group, HandlerError};
+pub use dead_letter::DeadLetters;
+pub use dedup::DedupWindow;
+pub use outbox::{Outbox, OutboxRelay};
 pub use envelope::{Envelope, Event, EventMeta};
 pub use store::{MessagingStore, Store, StoreError};
 

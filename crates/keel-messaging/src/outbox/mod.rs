@@ -1,0 +1,238 @@
+//! The transactional outbox: write the event in the business transaction,
+//! publish it afterwards.
+//!
+//! Writing a row and publishing a message are two systems; no code can make
+//! both happen or neither ("dual write"). The outbox makes it one system: the
+//! event is a row in the *same* database transaction as the business change,
+//! so it exists if and only if the change committed. The
+//! [`OutboxRelay`] then reads unpublished rows and publishes them to the
+//! broker, at least once.
+//!
+//! Seed 000's "five things people miss", and where each lives in Keel:
+//!
+//! 1. **`event_id` on the row AND on the message.** [`Outbox::append`] writes
+//!    the envelope id as the row's event id, the message id, and the
+//!    `event-id` header, so consumers can dedupe the relay's republishes.
+//! 2. **`partition_key` on the row.** The envelope's subject (the entity id)
+//!    becomes the partition key, keeping per-entity order on the broker.
+//! 3. **`FOR UPDATE SKIP LOCKED` (or a single leader).** The relay *claims*
+//!    rows with a lease ([`OutboxStore::outbox_claim`]), so several relays
+//!    never publish the same row at the same time.
+//! 4. **A partial index on unpublished rows**, in each backend's migration,
+//!    so the relay's query stays fast as published rows pile up.
+//! 5. **A prune job.** The relay deletes published rows older than a
+//!    retention (default 7 days), in bounded batches.
+//!
+//! ```
+//! use keel_messaging::envelope::{Envelope, Event, EventMeta};
+//! use keel_messaging::outbox::{Outbox, OutboxError};
+//! use keel_messaging::store::OutboxStore;
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct OrderPlaced { order_id: String, total_minor: i64 }
+//!
+//! impl Event for OrderPlaced {
+//!     const TYPE: &'static str = "shop.order.placed.v1";
+//!     fn subject(&self) -> String { self.order_id.clone() }
+//! }
+//!
+//! async fn place_order<S: OutboxStore>(outbox: &Outbox<S>) -> Result<(), OutboxError> {
+//!     let mut tx = outbox.store().begin().await?;
+//!     // ... insert the order with your own SQL in `tx` ...
+//!     let placed = OrderPlaced { order_id: "A-4471".into(), total_minor: 8210 };
+//!     let env = Envelope::from_event("/services/orders", &placed, EventMeta::new(1))?;
+//!     outbox.append(&mut tx, "orders", &env).await?;
+//!     // Commits, then wakes the relay so the event leaves at once.
+//!     outbox.commit(tx).await?;
+//!     Ok(())
+//! }
+//! ```
+
+pub mod relay;
+
+pub use relay::{
+    DEFAULT_BATCH_SIZE, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, DEFAULT_PRUNE_BATCH,
+    DEFAULT_PRUNE_INTERVAL, DEFAULT_RETENTION, DEFAULT_STATS_INTERVAL, OutboxRelay, RelayBuilder,
+    RelayError, RelayOptions,
+};
+
+use std::sync::Arc;
+
+use keel_core::{Classify, ErrorClass};
+use tokio::sync::Notify;
+
+use crate::broker::{Headers, header};
+use crate::envelope::{DEFAULT_MAX_SIZE, Envelope, EnvelopeError, Event, EventMeta};
+use crate::store::{OutboxRecord, OutboxStore, StoreError};
+
+/// The `content-type` header Keel puts on structured-mode events.
+pub const CONTENT_TYPE_HEADER: &str = "content-type";
+
+/// Appends events to the outbox inside the caller's transaction, and wakes
+/// the relay after commit. Cheap to clone; clones share the wake-up.
+///
+/// Forgetting to wake the relay ([`commit`](Self::commit) or
+/// [`notify`](Self::notify)) costs latency, never events: the relay also
+/// polls (every 200 ms by default).
+#[derive(Debug, Clone)]
+pub struct Outbox<S> {
+    store: S,
+    max_size: usize,
+    wake: Arc<Notify>,
+}
+
+impl<S: OutboxStore> Outbox<S> {
+    /// An outbox on `store`, refusing envelopes over
+    /// [`DEFAULT_MAX_SIZE`] (256 KiB).
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            max_size: DEFAULT_MAX_SIZE,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Sets the largest encoded envelope accepted, in bytes. Larger events
+    /// are refused with [`EnvelopeError::TooLarge`], which points to the
+    /// claim check.
+    pub fn with_max_size(mut self, bytes: usize) -> Self {
+        self.max_size = bytes;
+        self
+    }
+
+    /// The store the outbox writes to.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The largest encoded envelope accepted, in bytes.
+    pub fn max_size(&self) -> usize {
+        self.max_size
+    }
+
+    /// Adds `envelope` to `topic`, inside `tx`. The event is published only
+    /// if `tx` commits.
+    pub async fn append(
+        &self,
+        tx: &mut S::Tx,
+        topic: &str,
+        envelope: &Envelope,
+    ) -> Result<(), OutboxError> {
+        let record = self.record(topic, envelope)?;
+        self.store
+            .outbox_append(tx, std::slice::from_ref(&record))
+            .await?;
+        Ok(())
+    }
+
+    /// Adds several envelopes to `topic`, in order, inside `tx`.
+    pub async fn append_all<'a, I>(
+        &self,
+        tx: &mut S::Tx,
+        topic: &str,
+        envelopes: I,
+    ) -> Result<(), OutboxError>
+    where
+        I: IntoIterator<Item = &'a Envelope>,
+    {
+        let records = envelopes
+            .into_iter()
+            .map(|env| self.record(topic, env))
+            .collect::<Result<Vec<_>, _>>()?;
+        if records.is_empty() {
+            return Ok(());
+        }
+        self.store.outbox_append(tx, &records).await?;
+        Ok(())
+    }
+
+    /// Wraps a typed event in an envelope from `source` and adds it to
+    /// `topic` inside `tx`; returns the envelope (its id is the event id).
+    pub async fn append_event<E: Event>(
+        &self,
+        tx: &mut S::Tx,
+        topic: &str,
+        source: &str,
+        event: &E,
+        meta: EventMeta,
+    ) -> Result<Envelope, OutboxError> {
+        let envelope = Envelope::from_event(source, event, meta)?;
+        self.append(tx, topic, &envelope).await?;
+        Ok(envelope)
+    }
+
+    /// Commits `tx` and wakes the relay: the way to finish a business
+    /// transaction that appended events.
+    pub async fn commit(&self, tx: S::Tx) -> Result<(), StoreError> {
+        self.store.commit(tx).await?;
+        self.notify();
+        Ok(())
+    }
+
+    /// Wakes the relay now (after a commit made elsewhere). A wake-up with
+    /// no relay waiting is kept for the next wait, so none is lost.
+    pub fn notify(&self) {
+        self.wake.notify_one();
+    }
+
+    /// The outbox row for `envelope` on `topic`: the envelope id as event
+    /// id, the subject as partition key, and the `event-id`, `traceparent`,
+    /// `ce-type` and `content-type` headers. Refuses an invalid envelope and
+    /// one over the size limit.
+    pub fn record(&self, topic: &str, envelope: &Envelope) -> Result<OutboxRecord, OutboxError> {
+        envelope.validate()?;
+        let payload = envelope.to_json_limited(self.max_size)?;
+        Ok(OutboxRecord {
+            event_id: envelope.id.clone(),
+            topic: topic.to_owned(),
+            partition_key: envelope.partition_key().to_owned(),
+            headers: headers_for(envelope),
+            payload: payload.into(),
+        })
+    }
+
+    pub(crate) fn waker(&self) -> Arc<Notify> {
+        Arc::clone(&self.wake)
+    }
+}
+
+fn headers_for(envelope: &Envelope) -> Headers {
+    let mut headers = Headers::new();
+    headers.insert(header::EVENT_ID.to_owned(), envelope.id.clone());
+    headers.insert(header::EVENT_TYPE.to_owned(), envelope.ty.clone());
+    headers.insert(
+        CONTENT_TYPE_HEADER.to_owned(),
+        crate::envelope::STRUCTURED_CONTENT_TYPE.to_owned(),
+    );
+    if let Some(tp) = &envelope.traceparent {
+        headers.insert(header::TRACEPARENT.to_owned(), tp.clone());
+    }
+    headers
+}
+
+/// An event could not be put in the outbox.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutboxError {
+    /// The envelope is invalid or too large; fix the event (or send a claim
+    /// check for a large payload). The transaction is still usable.
+    #[error("event refused by the outbox: {0}")]
+    Envelope(#[from] EnvelopeError),
+    /// The store failed; the business transaction should be rolled back and
+    /// retried if the error is transient.
+    #[error("outbox write failed: {0}")]
+    Store(#[from] StoreError),
+}
+
+impl Classify for OutboxError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            Self::Envelope(_) => ErrorClass::Permanent,
+            Self::Store(e) => e.class(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,588 @@
+//! The outbox and its relay on the real embedded backends, crashes included.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_messaging::broker::{
+    Broker, BrokerError, Message, SubscribeOptions, Subscription, header,
+};
+use keel_messaging::consumer::{Consumer, Group};
+use keel_messaging::envelope::{Envelope, Event, EventMeta};
+use keel_messaging::outbox::{Outbox, OutboxRelay, RelayError};
+use keel_messaging::store::{OutboxStore, Store};
+use keel_sqlite::broker::SqliteBroker;
+use keel_sqlite::store::SqliteStore;
+use serde::{Deserialize, Serialize};
+use sqlx::Row;
+use tempfile::TempDir;
+
+type Tx = <SqliteStore as Store>::Tx;
+
+const TOPIC: &str = "orders";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    total_minor: i64,
+}
+
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "shop.order.placed.v1";
+    fn subject(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+/// What the broker saw: publish calls per event id, and whether a publish
+/// should "crash" (never return) after reaching the broker.
+#[derive(Default)]
+struct Tap {
+    calls: RwLock<HashMap<String, u32>>,
+    hang_after_publish: AtomicU32,
+    fail_publishes: AtomicU32,
+    published: tokio::sync::Notify,
+}
+
+/// The real broker behind a tap. With `fresh_ids`, every publish call gets
+/// its own message ids, like a broker without publisher dedupe (or one whose
+/// dedupe window has passed), so consumers see every republish.
+struct TappedBroker {
+    inner: Arc<SqliteBroker>,
+    tap: Arc<Tap>,
+    fresh_ids: bool,
+}
+
+#[async_trait]
+impl Broker for TappedBroker {
+    async fn publish(&self, messages: &[Message]) -> Result<(), BrokerError> {
+        if take_one(&self.tap.fail_publishes) {
+            return Err(BrokerError::Unavailable("broker restarting".into()));
+        }
+        let mut sent = Vec::with_capacity(messages.len());
+        for m in messages {
+            let event_id = m.header(header::EVENT_ID).unwrap_or(&m.id).to_owned();
+            let n = {
+                let mut calls = self.tap.calls.write().unwrap();
+                let n = calls.entry(event_id).or_default();
+                *n += 1;
+                *n
+            };
+            let mut m = m.clone();
+            if self.fresh_ids {
+                m.id = format!("{}#{n}", m.id);
+            }
+            sent.push(m);
+        }
+        self.inner.publish(&sent).await?;
+        self.tap.published.notify_one();
+        if take_one(&self.tap.hang_after_publish) {
+            // The process dies here: after the broker has the messages,
+            // before the relay marks them published.
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+
+    async fn subscribe(
+        &self,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>, BrokerError> {
+        self.inner.subscribe(options).await
+    }
+}
+
+fn take_one(counter: &AtomicU32) -> bool {
+    counter
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+struct Fixture {
+    _dir: TempDir,
+    store: SqliteStore,
+    broker: Arc<SqliteBroker>,
+    outbox: Outbox<SqliteStore>,
+}
+
+async fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("app.db")).await.unwrap();
+    for ddl in [
+        "CREATE TABLE orders (id TEXT PRIMARY KEY, total_minor INTEGER NOT NULL)",
+        "CREATE TABLE charges (seq INTEGER PRIMARY KEY AUTOINCREMENT, order_id TEXT NOT NULL,
+                               total_minor INTEGER NOT NULL)",
+    ] {
+        sqlx::query(ddl).execute(store.pool()).await.unwrap();
+    }
+    let broker = Arc::new(
+        SqliteBroker::open(dir.path().join("broker.db"))
+            .await
+            .unwrap(),
+    );
+    let outbox = Outbox::new(store.clone());
+    Fixture {
+        _dir: dir,
+        store,
+        broker,
+        outbox,
+    }
+}
+
+impl Fixture {
+    fn tapped(&self, fresh_ids: bool) -> (Arc<TappedBroker>, Arc<Tap>) {
+        let tap = Arc::new(Tap::default());
+        let broker = Arc::new(TappedBroker {
+            inner: Arc::clone(&self.broker),
+            tap: Arc::clone(&tap),
+            fresh_ids,
+        });
+        (broker, tap)
+    }
+
+    /// The business transaction: the order row and its event, together.
+    async fn place_order(&self, id: &str, total: i64) -> Envelope {
+        let mut tx = self.store.begin().await.unwrap();
+        let env = self.order_in(&mut tx, id, total).await;
+        self.outbox.commit(tx).await.unwrap();
+        env
+    }
+
+    async fn order_in(&self, tx: &mut Tx, id: &str, total: i64) -> Envelope {
+        sqlx::query("INSERT INTO orders (id, total_minor) VALUES (?, ?)")
+            .bind(id)
+            .bind(total)
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+        let placed = OrderPlaced {
+            order_id: id.into(),
+            total_minor: total,
+        };
+        self.outbox
+            .append_event(tx, TOPIC, "/services/orders", &placed, EventMeta::new(1))
+            .await
+            .unwrap()
+    }
+
+    async fn unpublished(&self) -> u64 {
+        self.store.outbox_stats().await.unwrap().unpublished
+    }
+
+    async fn charges(&self) -> Vec<(String, i64)> {
+        sqlx::query("SELECT order_id, total_minor FROM charges ORDER BY seq")
+            .fetch_all(self.store.read_pool())
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect()
+    }
+}
+
+/// Every message `group` can receive on the topic now, acked, in order.
+async fn drain_topic(broker: &SqliteBroker, group: &str) -> Vec<Message> {
+    let mut sub = broker
+        .subscribe(SubscribeOptions::new(TOPIC, group))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    loop {
+        let batch = sub.receive(100, Duration::from_millis(200)).await.unwrap();
+        if batch.is_empty() {
+            return out;
+        }
+        for d in batch {
+            d.ack().await.unwrap();
+            out.push(d.message);
+        }
+    }
+}
+
+async fn eventually<F, Fut>(what: &str, secs: u64, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn charge_group() -> Group<Tx> {
+    Group::new(TOPIC, "billing").on_event(|tx: &mut Tx, ev: OrderPlaced, _env| {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO charges (order_id, total_minor) VALUES (?, ?)")
+                .bind(ev.order_id)
+                .bind(ev.total_minor)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        })
+    })
+}
+
+/// Seed 000's test, with a real crash: the relay dies after the broker
+/// accepted the batch and before it marked the rows published. The restarted
+/// relay republishes (at-least-once) and the consumer still applies once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_republishes_after_a_relay_crash_and_the_consumer_applies_once() {
+    let f = fixture().await;
+    let order = f.place_order("A-4471", 8210).await;
+    let (broker, tap) = f.tapped(true);
+    let lease = Duration::from_millis(500);
+
+    tap.hang_after_publish.store(1, Ordering::SeqCst);
+    let crashing = OutboxRelay::builder(&f.outbox, Arc::clone(&broker))
+        .name("relay-1")
+        .lease(lease)
+        .build()
+        .unwrap();
+    let task = tokio::spawn(async move { crashing.run_once().await });
+    tap.published.notified().await;
+    task.abort(); // kill -9, between publish and mark
+    assert!(task.await.unwrap_err().is_cancelled());
+    assert_eq!(f.unpublished().await, 1, "published but never marked");
+
+    let restarted = OutboxRelay::builder(&f.outbox, Arc::clone(&broker))
+        .name("relay-2")
+        .lease(lease)
+        .build()
+        .unwrap();
+    assert_eq!(
+        restarted.run_once().await.unwrap(),
+        0,
+        "the dead relay's lease holds"
+    );
+    tokio::time::sleep(lease).await;
+    assert_eq!(
+        restarted.run_once().await.unwrap(),
+        1,
+        "republished after the lease"
+    );
+    assert_eq!(f.unpublished().await, 0);
+    assert_eq!(tap.calls.read().unwrap()[&order.id], 2, "at-least-once");
+
+    let consumer = Consumer::builder(f.store.clone(), Arc::clone(&f.broker))
+        .receive_wait(Duration::from_millis(100))
+        .group(charge_group())
+        .build()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    // Both copies reach the consumer (fresh ids defeat the broker's dedupe):
+    // the second must be a no-op.
+    eventually("the charge applied", 20, || async {
+        !f.charges().await.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _ = stop.send(());
+    running.await.unwrap();
+    assert!(
+        drain_topic(&f.broker, "billing").await.is_empty(),
+        "the consumer took both copies"
+    );
+    assert_eq!(
+        f.charges().await,
+        [("A-4471".to_owned(), 8210)],
+        "applied once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_business_transaction_is_never_published() {
+    let f = fixture().await;
+    let mut tx = f.store.begin().await.unwrap();
+    f.order_in(&mut tx, "ROLLED-BACK", 1).await;
+    f.store.rollback(tx).await.unwrap();
+    let mut tx = f.store.begin().await.unwrap();
+    f.order_in(&mut tx, "DROPPED", 2).await;
+    drop(tx); // an error path that never commits
+    let kept = f.place_order("KEPT", 3).await;
+
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
+        .build()
+        .unwrap();
+    while relay.run_once().await.unwrap() > 0 {}
+    let published = drain_topic(&f.broker, "audit").await;
+    let ids: Vec<_> = published.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(ids, [kept.id.as_str()], "only the committed event left");
+    let orders: i64 = sqlx::query("SELECT COUNT(*) FROM orders")
+        .fetch_one(f.store.read_pool())
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(orders, 1, "the business rows rolled back with their events");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_message_carries_event_id_key_type_and_trace() {
+    let f = fixture().await;
+    let root = keel_core::TraceParent::new_root();
+    let env = root.scope(f.place_order("A-1", 10)).await;
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
+        .build()
+        .unwrap();
+    relay.run_once().await.unwrap();
+    let msg = drain_topic(&f.broker, "inspect").await.remove(0);
+    assert_eq!(msg.id, env.id);
+    assert_eq!(msg.key, "A-1");
+    assert_eq!(msg.header(header::EVENT_ID), Some(env.id.as_str()));
+    assert_eq!(msg.header(header::EVENT_TYPE), Some(OrderPlaced::TYPE));
+    let tp: keel_core::TraceParent = msg.header(header::TRACEPARENT).unwrap().parse().unwrap();
+    assert_eq!(
+        tp.trace_id(),
+        root.trace_id(),
+        "the trace crosses the broker"
+    );
+    assert_eq!(Envelope::from_json(&msg.payload).unwrap(), env);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_behind_a_dead_relays_claim_are_not_skipped_and_keep_key_order() {
+    let f = fixture().await;
+    let a1 = f.place_order("A", 1).await;
+    let b1 = f.place_order("B", 1).await;
+    let mut tx = f.store.begin().await.unwrap();
+    let placed = OrderPlaced {
+        order_id: "A".into(),
+        total_minor: 2,
+    };
+    let a2 = f
+        .outbox
+        .append_event(
+            &mut tx,
+            TOPIC,
+            "/services/orders",
+            &placed,
+            EventMeta::new(2),
+        )
+        .await
+        .unwrap();
+    f.outbox.commit(tx).await.unwrap();
+
+    let lease = Duration::from_millis(500);
+    let held = f.store.outbox_claim("dead-relay", 1, lease).await.unwrap();
+    assert_eq!(held[0].record.event_id, a1.id);
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
+        .lease(lease)
+        .build()
+        .unwrap();
+    assert_eq!(
+        relay.run_once().await.unwrap(),
+        1,
+        "B goes ahead; A's second waits for its first"
+    );
+    tokio::time::sleep(lease).await;
+    while relay.run_once().await.unwrap() > 0 {}
+    let order: Vec<_> = drain_topic(&f.broker, "audit")
+        .await
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(order, [b1.id, a1.id, a2.id]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_failure_releases_the_claim_for_the_next_round() {
+    let f = fixture().await;
+    let env = f.place_order("A", 1).await;
+    let (broker, tap) = f.tapped(false);
+    tap.fail_publishes.store(1, Ordering::SeqCst);
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&broker))
+        .name("relay-1")
+        .build()
+        .unwrap();
+    assert!(matches!(relay.run_once().await, Err(RelayError::Broker(_))));
+    let other = OutboxRelay::builder(&f.outbox, broker)
+        .name("relay-2")
+        .build()
+        .unwrap();
+    assert_eq!(
+        other.run_once().await.unwrap(),
+        1,
+        "no need to wait out the lease"
+    );
+    assert_eq!(drain_topic(&f.broker, "audit").await[0].id, env.id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_publish_every_row_once_in_per_key_order() {
+    let f = fixture().await;
+    let (broker, tap) = f.tapped(false);
+    let mut relays = Vec::new();
+    let (stop, _) = tokio::sync::watch::channel(false);
+    for name in ["relay-a", "relay-b"] {
+        let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&broker))
+            .name(name)
+            .batch_size(NonZeroUsize::new(7).unwrap())
+            .poll_interval(Duration::from_millis(20))
+            .build()
+            .unwrap();
+        let mut stopped = stop.subscribe();
+        relays.push(tokio::spawn(async move {
+            relay
+                .run(async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await;
+        }));
+    }
+    let keys = ["K1", "K2", "K3"];
+    for round in 0..20 {
+        let mut tx = f.store.begin().await.unwrap();
+        for key in keys {
+            let placed = OrderPlaced {
+                order_id: key.into(),
+                total_minor: round,
+            };
+            f.outbox
+                .append_event(&mut tx, TOPIC, "/s", &placed, EventMeta::new(round as u64))
+                .await
+                .unwrap();
+        }
+        f.outbox.commit(tx).await.unwrap();
+    }
+    eventually("everything published", 20, || async {
+        f.unpublished().await == 0
+    })
+    .await;
+    let _ = stop.send(true);
+    for r in relays {
+        r.await.unwrap();
+    }
+    assert!(
+        tap.calls.read().unwrap().values().all(|n| *n == 1),
+        "no row published twice while the claims held"
+    );
+    let log = drain_topic(&f.broker, "audit").await;
+    assert_eq!(log.len(), 60);
+    for key in keys {
+        let versions: Vec<u64> = log
+            .iter()
+            .filter(|m| m.key == key)
+            .map(|m| Envelope::from_json(&m.payload).unwrap().version().unwrap())
+            .collect();
+        assert_eq!(versions, (0..20).collect::<Vec<_>>(), "order of {key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_deletes_old_published_rows_in_bounded_batches() {
+    let f = fixture().await;
+    for i in 0..5 {
+        f.place_order(&format!("P-{i}"), i).await;
+    }
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
+        .prune_batch(NonZeroUsize::new(2).unwrap())
+        .build()
+        .unwrap();
+    relay.run_once().await.unwrap();
+    f.place_order("UNPUBLISHED", 9).await;
+    assert_eq!(
+        relay.prune_once().await.unwrap(),
+        0,
+        "younger than the 7-day retention"
+    );
+    let eight_days_ms = 8 * 24 * 3600 * 1000_i64;
+    sqlx::query(
+        "UPDATE keel_outbox SET published_at = published_at - ? WHERE published_at IS NOT NULL",
+    )
+    .bind(eight_days_ms)
+    .execute(f.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(relay.prune_once().await.unwrap(), 5);
+    let left: i64 = sqlx::query("SELECT COUNT(*) FROM keel_outbox")
+        .fetch_one(f.store.read_pool())
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 1, "the unpublished row is never pruned");
+    assert_eq!(f.unpublished().await, 1);
+}
+
+/// Rough throughput figures (not a benchmark; BENCHMARKS.md has those):
+/// `cargo test --release -p keel-sqlite --test relay -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, run by hand in release mode"]
+async fn measure_relay_and_consumer_throughput() {
+    let f = fixture().await;
+    let n = 5_000;
+    sqlx::query("CREATE TABLE raw (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")
+        .execute(f.store.pool())
+        .await
+        .unwrap();
+    let body = vec![b'x'; 200];
+    let started = tokio::time::Instant::now();
+    for i in 0..n {
+        let mut tx = f.store.begin().await.unwrap();
+        sqlx::query("INSERT INTO raw (id, body) VALUES (?, ?)")
+            .bind(i)
+            .bind(&body)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        f.store.commit(tx).await.unwrap();
+    }
+    let raw = n as f64 / started.elapsed().as_secs_f64();
+
+    let started = tokio::time::Instant::now();
+    for chunk in 0..n / 100 {
+        let mut tx = f.store.begin().await.unwrap();
+        for i in 0..100 {
+            let placed = OrderPlaced {
+                order_id: format!("K{}", (chunk * 100 + i) % 16),
+                total_minor: i,
+            };
+            f.outbox
+                .append_event(&mut tx, TOPIC, "/s", &placed, EventMeta::new(1))
+                .await
+                .unwrap();
+        }
+        f.store.commit(tx).await.unwrap();
+    }
+    let append = n as f64 / started.elapsed().as_secs_f64();
+
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
+        .build()
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    while relay.run_once().await.unwrap() > 0 {}
+    let relayed = n as f64 / started.elapsed().as_secs_f64();
+
+    let consumer = Consumer::builder(f.store.clone(), Arc::clone(&f.broker))
+        .group(charge_group())
+        .build()
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    eventually("all consumed", 600, || async {
+        f.charges().await.len() == n as usize
+    })
+    .await;
+    let consumed = n as f64 / started.elapsed().as_secs_f64();
+    let _ = stop.send(());
+    running.await.unwrap();
+    println!(
+        "raw insert+commit: {raw:.0}/s; outbox append (100/tx): {append:.0}/s; \
+         relay: {relayed:.0}/s ({:.2}x raw); consumer with inbox: {consumed:.0}/s ({:.2}x raw)",
+        relayed / raw,
+        consumed / raw
+    );
+}
