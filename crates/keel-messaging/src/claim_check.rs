@@ -1,1 +1,469 @@
-//! (in progress)
+//! Claim check: a large payload goes to an object store, and the message
+//! carries only a claim to it (where it is, how big, and its SHA-256).
+//!
+//! Never put a 40 MB document on the broker. Big messages are slow to
+//! publish, fill the broker's log and replicas, copy sensitive bytes into
+//! every consumer's logs, and trip the envelope's size limit (256 KiB by
+//! default). So the producer writes the bytes to an object store
+//! ([`object_store`]: S3, GCS, Azure, or a local directory by default) and
+//! publishes a [`Claim`]; the consumer fetches the bytes with it and
+//! **verifies** them: a claim carries the size and SHA-256 of what was
+//! written, so an object replaced, truncated or corrupted after the message
+//! was sent is refused instead of silently processed.
+//!
+//! Objects are content-addressed (`claims/<sha256>`): putting the same bytes
+//! twice (a producer retrying after a crash) writes one object, not two. The
+//! price of the pattern: an object must outlive every message that claims
+//! it, so keep objects at least as long as the topic's retention and its
+//! dead letters.
+//!
+//! For envelopes, [`ClaimCheck::check_in`] swaps oversized `data` for a
+//! claim (and sets the CloudEvents `dataref` extension to its location);
+//! [`ClaimCheck::check_out`] swaps it back after verifying it.
+//!
+//! ```
+//! use bytes::Bytes;
+//! use keel_messaging::claim_check::ClaimCheck;
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let dir = tempfile::tempdir().unwrap();
+//! let claims = ClaimCheck::local(dir.path()).unwrap();
+//! let claim = claims.put(Bytes::from(vec![7u8; 1 << 20])).await.unwrap();
+//! assert_eq!(claim.size_bytes, 1 << 20);
+//! // The claim is what travels: {"location": "file:///…/claims/…", "sizeBytes": 1048576, "sha256": "…"}
+//! let bytes = claims.fetch(&claim).await.unwrap();
+//! assert_eq!(bytes.len(), 1 << 20);
+//! # });
+//! ```
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use keel_core::{Classify, ErrorClass};
+use object_store::ObjectStore;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path as ObjectPath;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::envelope::{DEFAULT_MAX_SIZE, Envelope, EnvelopeError};
+
+/// The CloudEvents extension attribute that marks an envelope whose `data`
+/// is a [`Claim`]: the location of the real payload (the CloudEvents
+/// `dataref` extension).
+pub const DATAREF: &str = "dataref";
+
+/// The default folder for claimed objects inside the store.
+pub const DEFAULT_PREFIX: &str = "claims";
+
+/// A claim to a payload in an object store: what a message carries instead
+/// of the payload itself.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Claim {
+    /// Where the payload is, e.g. `s3://bucket/claims/<sha256>` or
+    /// `file:///var/lib/app/claims/<sha256>`.
+    pub location: String,
+    /// The payload's exact size.
+    pub size_bytes: u64,
+    /// The payload's SHA-256, lowercase hex.
+    pub sha256: String,
+}
+
+/// A claim check could not be written or honoured.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClaimCheckError {
+    /// The claimed object does not exist.
+    #[error(
+        "the claimed object at `{location}` does not exist: it was deleted or expired before the \
+         message was consumed; keep claimed objects at least as long as the topic's retention"
+    )]
+    Missing {
+        /// The claim's location.
+        location: String,
+    },
+    /// The object's size differs from the claim's.
+    #[error(
+        "claim check refused `{location}`: the claim says {expected} bytes but the object has \
+         {actual}; it was changed or truncated after the message was sent"
+    )]
+    SizeMismatch {
+        /// The claim's location.
+        location: String,
+        /// The size in the claim.
+        expected: u64,
+        /// The size found.
+        actual: u64,
+    },
+    /// The object's SHA-256 differs from the claim's.
+    #[error(
+        "claim check refused `{location}`: its SHA-256 is {actual}, not the claimed {expected}; \
+         the object was changed after the message was sent"
+    )]
+    HashMismatch {
+        /// The claim's location.
+        location: String,
+        /// The hash in the claim.
+        expected: String,
+        /// The hash found.
+        actual: String,
+    },
+    /// The claim points into another store.
+    #[error(
+        "claim location `{location}` is not in this claim check's store (`{base}`); \
+         fetch it with a ClaimCheck configured for that store"
+    )]
+    ForeignLocation {
+        /// The claim's location.
+        location: String,
+        /// This claim check's base location.
+        base: String,
+    },
+    /// A claim, location or prefix that cannot be read.
+    #[error("invalid claim check: {0}")]
+    Invalid(String),
+    /// The envelope could not be encoded or decoded, or is too large even
+    /// with its data claimed.
+    #[error(transparent)]
+    Envelope(#[from] EnvelopeError),
+    /// The object store failed (network, permissions, disk).
+    #[error("object store failed: {0}")]
+    Store(#[source] object_store::Error),
+}
+
+impl Classify for ClaimCheckError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            Self::Store(_) => ErrorClass::Retryable,
+            _ => ErrorClass::Permanent,
+        }
+    }
+}
+
+/// Puts payloads in an object store and fetches them back, verified.
+/// Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ClaimCheck {
+    store: Arc<dyn ObjectStore>,
+    base: String,
+    prefix: ObjectPath,
+    inline_limit: usize,
+}
+
+impl ClaimCheck {
+    /// A claim check over `store`, whose objects are named
+    /// `<base>/<prefix>/<sha256>` in claims (`base` is how consumers know the
+    /// store, e.g. `s3://my-bucket`).
+    pub fn new(store: Arc<dyn ObjectStore>, base: impl Into<String>) -> Self {
+        Self {
+            store,
+            base: base.into().trim_end_matches('/').to_owned(),
+            prefix: ObjectPath::from(DEFAULT_PREFIX),
+            inline_limit: DEFAULT_MAX_SIZE,
+        }
+    }
+
+    /// A claim check over a local directory (created if missing): the
+    /// default, needing no server.
+    pub fn local(dir: impl AsRef<std::path::Path>) -> Result<Self, ClaimCheckError> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(|e| {
+            ClaimCheckError::Invalid(format!("cannot create `{}`: {e}", dir.display()))
+        })?;
+        let dir = std::fs::canonicalize(dir).map_err(|e| {
+            ClaimCheckError::Invalid(format!("cannot resolve `{}`: {e}", dir.display()))
+        })?;
+        let store = LocalFileSystem::new_with_prefix(&dir).map_err(ClaimCheckError::Store)?;
+        let base = format!("file://{}", dir.display());
+        Ok(Self::new(Arc::new(store), base))
+    }
+
+    /// Puts objects under `prefix` (default `claims`) instead.
+    pub fn with_prefix(mut self, prefix: &str) -> Result<Self, ClaimCheckError> {
+        self.prefix = ObjectPath::parse(prefix)
+            .map_err(|e| ClaimCheckError::Invalid(format!("prefix `{prefix}`: {e}")))?;
+        Ok(self)
+    }
+
+    /// Envelopes whose structured-mode encoding is larger than `limit`
+    /// bytes get their data claimed (default: the envelope size limit,
+    /// 256 KiB).
+    pub fn with_inline_limit(mut self, limit: usize) -> Self {
+        self.inline_limit = limit;
+        self
+    }
+
+    /// The object store.
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    /// Writes `bytes` and returns the claim to them. Idempotent: the same
+    /// bytes always give the same claim and object.
+    pub async fn put(&self, bytes: Bytes) -> Result<Claim, ClaimCheckError> {
+        let sha256 = sha256_hex(&bytes);
+        let path = self.prefix.child(sha256.as_str());
+        let size_bytes = bytes.len() as u64;
+        self.store
+            .put(&path, bytes.into())
+            .await
+            .map_err(ClaimCheckError::Store)?;
+        let claim = Claim {
+            location: format!("{}/{}", self.base, path),
+            size_bytes,
+            sha256,
+        };
+        metrics::counter!("keel_claim_check_put_total").increment(1);
+        metrics::counter!("keel_claim_check_put_bytes_total").increment(size_bytes);
+        tracing::debug!(location = %claim.location, size_bytes, "payload checked in");
+        Ok(claim)
+    }
+
+    /// Fetches the claimed bytes, refusing them unless their size and
+    /// SHA-256 match the claim.
+    pub async fn fetch(&self, claim: &Claim) -> Result<Bytes, ClaimCheckError> {
+        let path = self.path_of(&claim.location)?;
+        let bytes = match self.store.get(&path).await {
+            Ok(got) => got.bytes().await,
+            Err(e) => Err(e),
+        }
+        .map_err(|e| self.store_error(e, claim))?;
+        verify(claim, &bytes).inspect_err(|e| {
+            metrics::counter!("keel_claim_check_rejected_total", "reason" => rejection_reason(e))
+                .increment(1);
+            tracing::warn!(location = %claim.location, error = %e, "claim check refused");
+        })?;
+        Ok(bytes)
+    }
+
+    /// Deletes the claimed object. Content addressing means another
+    /// message with identical bytes shares the object: delete only when no
+    /// message can still claim it (usually: let a lifecycle rule expire it).
+    pub async fn delete(&self, claim: &Claim) -> Result<(), ClaimCheckError> {
+        let path = self.path_of(&claim.location)?;
+        match self.store.delete(&path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(ClaimCheckError::Store(e)),
+        }
+    }
+
+    /// The envelope, with its data moved to the object store if its
+    /// encoding is over the inline limit: `data` becomes the [`Claim`] and
+    /// the `dataref` extension its location. Small envelopes are returned
+    /// unchanged.
+    pub async fn check_in(&self, mut envelope: Envelope) -> Result<Envelope, ClaimCheckError> {
+        match envelope.to_json_limited(self.inline_limit) {
+            Ok(_) => return Ok(envelope),
+            Err(EnvelopeError::TooLarge { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let data = envelope.data.take().unwrap_or(Value::Null);
+        let bytes = serde_json::to_vec(&data).map_err(EnvelopeError::Data)?;
+        let claim = self.put(Bytes::from(bytes)).await?;
+        envelope
+            .extensions
+            .insert(DATAREF.to_owned(), Value::String(claim.location.clone()));
+        envelope.data = Some(serde_json::to_value(&claim).map_err(EnvelopeError::Data)?);
+        // Still too big (huge extensions): say so now, not at the broker.
+        envelope.to_json_limited(self.inline_limit)?;
+        Ok(envelope)
+    }
+
+    /// The envelope with its claimed data fetched, verified and put back;
+    /// envelopes without a `dataref` are returned unchanged.
+    pub async fn check_out(&self, mut envelope: Envelope) -> Result<Envelope, ClaimCheckError> {
+        let Some(dataref) = envelope.extensions.get(DATAREF) else {
+            return Ok(envelope);
+        };
+        let dataref = dataref.as_str().unwrap_or_default().to_owned();
+        let claim: Claim = envelope
+            .data_as()
+            .map_err(|e| ClaimCheckError::Invalid(format!("the envelope's claim: {e}")))?;
+        if claim.location != dataref {
+            return Err(ClaimCheckError::Invalid(format!(
+                "`dataref` `{dataref}` and the claim's location `{}` differ",
+                claim.location
+            )));
+        }
+        let bytes = self.fetch(&claim).await?;
+        let data: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| ClaimCheckError::Invalid(format!("claimed data is not JSON: {e}")))?;
+        envelope.extensions.remove(DATAREF);
+        envelope.data = Some(data);
+        Ok(envelope)
+    }
+
+    /// Encodes an envelope in structured mode for publishing or the
+    /// outbox, claiming its data first if it is over the inline limit.
+    pub async fn encode(&self, envelope: Envelope) -> Result<Vec<u8>, ClaimCheckError> {
+        let envelope = self.check_in(envelope).await?;
+        Ok(envelope.to_json_limited(self.inline_limit)?)
+    }
+
+    /// Decodes a structured-mode envelope, fetching claimed data.
+    pub async fn decode(&self, bytes: &[u8]) -> Result<Envelope, ClaimCheckError> {
+        self.check_out(Envelope::from_json(bytes)?).await
+    }
+
+    fn path_of(&self, location: &str) -> Result<ObjectPath, ClaimCheckError> {
+        let key = location
+            .strip_prefix(self.base.as_str())
+            .and_then(|rest| rest.strip_prefix('/'))
+            .ok_or_else(|| ClaimCheckError::ForeignLocation {
+                location: location.to_owned(),
+                base: self.base.clone(),
+            })?;
+        ObjectPath::parse(key)
+            .map_err(|e| ClaimCheckError::Invalid(format!("location `{location}`: {e}")))
+    }
+
+    fn store_error(&self, err: object_store::Error, claim: &Claim) -> ClaimCheckError {
+        match err {
+            object_store::Error::NotFound { .. } => {
+                metrics::counter!("keel_claim_check_rejected_total", "reason" => "missing")
+                    .increment(1);
+                ClaimCheckError::Missing {
+                    location: claim.location.clone(),
+                }
+            }
+            other => ClaimCheckError::Store(other),
+        }
+    }
+}
+
+/// Checks `bytes` against a claim's size and SHA-256.
+pub fn verify(claim: &Claim, bytes: &[u8]) -> Result<(), ClaimCheckError> {
+    let actual_size = bytes.len() as u64;
+    if actual_size != claim.size_bytes {
+        return Err(ClaimCheckError::SizeMismatch {
+            location: claim.location.clone(),
+            expected: claim.size_bytes,
+            actual: actual_size,
+        });
+    }
+    let actual = sha256_hex(bytes);
+    if !actual.eq_ignore_ascii_case(&claim.sha256) {
+        return Err(ClaimCheckError::HashMismatch {
+            location: claim.location.clone(),
+            expected: claim.sha256.clone(),
+            actual,
+        });
+    }
+    Ok(())
+}
+
+fn rejection_reason(err: &ClaimCheckError) -> &'static str {
+    match err {
+        ClaimCheckError::SizeMismatch { .. } => "size_mismatch",
+        ClaimCheckError::HashMismatch { .. } => "hash_mismatch",
+        _ => "other",
+    }
+}
+
+/// Lowercase hex SHA-256 of `bytes`.
+fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    let mut out = String::with_capacity(64);
+    for b in digest {
+        let _ = write!(out, "{b:02x}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object_store::memory::InMemory;
+    use serde_json::json;
+
+    fn in_memory() -> ClaimCheck {
+        ClaimCheck::new(Arc::new(InMemory::new()), "memory://test")
+    }
+
+    #[tokio::test]
+    async fn round_trip_is_verified_and_content_addressed() {
+        let claims = in_memory();
+        let payload = Bytes::from_static(b"the quarterly report");
+        let a = claims.put(payload.clone()).await.unwrap();
+        let b = claims.put(payload.clone()).await.unwrap();
+        assert_eq!(a, b, "same bytes, same claim");
+        assert_eq!(a.size_bytes, payload.len() as u64);
+        assert_eq!(a.sha256, sha256_hex(&payload));
+        assert!(a.location.starts_with("memory://test/claims/"));
+        assert_eq!(claims.fetch(&a).await.unwrap(), payload);
+    }
+
+    #[test]
+    fn claim_serializes_like_the_seed() {
+        let claim = Claim {
+            location: "s3://b/k".into(),
+            size_bytes: 3,
+            sha256: "ab".into(),
+        };
+        assert_eq!(
+            serde_json::to_value(&claim).unwrap(),
+            json!({"location": "s3://b/k", "sizeBytes": 3, "sha256": "ab"})
+        );
+    }
+
+    #[tokio::test]
+    async fn a_claim_with_the_wrong_size_or_hash_is_refused() {
+        let claims = in_memory();
+        let claim = claims.put(Bytes::from_static(b"abc")).await.unwrap();
+        let mut lying = claim.clone();
+        lying.size_bytes = 4;
+        assert!(matches!(
+            claims.fetch(&lying).await,
+            Err(ClaimCheckError::SizeMismatch {
+                expected: 4,
+                actual: 3,
+                ..
+            })
+        ));
+        let mut lying = claim.clone();
+        lying.sha256 = "0".repeat(64);
+        let err = claims.fetch(&lying).await.unwrap_err();
+        assert!(matches!(err, ClaimCheckError::HashMismatch { .. }));
+        assert!(
+            err.to_string()
+                .contains("changed after the message was sent")
+        );
+    }
+
+    #[tokio::test]
+    async fn foreign_and_malformed_locations_are_refused() {
+        let claims = in_memory();
+        let mut claim = claims.put(Bytes::from_static(b"abc")).await.unwrap();
+        claim.location = "s3://elsewhere/claims/x".into();
+        assert!(matches!(
+            claims.fetch(&claim).await,
+            Err(ClaimCheckError::ForeignLocation { .. })
+        ));
+        claim.location = "memory://test/claims/../../etc/passwd".into();
+        assert!(matches!(
+            claims.fetch(&claim).await,
+            Err(ClaimCheckError::Invalid(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn small_envelopes_stay_inline_and_large_ones_are_claimed() {
+        let claims = in_memory().with_inline_limit(1024);
+        let mut small = Envelope::new("/docs", "docs.uploaded.v1");
+        small.data = Some(json!({"id": "d-1"}));
+        assert_eq!(claims.check_in(small.clone()).await.unwrap(), small);
+
+        let mut large = Envelope::new("/docs", "docs.uploaded.v1");
+        large.subject = Some("d-2".into());
+        large.data = Some(json!({"id": "d-2", "body": "x".repeat(10_000)}));
+        let claimed = claims.check_in(large.clone()).await.unwrap();
+        assert!(claimed.extensions.contains_key(DATAREF));
+        assert!(claimed.to_json_limited(1024).is_ok());
+        assert_eq!(claimed.subject.as_deref(), Some("d-2"), "routing survives");
+        let bytes = claimed.to_json().unwrap();
+        assert_eq!(claims.decode(&bytes).await.unwrap(), large);
+    }
+}

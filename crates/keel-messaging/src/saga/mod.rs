@@ -1,1 +1,97 @@
-//! (in progress)
+//! Sagas: a business transaction across services, made of local steps that
+//! are each undone by a compensation if the whole cannot finish.
+//!
+//! There is no distributed transaction to roll back, so a saga moves
+//! forward one committed step at a time, and on failure walks back,
+//! compensating (refund, release) the steps already done. This module
+//! gives you what seed 000 says you need "either way":
+//!
+//! - **A state machine persisted after every step.** The orchestrator saves
+//!   the saga ([`SagaStore`](crate::store::SagaStore)) after each call and
+//!   before the next, so it can be killed between any two lines and resume
+//!   exactly where it stopped: at worst the call in flight runs again. The
+//!   core is pure (`plan` and `decide` over a [`SagaRecord`]); effects
+//!   happen around it.
+//! - **Idempotent steps and idempotent compensations.** Keys are derived,
+//!   not random: `saga_id:step` for actions and `saga_id:undo:step` for
+//!   compensations, so a repeated call carries the same key and the callee
+//!   can recognise it. Compensation runs in reverse order and is itself
+//!   resumable.
+//! - **A pivot**: the point of no return. Before it, a step that keeps
+//!   failing (after its retries, or at once for a permanent error) makes
+//!   the saga compensate. After it, the saga retries forward with backoff
+//!   and is marked **stuck** after a limit, visibly, until an operator
+//!   retries it. A pivot whose outcome is unknown (it timed out every
+//!   time) is stuck too: neither direction is safe to take alone.
+//! - **A timeout per step**; a call that exceeds it counts as a failure of
+//!   unknown outcome, and a step of unknown outcome is compensated along
+//!   with the others, because it may have happened.
+//! - **A dashboard of in-flight sagas by state and age**
+//!   ([`SagaOrchestrator::list`], [`SagaOrchestrator::counts`]) and
+//!   **manual retry and cancel** ([`SagaOrchestrator::retry`],
+//!   [`SagaOrchestrator::cancel`]; cancel is refused past the pivot).
+//!
+//! Every saga ends `completed`, fully `compensated` (or `cancelled`), or
+//! `stuck` with the reason in `last_error`. Metrics: `keel_saga_total{saga,
+//! status}` when a saga ends or sticks, `keel_saga_calls_total{saga, step,
+//! call, outcome}`, `keel_saga_call_duration_seconds`, `keel_sagas{status}`.
+//!
+//! For two or three steps owned by one team, [`choreography`] chains
+//! participants through their outboxes instead, without a coordinator.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use keel_core::Classified;
+//! use keel_messaging::saga::{SagaDefinition, SagaOrchestrator, Step, StepContext};
+//! use keel_messaging::store::SagaStore;
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Clone, Serialize, Deserialize)]
+//! struct Order { id: String, total_minor: i64, payment_id: Option<String> }
+//!
+//! # async fn demo<S: SagaStore>(store: S) -> Result<(), Box<dyn std::error::Error>> {
+//! let fulfil = SagaDefinition::<Order>::builder("order_fulfilment")
+//!     .step(
+//!         Step::new("capture_payment", |ctx: StepContext<Order>| async move {
+//!             // payments.capture(ctx.data().total_minor, key = ctx.idempotency_key())
+//!             ctx.update(|o| o.payment_id = Some(format!("pay-{}", ctx.idempotency_key())));
+//!             Ok::<_, Classified>(())
+//!         })
+//!         .compensate_with(|_ctx| async move { Ok::<_, Classified>(()) }) // refund
+//!         .timeout(Duration::from_secs(5)),
+//!     )
+//!     .step(Step::new("reserve_stock", |_ctx| async move { Ok::<_, Classified>(()) })
+//!         .compensate_with(|_ctx| async move { Ok::<_, Classified>(()) })) // release
+//!     .pivot(Step::new("schedule_shipment", |_ctx| async move { Ok::<_, Classified>(()) }))
+//!     .step(Step::new("send_receipt", |_ctx| async move { Ok::<_, Classified>(()) }))
+//!     .build()?;
+//!
+//! let orchestrator = SagaOrchestrator::builder(store.clone()).saga(&fulfil).build()?;
+//! // In the inbox handler of `orders.placed`, inside its transaction:
+//! let mut tx = store.begin().await?;
+//! let order = Order { id: "A-4471".into(), total_minor: 8210, payment_id: None };
+//! orchestrator.start(&mut tx, &fulfil, "A-4471", &order).await?;
+//! store.commit(tx).await?;
+//! orchestrator.notify();
+//! tokio::spawn(async move { orchestrator.run(std::future::pending()).await });
+//! # Ok(()) }
+//! ```
+//!
+//! [`SagaRecord`]: crate::store::SagaRecord
+
+pub mod choreography;
+mod definition;
+mod error;
+mod machine;
+mod orchestrator;
+
+pub use definition::{
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_STEP_TIMEOUT, DEFAULT_STUCK_AFTER, SagaData, SagaDefinition,
+    SagaDefinitionBuilder, Step, StepContext,
+};
+pub use error::SagaError;
+pub use keel_policy::retry::{Backoff, Jitter};
+pub use orchestrator::{OrchestratorBuilder, OrchestratorOptions, SagaOrchestrator, SagaView};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,558 @@
+//! The orchestrator: finds due sagas, makes their calls, saves after every
+//! one, and lets operators look and steer.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use keel_core::Deadline;
+use keel_core::error::{classify, report};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tracing::Instrument;
+
+use super::SagaError;
+use super::definition::{ErasedSaga, SagaData, SagaDefinition};
+use super::machine::{self, Call, Outcome, Plan};
+use crate::store::{SagaFilter, SagaRecord, SagaStatus, SagaStore};
+
+/// How an orchestrator works through sagas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrchestratorOptions {
+    /// How often to look for due sagas when idle (default 500 ms).
+    pub poll_interval: Duration,
+    /// How many due sagas to load at once (default 32).
+    pub batch: usize,
+    /// How many sagas to drive at once (default 16).
+    pub concurrency: usize,
+    /// A claimed call's lease is its step's timeout plus this (default
+    /// 5 s). When a process dies mid-call, its sagas become due again once
+    /// their lease ends.
+    pub lease_grace: Duration,
+}
+
+impl Default for OrchestratorOptions {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_millis(500),
+            batch: 32,
+            concurrency: 16,
+            lease_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Builds a [`SagaOrchestrator`].
+pub struct OrchestratorBuilder<S> {
+    store: S,
+    sagas: Vec<Arc<dyn ErasedSaga>>,
+    options: OrchestratorOptions,
+}
+
+impl<S> std::fmt::Debug for OrchestratorBuilder<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.sagas.iter().map(|s| s.name()).collect();
+        f.debug_struct("OrchestratorBuilder")
+            .field("sagas", &names)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: SagaStore> OrchestratorBuilder<S> {
+    /// Registers a saga definition.
+    pub fn saga<D: SagaData>(mut self, definition: &SagaDefinition<D>) -> Self {
+        self.sagas.push(definition.erased());
+        self
+    }
+
+    /// Replaces all options.
+    pub fn options(mut self, options: OrchestratorOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// See [`OrchestratorOptions::poll_interval`].
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.options.poll_interval = interval;
+        self
+    }
+
+    /// See [`OrchestratorOptions::concurrency`].
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.options.concurrency = n.max(1);
+        self
+    }
+
+    /// See [`OrchestratorOptions::lease_grace`].
+    pub fn lease_grace(mut self, grace: Duration) -> Self {
+        self.options.lease_grace = grace;
+        self
+    }
+
+    /// The orchestrator, or [`SagaError::DuplicateKind`].
+    pub fn build(self) -> Result<SagaOrchestrator<S>, SagaError> {
+        let mut sagas = HashMap::new();
+        for saga in self.sagas {
+            let kind = saga.name().to_owned();
+            if sagas.insert(kind.clone(), saga).is_some() {
+                return Err(SagaError::DuplicateKind { kind });
+            }
+        }
+        Ok(SagaOrchestrator {
+            inner: Arc::new(Inner {
+                store: self.store,
+                sagas,
+                options: OrchestratorOptions {
+                    batch: self.options.batch.max(1),
+                    concurrency: self.options.concurrency.max(1),
+                    ..self.options
+                },
+                wake: Notify::new(),
+            }),
+        })
+    }
+}
+
+struct Inner<S> {
+    store: S,
+    sagas: HashMap<String, Arc<dyn ErasedSaga>>,
+    options: OrchestratorOptions,
+    wake: Notify,
+}
+
+/// Runs sagas: a cheap handle (clone it freely) over the store and the
+/// registered definitions.
+///
+/// Every transition is saved before the next call is made, with an
+/// optimistic version check, so several orchestrators can share a store and
+/// any of them can crash between any two lines: the saga resumes from its
+/// last saved state, repeating at most the call that was in flight, with
+/// the same idempotency key.
+pub struct SagaOrchestrator<S> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S> Clone for SagaOrchestrator<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for SagaOrchestrator<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<&String> = self.inner.sagas.keys().collect();
+        names.sort();
+        f.debug_struct("SagaOrchestrator")
+            .field("sagas", &names)
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A saga as an operator sees it: where it is, in words, and for how long.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SagaView {
+    /// The saga as stored.
+    pub record: SagaRecord,
+    /// The step it is at (the next to run, the next to undo, or the one
+    /// stuck), if any.
+    pub step_name: Option<String>,
+    /// Time since the saga started.
+    pub age: Duration,
+    /// Time since it last changed.
+    pub idle: Duration,
+}
+
+impl<S: SagaStore> SagaOrchestrator<S> {
+    /// A builder over `store`.
+    pub fn builder(store: S) -> OrchestratorBuilder<S> {
+        OrchestratorBuilder {
+            store,
+            sagas: Vec::new(),
+            options: OrchestratorOptions::default(),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.inner.store
+    }
+
+    /// Starts a saga inside the caller's transaction (e.g. the inbox
+    /// handler of the event that triggers it), so it exists if and only if
+    /// that transaction commits. Derive `id` from the trigger (the order
+    /// id): starting the same id twice is not an error and returns `false`.
+    pub async fn start<D: SagaData>(
+        &self,
+        tx: &mut S::Tx,
+        definition: &SagaDefinition<D>,
+        id: &str,
+        data: &D,
+    ) -> Result<bool, SagaError> {
+        let kind = definition.name();
+        if !self.inner.sagas.contains_key(kind) {
+            return Err(SagaError::UnknownKind {
+                kind: kind.to_owned(),
+            });
+        }
+        let now = Utc::now();
+        let record = SagaRecord {
+            id: id.to_owned(),
+            kind: kind.to_owned(),
+            status: SagaStatus::Running,
+            step: 0,
+            data: serde_json::to_value(data).map_err(SagaError::Data)?,
+            attempts: 0,
+            last_error: None,
+            next_attempt_at: now,
+            created_at: now,
+            updated_at: now,
+            version: 1,
+        };
+        let created = self.inner.store.saga_insert(tx, &record).await?;
+        if created {
+            metrics::counter!("keel_saga_started_total", "saga" => kind.to_owned()).increment(1);
+            tracing::info!(saga = kind, saga_id = id, "saga started");
+        } else {
+            tracing::debug!(saga = kind, saga_id = id, "saga already exists");
+        }
+        Ok(created)
+    }
+
+    /// Wakes the run loop to look for due sagas now (e.g. after committing
+    /// a transaction that started one).
+    pub fn notify(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    /// Drives due sagas until `shutdown` completes; then lets the calls in
+    /// flight finish (each within its step timeout), saves their outcome,
+    /// and returns. Sagas interrupted harder than that resume after their
+    /// lease, here or in another process.
+    pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) {
+        tokio::pin!(shutdown);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let in_flight: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let mut tasks = JoinSet::new();
+        tracing::info!(sagas = self.inner.sagas.len(), "saga orchestrator running");
+        loop {
+            while let Some(done) = tasks.try_join_next() {
+                log_join(done);
+            }
+            let free = self.inner.options.concurrency.saturating_sub(tasks.len());
+            if free > 0 {
+                let limit = free.min(self.inner.options.batch);
+                match self.inner.store.saga_due(Utc::now(), limit).await {
+                    Ok(due) => {
+                        for record in due {
+                            if !in_flight.lock().insert(record.id.clone()) {
+                                continue;
+                            }
+                            let this = self.clone();
+                            let stop = stop.clone();
+                            let in_flight = in_flight.clone();
+                            tasks.spawn(async move {
+                                let id = record.id.clone();
+                                let result = this.drive_record(record, &stop).await;
+                                in_flight.lock().remove(&id);
+                                if let Err(e) = result {
+                                    tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
+                                }
+                            });
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not load due sagas"),
+                }
+            }
+            tokio::select! {
+                () = &mut shutdown => break,
+                () = self.inner.wake.notified() => {}
+                () = tokio::time::sleep(self.inner.options.poll_interval) => {}
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => log_join(done),
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        while let Some(done) = tasks.join_next().await {
+            log_join(done);
+        }
+        tracing::info!("saga orchestrator stopped");
+    }
+
+    /// Drives every saga that is due now, one after the other, as far as
+    /// each goes; returns how many it looked at. A saga that fails to move
+    /// (a store error) is logged and left for the next tick. For tests and
+    /// for cron-style use without [`run`](Self::run).
+    pub async fn tick(&self) -> Result<usize, SagaError> {
+        let due = self
+            .inner
+            .store
+            .saga_due(Utc::now(), self.inner.options.batch)
+            .await?;
+        let never = std::sync::atomic::AtomicBool::new(false);
+        let n = due.len();
+        for record in due {
+            let id = record.id.clone();
+            if let Err(e) = self.drive_record(record, &never).await {
+                tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
+            }
+        }
+        Ok(n)
+    }
+
+    /// Drives one saga as far as it goes now (until it finishes, is stuck,
+    /// or waits for a backoff); returns it as saved.
+    pub async fn drive(&self, id: &str) -> Result<SagaRecord, SagaError> {
+        let record = self.load(id).await?;
+        let never = std::sync::atomic::AtomicBool::new(false);
+        self.drive_record(record, &never).await
+    }
+
+    /// A saga by id.
+    pub async fn get(&self, id: &str) -> Result<Option<SagaRecord>, SagaError> {
+        Ok(self.inner.store.saga_get(id).await?)
+    }
+
+    /// Sagas for the operator view (by status, not updated since a time),
+    /// oldest update first.
+    pub async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaView>, SagaError> {
+        let records = self.inner.store.saga_list(filter).await?;
+        let now = Utc::now();
+        Ok(records.into_iter().map(|r| self.view(r, now)).collect())
+    }
+
+    /// How many sagas are in each status.
+    pub async fn counts(&self) -> Result<Vec<(SagaStatus, u64)>, SagaError> {
+        let counts = self.inner.store.saga_counts().await?;
+        for (status, n) in &counts {
+            metrics::gauge!("keel_sagas", "status" => status.as_str()).set(*n as f64);
+        }
+        Ok(counts)
+    }
+
+    /// Retries a stuck saga now, in the direction it was going (forward
+    /// after the pivot, compensating before it), with its attempts reset.
+    pub async fn retry(&self, id: &str) -> Result<SagaRecord, SagaError> {
+        let record = self.load(id).await?;
+        let saga = self.saga(&record.kind)?;
+        let next = machine::retry(&record, saga.shape(), Utc::now())?;
+        self.save_operator_change(&record, &next, "retried").await?;
+        Ok(next)
+    }
+
+    /// Cancels a saga that has not reached its pivot: what it did is
+    /// compensated in reverse order, and it ends `cancelled`. A saga past
+    /// its pivot is refused with [`SagaError::PastPivot`]. A call in flight
+    /// is compensated too, once its lease ends.
+    pub async fn cancel(&self, id: &str) -> Result<SagaRecord, SagaError> {
+        let record = self.load(id).await?;
+        let saga = self.saga(&record.kind)?;
+        match machine::cancel(&record, saga.shape(), Utc::now())? {
+            Some(next) => {
+                self.save_operator_change(&record, &next, "cancelled")
+                    .await?;
+                Ok(next)
+            }
+            None => Ok(record),
+        }
+    }
+
+    async fn load(&self, id: &str) -> Result<SagaRecord, SagaError> {
+        self.inner
+            .store
+            .saga_get(id)
+            .await?
+            .ok_or_else(|| SagaError::NotFound { id: id.to_owned() })
+    }
+
+    fn saga(&self, kind: &str) -> Result<Arc<dyn ErasedSaga>, SagaError> {
+        self.inner
+            .sagas
+            .get(kind)
+            .cloned()
+            .ok_or_else(|| SagaError::UnknownKind {
+                kind: kind.to_owned(),
+            })
+    }
+
+    fn view(&self, record: SagaRecord, now: DateTime<Utc>) -> SagaView {
+        let step_name = self.inner.sagas.get(&record.kind).and_then(|saga| {
+            let steps = &saga.shape().steps;
+            let index = match record.status {
+                SagaStatus::Compensating => (record.step as usize).checked_sub(1),
+                _ => Some(record.step as usize),
+            };
+            index.and_then(|i| steps.get(i)).map(|s| s.name.to_string())
+        });
+        let since = |t: DateTime<Utc>| (now - t).to_std().unwrap_or_default();
+        SagaView {
+            age: since(record.created_at),
+            idle: since(record.updated_at),
+            step_name,
+            record,
+        }
+    }
+
+    async fn save_operator_change(
+        &self,
+        prev: &SagaRecord,
+        next: &SagaRecord,
+        what: &'static str,
+    ) -> Result<(), SagaError> {
+        if !self.save(prev, next).await? {
+            return Err(SagaError::Conflict {
+                id: next.id.clone(),
+            });
+        }
+        tracing::info!(saga = %next.kind, saga_id = %next.id, status = next.status.as_str(), "saga {what} by operator");
+        self.notify();
+        Ok(())
+    }
+
+    /// Runs `record` forward until it is idle, finished, or lost to another
+    /// writer.
+    async fn drive_record(
+        &self,
+        mut record: SagaRecord,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<SagaRecord, SagaError> {
+        let saga = self.saga(&record.kind)?;
+        let span = tracing::info_span!("saga", saga = %record.kind, saga_id = %record.id);
+        async move {
+            let grace = self.inner.options.lease_grace;
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                match machine::plan(&record, saga.shape(), Utc::now(), grace) {
+                    Plan::Idle => break,
+                    Plan::Save(next) => {
+                        if !self.save(&record, &next).await? {
+                            break;
+                        }
+                        record = next;
+                    }
+                    Plan::Call { call, claimed } => {
+                        if !self.save(&record, &claimed).await? {
+                            break;
+                        }
+                        record = claimed;
+                        crash_point("keel-saga-after-claim", &record.id)?;
+                        let outcome = self.execute(saga.as_ref(), call, &record).await;
+                        crash_point(
+                            match call {
+                                Call::Action(_) => "keel-saga-after-step",
+                                Call::Compensation(_) => "keel-saga-after-compensation",
+                            },
+                            &record.id,
+                        )?;
+                        let next =
+                            machine::decide(&record, saga.shape(), call, outcome, Utc::now());
+                        if !self.save(&record, &next).await? {
+                            break;
+                        }
+                        record = next;
+                    }
+                }
+            }
+            Ok(record)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Makes one call with its timeout and idempotency key.
+    async fn execute(&self, saga: &dyn ErasedSaga, call: Call, record: &SagaRecord) -> Outcome {
+        let shape = saga.shape();
+        let step = shape.step(call);
+        let key = call.idempotency_key(&record.id, shape);
+        let timeout = step.timeout;
+        let labels = [
+            ("saga", saga.name().to_owned()),
+            ("step", step.name.to_string()),
+            ("call", call.kind().to_owned()),
+        ];
+        tracing::info!(step = %step.name, call = call.kind(), attempt = record.attempts, %key, "saga call");
+        let started = keel_core::clock::now();
+        let fut = Deadline::after(timeout).scope(saga.call(call, record, key));
+        let (outcome, label) = match tokio::time::timeout(timeout, fut).await {
+            Ok(Ok(data)) => (Outcome::Done(data), "ok"),
+            Ok(Err(e)) => (
+                Outcome::Failed {
+                    class: classify(e.as_ref()),
+                    error: report(e.as_ref()),
+                },
+                "error",
+            ),
+            Err(_) => (
+                Outcome::Failed {
+                    class: keel_core::ErrorClass::OutcomeUnknown,
+                    error: format!("timed out after {timeout:?}"),
+                },
+                "timeout",
+            ),
+        };
+        metrics::histogram!("keel_saga_call_duration_seconds", &labels)
+            .record(started.elapsed().as_secs_f64());
+        let mut labels = labels.to_vec();
+        labels.push(("outcome", label.to_owned()));
+        metrics::counter!("keel_saga_calls_total", &labels).increment(1);
+        if let Outcome::Failed { error, class } = &outcome {
+            tracing::warn!(step = %step.name, call = call.kind(), ?class, %error, "saga call failed");
+        }
+        outcome
+    }
+
+    /// Saves `next` over `prev`; `false` (and a log line) if someone else
+    /// saved first.
+    async fn save(&self, prev: &SagaRecord, next: &SagaRecord) -> Result<bool, SagaError> {
+        if !self.inner.store.saga_save(next).await? {
+            tracing::info!(saga_id = %next.id, "saga changed by someone else (another orchestrator or an operator); leaving it to them");
+            return Ok(false);
+        }
+        if prev.status != next.status {
+            let status = next.status.as_str();
+            tracing::info!(
+                from = prev.status.as_str(),
+                to = status,
+                step = next.step,
+                "saga status changed"
+            );
+            if next.status.is_terminal() || next.status == SagaStatus::Stuck {
+                metrics::counter!("keel_saga_total", "saga" => next.kind.clone(), "status" => status)
+                    .increment(1);
+            }
+            if next.status == SagaStatus::Stuck {
+                tracing::error!(saga = %next.kind, saga_id = %next.id, error = ?next.last_error, "saga stuck: an operator must retry or fix it");
+            }
+        }
+        Ok(true)
+    }
+}
+
+fn log_join(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done {
+        tracing::error!(error = %e, "a saga task panicked; the saga resumes after its lease");
+    }
+}
+
+/// A place where a test can make the orchestrator "crash" (stop without
+/// saving), with the `failpoints` feature: configure the failpoint with
+/// `return` (every saga) or `return(<saga id>)` (only that saga).
+#[cfg(feature = "failpoints")]
+fn crash_point(name: &'static str, saga_id: &str) -> Result<(), SagaError> {
+    let hit = fail::eval(name, |arg| arg.is_none_or(|id| id == saga_id));
+    if hit == Some(true) {
+        tracing::warn!(saga_id, failpoint = name, "failpoint: simulated crash");
+        return Err(SagaError::Crashed(name));
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline]
+fn crash_point(_name: &'static str, _saga_id: &str) -> Result<(), SagaError> {
+    Ok(())
+}

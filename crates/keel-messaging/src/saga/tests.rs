@@ -1,0 +1,889 @@
+//! Orchestrator behaviour over an in-memory store: the same scenarios run
+//! against SQLite in keel-sqlite's `tests/saga.rs`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use keel_core::{BoxError, Classified};
+use keel_policy::retry::{Backoff, Jitter};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use super::*;
+use crate::store::{
+    OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, SagaFilter, SagaRecord, SagaStatus,
+    SagaStore, Store, StoreError,
+};
+
+// ------------------------------------------------------------------ store --
+
+#[derive(Default)]
+struct State {
+    sagas: BTreeMap<String, SagaRecord>,
+    outbox: Vec<OutboxRecord>,
+    saves: usize,
+    /// Fail save number N (1-based): before applying it (a crash before the
+    /// write) or after (a crash after the write, before we heard back).
+    crash_at_save: Option<(usize, bool)>,
+}
+
+#[derive(Clone, Default)]
+struct MemStore {
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Default)]
+struct MemTx {
+    sagas: Vec<SagaRecord>,
+    outbox: Vec<OutboxRecord>,
+}
+
+impl MemStore {
+    fn crash_at_save(&self, n: usize, applied: bool) {
+        self.state.lock().crash_at_save = Some((n, applied));
+    }
+
+    fn saves(&self) -> usize {
+        self.state.lock().saves
+    }
+
+    /// What the passing of time does to leases and backoffs.
+    fn expire_waits(&self) {
+        let now = Utc::now();
+        for s in self.state.lock().sagas.values_mut() {
+            s.next_attempt_at = s.next_attempt_at.min(now);
+        }
+    }
+}
+
+fn unsupported() -> StoreError {
+    StoreError::other("not supported by the saga test store")
+}
+
+#[async_trait]
+impl Store for MemStore {
+    type Tx = MemTx;
+
+    async fn begin(&self) -> Result<MemTx, StoreError> {
+        Ok(MemTx::default())
+    }
+
+    async fn commit(&self, tx: MemTx) -> Result<(), StoreError> {
+        let mut state = self.state.lock();
+        for s in tx.sagas {
+            state.sagas.entry(s.id.clone()).or_insert(s);
+        }
+        state.outbox.extend(tx.outbox);
+        Ok(())
+    }
+
+    async fn rollback(&self, _tx: MemTx) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl SagaStore for MemStore {
+    async fn saga_insert(&self, tx: &mut MemTx, saga: &SagaRecord) -> Result<bool, StoreError> {
+        let exists = self.state.lock().sagas.contains_key(&saga.id)
+            || tx.sagas.iter().any(|s| s.id == saga.id);
+        if !exists {
+            tx.sagas.push(saga.clone());
+        }
+        Ok(!exists)
+    }
+
+    async fn saga_get(&self, id: &str) -> Result<Option<SagaRecord>, StoreError> {
+        Ok(self.state.lock().sagas.get(id).cloned())
+    }
+
+    async fn saga_save(&self, saga: &SagaRecord) -> Result<bool, StoreError> {
+        let mut state = self.state.lock();
+        state.saves += 1;
+        let crash = match state.crash_at_save {
+            Some((n, applied)) if n == state.saves => Some(applied),
+            _ => None,
+        };
+        if crash == Some(false) {
+            return Err(StoreError::Unavailable(
+                "simulated crash before the save".into(),
+            ));
+        }
+        let Some(stored) = state.sagas.get_mut(&saga.id) else {
+            return Ok(false);
+        };
+        if stored.version != saga.version - 1 {
+            return Ok(false);
+        }
+        *stored = saga.clone();
+        if crash == Some(true) {
+            return Err(StoreError::OutcomeUnknown(
+                "simulated crash after the save".into(),
+            ));
+        }
+        Ok(true)
+    }
+
+    async fn saga_due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<Vec<SagaRecord>, StoreError> {
+        let mut due: Vec<SagaRecord> = self
+            .state
+            .lock()
+            .sagas
+            .values()
+            // Like the contract (and SQLite): stuck is not terminal.
+            .filter(|s| !s.status.is_terminal())
+            .filter(|s| s.next_attempt_at <= now)
+            .cloned()
+            .collect();
+        due.sort_by_key(|s| s.next_attempt_at);
+        due.truncate(limit);
+        Ok(due)
+    }
+
+    async fn saga_list(&self, filter: &SagaFilter) -> Result<Vec<SagaRecord>, StoreError> {
+        let mut list: Vec<SagaRecord> = self
+            .state
+            .lock()
+            .sagas
+            .values()
+            .filter(|s| filter.status.is_none_or(|st| st == s.status))
+            .filter(|s| filter.updated_before.is_none_or(|t| s.updated_at < t))
+            .cloned()
+            .collect();
+        list.sort_by_key(|s| s.updated_at);
+        list.truncate(filter.limit.unwrap_or(100));
+        Ok(list)
+    }
+
+    async fn saga_counts(&self) -> Result<Vec<(SagaStatus, u64)>, StoreError> {
+        let mut counts: HashMap<SagaStatus, u64> = HashMap::new();
+        for s in self.state.lock().sagas.values() {
+            *counts.entry(s.status).or_default() += 1;
+        }
+        Ok(counts.into_iter().collect())
+    }
+}
+
+#[async_trait]
+impl OutboxStore for MemStore {
+    async fn outbox_append(
+        &self,
+        tx: &mut MemTx,
+        records: &[OutboxRecord],
+    ) -> Result<(), StoreError> {
+        tx.outbox.extend_from_slice(records);
+        Ok(())
+    }
+
+    async fn outbox_claim(
+        &self,
+        _relay: &str,
+        _limit: usize,
+        _lease: Duration,
+    ) -> Result<Vec<PendingOutbox>, StoreError> {
+        Err(unsupported())
+    }
+
+    async fn outbox_mark_published(&self, _ids: &[i64]) -> Result<(), StoreError> {
+        Err(unsupported())
+    }
+
+    async fn outbox_release(&self, _ids: &[i64]) -> Result<(), StoreError> {
+        Err(unsupported())
+    }
+
+    async fn outbox_prune(&self, _before: DateTime<Utc>, _batch: usize) -> Result<u64, StoreError> {
+        Err(unsupported())
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
+        Err(unsupported())
+    }
+}
+
+// --------------------------------------------------------------- services --
+
+/// What a fake service does when called for a step.
+#[derive(Debug, Clone, Copy)]
+enum Behaviour {
+    /// Fails this many more times (retryable), then works.
+    FailTimes(u32),
+    /// Refuses for good.
+    Refuse,
+    /// Never answers.
+    Hang,
+}
+
+/// Fake downstream services that dedupe on the idempotency key, and a
+/// ledger of what they were asked and what they did.
+#[derive(Default)]
+struct Services {
+    behaviour: Mutex<HashMap<String, Behaviour>>,
+    calls: Mutex<Vec<String>>,
+    effects: Mutex<Vec<String>>,
+}
+
+impl Services {
+    fn set(&self, step: &str, b: Behaviour) {
+        self.behaviour.lock().insert(step.to_owned(), b);
+    }
+
+    fn clear(&self, step: &str) {
+        self.behaviour.lock().remove(step);
+    }
+
+    async fn call(&self, step: &str, key: &str) -> Result<(), BoxError> {
+        self.calls.lock().push(key.to_owned());
+        let behaviour = self.behaviour.lock().get(step).copied();
+        match behaviour {
+            Some(Behaviour::Hang) => std::future::pending().await,
+            Some(Behaviour::Refuse) => return Err(format!("{step} refused").into()),
+            Some(Behaviour::FailTimes(n)) if n > 0 => {
+                self.set(step, Behaviour::FailTimes(n - 1));
+                return Err(Classified::retryable(format!("{step} unavailable")).into());
+            }
+            _ => {}
+        }
+        let mut effects = self.effects.lock();
+        if !effects.iter().any(|k| k == key) {
+            effects.push(key.to_owned());
+        }
+        Ok(())
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().clone()
+    }
+
+    fn effects(&self) -> Vec<String> {
+        self.effects.lock().clone()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Order {
+    id: String,
+    payment_id: Option<String>,
+}
+
+fn step(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
+    let action = svc.clone();
+    Step::new(name, move |ctx: StepContext<Order>| {
+        let svc = action.clone();
+        async move {
+            svc.call(name, ctx.idempotency_key()).await?;
+            if name == "capture_payment" {
+                ctx.update(|o| o.payment_id = Some(format!("pay-{}", o.id)));
+            }
+            Ok::<_, BoxError>(())
+        }
+    })
+    .timeout(Duration::from_millis(200))
+    .max_attempts(2)
+}
+
+fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
+    let undo = svc.clone();
+    step(svc, name).compensate_with(move |ctx: StepContext<Order>| {
+        let svc = undo.clone();
+        async move {
+            if name == "capture_payment" {
+                // The refund needs what the capture recorded.
+                assert!(ctx.data().payment_id.is_some(), "payment id persisted");
+            }
+            svc.call(&format!("undo_{name}"), ctx.idempotency_key())
+                .await
+        }
+    })
+}
+
+/// Seed 000's saga.
+fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
+    seed_saga_with(svc, Duration::from_millis(1))
+}
+
+fn seed_saga_with(svc: &Arc<Services>, first_backoff: Duration) -> SagaDefinition<Order> {
+    SagaDefinition::builder("order_fulfilment")
+        .step(compensable(svc, "capture_payment"))
+        .step(compensable(svc, "reserve_stock"))
+        .pivot(step(svc, "schedule_shipment"))
+        .step(step(svc, "send_receipt"))
+        .backoff(
+            Backoff::exponential(first_backoff, 2.0, first_backoff * 4)
+                .unwrap()
+                .with_jitter(Jitter::None)
+                .unwrap(),
+        )
+        .stuck_after(3)
+        .build()
+        .unwrap()
+}
+
+struct World {
+    store: MemStore,
+    svc: Arc<Services>,
+    def: SagaDefinition<Order>,
+    orch: SagaOrchestrator<MemStore>,
+}
+
+fn world() -> World {
+    let store = MemStore::default();
+    let svc = Arc::new(Services::default());
+    let def = seed_saga(&svc);
+    let orch = orchestrator(&store, &def);
+    World {
+        store,
+        svc,
+        def,
+        orch,
+    }
+}
+
+fn orchestrator(store: &MemStore, def: &SagaDefinition<Order>) -> SagaOrchestrator<MemStore> {
+    SagaOrchestrator::builder(store.clone())
+        .saga(def)
+        .lease_grace(Duration::ZERO)
+        .poll_interval(Duration::from_millis(5))
+        .build()
+        .unwrap()
+}
+
+impl World {
+    async fn start(&self, id: &str) {
+        let mut tx = self.store.begin().await.unwrap();
+        let order = Order {
+            id: id.to_owned(),
+            payment_id: None,
+        };
+        assert!(
+            self.orch
+                .start(&mut tx, &self.def, id, &order)
+                .await
+                .unwrap()
+        );
+        assert!(
+            !self
+                .orch
+                .start(&mut tx, &self.def, id, &order)
+                .await
+                .unwrap(),
+            "starting the same saga twice is a no-op"
+        );
+        self.store.commit(tx).await.unwrap();
+    }
+
+    /// Drives the saga until it finishes or sticks, letting backoffs pass.
+    async fn settle(&self, id: &str) -> SagaRecord {
+        for _ in 0..200 {
+            let record = self.orch.drive(id).await.unwrap();
+            if record.status.is_terminal() || record.status == SagaStatus::Stuck {
+                return record;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("saga {id} did not settle");
+    }
+}
+
+fn keys(id: &str, names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| format!("{id}:{n}")).collect()
+}
+
+#[tokio::test]
+async fn a_saga_runs_every_step_once_and_is_saved_after_each() {
+    let w = world();
+    w.start("A-1").await;
+    let done = w.settle("A-1").await;
+    assert_eq!(done.status, SagaStatus::Completed);
+    let all = [
+        "capture_payment",
+        "reserve_stock",
+        "schedule_shipment",
+        "send_receipt",
+    ];
+    assert_eq!(w.svc.effects(), keys("A-1", &all));
+    assert_eq!(w.store.saves(), 8, "a claim and a result per step");
+    assert_eq!(done.version, 9);
+    let order: Order = serde_json::from_value(done.data).unwrap();
+    assert_eq!(order.payment_id.as_deref(), Some("pay-A-1"));
+}
+
+#[tokio::test]
+async fn a_failure_before_the_pivot_undoes_completed_steps_in_reverse() {
+    let w = world();
+    w.svc.set("schedule_shipment", Behaviour::Refuse);
+    w.start("A-2").await;
+    let done = w.settle("A-2").await;
+    assert_eq!(done.status, SagaStatus::Compensated);
+    assert!(
+        done.last_error
+            .unwrap()
+            .contains("schedule_shipment refused")
+    );
+    assert_eq!(
+        w.svc.effects(),
+        keys(
+            "A-2",
+            &[
+                "capture_payment",
+                "reserve_stock",
+                "undo:reserve_stock",
+                "undo:capture_payment"
+            ]
+        )
+    );
+}
+
+#[tokio::test]
+async fn transient_failures_are_retried_with_the_same_key() {
+    let w = world();
+    w.svc.set("reserve_stock", Behaviour::FailTimes(1));
+    w.start("A-3").await;
+    assert_eq!(w.settle("A-3").await.status, SagaStatus::Completed);
+    let calls = w.svc.calls();
+    assert_eq!(
+        calls.iter().filter(|k| *k == "A-3:reserve_stock").count(),
+        2,
+        "{calls:?}"
+    );
+}
+
+#[tokio::test]
+async fn after_the_pivot_it_retries_forward_then_sticks_until_an_operator_retries() {
+    let w = world();
+    w.svc.set("send_receipt", Behaviour::FailTimes(100));
+    w.start("A-4").await;
+    let stuck = w.settle("A-4").await;
+    assert_eq!((stuck.status, stuck.step), (SagaStatus::Stuck, 3));
+    assert_eq!(
+        w.svc
+            .calls()
+            .iter()
+            .filter(|k| *k == "A-4:send_receipt")
+            .count(),
+        3
+    );
+    let views = w
+        .orch
+        .list(&SagaFilter {
+            status: Some(SagaStatus::Stuck),
+            ..SagaFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(views.len(), 1);
+    assert_eq!(views[0].step_name.as_deref(), Some("send_receipt"));
+    assert!(
+        views[0]
+            .record
+            .last_error
+            .as_ref()
+            .unwrap()
+            .contains("unavailable")
+    );
+
+    let err = w.orch.cancel("A-4").await.unwrap_err();
+    assert!(matches!(err, SagaError::PastPivot { .. }), "{err}");
+    assert!(err.to_string().contains("schedule_shipment"));
+
+    w.svc.clear("send_receipt");
+    let retried = w.orch.retry("A-4").await.unwrap();
+    assert_eq!(retried.status, SagaStatus::Running);
+    assert_eq!(w.settle("A-4").await.status, SagaStatus::Completed);
+    assert!(matches!(
+        w.orch.retry("A-4").await,
+        Err(SagaError::NotStuck { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_step_that_times_out_counts_as_failed_and_may_have_happened_so_is_undone() {
+    let w = world();
+    w.svc.set("reserve_stock", Behaviour::Hang);
+    w.start("A-5").await;
+    let done = w.settle("A-5").await;
+    assert_eq!(done.status, SagaStatus::Compensated);
+    assert!(done.last_error.unwrap().contains("timed out after 200ms"));
+    let effects = w.svc.effects();
+    assert!(
+        effects.contains(&"A-5:undo:reserve_stock".to_owned()),
+        "{effects:?}"
+    );
+    assert!(effects.contains(&"A-5:undo:capture_payment".to_owned()));
+}
+
+#[tokio::test]
+async fn cancel_before_the_pivot_compensates_and_ends_cancelled() {
+    let w = world();
+    // A long backoff, so the saga is waiting when the operator cancels.
+    let def = seed_saga_with(&w.svc, Duration::from_secs(60));
+    let w = World {
+        orch: orchestrator(&w.store, &def),
+        def,
+        ..w
+    };
+    w.svc.set("reserve_stock", Behaviour::FailTimes(1));
+    w.start("A-6").await;
+    // Capture succeeds; reserve fails once and waits for its backoff.
+    let record = w.orch.drive("A-6").await.unwrap();
+    assert_eq!((record.status, record.step), (SagaStatus::Running, 1));
+    let cancelled = w.orch.cancel("A-6").await.unwrap();
+    assert_eq!(cancelled.status, SagaStatus::Compensating);
+    w.store.expire_waits();
+    let done = w.settle("A-6").await;
+    assert_eq!(done.status, SagaStatus::Cancelled);
+    assert!(
+        done.last_error
+            .unwrap()
+            .starts_with("cancelled by operator")
+    );
+    assert!(
+        w.svc
+            .effects()
+            .contains(&"A-6:undo:capture_payment".to_owned())
+    );
+    assert!(matches!(
+        w.orch.cancel("A-6").await,
+        Err(SagaError::Finished { .. })
+    ));
+    let counts = w.orch.counts().await.unwrap();
+    assert_eq!(counts, vec![(SagaStatus::Cancelled, 1)]);
+}
+
+#[tokio::test]
+async fn unknown_kinds_and_ids_are_clear_errors() {
+    let w = world();
+    let other = SagaDefinition::<Order>::builder("other")
+        .step(step(&w.svc, "x"))
+        .build()
+        .unwrap();
+    let mut tx = w.store.begin().await.unwrap();
+    let order = Order {
+        id: "x".into(),
+        payment_id: None,
+    };
+    let err = w
+        .orch
+        .start(&mut tx, &other, "x", &order)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("OrchestratorBuilder::saga"),
+        "{err}"
+    );
+    assert!(matches!(
+        w.orch.retry("nope").await,
+        Err(SagaError::NotFound { .. })
+    ));
+    let dup = SagaOrchestrator::builder(w.store.clone())
+        .saga(&w.def)
+        .saga(&w.def)
+        .build();
+    assert!(matches!(dup, Err(SagaError::DuplicateKind { .. })));
+}
+
+/// Crash at every save (before it is written, and after it is written but
+/// before the orchestrator hears back), then resume with a fresh
+/// orchestrator: the saga ends in the same state, every effect happened
+/// exactly once, and a repeated call reused its key.
+#[tokio::test]
+async fn a_crash_at_any_save_resumes_where_it_stopped() {
+    for failing in [false, true] {
+        let total = {
+            let w = world();
+            if failing {
+                w.svc.set("schedule_shipment", Behaviour::Refuse);
+            }
+            w.start("probe").await;
+            w.settle("probe").await;
+            w.store.saves()
+        };
+        for crash_at in 1..=total {
+            for applied in [false, true] {
+                let w = world();
+                if failing {
+                    w.svc.set("schedule_shipment", Behaviour::Refuse);
+                }
+                w.start("A-7").await;
+                w.store.crash_at_save(crash_at, applied);
+                let crashed = loop {
+                    match w.orch.drive("A-7").await {
+                        Err(e) => break e,
+                        Ok(r) if r.status.is_terminal() => panic!("no crash at save {crash_at}"),
+                        Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+                    }
+                };
+                assert!(matches!(crashed, SagaError::Store(_)), "{crashed}");
+                // A new process, after the lease of the crashed one ends.
+                let orch = orchestrator(&w.store, &w.def);
+                w.store.expire_waits();
+                let w = World { orch, ..w };
+                let done = w.settle("A-7").await;
+                let expected = if failing {
+                    (
+                        SagaStatus::Compensated,
+                        vec![
+                            "capture_payment",
+                            "reserve_stock",
+                            "undo:reserve_stock",
+                            "undo:capture_payment",
+                        ],
+                    )
+                } else {
+                    (
+                        SagaStatus::Completed,
+                        vec![
+                            "capture_payment",
+                            "reserve_stock",
+                            "schedule_shipment",
+                            "send_receipt",
+                        ],
+                    )
+                };
+                let context = format!("failing={failing} crash_at={crash_at} applied={applied}");
+                assert_eq!(done.status, expected.0, "{context}");
+                assert_eq!(w.svc.effects(), keys("A-7", &expected.1), "{context}");
+                let calls = w.svc.calls();
+                for key in w.svc.effects() {
+                    let n = calls.iter().filter(|k| **k == key).count();
+                    assert!(n <= 2, "{key} called {n} times; {context}");
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn dropping_the_orchestrator_mid_step_resumes_the_step_with_the_same_key() {
+    let w = world();
+    // The shipment service does its work, then the process dies before the
+    // orchestrator hears back.
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let svc = w.svc.clone();
+    let entered = gate.clone();
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let def = SagaDefinition::<Order>::builder("order_fulfilment")
+        .step(compensable(&svc, "capture_payment"))
+        .step(compensable(&svc, "reserve_stock"))
+        .pivot(
+            Step::new("schedule_shipment", move |ctx: StepContext<Order>| {
+                let svc = svc.clone();
+                let entered = entered.clone();
+                let first = first.clone();
+                async move {
+                    svc.call("schedule_shipment", ctx.idempotency_key()).await?;
+                    if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                        entered.notify_one();
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<_, BoxError>(())
+                }
+            })
+            .timeout(Duration::from_secs(5)),
+        )
+        .step(step(&w.svc, "send_receipt"))
+        .build()
+        .unwrap();
+    let orch = orchestrator(&w.store, &def);
+    let w = World { def, orch, ..w };
+    w.start("A-8").await;
+    let running = tokio::spawn({
+        let orch = w.orch.clone();
+        async move { orch.run(std::future::pending()).await }
+    });
+    gate.notified().await;
+    running.abort(); // the process dies mid-step
+    let _ = running.await;
+    let record = w.orch.get("A-8").await.unwrap().unwrap();
+    assert_eq!(
+        (record.status, record.step, record.attempts),
+        (SagaStatus::Running, 2, 1)
+    );
+    assert!(
+        record.next_attempt_at > Utc::now(),
+        "still leased to the dead process"
+    );
+
+    let restarted = orchestrator(&w.store, &w.def);
+    w.store.expire_waits(); // its lease runs out
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let runner = tokio::spawn({
+        let orch = restarted.clone();
+        async move {
+            orch.run(async move {
+                let _ = stopped.await;
+            })
+            .await;
+        }
+    });
+    let done = loop {
+        let r = restarted.get("A-8").await.unwrap().unwrap();
+        if r.status.is_terminal() {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    stop.send(()).unwrap();
+    runner.await.unwrap();
+    assert_eq!(done.status, SagaStatus::Completed);
+    let calls = w.svc.calls();
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|k| *k == "A-8:schedule_shipment")
+            .count(),
+        2,
+        "re-run with the same key: {calls:?}"
+    );
+    assert_eq!(
+        w.svc
+            .effects()
+            .iter()
+            .filter(|k| *k == "A-8:schedule_shipment")
+            .count(),
+        1
+    );
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn failpoints_between_call_and_save_resume_without_double_effects() {
+    let scenario = fail::FailScenario::setup();
+    for (failpoint, failing) in [
+        ("keel-saga-after-claim", false),
+        ("keel-saga-after-step", false),
+        ("keel-saga-after-compensation", true),
+    ] {
+        let w = world();
+        if failing {
+            w.svc.set("reserve_stock", Behaviour::Refuse);
+        }
+        let id = format!("fp-{failpoint}");
+        w.start(&id).await;
+        fail::cfg(failpoint, &format!("return({id})")).unwrap();
+        let err = w.orch.drive(&id).await.unwrap_err();
+        assert!(
+            matches!(err, SagaError::Crashed(name) if name == failpoint),
+            "{err}"
+        );
+        fail::remove(failpoint);
+        w.store.expire_waits();
+        let done = w.settle(&id).await;
+        let expected = if failing {
+            SagaStatus::Compensated
+        } else {
+            SagaStatus::Completed
+        };
+        assert_eq!(done.status, expected, "{failpoint}");
+        let effects = w.svc.effects();
+        let mut unique = effects.clone();
+        unique.dedup();
+        assert_eq!(effects, unique, "{failpoint}: every effect once");
+    }
+    scenario.teardown();
+}
+
+// ------------------------------------------------------------ choreography --
+
+mod choreography_tests {
+    use super::*;
+    use crate::envelope::{Envelope, Event, EventMeta};
+    use crate::outbox::Outbox;
+    use crate::saga::choreography::{CAUSATION_ID, CORRELATION_ID, Next, reaction};
+
+    #[derive(Debug, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct OrderPlaced {
+        order_id: String,
+    }
+    impl Event for OrderPlaced {
+        const TYPE: &'static str = "shop.order.placed.v1";
+        fn subject(&self) -> String {
+            self.order_id.clone()
+        }
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct StockReserved {
+        order_id: String,
+    }
+    impl Event for StockReserved {
+        const TYPE: &'static str = "shop.stock.reserved.v1";
+        fn subject(&self) -> String {
+            self.order_id.clone()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reaction_emits_the_next_event_in_the_same_transaction_with_a_derived_id() {
+        let store = MemStore::default();
+        let reserve = reaction(
+            Outbox::new(store.clone()),
+            "/services/inventory",
+            "stock",
+            |_tx: &mut MemTx, placed: OrderPlaced, _env| {
+                Box::pin(async move {
+                    Ok(Some(Next::new(
+                        StockReserved {
+                            order_id: placed.order_id,
+                        },
+                        2,
+                    )))
+                })
+            },
+        );
+        let mut cause = Envelope::from_event(
+            "/services/orders",
+            &OrderPlaced {
+                order_id: "A-4471".into(),
+            },
+            EventMeta::new(1),
+        )
+        .unwrap();
+        cause.traceparent =
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned());
+
+        let mut tx = store.begin().await.unwrap();
+        let next = reserve.react(&mut tx, &cause).await.unwrap().unwrap();
+        assert!(
+            store.state.lock().outbox.is_empty(),
+            "nothing before commit"
+        );
+        store.commit(tx).await.unwrap();
+
+        assert_eq!(next.id, format!("{}:shop.stock.reserved.v1", cause.id));
+        assert_eq!(next.subject.as_deref(), Some("A-4471"));
+        assert_eq!(next.extensions[CAUSATION_ID], cause.id.as_str());
+        assert_eq!(next.extensions[CORRELATION_ID], cause.id.as_str());
+        let trace = next.trace_parent().unwrap();
+        assert_eq!(trace.trace_id(), cause.trace_parent().unwrap().trace_id());
+        let outbox = store.state.lock().outbox.clone();
+        assert_eq!(outbox.len(), 1);
+        assert_eq!(outbox[0].event_id, next.id);
+        assert_eq!(outbox[0].topic, "stock");
+        assert_eq!(outbox[0].partition_key, "A-4471");
+
+        // The same cause again (a redelivery) derives the same id.
+        let mut tx = store.begin().await.unwrap();
+        let again = reserve.react(&mut tx, &cause).await.unwrap().unwrap();
+        assert_eq!(again.id, next.id);
+
+        // Another event type is refused, not skipped.
+        let mut wrong = cause.clone();
+        wrong.ty = "shop.order.cancelled.v1".into();
+        let err = reserve.react(&mut tx, &wrong).await.unwrap_err();
+        assert!(err.is_malformed(), "{err}");
+    }
+}

@@ -1,0 +1,803 @@
+//! The saga orchestrator on SqliteStore: seed 000's order saga runs,
+//! compensates, sticks and is steered by an operator; and a crash at any
+//! save, a process killed mid-step, or two orchestrators racing never make
+//! an effect happen twice or leave a saga anywhere but completed, fully
+//! compensated, or visibly stuck.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use keel_core::{BoxError, Classified};
+use keel_messaging::envelope::{Envelope, Event, EventMeta};
+use keel_messaging::outbox::Outbox;
+use keel_messaging::saga::choreography::{Next, reaction};
+use keel_messaging::saga::{Backoff, Jitter};
+use keel_messaging::saga::{SagaDefinition, SagaError, SagaOrchestrator, Step, StepContext};
+use keel_messaging::store::{
+    OutboxStore, SagaFilter, SagaRecord, SagaStatus, SagaStore, Store, StoreError,
+};
+use keel_sqlite::store::SqliteStore;
+use serde::{Deserialize, Serialize};
+use tempfile::TempDir;
+
+type Tx = <SqliteStore as Store>::Tx;
+
+/// A lock for test bookkeeping (std's Mutex is banned; parking_lot is not
+/// a dependency here).
+#[derive(Default)]
+struct Mutex<T>(std::sync::RwLock<T>);
+
+impl<T> Mutex<T> {
+    fn new(value: T) -> Self {
+        Self(std::sync::RwLock::new(value))
+    }
+
+    fn lock(&self) -> std::sync::RwLockWriteGuard<'_, T> {
+        self.0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+// ------------------------------------------------------------- services --
+
+#[derive(Debug, Clone, Copy)]
+enum Behaviour {
+    /// Fails (retryable) this many more times, then works.
+    FailTimes(u32),
+    /// Refuses for good.
+    Refuse,
+    /// Never answers.
+    Hang,
+}
+
+/// Downstream services that dedupe on the idempotency key (as a payment
+/// API does), with a ledger of calls and of effects.
+#[derive(Default)]
+struct Services {
+    behaviour: Mutex<HashMap<String, Behaviour>>,
+    calls: Mutex<Vec<String>>,
+    effects: Mutex<Vec<String>>,
+}
+
+impl Services {
+    fn set(&self, step: &str, b: Behaviour) {
+        self.behaviour.lock().insert(step.to_owned(), b);
+    }
+
+    fn clear(&self, step: &str) {
+        self.behaviour.lock().remove(step);
+    }
+
+    async fn call(&self, step: &str, key: &str) -> Result<(), BoxError> {
+        self.calls.lock().push(key.to_owned());
+        let behaviour = self.behaviour.lock().get(step).copied();
+        match behaviour {
+            Some(Behaviour::Hang) => std::future::pending().await,
+            Some(Behaviour::Refuse) => return Err(format!("{step} refused").into()),
+            Some(Behaviour::FailTimes(n)) if n > 0 => {
+                self.set(step, Behaviour::FailTimes(n - 1));
+                return Err(Classified::retryable(format!("{step} unavailable")).into());
+            }
+            _ => {}
+        }
+        let mut effects = self.effects.lock();
+        if !effects.iter().any(|k| k == key) {
+            effects.push(key.to_owned());
+        }
+        Ok(())
+    }
+
+    fn calls_of(&self, key: &str) -> usize {
+        self.calls.lock().iter().filter(|k| *k == key).count()
+    }
+
+    fn effects(&self) -> Vec<String> {
+        self.effects.lock().clone()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Order {
+    order_id: String,
+    total_minor: i64,
+    payment_id: Option<String>,
+}
+
+fn step(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
+    let svc = svc.clone();
+    Step::new(name, move |ctx: StepContext<Order>| {
+        let svc = svc.clone();
+        async move {
+            svc.call(name, ctx.idempotency_key()).await?;
+            if name == "capture_payment" {
+                ctx.update(|o| o.payment_id = Some(format!("pay-{}", o.order_id)));
+            }
+            Ok::<_, BoxError>(())
+        }
+    })
+    .timeout(Duration::from_millis(300))
+    .max_attempts(2)
+}
+
+fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
+    let undo = svc.clone();
+    step(svc, name).compensate_with(move |ctx: StepContext<Order>| {
+        let svc = undo.clone();
+        async move {
+            if name == "capture_payment" && ctx.data().payment_id.is_none() {
+                return Err("refund without the payment id".into());
+            }
+            svc.call(&format!("undo_{name}"), ctx.idempotency_key())
+                .await
+        }
+    })
+}
+
+/// Seed 000: capture_payment, reserve_stock, schedule_shipment (the pivot),
+/// send_receipt.
+fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
+    seed_saga_with(svc, Duration::from_millis(2))
+}
+
+fn seed_saga_with(svc: &Arc<Services>, first_backoff: Duration) -> SagaDefinition<Order> {
+    SagaDefinition::builder("order_fulfilment")
+        .step(compensable(svc, "capture_payment"))
+        .step(compensable(svc, "reserve_stock"))
+        .pivot(step(svc, "schedule_shipment"))
+        .step(step(svc, "send_receipt"))
+        .backoff(
+            Backoff::exponential(first_backoff, 2.0, first_backoff * 5)
+                .unwrap()
+                .with_jitter(Jitter::None)
+                .unwrap(),
+        )
+        .stuck_after(3)
+        .build()
+        .unwrap()
+}
+
+const ALL_STEPS: [&str; 4] = [
+    "capture_payment",
+    "reserve_stock",
+    "schedule_shipment",
+    "send_receipt",
+];
+const COMPENSATED: [&str; 4] = [
+    "capture_payment",
+    "reserve_stock",
+    "undo:reserve_stock",
+    "undo:capture_payment",
+];
+
+fn keys(id: &str, names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| format!("{id}:{n}")).collect()
+}
+
+// ---------------------------------------------------------------- world --
+
+struct World<S: SagaStore> {
+    _dir: Arc<TempDir>,
+    sqlite: SqliteStore,
+    store: S,
+    svc: Arc<Services>,
+    def: SagaDefinition<Order>,
+    orch: SagaOrchestrator<S>,
+}
+
+async fn sqlite() -> (Arc<TempDir>, SqliteStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("app.db")).await.unwrap();
+    (Arc::new(dir), store)
+}
+
+fn orchestrator<S: SagaStore>(store: &S, def: &SagaDefinition<Order>) -> SagaOrchestrator<S> {
+    SagaOrchestrator::builder(store.clone())
+        .saga(def)
+        .lease_grace(Duration::from_millis(50))
+        .poll_interval(Duration::from_millis(10))
+        .build()
+        .unwrap()
+}
+
+async fn world() -> World<SqliteStore> {
+    let (dir, sqlite) = sqlite().await;
+    world_over(dir, sqlite.clone(), sqlite).await
+}
+
+async fn world_over<S: SagaStore>(dir: Arc<TempDir>, sqlite: SqliteStore, store: S) -> World<S> {
+    let svc = Arc::new(Services::default());
+    let def = seed_saga(&svc);
+    let orch = orchestrator(&store, &def);
+    World {
+        _dir: dir,
+        sqlite,
+        store,
+        svc,
+        def,
+        orch,
+    }
+}
+
+fn order(id: &str) -> Order {
+    Order {
+        order_id: id.to_owned(),
+        total_minor: 8210,
+        payment_id: None,
+    }
+}
+
+impl<S: SagaStore> World<S> {
+    async fn start(&self, id: &str) {
+        let mut tx = self.store.begin().await.unwrap();
+        assert!(
+            self.orch
+                .start(&mut tx, &self.def, id, &order(id))
+                .await
+                .unwrap()
+        );
+        self.store.commit(tx).await.unwrap();
+    }
+
+    /// What the passing of time does to leases and backoffs (without
+    /// waiting for it).
+    async fn expire_waits(&self) {
+        sqlx::query(
+            "UPDATE keel_sagas SET next_attempt_at = 0 WHERE status IN ('running', 'compensating')",
+        )
+        .execute(self.sqlite.pool())
+        .await
+        .unwrap();
+    }
+
+    /// Drives the saga until it finishes or sticks.
+    async fn settle(&self, id: &str) -> SagaRecord {
+        for _ in 0..500 {
+            let record = self.orch.drive(id).await.unwrap();
+            if record.status.is_terminal() || record.status == SagaStatus::Stuck {
+                return record;
+            }
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        panic!("saga {id} did not settle");
+    }
+}
+
+// ------------------------------------------------------------ scenarios --
+
+#[tokio::test]
+async fn the_order_saga_completes_with_derived_keys_and_persisted_data() {
+    let w = world().await;
+    w.start("A-4471").await;
+    let done = w.settle("A-4471").await;
+    assert_eq!(done.status, SagaStatus::Completed);
+    assert_eq!(
+        done.version, 9,
+        "inserted, then a claim and a result per step"
+    );
+    assert_eq!(w.svc.effects(), keys("A-4471", &ALL_STEPS));
+    let stored = w.orch.get("A-4471").await.unwrap().unwrap();
+    let data: Order = serde_json::from_value(stored.data).unwrap();
+    assert_eq!(data.payment_id.as_deref(), Some("pay-A-4471"));
+}
+
+#[tokio::test]
+async fn a_saga_started_in_a_rolled_back_transaction_never_exists() {
+    let w = world().await;
+    let mut tx: Tx = w.store.begin().await.unwrap();
+    sqlx::query("CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert!(
+        w.orch
+            .start(&mut tx, &w.def, "A-1", &order("A-1"))
+            .await
+            .unwrap()
+    );
+    w.store.rollback(tx).await.unwrap();
+    assert!(w.orch.get("A-1").await.unwrap().is_none());
+    assert_eq!(w.orch.tick().await.unwrap(), 0);
+
+    w.start("A-1").await;
+    let mut tx = w.store.begin().await.unwrap();
+    assert!(
+        !w.orch
+            .start(&mut tx, &w.def, "A-1", &order("A-1"))
+            .await
+            .unwrap(),
+        "a redelivered trigger does not start a second saga"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_pivot_undoes_completed_steps_in_reverse() {
+    let w = world().await;
+    w.svc.set("schedule_shipment", Behaviour::Refuse);
+    w.start("A-2").await;
+    let done = w.settle("A-2").await;
+    assert_eq!(done.status, SagaStatus::Compensated);
+    assert_eq!(w.svc.effects(), keys("A-2", &COMPENSATED));
+    assert!(
+        done.last_error
+            .unwrap()
+            .contains("schedule_shipment refused")
+    );
+}
+
+#[tokio::test]
+async fn a_step_that_times_out_is_undone_because_it_may_have_happened() {
+    let w = world().await;
+    w.svc.set("reserve_stock", Behaviour::Hang);
+    w.start("A-3").await;
+    let done = w.settle("A-3").await;
+    assert_eq!(done.status, SagaStatus::Compensated);
+    assert!(done.last_error.unwrap().contains("timed out"));
+    assert!(
+        w.svc
+            .effects()
+            .contains(&"A-3:undo:reserve_stock".to_owned())
+    );
+    assert!(
+        w.svc
+            .effects()
+            .contains(&"A-3:undo:capture_payment".to_owned())
+    );
+}
+
+#[tokio::test]
+async fn past_the_pivot_the_saga_sticks_visibly_and_an_operator_finishes_it() {
+    let w = world().await;
+    w.svc.set("send_receipt", Behaviour::FailTimes(1000));
+    w.start("A-5").await;
+    w.start("A-6").await;
+    let stuck = w.settle("A-5").await;
+    assert_eq!((stuck.status, stuck.step), (SagaStatus::Stuck, 3));
+    assert_eq!(
+        w.svc.calls_of("A-5:send_receipt"),
+        3,
+        "retried forward, then stuck"
+    );
+
+    // The dashboard: by state and age, with the step in words.
+    let views = w
+        .orch
+        .list(&SagaFilter {
+            status: Some(SagaStatus::Stuck),
+            ..SagaFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(views.len(), 1);
+    assert_eq!(views[0].record.id, "A-5");
+    assert_eq!(views[0].step_name.as_deref(), Some("send_receipt"));
+    let counts: HashMap<SagaStatus, u64> = w.orch.counts().await.unwrap().into_iter().collect();
+    assert_eq!(counts[&SagaStatus::Stuck], 1);
+    assert_eq!(counts[&SagaStatus::Running], 1);
+    // A stuck saga is not picked up again by itself.
+    assert!(
+        w.store
+            .saga_due(Utc::now(), 10)
+            .await
+            .unwrap()
+            .iter()
+            .all(|s| s.id != "A-5")
+    );
+
+    let err = w.orch.cancel("A-5").await.unwrap_err();
+    assert!(matches!(err, SagaError::PastPivot { .. }), "{err}");
+
+    w.svc.clear("send_receipt");
+    w.orch.retry("A-5").await.unwrap();
+    assert_eq!(w.settle("A-5").await.status, SagaStatus::Completed);
+    assert_eq!(
+        w.svc
+            .effects()
+            .iter()
+            .filter(|k| k.starts_with("A-5:"))
+            .count(),
+        4
+    );
+}
+
+#[tokio::test]
+async fn cancelling_before_the_pivot_compensates_and_ends_cancelled() {
+    let w = world().await;
+    // A long backoff, so the saga is waiting when the operator cancels.
+    let def = seed_saga_with(&w.svc, Duration::from_secs(60));
+    let w = World {
+        orch: orchestrator(&w.store, &def),
+        def,
+        ..w
+    };
+    w.svc.set("reserve_stock", Behaviour::FailTimes(1));
+    w.start("A-7").await;
+    let waiting = w.orch.drive("A-7").await.unwrap();
+    assert_eq!((waiting.status, waiting.step), (SagaStatus::Running, 1));
+    w.orch.cancel("A-7").await.unwrap();
+    w.expire_waits().await;
+    let done = w.settle("A-7").await;
+    assert_eq!(done.status, SagaStatus::Cancelled);
+    assert!(
+        done.last_error
+            .unwrap()
+            .starts_with("cancelled by operator")
+    );
+    assert_eq!(
+        w.svc.effects(),
+        keys(
+            "A-7",
+            &[
+                "capture_payment",
+                "undo:reserve_stock",
+                "undo:capture_payment"
+            ]
+        ),
+        "the reservation attempt may have happened: released too"
+    );
+}
+
+// ---------------------------------------------------- crash injection --
+
+/// SqliteStore with a crash injected at one `saga_save`: before the write
+/// (the process died after the call, before saving), or after it (died
+/// after the save committed, before it heard back).
+#[derive(Clone)]
+struct CrashingStore {
+    inner: SqliteStore,
+    saves: Arc<AtomicUsize>,
+    crash_at: Arc<Mutex<Option<(usize, bool)>>>,
+}
+
+#[async_trait]
+impl Store for CrashingStore {
+    type Tx = Tx;
+    async fn begin(&self) -> Result<Tx, StoreError> {
+        self.inner.begin().await
+    }
+    async fn commit(&self, tx: Tx) -> Result<(), StoreError> {
+        self.inner.commit(tx).await
+    }
+    async fn rollback(&self, tx: Tx) -> Result<(), StoreError> {
+        self.inner.rollback(tx).await
+    }
+    async fn ready(&self) -> Result<(), StoreError> {
+        self.inner.ready().await
+    }
+}
+
+#[async_trait]
+impl SagaStore for CrashingStore {
+    async fn saga_insert(&self, tx: &mut Tx, saga: &SagaRecord) -> Result<bool, StoreError> {
+        self.inner.saga_insert(tx, saga).await
+    }
+    async fn saga_get(&self, id: &str) -> Result<Option<SagaRecord>, StoreError> {
+        self.inner.saga_get(id).await
+    }
+    async fn saga_save(&self, saga: &SagaRecord) -> Result<bool, StoreError> {
+        let n = self.saves.fetch_add(1, Ordering::SeqCst) + 1;
+        let crash = match *self.crash_at.lock() {
+            Some((at, applied)) if at == n => Some(applied),
+            _ => None,
+        };
+        if crash == Some(false) {
+            return Err(StoreError::Unavailable("crash before the save".into()));
+        }
+        let saved = self.inner.saga_save(saga).await?;
+        if crash == Some(true) {
+            return Err(StoreError::OutcomeUnknown("crash after the save".into()));
+        }
+        Ok(saved)
+    }
+    async fn saga_due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<Vec<SagaRecord>, StoreError> {
+        self.inner.saga_due(now, limit).await
+    }
+    async fn saga_list(&self, filter: &SagaFilter) -> Result<Vec<SagaRecord>, StoreError> {
+        self.inner.saga_list(filter).await
+    }
+    async fn saga_counts(&self) -> Result<Vec<(SagaStatus, u64)>, StoreError> {
+        self.inner.saga_counts().await
+    }
+}
+
+async fn crashing_world(crash_at: Option<(usize, bool)>) -> World<CrashingStore> {
+    let (dir, sqlite) = sqlite().await;
+    let store = CrashingStore {
+        inner: sqlite.clone(),
+        saves: Arc::default(),
+        crash_at: Arc::new(Mutex::new(crash_at)),
+    };
+    world_over(dir, sqlite, store).await
+}
+
+/// Crash between every pair of durable steps (each claim and each result
+/// is a save; the crash comes before or after each one), then restart: the
+/// saga ends where it would have without the crash, every effect happened
+/// exactly once, and a repeated call reused its idempotency key.
+#[tokio::test]
+async fn a_crash_at_any_save_resumes_exactly_where_it_stopped() {
+    for refuse_pivot in [false, true] {
+        let probe = crashing_world(None).await;
+        if refuse_pivot {
+            probe.svc.set("schedule_shipment", Behaviour::Refuse);
+        }
+        probe.start("probe").await;
+        probe.settle("probe").await;
+        let total = probe.store.saves.load(Ordering::SeqCst);
+        assert!(total >= 8);
+
+        for crash_at in 1..=total {
+            for applied in [false, true] {
+                let context =
+                    format!("refuse_pivot={refuse_pivot} save={crash_at} applied={applied}");
+                let w = crashing_world(Some((crash_at, applied))).await;
+                if refuse_pivot {
+                    w.svc.set("schedule_shipment", Behaviour::Refuse);
+                }
+                w.start("A-8").await;
+                let crashed = loop {
+                    match w.orch.drive("A-8").await {
+                        Err(e) => break e,
+                        Ok(r) if r.status.is_terminal() => panic!("no crash; {context}"),
+                        Ok(_) => tokio::time::sleep(Duration::from_millis(3)).await,
+                    }
+                };
+                assert!(
+                    matches!(crashed, SagaError::Store(_)),
+                    "{crashed}; {context}"
+                );
+
+                // A new process, once the dead one's lease has run out.
+                *w.store.crash_at.lock() = None;
+                w.expire_waits().await;
+                let w = World {
+                    orch: orchestrator(&w.store, &w.def),
+                    ..w
+                };
+                let done = w.settle("A-8").await;
+                let (status, effects) = if refuse_pivot {
+                    (SagaStatus::Compensated, COMPENSATED)
+                } else {
+                    (SagaStatus::Completed, ALL_STEPS)
+                };
+                assert_eq!(done.status, status, "{context}");
+                assert_eq!(w.svc.effects(), keys("A-8", &effects), "{context}");
+                for key in w.svc.effects() {
+                    assert!(
+                        w.svc.calls_of(&key) <= 2,
+                        "{key} called too often; {context}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_process_killed_mid_step_is_resumed_by_another_with_the_same_key() {
+    let (dir, sqlite) = sqlite().await;
+    let svc = Arc::new(Services::default());
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let first = Arc::new(AtomicBool::new(true));
+    let shipment = {
+        let (svc, entered, first) = (svc.clone(), entered.clone(), first.clone());
+        Step::new("schedule_shipment", move |ctx: StepContext<Order>| {
+            let (svc, entered, first) = (svc.clone(), entered.clone(), first.clone());
+            async move {
+                svc.call("schedule_shipment", ctx.idempotency_key()).await?;
+                if first.swap(false, Ordering::SeqCst) {
+                    // The shipment is booked; the process dies before it
+                    // hears back.
+                    entered.notify_one();
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, BoxError>(())
+            }
+        })
+        .timeout(Duration::from_millis(400))
+    };
+    let def = SagaDefinition::builder("order_fulfilment")
+        .step(compensable(&svc, "capture_payment"))
+        .step(compensable(&svc, "reserve_stock"))
+        .pivot(shipment)
+        .step(step(&svc, "send_receipt"))
+        .build()
+        .unwrap();
+    let w = World {
+        _dir: dir,
+        orch: orchestrator(&sqlite, &def),
+        store: sqlite.clone(),
+        sqlite,
+        svc,
+        def,
+    };
+    w.start("A-9").await;
+
+    let first_process = tokio::spawn({
+        let orch = w.orch.clone();
+        async move { orch.run(std::future::pending()).await }
+    });
+    entered.notified().await;
+    first_process.abort();
+    let _ = first_process.await;
+    let leased = w.orch.get("A-9").await.unwrap().unwrap();
+    assert_eq!(
+        (leased.status, leased.step, leased.attempts),
+        (SagaStatus::Running, 2, 1)
+    );
+    assert!(
+        leased.next_attempt_at > Utc::now(),
+        "still leased to the dead process"
+    );
+
+    // A second process waits out the lease (step timeout + grace), then
+    // finishes the saga.
+    let second = orchestrator(&w.store, &w.def);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let second_process = tokio::spawn({
+        let orch = second.clone();
+        async move {
+            orch.run(async move {
+                let _ = stopped.await;
+            })
+            .await;
+        }
+    });
+    let done = loop {
+        let r = second.get("A-9").await.unwrap().unwrap();
+        if r.status.is_terminal() {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    stop.send(()).unwrap();
+    second_process.await.unwrap();
+    assert_eq!(done.status, SagaStatus::Completed);
+    assert_eq!(
+        w.svc.calls_of("A-9:schedule_shipment"),
+        2,
+        "re-run with the same key"
+    );
+    assert_eq!(w.svc.effects(), keys("A-9", &ALL_STEPS), "booked once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_orchestrators_on_one_store_run_each_step_once() {
+    let w = world().await;
+    let ids: Vec<String> = (0..12).map(|i| format!("B-{i}")).collect();
+    for id in &ids {
+        w.start(id).await;
+    }
+    let other = orchestrator(&w.store, &w.def);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut runners = Vec::new();
+    for orch in [w.orch.clone(), other] {
+        let mut stopped = stopped.clone();
+        runners.push(tokio::spawn(async move {
+            orch.run(async move {
+                let _ = stopped.changed().await;
+            })
+            .await;
+        }));
+    }
+    for _ in 0..500 {
+        let counts = w.orch.counts().await.unwrap();
+        if counts == vec![(SagaStatus::Completed, 12)] {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(true).unwrap();
+    for r in runners {
+        r.await.unwrap();
+    }
+    assert_eq!(
+        w.orch.counts().await.unwrap(),
+        vec![(SagaStatus::Completed, 12)]
+    );
+    for id in &ids {
+        for key in keys(id, &ALL_STEPS) {
+            assert_eq!(
+                w.svc.calls_of(&key),
+                1,
+                "{key}: claimed by exactly one orchestrator"
+            );
+        }
+    }
+}
+
+// -------------------------------------------------------- choreography --
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct OrderPlaced {
+    order_id: String,
+}
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "shop.order.placed.v1";
+    fn subject(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StockReserved {
+    order_id: String,
+}
+impl Event for StockReserved {
+    const TYPE: &'static str = "shop.stock.reserved.v1";
+    fn subject(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+#[tokio::test]
+async fn a_reaction_commits_its_effect_and_the_next_event_together() {
+    let (_dir, store) = sqlite().await;
+    sqlx::query("CREATE TABLE reservations (order_id TEXT PRIMARY KEY)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let reserve = reaction(
+        Outbox::new(store.clone()),
+        "/services/inventory",
+        "stock",
+        |tx: &mut Tx, placed: OrderPlaced, _cause| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO reservations (order_id) VALUES (?1)")
+                    .bind(&placed.order_id)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Some(Next::new(
+                    StockReserved {
+                        order_id: placed.order_id,
+                    },
+                    1,
+                )))
+            })
+        },
+    );
+    let cause = Envelope::from_event(
+        "/services/orders",
+        &OrderPlaced {
+            order_id: "A-4471".into(),
+        },
+        EventMeta::new(3),
+    )
+    .unwrap();
+
+    // Rolled back: neither the reservation nor the event exists.
+    let mut tx = store.begin().await.unwrap();
+    reserve.react(&mut tx, &cause).await.unwrap();
+    store.rollback(tx).await.unwrap();
+    assert!(store.outbox_stats().await.unwrap().unpublished == 0);
+
+    // Committed: both.
+    let mut tx = store.begin().await.unwrap();
+    let next = reserve.react(&mut tx, &cause).await.unwrap().unwrap();
+    store.commit(tx).await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM reservations")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    let pending = store
+        .outbox_claim("relay", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].record.event_id, next.id);
+    assert_eq!(next.id, format!("{}:{}", cause.id, StockReserved::TYPE));
+    let emitted = Envelope::from_json(&pending[0].record.payload).unwrap();
+    assert_eq!(emitted.extensions["causationid"], cause.id.as_str());
+}
