@@ -8,6 +8,8 @@
 
 #[cfg(feature = "broker")]
 pub mod broker;
+#[cfg(feature = "broker")]
+pub use broker::{SqliteBroker, SqliteBrokerOptions};
 #[cfg(feature = "store")]
 pub mod store;
 #[cfg(feature = "store")]

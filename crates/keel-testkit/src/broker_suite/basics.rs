@@ -1,0 +1,320 @@
+//! Publishing, groups, acks and waiting: the everyday contract.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use keel_core::clock;
+use keel_messaging::broker::{Broker, Delivery, Message};
+
+use super::support::{
+    LONG_LEASE, PATIENCE, SHORT_LEASE, ack_all, collect, ids, message, publish, receive, subscribe,
+    unique_topic,
+};
+
+/// What was published arrives intact: id, topic, key, headers (a broker may
+/// add its own) and payload, text, binary or empty; first delivery count 1.
+pub async fn publish_then_receive<B: Broker>(broker: B) {
+    let topic = unique_topic("publish-receive");
+    let sent = vec![
+        message(&topic, "m-1", "k-1", "one").with_header("x-tenant", "acme"),
+        Message::new("m-2", &topic, "k-2", Bytes::from_static(&[0, 159, 255, 10])),
+        Message::new("m-3", &topic, "k-3", Bytes::new()),
+    ];
+    publish(&broker, &sent).await;
+    let mut sub = subscribe(&broker, &topic, "reader", LONG_LEASE).await;
+    let got = collect(sub.as_mut(), 3, PATIENCE).await;
+    assert_eq!(
+        ids(&got),
+        ["m-1", "m-2", "m-3"],
+        "every published message arrives once"
+    );
+    for delivery in &got {
+        let original = sent
+            .iter()
+            .find(|m| m.id == delivery.message.id)
+            .expect("a message that was published");
+        let received = &delivery.message;
+        assert_eq!(received.topic, original.topic);
+        assert_eq!(received.key, original.key);
+        assert_eq!(
+            received.payload, original.payload,
+            "payload of {}",
+            original.id
+        );
+        for (name, value) in &original.headers {
+            assert_eq!(
+                received.header(name),
+                Some(value.as_str()),
+                "header {name} of {}",
+                original.id
+            );
+        }
+        assert_eq!(
+            delivery.delivery_count, 1,
+            "first delivery of {}",
+            original.id
+        );
+    }
+    ack_all(&got).await;
+}
+
+/// Two groups on one topic each receive every message.
+pub async fn every_group_gets_every_message<B: Broker>(broker: B) {
+    let topic = unique_topic("groups");
+    let mut billing = subscribe(&broker, &topic, "billing", LONG_LEASE).await;
+    let mut shipping = subscribe(&broker, &topic, "shipping", LONG_LEASE).await;
+    let sent: Vec<Message> = (0..10)
+        .map(|i| message(&topic, &format!("m-{i:02}"), &format!("k-{i}"), "x"))
+        .collect();
+    publish(&broker, &sent).await;
+    let expected = ids_of(&sent);
+    for (name, sub) in [("billing", &mut billing), ("shipping", &mut shipping)] {
+        let got = collect(sub.as_mut(), sent.len(), PATIENCE).await;
+        assert_eq!(ids(&got), expected, "group {name} receives every message");
+        ack_all(&got).await;
+    }
+}
+
+/// Consumers of one group share the work: together they receive every
+/// message, and no message is held by two of them at once.
+pub async fn group_members_split_the_work<B: Broker>(broker: B) {
+    let topic = unique_topic("split");
+    let broker = Arc::new(broker);
+    let sent: Vec<Message> = (0..20)
+        .map(|i| message(&topic, &format!("m-{i:02}"), &format!("k-{i}"), "x"))
+        .collect();
+    publish(broker.as_ref(), &sent).await;
+    let taken = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let mut sub = subscribe(broker.as_ref(), &topic, "workers", LONG_LEASE).await;
+        let taken = taken.clone();
+        workers.push(tokio::spawn(async move {
+            let deadline = clock::now() + PATIENCE;
+            let mut held: Vec<Delivery> = Vec::new();
+            // Hold everything (no acks) until the group has all 20 out.
+            while taken.load(Ordering::SeqCst) < 20 && clock::now() < deadline {
+                let batch = receive(sub.as_mut(), 5, Duration::from_millis(100)).await;
+                taken.fetch_add(batch.len(), Ordering::SeqCst);
+                held.extend(batch);
+            }
+            (sub, held)
+        }));
+    }
+    let mut holdings = Vec::new();
+    for worker in workers {
+        holdings.push(worker.await.expect("worker panicked"));
+    }
+    let (first, second) = (ids(&holdings[0].1), ids(&holdings[1].1));
+    let overlap: Vec<&String> = first.iter().filter(|id| second.contains(id)).collect();
+    assert!(
+        overlap.is_empty(),
+        "held by both consumers at once: {overlap:?}"
+    );
+    let union: BTreeSet<String> = first.iter().chain(&second).cloned().collect();
+    assert_eq!(
+        union.into_iter().collect::<Vec<_>>(),
+        ids_of(&sent),
+        "together they get everything"
+    );
+    // Everything is leased: nobody in the group gets anything more.
+    for (sub, _) in &mut holdings {
+        let extra = receive(sub.as_mut(), 10, Duration::from_millis(200)).await;
+        assert!(
+            extra.is_empty(),
+            "leased messages were delivered again: {:?}",
+            ids(&extra)
+        );
+    }
+    for (_, held) in &holdings {
+        ack_all(held).await;
+    }
+}
+
+/// An acked message is never delivered to the group again, even after its
+/// lease would have run out.
+pub async fn ack_means_never_again<B: Broker>(broker: B) {
+    let topic = unique_topic("ack");
+    publish(&broker, &[message(&topic, "m-1", "k", "x")]).await;
+    let mut sub = subscribe(&broker, &topic, "g", SHORT_LEASE).await;
+    let got = collect(sub.as_mut(), 1, PATIENCE).await;
+    assert_eq!(ids(&got), ["m-1"]);
+    got[0].ack().await.expect("ack");
+    let again = receive(sub.as_mut(), 10, SHORT_LEASE * 3).await;
+    assert!(
+        again.is_empty(),
+        "acked message came back: {:?}",
+        ids(&again)
+    );
+}
+
+/// A terminated message is never delivered again, and the next message of
+/// its key is released.
+pub async fn terminate_means_never_again<B: Broker>(broker: B) {
+    let topic = unique_topic("terminate");
+    publish(
+        &broker,
+        &[
+            message(&topic, "m-1", "k", "poison"),
+            message(&topic, "m-2", "k", "fine"),
+        ],
+    )
+    .await;
+    let mut sub = subscribe(&broker, &topic, "g", SHORT_LEASE).await;
+    let first = collect(sub.as_mut(), 1, PATIENCE).await;
+    assert_eq!(ids(&first), ["m-1"], "the key's first message comes first");
+    first[0].terminate().await.expect("terminate");
+    let next = collect(sub.as_mut(), 1, PATIENCE).await;
+    assert_eq!(ids(&next), ["m-2"], "terminating releases the key");
+    next[0].ack().await.expect("ack");
+    let again = receive(sub.as_mut(), 10, SHORT_LEASE * 3).await;
+    assert!(
+        again.is_empty(),
+        "terminated or acked message came back: {:?}",
+        ids(&again)
+    );
+}
+
+/// A message id already published on a topic is accepted and dropped, in
+/// the same batch or a later one; the first payload wins. The same id on
+/// another topic is a different message.
+pub async fn publisher_dedupes_on_message_id<B: Broker>(broker: B) {
+    let topic = unique_topic("dedupe");
+    let other_topic = unique_topic("dedupe-other");
+    publish(
+        &broker,
+        &[
+            message(&topic, "m-1", "k-1", "first"),
+            message(&topic, "m-1", "k-1", "same batch"),
+            message(&topic, "m-2", "k-2", "x"),
+        ],
+    )
+    .await;
+    publish(&broker, &[message(&topic, "m-1", "k-1", "later batch")]).await;
+    publish(
+        &broker,
+        &[message(&other_topic, "m-1", "k-1", "other topic")],
+    )
+    .await;
+
+    let mut sub = subscribe(&broker, &topic, "g", LONG_LEASE).await;
+    let mut got = collect(sub.as_mut(), 2, PATIENCE).await;
+    got.extend(receive(sub.as_mut(), 10, Duration::from_millis(300)).await);
+    assert_eq!(ids(&got), ["m-1", "m-2"], "each id delivered once");
+    let m1 = got.iter().find(|d| d.message.id == "m-1").expect("m-1");
+    assert_eq!(
+        m1.message.payload,
+        Bytes::from_static(b"first"),
+        "the first publish wins"
+    );
+    ack_all(&got).await;
+
+    let mut other = subscribe(&broker, &other_topic, "g", LONG_LEASE).await;
+    let got = collect(other.as_mut(), 1, PATIENCE).await;
+    assert_eq!(ids(&got), ["m-1"], "dedupe is per topic");
+    ack_all(&got).await;
+}
+
+/// With nothing to deliver, receive waits about `wait` and returns an empty
+/// batch; with a zero wait it returns at once.
+pub async fn receive_waits_then_returns_empty<B: Broker>(broker: B) {
+    let topic = unique_topic("empty");
+    let mut sub = subscribe(&broker, &topic, "g", LONG_LEASE).await;
+    let started = clock::now();
+    let got = receive(sub.as_mut(), 10, Duration::from_millis(300)).await;
+    let waited = started.elapsed();
+    assert!(got.is_empty());
+    assert!(
+        waited >= Duration::from_millis(250),
+        "returned early, after {waited:?}"
+    );
+    assert!(waited < PATIENCE, "waited far too long: {waited:?}");
+
+    let started = clock::now();
+    assert!(receive(sub.as_mut(), 10, Duration::ZERO).await.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a zero wait returns promptly"
+    );
+}
+
+/// A waiting receive returns when a message is published, not at the end of
+/// its wait.
+pub async fn receive_wakes_on_publish<B: Broker>(broker: B) {
+    let topic = unique_topic("wake");
+    let broker = Arc::new(broker);
+    let mut sub = subscribe(broker.as_ref(), &topic, "g", LONG_LEASE).await;
+    let publisher = {
+        let broker = broker.clone();
+        let topic = topic.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            publish(broker.as_ref(), &[message(&topic, "m-1", "k", "x")]).await;
+        })
+    };
+    let started = clock::now();
+    let got = receive(sub.as_mut(), 10, Duration::from_secs(20)).await;
+    let waited = started.elapsed();
+    publisher.await.expect("publisher panicked");
+    assert_eq!(ids(&got), ["m-1"]);
+    assert!(
+        waited < Duration::from_secs(3),
+        "woke only after {waited:?}"
+    );
+    ack_all(&got).await;
+}
+
+/// A receive never returns more than `max` deliveries.
+pub async fn receive_respects_max<B: Broker>(broker: B) {
+    let topic = unique_topic("max");
+    let sent: Vec<Message> = (0..5)
+        .map(|i| message(&topic, &format!("m-{i}"), &format!("k-{i}"), "x"))
+        .collect();
+    publish(&broker, &sent).await;
+    let mut sub = subscribe(&broker, &topic, "g", LONG_LEASE).await;
+    let mut got = Vec::new();
+    let deadline = clock::now() + PATIENCE;
+    while got.len() < sent.len() && clock::now() < deadline {
+        let batch = receive(sub.as_mut(), 2, Duration::from_millis(300)).await;
+        assert!(batch.len() <= 2, "asked for 2, got {}", batch.len());
+        got.extend(batch);
+    }
+    assert_eq!(ids(&got), ids_of(&sent));
+    ack_all(&got).await;
+}
+
+/// A group created after messages were published still receives them (it
+/// starts at the oldest retained message).
+pub async fn late_group_receives_retained_messages<B: Broker>(broker: B) {
+    let topic = unique_topic("late-group");
+    let mut early = subscribe(&broker, &topic, "early", LONG_LEASE).await;
+    let sent: Vec<Message> = (0..3)
+        .map(|i| message(&topic, &format!("m-{i}"), &format!("k-{i}"), "x"))
+        .collect();
+    publish(&broker, &sent).await;
+    let got = collect(early.as_mut(), 3, PATIENCE).await;
+    ack_all(&got).await;
+
+    let mut late = subscribe(&broker, &topic, "late", LONG_LEASE).await;
+    let got = collect(late.as_mut(), 3, PATIENCE).await;
+    assert_eq!(
+        ids(&got),
+        ids_of(&sent),
+        "the late group reads what the topic retains"
+    );
+    ack_all(&got).await;
+}
+
+/// `ping` answers on a healthy broker.
+pub async fn ping_answers<B: Broker>(broker: B) {
+    broker.ping().await.expect("ping");
+}
+
+fn ids_of(messages: &[Message]) -> Vec<String> {
+    let mut ids: Vec<String> = messages.iter().map(|m| m.id.clone()).collect();
+    ids.sort();
+    ids
+}
