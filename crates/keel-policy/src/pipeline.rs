@@ -1,1 +1,436 @@
-//! (in progress)
+//! One value that applies several policies to a call, in the order that works.
+//!
+//! Policies compose, but not in any order. A [`Pipeline`] nests the ones you
+//! give it like this, outermost first:
+//!
+//! ```text
+//! fallback → total timeout → retry (+ budget) → circuit breaker → attempt timeout → bulkhead → rate limit → call
+//! ```
+//!
+//! Why this order:
+//!
+//! - **Fallback outermost**: it answers for *everything* below, including a
+//!   total timeout or an open breaker, and is the only thing that turns a
+//!   failure into a degraded success.
+//! - **Total timeout outside retry**: it bounds the whole call, retries and
+//!   their sleeps included, and sets the [`Deadline`](keel_core::Deadline) the
+//!   retry reads so it never sleeps past it. (A timeout inside the retry would
+//!   restart with every attempt and bound nothing.)
+//! - **Retry outside the breaker**: each attempt asks the breaker; once it
+//!   opens, the refusal (`Rejected`) is not retryable, so retries stop at once
+//!   instead of hammering a dependency that is down. The retry budget stops
+//!   them during wide outages the breaker has not seen yet.
+//! - **Attempt timeout inside the breaker**: a hung attempt is cut off and
+//!   *counted by the breaker as a failure* (its outcome is unknown), so a
+//!   dependency that hangs trips the breaker like one that errors.
+//! - **Bulkhead and rate limit innermost**: they guard the scarce resource
+//!   itself, so only attempts that will really be made take a slot or a
+//!   token; a refused slot is a refusal, which the breaker does not count
+//!   against the dependency.
+//!
+//! The mesh rule "2 × 700 ms + overhead MUST fit in 2 s" is checked when the
+//! pipeline is built: with a total timeout, an attempt timeout and a retry,
+//! `max_attempts × attempt_timeout` must not exceed the total timeout.
+//!
+//! ```
+//! use std::time::Duration;
+//! use keel_core::Classified;
+//! use keel_policy::pipeline::Pipeline;
+//! use keel_policy::{breaker::CircuitBreaker, retry::Retry, timeout::Timeout};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap().block_on(async {
+//! let payments = Pipeline::builder("payments")
+//!     .total_timeout(Timeout::builder("payments.total").timeout(Duration::from_secs(2)).build()?)
+//!     .retry(Retry::builder("payments").max_attempts(2).build()?)
+//!     .breaker(CircuitBreaker::builder("payments").build()?)
+//!     .attempt_timeout(Timeout::builder("payments.attempt").timeout(Duration::from_millis(700)).build()?)
+//!     .build()?;
+//!
+//! let receipt = payments.call(|| async { Ok::<_, Classified>("charged") }).await;
+//! assert_eq!(receipt.unwrap(), "charged");
+//! # Ok::<_, Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+
+use std::future::Future;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_util::TryFutureExt;
+use futures_util::future::MapErr;
+use keel_core::{BoxError, Classify, Name, PolicyError};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tower::ServiceBuilder;
+use tower::layer::util::{Identity, Stack};
+use tower::util::{Either, option_layer};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::ConfigError;
+use crate::breaker::{CircuitBreaker, CircuitBreakerConfig, CircuitBreakerLayer};
+use crate::bulkhead::{Bulkhead, BulkheadConfig, BulkheadLayer};
+use crate::fallback::{Fallback, FallbackConfig};
+use crate::rate_limit::{RateLimitConfig, RateLimitLayer, RateLimiter};
+use crate::retry::{Retry, RetryConfig, RetryLayer};
+use crate::timeout::{Timeout, TimeoutConfig, TimeoutLayer};
+
+type Optional<L> = Either<L, Identity>;
+
+/// Maps the wrapped service's error into a [`BoxError`], so that a present
+/// and an absent policy (tower's `Either`) have the same error type.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BoxErrorLayer;
+
+/// The service of [`BoxErrorLayer`].
+#[derive(Debug, Clone)]
+pub struct BoxErrorService<S>(S);
+
+impl<S> Layer<S> for BoxErrorLayer {
+    type Service = BoxErrorService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        BoxErrorService(inner)
+    }
+}
+
+impl<S, Req> Service<Req> for BoxErrorService<S>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = MapErr<S::Future, fn(S::Error) -> BoxError>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.0.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        self.0.call(req).map_err(Into::into)
+    }
+}
+
+/// The tower layer of a [`Pipeline`] (see [`Pipeline::layer`]): the same
+/// policies, outermost first, each present only if the pipeline has it.
+pub type PipelineLayer = Stack<
+    BoxErrorLayer,
+    Stack<
+        Optional<RateLimitLayer>,
+        Stack<
+            Optional<BulkheadLayer>,
+            Stack<
+                Optional<TimeoutLayer>,
+                Stack<
+                    Optional<CircuitBreakerLayer>,
+                    Stack<Optional<RetryLayer>, Stack<Optional<TimeoutLayer>, Identity>>,
+                >,
+            >,
+        >,
+    >,
+>;
+
+/// Policies applied to one dependency, in the recommended order.
+///
+/// Build one per dependency and share it (clones share every policy's state).
+#[derive(Debug, Clone)]
+pub struct Pipeline {
+    name: Name,
+    fallback: Option<Fallback>,
+    total_timeout: Option<Timeout>,
+    retry: Option<Retry>,
+    breaker: Option<CircuitBreaker>,
+    attempt_timeout: Option<Timeout>,
+    bulkhead: Option<Bulkhead>,
+    rate_limit: Option<RateLimiter>,
+}
+
+/// Builds a [`Pipeline`]; every policy is optional.
+#[derive(Debug)]
+#[must_use]
+pub struct PipelineBuilder {
+    pipeline: Pipeline,
+}
+
+/// The serde form of a [`Pipeline`]: each policy's own configuration, absent
+/// where the policy is not wanted.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// Which refusals and failures the fallback answers (the fallback value
+    /// itself is given per call).
+    pub fallback: Option<FallbackConfig>,
+    /// The limit on the whole call, retries included.
+    pub total_timeout: Option<TimeoutConfig>,
+    /// Retries with backoff and budget.
+    pub retry: Option<RetryConfig>,
+    /// The dependency's circuit breaker.
+    pub breaker: Option<CircuitBreakerConfig>,
+    /// The limit on each attempt.
+    pub attempt_timeout: Option<TimeoutConfig>,
+    /// Concurrent-call limit.
+    pub bulkhead: Option<BulkheadConfig>,
+    /// Call-rate limit.
+    pub rate_limit: Option<RateLimitConfig>,
+}
+
+impl PipelineConfig {
+    /// Builds every configured policy, named `name` (timeouts get `.total`
+    /// and `.attempt` suffixes), and the pipeline around them.
+    pub fn build(self, name: impl Into<Name>) -> Result<Pipeline, ConfigError> {
+        let name: Name = name.into();
+        let suffixed = |suffix: &str| -> Name { format!("{name}.{suffix}").into() };
+        let mut builder = Pipeline::builder(name.clone());
+        builder.pipeline.fallback = self.fallback.map(|c| c.build(name.clone())).transpose()?;
+        builder.pipeline.total_timeout = self
+            .total_timeout
+            .map(|c| c.build(suffixed("total")))
+            .transpose()?;
+        builder.pipeline.retry = self.retry.map(|c| c.build(name.clone())).transpose()?;
+        builder.pipeline.breaker = self.breaker.map(|c| c.build(name.clone())).transpose()?;
+        builder.pipeline.attempt_timeout = self
+            .attempt_timeout
+            .map(|c| c.build(suffixed("attempt")))
+            .transpose()?;
+        builder.pipeline.bulkhead = self.bulkhead.map(|c| c.build(name.clone())).transpose()?;
+        builder.pipeline.rate_limit = self.rate_limit.map(|c| c.build(name.clone())).transpose()?;
+        builder.build()
+    }
+}
+
+impl PipelineBuilder {
+    /// Serves a fallback (given per call) for the failures `fallback` handles.
+    pub fn fallback(mut self, fallback: Fallback) -> Self {
+        self.pipeline.fallback = Some(fallback);
+        self
+    }
+
+    /// Bounds the whole call, retries and their delays included.
+    pub fn total_timeout(mut self, timeout: Timeout) -> Self {
+        self.pipeline.total_timeout = Some(timeout);
+        self
+    }
+
+    /// Retries failed attempts.
+    pub fn retry(mut self, retry: Retry) -> Self {
+        self.pipeline.retry = Some(retry);
+        self
+    }
+
+    /// Stops calling a dependency that keeps failing.
+    pub fn breaker(mut self, breaker: CircuitBreaker) -> Self {
+        self.pipeline.breaker = Some(breaker);
+        self
+    }
+
+    /// Bounds each attempt.
+    pub fn attempt_timeout(mut self, timeout: Timeout) -> Self {
+        self.pipeline.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// Limits concurrent attempts.
+    pub fn bulkhead(mut self, bulkhead: Bulkhead) -> Self {
+        self.pipeline.bulkhead = Some(bulkhead);
+        self
+    }
+
+    /// Limits the rate of attempts.
+    pub fn rate_limit(mut self, limiter: RateLimiter) -> Self {
+        self.pipeline.rate_limit = Some(limiter);
+        self
+    }
+
+    /// Checks that the attempts fit in the total timeout and builds.
+    pub fn build(self) -> Result<Pipeline, ConfigError> {
+        let p = &self.pipeline;
+        if let (Some(total), Some(attempt), Some(retry)) =
+            (&p.total_timeout, &p.attempt_timeout, &p.retry)
+        {
+            let attempts = retry.config().max_attempts.get();
+            let needed = attempt.limit().saturating_mul(attempts);
+            if needed > total.limit() {
+                return Err(ConfigError::new(
+                    "attempt_timeout",
+                    format!(
+                        "{attempts} attempts of {:?} need {needed:?}, more than the total timeout \
+                         of {:?}: later attempts could never finish; lower the attempt timeout \
+                         or the attempts, or raise the total",
+                        attempt.limit(),
+                        total.limit()
+                    ),
+                ));
+            }
+        }
+        Ok(self.pipeline)
+    }
+}
+
+impl Pipeline {
+    /// An empty pipeline named after its dependency; add policies to it.
+    pub fn builder(name: impl Into<Name>) -> PipelineBuilder {
+        PipelineBuilder {
+            pipeline: Pipeline {
+                name: name.into(),
+                fallback: None,
+                total_timeout: None,
+                retry: None,
+                breaker: None,
+                attempt_timeout: None,
+                bulkhead: None,
+                rate_limit: None,
+            },
+        }
+    }
+
+    /// The dependency's name.
+    pub fn name(&self) -> &Name {
+        &self.name
+    }
+
+    /// The circuit breaker, for state and metrics.
+    pub fn breaker(&self) -> Option<&CircuitBreaker> {
+        self.breaker.as_ref()
+    }
+
+    /// The retry policy.
+    pub fn retry(&self) -> Option<&Retry> {
+        self.retry.as_ref()
+    }
+
+    /// The bulkhead, for its stats.
+    pub fn bulkhead(&self) -> Option<&Bulkhead> {
+        self.bulkhead.as_ref()
+    }
+
+    /// Runs `f` through every policy. `f` is called once per attempt, and
+    /// only once every policy admitted the attempt.
+    pub async fn call<T, E, F, Fut>(&self, f: F) -> Result<T, PolicyError<E>>
+    where
+        E: Classify,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        // Each attempt locks `f` only for the instant it calls it (attempts
+        // never overlap, so the lock is never contended); a Mutex rather than
+        // a RefCell keeps the call's future `Send`.
+        let f = Mutex::new(f);
+        match &self.total_timeout {
+            Some(total) => total
+                .call(|| self.retrying(&f))
+                .await
+                .map_err(PolicyError::flatten),
+            None => self.retrying(&f).await,
+        }
+    }
+
+    /// Runs `f` through every policy, and answers with `fallback` when the
+    /// pipeline's [`Fallback`] handles the failure (without one configured,
+    /// the same as [`call`](Self::call)).
+    pub async fn call_or_else<T, E, F, Fut, H, HFut>(
+        &self,
+        f: F,
+        fallback: H,
+    ) -> Result<T, PolicyError<E>>
+    where
+        E: Classify,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        H: FnOnce(PolicyError<E>) -> HFut,
+        HFut: Future<Output = Result<T, PolicyError<E>>>,
+    {
+        match &self.fallback {
+            Some(policy) => policy.call(|| self.call(f), fallback).await,
+            None => self.call(f).await,
+        }
+    }
+
+    async fn retrying<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    where
+        E: Classify,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        match &self.retry {
+            Some(retry) => retry
+                .call(|| self.attempt(f))
+                .await
+                .map_err(PolicyError::flatten),
+            None => self.attempt(f).await,
+        }
+    }
+
+    async fn attempt<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    where
+        E: Classify,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        match &self.breaker {
+            Some(breaker) => breaker
+                .call(|| self.timed(f))
+                .await
+                .map_err(PolicyError::flatten),
+            None => self.timed(f).await,
+        }
+    }
+
+    async fn timed<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        match &self.attempt_timeout {
+            Some(timeout) => timeout
+                .call(|| self.guarded(f))
+                .await
+                .map_err(PolicyError::flatten),
+            None => self.guarded(f).await,
+        }
+    }
+
+    async fn guarded<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        if let Some(limiter) = &self.rate_limit {
+            limiter.check()?;
+        }
+        let call = || (f.lock())();
+        match &self.bulkhead {
+            Some(bulkhead) => bulkhead.call(call).await,
+            None => call().await.map_err(PolicyError::Inner),
+        }
+    }
+
+    /// The same policies as a tower layer, in the same order (the fallback
+    /// excepted: add a [`FallbackLayer`](crate::fallback::FallbackLayer)
+    /// outside it, since its response is service-specific). Requests must be
+    /// `Clone` for retries.
+    pub fn layer(&self) -> PipelineLayer {
+        ServiceBuilder::new()
+            .layer(option_layer(
+                self.total_timeout.as_ref().map(Timeout::layer),
+            ))
+            .layer(option_layer(self.retry.as_ref().map(Retry::layer)))
+            .layer(option_layer(
+                self.breaker.as_ref().map(CircuitBreaker::layer),
+            ))
+            .layer(option_layer(
+                self.attempt_timeout.as_ref().map(Timeout::layer),
+            ))
+            .layer(option_layer(self.bulkhead.clone().map(BulkheadLayer::new)))
+            .layer(option_layer(
+                self.rate_limit.clone().map(RateLimitLayer::new),
+            ))
+            .layer(BoxErrorLayer)
+            .into_inner()
+    }
+
+    /// The total timeout's limit, if one is set.
+    pub fn total_limit(&self) -> Option<Duration> {
+        self.total_timeout.as_ref().map(Timeout::limit)
+    }
+}

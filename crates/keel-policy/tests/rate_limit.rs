@@ -3,7 +3,6 @@
 //! and bounded memory under a flood of distinct keys.
 #![cfg(feature = "rate-limit")]
 
-use std::cell::Cell;
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -240,36 +239,9 @@ async fn the_tower_services_refuse_with_retry_after() {
         "c"
     );
 }
-
-struct CountingAllocator;
-
-thread_local! {
-    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
-}
-
-#[allow(unsafe_code)]
-// SAFETY: defers to the system allocator; only counts.
-unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
-        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { std::alloc::System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { std::alloc::System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: CountingAllocator = CountingAllocator;
-
-fn allocations_in(f: impl FnOnce()) -> usize {
-    let before = ALLOCATIONS.with(Cell::get);
-    f();
-    ALLOCATIONS.with(Cell::get) - before
-}
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::allocations_in;
 
 #[test]
 fn the_happy_path_does_not_allocate() {
