@@ -48,6 +48,9 @@ tokio::task_local! {
     static CURRENT: Deadline;
 }
 
+/// The future returned by [`Deadline::scope`].
+pub type Scoped<F> = tokio::task::futures::TaskLocalFuture<Deadline, F>;
+
 /// An instant by which a request must be answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Deadline {
@@ -131,6 +134,7 @@ impl Deadline {
     }
 
     /// The deadline of the running task, if a [`scope`](Self::scope) set one.
+    #[inline]
     pub fn current() -> Option<Deadline> {
         CURRENT.try_with(|d| *d).ok()
     }
@@ -142,8 +146,15 @@ impl Deadline {
 
     /// Runs `fut` with this deadline as the current one. A scope inside
     /// another never extends it: the earlier deadline wins.
-    pub fn scope<F: Future>(self, fut: F) -> impl Future<Output = F::Output> {
+    pub fn scope<F: Future>(self, fut: F) -> Scoped<F> {
         CURRENT.scope(self.min_with(Self::current()), fut)
+    }
+
+    /// Runs `f` synchronously with this deadline as the current one (the
+    /// earlier deadline wins): for a tower service's `call`, which builds the
+    /// outgoing request before any poll.
+    pub fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
+        CURRENT.sync_scope(self.min_with(Self::current()), f)
     }
 
     /// The deadline for an inbound request: the caller's header if present,

@@ -14,11 +14,18 @@ pub struct ConfigError {
 impl ConfigError {
     /// A refusal of `field` for `reason`.
     pub fn new(field: &'static str, reason: impl Into<Cow<'static, str>>) -> Self {
-        Self { field, reason: reason.into() }
+        Self {
+            field,
+            reason: reason.into(),
+        }
     }
 
     /// Refuses a zero or negative duration, or a NaN/negative float.
     pub(crate) fn ensure(ok: bool, field: &'static str, reason: &'static str) -> Result<(), Self> {
-        if ok { Ok(()) } else { Err(Self::new(field, reason)) }
+        if ok {
+            Ok(())
+        } else {
+            Err(Self::new(field, reason))
+        }
     }
 }

@@ -7,10 +7,10 @@
 //!   policy is built ([`ConfigError`] names the field and the reason);
 //! - a serde configuration form;
 //! - a plain async API, `policy.call(|| async { ... }).await`, returning the
-//!   operation's own error untouched or a [`Rejected`](keel_core::Rejected)
-//!   refusal inside a [`PolicyError`](keel_core::PolicyError);
+//!   operation's own error untouched or a [`Rejected`]
+//!   refusal inside a [`PolicyError`];
 //! - a tower [`Layer`](tower_layer::Layer), whose service speaks
-//!   [`BoxError`](keel_core::BoxError) with the same refusals as marker errors;
+//!   [`BoxError`] with the same refusals as marker errors;
 //! - `tracing` events and `metrics` counters for every refusal and state change.
 //!
 //! Each policy is behind a cargo feature of the same name (`full` enables all).
