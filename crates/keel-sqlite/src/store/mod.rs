@@ -83,9 +83,9 @@
 //! they never clash with the broker's 2xxx versions in a shared file) and run
 //! on open. Tables are prefixed `keel_`. Timestamps are Unix milliseconds.
 
-mod codec;
+pub(crate) mod codec;
 mod dead_letter;
-mod error;
+pub(crate) mod error;
 mod fence;
 mod inbox;
 mod options;

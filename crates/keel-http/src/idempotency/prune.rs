@@ -1,0 +1,58 @@
+//! Deleting expired keys, once or on a schedule.
+
+use std::time::Duration;
+
+use keel_messaging::StoreError;
+use keel_messaging::store::IdempotencyStore;
+use tokio::task::JoinHandle;
+
+use super::service::wall_now;
+
+/// Keys deleted per statement by [`prune_expired`]: 1,000. Small batches
+/// keep each delete short, so requests waiting for the write lock are not
+/// held up.
+pub const DEFAULT_PRUNE_BATCH: usize = 1000;
+
+/// How often [`spawn_pruner`] runs by default: every 10 minutes.
+pub const DEFAULT_PRUNE_INTERVAL: Duration = Duration::from_secs(10 * 60);
+
+/// Deletes every key that has expired, `batch` at a time (at least 1);
+/// returns how many.
+pub async fn prune_expired<S: IdempotencyStore>(
+    store: &S,
+    batch: usize,
+) -> Result<u64, StoreError> {
+    let batch = batch.max(1);
+    let now = wall_now();
+    let mut total = 0;
+    loop {
+        let deleted = store.idempotency_prune(now, batch).await?;
+        total += deleted;
+        if deleted < batch as u64 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    if total > 0 {
+        metrics::counter!("keel_idempotency_pruned_total").increment(total);
+        tracing::debug!(deleted = total, "expired idempotency keys pruned");
+    }
+    Ok(total)
+}
+
+/// Runs [`prune_expired`] every `every` (tokio's clock) until the returned
+/// task is aborted. Failures are logged and retried at the next tick.
+pub fn spawn_pruner<S: IdempotencyStore>(store: S, every: Duration) -> JoinHandle<()> {
+    let every = every.max(Duration::from_millis(1));
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            if let Err(err) = prune_expired(&store, DEFAULT_PRUNE_BATCH).await {
+                metrics::counter!("keel_idempotency_store_errors_total").increment(1);
+                tracing::warn!(error = %err, "pruning idempotency keys failed; retrying next tick");
+            }
+        }
+    })
+}

@@ -1,0 +1,386 @@
+//! [`Idempotency`]: the service that runs the protocol.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes, HttpBody};
+use axum::http::request::Parts;
+use axum::http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use axum::response::IntoResponse;
+use chrono::{DateTime, Utc};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use keel_core::BoxError;
+use keel_messaging::StoreError;
+use keel_messaging::store::{IdempotencyBegin, IdempotencyStore, StoredResponse};
+use tower_service::Service;
+
+use super::fingerprint::fingerprint;
+use super::key::{IDEMPOTENT_REPLAYED, IdempotencyRejection, parse_key};
+use super::options::IdempotencyOptions;
+use crate::problem::Problem;
+
+/// The header on a replay whose body was too large to store.
+pub const IDEMPOTENT_BODY_OMITTED: HeaderName = HeaderName::from_static("idempotent-body-omitted");
+
+/// Headers never stored for replay: hop-by-hop ones, and those that describe
+/// the original transfer rather than the response (`date`, lengths).
+const NOT_REPLAYED: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::TE,
+    header::TRAILER,
+    header::DATE,
+    header::CONTENT_LENGTH,
+];
+
+/// Runs the Idempotency-Key protocol in front of `I`, with keys in `S`.
+///
+/// Built by [`IdempotencyLayer`](super::IdempotencyLayer); see the
+/// [module docs](super) for the protocol.
+#[derive(Debug, Clone)]
+pub struct Idempotency<I, S> {
+    inner: I,
+    store: S,
+    options: Arc<IdempotencyOptions>,
+}
+
+impl<I, S> Idempotency<I, S> {
+    pub(crate) fn from_parts(inner: I, store: S, options: Arc<IdempotencyOptions>) -> Self {
+        Self {
+            inner,
+            store,
+            options,
+        }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &I {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut I {
+        &mut self.inner
+    }
+
+    /// Unwraps the service.
+    pub fn into_inner(self) -> I {
+        self.inner
+    }
+}
+
+/// The future of [`Idempotency`].
+pub struct ResponseFuture<E> {
+    inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
+}
+
+impl<E> std::fmt::Debug for ResponseFuture<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<E> Future for ResponseFuture<E> {
+    type Output = Result<Response<Body>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<I, S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<I, S>
+where
+    I: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    I::Future: Send,
+    I::Error: Send + 'static,
+    S: IdempotencyStore,
+    ReqBody: HttpBody<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = I::Error;
+    type Future = ResponseFuture<I::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The ready service goes into the future; a fresh clone stays.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let store = self.store.clone();
+        let options = Arc::clone(&self.options);
+        ResponseFuture {
+            inner: Box::pin(run(inner, store, options, request.map(Body::new))),
+        }
+    }
+}
+
+async fn run<I, S, ResBody>(
+    mut inner: I,
+    store: S,
+    options: Arc<IdempotencyOptions>,
+    request: Request<Body>,
+) -> Result<Response<Body>, I::Error>
+where
+    I: Service<Request<Body>, Response = Response<ResBody>>,
+    S: IdempotencyStore,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    if !options.methods.contains(request.method()) {
+        return inner.call(request).await.map(|r| r.map(Body::new));
+    }
+    let (parts, body) = request.into_parts();
+    let key = match parse_key(&parts.headers) {
+        Ok(Some(key)) => key,
+        Ok(None) if !options.required => {
+            return inner
+                .call(Request::from_parts(parts, body))
+                .await
+                .map(|r| r.map(Body::new));
+        }
+        Ok(None) => return Ok(IdempotencyRejection::MissingKey.into_response()),
+        Err(rejection) => return Ok(rejection.into_response()),
+    };
+    let body = match read_body(&parts, body, options.max_body).await {
+        Ok(body) => body,
+        Err(rejection) => return Ok(rejection.into_response()),
+    };
+    let principal = (options.principal)(&parts);
+    let fingerprint = fingerprint(&parts, &options.fingerprint_headers, &body);
+    let now = wall_now();
+    let expires_at = after(now, options.ttl);
+    let locked_until = after(now, options.lock);
+    let begin = store
+        .idempotency_begin_locked(&principal, &key, &fingerprint, locked_until, expires_at)
+        .await;
+    match begin {
+        Ok(IdempotencyBegin::Started) => {}
+        Ok(IdempotencyBegin::Completed(stored)) => {
+            metrics::counter!("keel_idempotency_replayed_total").increment(1);
+            tracing::debug!(%principal, %key, status = stored.status, "idempotent response replayed");
+            return Ok(replay(stored));
+        }
+        Ok(IdempotencyBegin::InFlight) => {
+            return Ok(IdempotencyRejection::InFlight {
+                retry_after: options.in_flight_retry_after,
+            }
+            .into_response());
+        }
+        Ok(IdempotencyBegin::Mismatch) => {
+            tracing::info!(%principal, %key, "idempotency key reused for a different request");
+            return Ok(IdempotencyRejection::KeyReused.into_response());
+        }
+        Err(err) => return Ok(store_failure(&err)),
+    }
+
+    // From here the key is ours: whatever happens, it is completed or
+    // released. The guard releases it if this future is dropped (the client
+    // disconnected) or the handler panics.
+    let mut guard = InFlight {
+        store: Some(store),
+        principal,
+        key,
+    };
+    metrics::counter!("keel_idempotency_executed_total").increment(1);
+    let response = match inner
+        .call(Request::from_parts(parts, Body::from(body)))
+        .await
+    {
+        Ok(response) => response,
+        Err(err) => {
+            guard.release("service error").await;
+            return Err(err);
+        }
+    };
+    let (mut head, body) = response.into_parts();
+    let collected = body.collect().await.map_err(Into::<BoxError>::into);
+    let body = match collected {
+        Ok(collected) => collected.to_bytes(),
+        Err(err) => {
+            guard.release("response body error").await;
+            return Ok(Problem::internal(format!("response body failed: {err}")).into_response());
+        }
+    };
+    if (options.release)(head.status) {
+        guard.release("retryable status").await;
+        return Ok(Response::from_parts(head, Body::from(body)));
+    }
+    let stored = to_stored(&head, &body, options.max_response_body);
+    guard.complete(&stored).await;
+    // The stored copy has no length; the live response gets its own again.
+    head.headers.remove(header::CONTENT_LENGTH);
+    Ok(Response::from_parts(head, Body::from(body)))
+}
+
+/// Reads the whole body, refusing one over `limit` (by its `Content-Length`
+/// first, without reading it).
+async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, IdempotencyRejection> {
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(IdempotencyRejection::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(IdempotencyRejection::BodyTooLarge { limit })
+        }
+        Err(err) => Err(IdempotencyRejection::UnreadableBody(err.to_string())),
+    }
+}
+
+/// The response to store for replay.
+fn to_stored(head: &axum::http::response::Parts, body: &Bytes, limit: usize) -> StoredResponse {
+    let omit = body.len() > limit;
+    let mut headers = Vec::with_capacity(head.headers.len());
+    for (name, value) in &head.headers {
+        if NOT_REPLAYED.contains(name)
+            || (omit && (name == header::CONTENT_TYPE || name == header::CONTENT_ENCODING))
+        {
+            continue;
+        }
+        match value.to_str() {
+            Ok(value) => headers.push((name.as_str().to_owned(), value.to_owned())),
+            Err(_) => {
+                tracing::warn!(header = %name, "non-ASCII response header not stored for replay")
+            }
+        }
+    }
+    if omit {
+        metrics::counter!("keel_idempotency_body_omitted_total").increment(1);
+        tracing::warn!(
+            size = body.len(),
+            limit,
+            "idempotent response too large to store; its replay will have no body"
+        );
+        headers.push((
+            IDEMPOTENT_BODY_OMITTED.as_str().to_owned(),
+            "true".to_owned(),
+        ));
+    }
+    StoredResponse {
+        status: head.status.as_u16(),
+        headers,
+        body: if omit { Bytes::new() } else { body.clone() },
+    }
+}
+
+/// The stored response again, marked as a replay.
+fn replay(stored: StoredResponse) -> Response<Body> {
+    let mut response = Response::new(Body::from(stored.body));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+fn store_failure(err: &StoreError) -> Response<Body> {
+    metrics::counter!("keel_idempotency_store_errors_total").increment(1);
+    match err {
+        StoreError::Unavailable(_) => {
+            tracing::warn!(error = %err, "idempotency store unavailable");
+            IdempotencyRejection::StoreUnavailable {
+                retry_after: std::time::Duration::from_secs(1),
+            }
+            .into_response()
+        }
+        other => Problem::internal(other).into_response(),
+    }
+}
+
+/// A key this request holds in flight, released unless completed.
+struct InFlight<S: IdempotencyStore> {
+    store: Option<S>,
+    principal: String,
+    key: String,
+}
+
+impl<S: IdempotencyStore> InFlight<S> {
+    async fn complete(&mut self, response: &StoredResponse) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        if let Err(err) = store
+            .idempotency_complete(&self.principal, &self.key, response)
+            .await
+        {
+            // The handler ran and its response goes out; the key stays in
+            // flight until its lock passes, so retries get 409 meanwhile and
+            // never run the handler again before then.
+            metrics::counter!("keel_idempotency_store_errors_total").increment(1);
+            tracing::error!(error = %err, principal = %self.principal, key = %self.key,
+                "storing the idempotent response failed; the key stays locked until its lock passes");
+        }
+    }
+
+    async fn release(&mut self, why: &'static str) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        release(store, &self.principal, &self.key, why).await;
+    }
+}
+
+impl<S: IdempotencyStore> Drop for InFlight<S> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let principal = std::mem::take(&mut self.principal);
+        let key = std::mem::take(&mut self.key);
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(
+                    async move { release(store, &principal, &key, "request dropped").await },
+                );
+            }
+            Err(_) => tracing::warn!(%principal, %key,
+                "idempotent request dropped outside a runtime; the key stays locked until its lock passes"),
+        }
+    }
+}
+
+async fn release<S: IdempotencyStore>(store: S, principal: &str, key: &str, why: &'static str) {
+    metrics::counter!("keel_idempotency_released_total", "reason" => why).increment(1);
+    tracing::debug!(principal, key, reason = why, "idempotency key released");
+    if let Err(err) = store.idempotency_release(principal, key).await {
+        metrics::counter!("keel_idempotency_store_errors_total").increment(1);
+        tracing::warn!(error = %err, principal, key,
+            "releasing an idempotency key failed; it stays locked until its lock passes");
+    }
+}
+
+/// Now, by the wall clock read through `keel_core::clock`.
+pub(crate) fn wall_now() -> DateTime<Utc> {
+    let ms = i64::try_from(keel_core::clock::unix_millis()).unwrap_or(i64::MAX);
+    DateTime::from_timestamp_millis(ms).unwrap_or(DateTime::UNIX_EPOCH)
+}
+
+/// `at + d`, saturating at the latest representable time.
+pub(crate) fn after(at: DateTime<Utc>, d: std::time::Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| at.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}

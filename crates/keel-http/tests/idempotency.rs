@@ -1,0 +1,652 @@
+//! The Idempotency-Key layer against a real SQLite store on a temp file:
+//! every status it answers with, replay byte for byte, concurrent
+//! duplicates executing once, principals, release, expiry and pruning.
+#![cfg(feature = "idempotency")]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
+use axum::routing::{get, post};
+use keel_http::idempotency::{
+    IdempotencyLayer, IdempotencyOptions, InvalidIdempotencyOptions, prune_expired,
+};
+use keel_http::problem::PROBLEM_JSON;
+use keel_sqlite::SqliteStore;
+use tempfile::TempDir;
+use tokio::sync::Notify;
+use tower::ServiceExt;
+
+struct Fixture {
+    store: SqliteStore,
+    _dir: TempDir,
+}
+
+async fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("keel.db"))
+        .await
+        .expect("open store");
+    Fixture { store, _dir: dir }
+}
+
+/// A handler that counts its runs and answers `201` with a body naming the
+/// run, a `Location`, a custom header and the caller's authorization.
+fn counting_app(runs: Arc<AtomicUsize>) -> Router {
+    Router::new().route(
+        "/orders",
+        post(move |headers: HeaderMap, body: Bytes| {
+            let runs = runs.clone();
+            async move {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let who = headers
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("nobody")
+                    .to_owned();
+                (
+                    StatusCode::CREATED,
+                    [
+                        (header::LOCATION, format!("/orders/{run}")),
+                        (header::CONTENT_TYPE, "application/json".to_owned()),
+                        (header::HeaderName::from_static("x-run"), run.to_string()),
+                    ],
+                    format!(r#"{{"run":{run},"who":"{who}","bytes":{}}}"#, body.len()),
+                )
+            }
+        })
+        .get(|| async { "listed" }),
+    )
+}
+
+fn post_req(key: Option<&str>, body: &str) -> Request<Body> {
+    let mut builder = Request::post("/orders").header(header::CONTENT_TYPE, "application/json");
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    builder.body(Body::from(body.to_owned())).expect("request")
+}
+
+async fn send(app: &Router, request: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await.expect("body");
+    (parts.status, parts.headers, body)
+}
+
+fn assert_problem(status: StatusCode, headers: &HeaderMap, body: &Bytes, expected: StatusCode) {
+    assert_eq!(status, expected, "body: {}", String::from_utf8_lossy(body));
+    assert_eq!(headers[header::CONTENT_TYPE], PROBLEM_JSON);
+    let problem: serde_json::Value = serde_json::from_slice(body).expect("problem json");
+    assert_eq!(problem["status"], expected.as_u16());
+    assert!(problem["detail"].as_str().is_some_and(|d| !d.is_empty()));
+}
+
+#[tokio::test]
+async fn first_request_runs_and_a_retry_replays_identical_bytes() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+
+    let (s1, h1, b1) = send(&app, post_req(Some("order-1"), r#"{"sku":"tea"}"#)).await;
+    assert_eq!(s1, StatusCode::CREATED);
+    assert!(
+        h1.get("idempotent-replayed").is_none(),
+        "the original is not a replay"
+    );
+
+    let (s2, h2, b2) = send(&app, post_req(Some("order-1"), r#"{"sku":"tea"}"#)).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(s2, s1);
+    assert_eq!(b2, b1, "the replay has the same bytes");
+    assert_eq!(h2["idempotent-replayed"], "true");
+    for name in [
+        header::LOCATION,
+        header::CONTENT_TYPE,
+        header::HeaderName::from_static("x-run"),
+    ] {
+        assert_eq!(h2.get(&name), h1.get(&name), "{name} replayed");
+    }
+    // A third time: still the same.
+    let (s3, _, b3) = send(&app, post_req(Some("\"order-1\""), r#"{"sku":"tea"}"#)).await;
+    assert_eq!((s3, b3), (s1, b1), "a quoted sf-string key is the same key");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_missing_key_is_400_unless_optional() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+    let (s, h, b) = send(&app, post_req(None, "{}")).await;
+    assert_problem(s, &h, &b, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&b).contains("Idempotency-Key"));
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+    let optional =
+        IdempotencyLayer::with_options(fx.store.clone(), IdempotencyOptions::new().required(false))
+            .expect("options");
+    let app = counting_app(runs.clone()).layer(optional);
+    let (s, _, _) = send(&app, post_req(None, "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let (s, _, _) = send(&app, post_req(None, "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "without a key nothing is deduplicated"
+    );
+}
+
+#[tokio::test]
+async fn methods_not_protected_pass_through() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+    let (s, h, b) = send(
+        &app,
+        Request::get("/orders").body(Body::empty()).expect("req"),
+    )
+    .await;
+    assert_eq!((s, b.as_ref()), (StatusCode::OK, &b"listed"[..]));
+    assert!(h.get("idempotent-replayed").is_none());
+
+    // PUT is not protected by default; configured methods are.
+    let only_put = IdempotencyOptions::new().methods([Method::PUT]);
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(|| async { "posted" }).put(|| async { "put" }),
+        )
+        .layer(IdempotencyLayer::with_options(fx.store.clone(), only_put).expect("options"));
+    let (s, _, _) = send(&app, post_req(None, "{}")).await;
+    assert_eq!(s, StatusCode::OK);
+    let put = Request::put("/orders").body(Body::empty()).expect("req");
+    let (s, h, b) = send(&app, put).await;
+    assert_problem(s, &h, &b, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn malformed_and_overlong_keys_are_400() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+
+    let max = "k".repeat(255);
+    let (s, _, _) = send(&app, post_req(Some(&max), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED, "255 characters are allowed");
+
+    let over = "k".repeat(256);
+    let (s, h, b) = send(&app, post_req(Some(&over), "{}")).await;
+    assert_problem(s, &h, &b, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&b).contains("255"));
+
+    let mut non_ascii = post_req(None, "{}");
+    non_ascii.headers_mut().insert(
+        "idempotency-key",
+        HeaderValue::from_bytes(b"caf\xc3\xa9-1").expect("obs-text is a valid header value"),
+    );
+    let (s, h, b) = send(&app, non_ascii).await;
+    assert_problem(s, &h, &b, StatusCode::BAD_REQUEST);
+
+    for bad in ["", "\"\"", "has space", "\"open"] {
+        let (s, h, b) = send(&app, post_req(Some(bad), "{}")).await;
+        assert_problem(s, &h, &b, StatusCode::BAD_REQUEST);
+    }
+    let mut two = post_req(Some("a"), "{}");
+    two.headers_mut()
+        .append("idempotency-key", HeaderValue::from_static("b"));
+    let (s, h, b) = send(&app, two).await;
+    assert_problem(s, &h, &b, StatusCode::BAD_REQUEST);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "only the valid key ran");
+}
+
+#[tokio::test]
+async fn an_oversized_body_is_413() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer =
+        IdempotencyLayer::with_options(fx.store.clone(), IdempotencyOptions::new().max_body(1024))
+            .expect("options");
+    let app = counting_app(runs.clone()).layer(layer);
+
+    // Without Content-Length: caught while reading.
+    let (s, h, b) = send(&app, post_req(Some("big-1"), &"x".repeat(1025))).await;
+    assert_problem(s, &h, &b, StatusCode::PAYLOAD_TOO_LARGE);
+    // With Content-Length: refused before reading.
+    let mut declared = post_req(Some("big-2"), "{}");
+    declared
+        .headers_mut()
+        .insert(header::CONTENT_LENGTH, HeaderValue::from_static("1048577"));
+    let (s, h, b) = send(&app, declared).await;
+    assert_problem(s, &h, &b, StatusCode::PAYLOAD_TOO_LARGE);
+    // At the limit: fine.
+    let (s, _, _) = send(&app, post_req(Some("big-3"), &"x".repeat(1024))).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // The default limit is 1 MiB.
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+    let (s, h, b) = send(&app, post_req(Some("big-4"), &"x".repeat(1024 * 1024 + 1))).await;
+    assert_problem(s, &h, &b, StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[tokio::test]
+async fn the_same_key_for_another_request_is_422() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+    let (s, _, _) = send(&app, post_req(Some("k"), r#"{"sku":"tea"}"#)).await;
+    assert_eq!(s, StatusCode::CREATED);
+
+    let (s, h, b) = send(&app, post_req(Some("k"), r#"{"sku":"coffee"}"#)).await;
+    assert_problem(s, &h, &b, StatusCode::UNPROCESSABLE_ENTITY);
+    let other_query = Request::post("/orders?express=1")
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", "k")
+        .body(Body::from(r#"{"sku":"tea"}"#))
+        .expect("req");
+    let (s, h, b) = send(&app, other_query).await;
+    assert_problem(s, &h, &b, StatusCode::UNPROCESSABLE_ENTITY);
+    let other_type = Request::post("/orders")
+        .header(header::CONTENT_TYPE, "text/plain")
+        .header("idempotency-key", "k")
+        .body(Body::from(r#"{"sku":"tea"}"#))
+        .expect("req");
+    let (s, h, b) = send(&app, other_type).await;
+    assert_problem(s, &h, &b, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A handler that signals it started and waits for permission to finish.
+fn gated_app(runs: Arc<AtomicUsize>, entered: Arc<Notify>, proceed: Arc<Notify>) -> Router {
+    Router::new().route(
+        "/orders",
+        post(move || {
+            let (runs, entered, proceed) = (runs.clone(), entered.clone(), proceed.clone());
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                entered.notify_one();
+                proceed.notified().await;
+                (StatusCode::CREATED, "done")
+            }
+        }),
+    )
+}
+
+#[tokio::test]
+async fn a_duplicate_in_flight_is_409_with_retry_after() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (entered, proceed) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let app = gated_app(runs.clone(), entered.clone(), proceed.clone())
+        .layer(IdempotencyLayer::new(fx.store.clone()));
+
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_req(Some("slow"), "{}")).await }
+    });
+    entered.notified().await;
+    let (s, h, b) = send(&app, post_req(Some("slow"), "{}")).await;
+    assert_problem(s, &h, &b, StatusCode::CONFLICT);
+    assert_eq!(h[header::RETRY_AFTER], "1");
+    // A different request under the key in flight is a reuse, not a wait.
+    let (s, h, b) = send(&app, post_req(Some("slow"), r#"{"other":1}"#)).await;
+    assert_problem(s, &h, &b, StatusCode::UNPROCESSABLE_ENTITY);
+
+    proceed.notify_one();
+    let (s, _, b) = first.await.expect("task");
+    assert_eq!((s, b.as_ref()), (StatusCode::CREATED, &b"done"[..]));
+    let (s, h, b) = send(&app, post_req(Some("slow"), "{}")).await;
+    assert_eq!((s, b.as_ref()), (StatusCode::CREATED, &b"done"[..]));
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_duplicates_execute_once() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route(
+            "/orders",
+            post({
+                let runs = runs.clone();
+                move || {
+                    let runs = runs.clone();
+                    async move {
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        (StatusCode::CREATED, format!("run {run}"))
+                    }
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(fx.store.clone()));
+
+    let start = Arc::new(tokio::sync::Barrier::new(20));
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let (app, start) = (app.clone(), start.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            send(&app, post_req(Some("race"), r#"{"sku":"tea"}"#)).await
+        }));
+    }
+    let (mut originals, mut replays, mut conflicts) = (0, 0, 0);
+    for task in tasks {
+        let (status, headers, body) = task.await.expect("task");
+        match status {
+            StatusCode::CREATED => {
+                assert_eq!(body.as_ref(), b"run 1");
+                if headers.contains_key("idempotent-replayed") {
+                    replays += 1;
+                } else {
+                    originals += 1;
+                }
+            }
+            StatusCode::CONFLICT => {
+                assert!(headers.contains_key(header::RETRY_AFTER));
+                conflicts += 1;
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran exactly once"
+    );
+    assert_eq!(originals, 1);
+    assert_eq!(originals + replays + conflicts, 20);
+}
+
+#[tokio::test]
+async fn keys_are_scoped_per_principal() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+    let as_user = |token: &str, body: &str| {
+        let mut req = post_req(Some("shared-key"), body);
+        req.headers_mut().insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {token}")).expect("header"),
+        );
+        req
+    };
+    let (_, _, alice) = send(&app, as_user("alice", r#"{"a":1}"#)).await;
+    // Bob's request with the same key is his own: it runs, no 422.
+    let (s, h, bob) = send(&app, as_user("bob", r#"{"b":2}"#)).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(h.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let (_, _, alice_again) = send(&app, as_user("alice", r#"{"a":1}"#)).await;
+    let (_, _, bob_again) = send(&app, as_user("bob", r#"{"b":2}"#)).await;
+    assert_eq!(alice_again, alice);
+    assert_eq!(bob_again, bob);
+    assert!(String::from_utf8_lossy(&alice).contains("Bearer alice"));
+    assert!(String::from_utf8_lossy(&bob).contains("Bearer bob"));
+
+    // A custom principal: the user id from a header set by an auth layer.
+    let by_user = IdempotencyOptions::new().principal(|parts| {
+        parts
+            .headers
+            .get("x-user")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("anonymous")
+            .to_owned()
+    });
+    let app = counting_app(runs.clone())
+        .layer(IdempotencyLayer::with_options(fx.store.clone(), by_user).expect("options"));
+    let mut req = as_user("rotated-token", r#"{"a":1}"#);
+    req.headers_mut()
+        .insert("x-user", HeaderValue::from_static("u-1"));
+    let (s, _, _) = send(&app, req).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let mut req = as_user("refreshed-token", r#"{"a":1}"#);
+    req.headers_mut()
+        .insert("x-user", HeaderValue::from_static("u-1"));
+    let (_, h, _) = send(&app, req).await;
+    assert_eq!(
+        h["idempotent-replayed"], "true",
+        "same user, new token: same key"
+    );
+}
+
+#[tokio::test]
+async fn server_errors_and_429_release_the_key_other_statuses_are_stored() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let statuses = [
+        StatusCode::INTERNAL_SERVER_ERROR,
+        StatusCode::SERVICE_UNAVAILABLE,
+        StatusCode::TOO_MANY_REQUESTS,
+        StatusCode::CREATED,
+    ];
+    let app = Router::new()
+        .route(
+            "/orders",
+            post({
+                let runs = runs.clone();
+                move || {
+                    let runs = runs.clone();
+                    async move {
+                        let run = runs.fetch_add(1, Ordering::SeqCst);
+                        (statuses[run.min(3)], format!("attempt {run}"))
+                    }
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(fx.store.clone()));
+    for (attempt, expected) in statuses.iter().enumerate() {
+        let (s, h, b) = send(&app, post_req(Some("flaky"), "{}")).await;
+        assert_eq!(s, *expected);
+        assert!(
+            h.get("idempotent-replayed").is_none(),
+            "attempt {attempt} ran"
+        );
+        assert_eq!(b, format!("attempt {attempt}"));
+    }
+    let (s, h, b) = send(&app, post_req(Some("flaky"), "{}")).await;
+    assert_eq!((s, b.as_ref()), (StatusCode::CREATED, &b"attempt 3"[..]));
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+
+    // A 4xx is the answer to this request: stored and replayed.
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(|| async { (StatusCode::BAD_REQUEST, "sku unknown") }),
+        )
+        .layer(IdempotencyLayer::new(fx.store.clone()));
+    send(&app, post_req(Some("invalid"), "{}")).await;
+    let (s, h, _) = send(&app, post_req(Some("invalid"), "{}")).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(h["idempotent-replayed"], "true");
+}
+
+#[tokio::test]
+async fn a_dropped_request_releases_its_key() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (entered, proceed) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let app = gated_app(runs.clone(), entered.clone(), proceed.clone())
+        .layer(IdempotencyLayer::new(fx.store.clone()));
+
+    let client = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_req(Some("gone"), "{}")).await }
+    });
+    entered.notified().await;
+    // The client disconnects: the server drops the request's future.
+    client.abort();
+    assert!(client.await.expect_err("aborted").is_cancelled());
+
+    // The release runs in the background; the retry soon runs the handler.
+    let mut status = StatusCode::CONFLICT;
+    for _ in 0..100 {
+        let mut retry = tokio::spawn({
+            let app = app.clone();
+            async move { send(&app, post_req(Some("gone"), "{}")).await }
+        });
+        let ran = tokio::select! {
+            _ = entered.notified() => true,
+            done = &mut retry => {
+                let (s, _, _) = done.expect("task");
+                assert_eq!(s, StatusCode::CONFLICT, "still in flight until released");
+                false
+            }
+        };
+        if ran {
+            proceed.notify_one();
+            status = retry.await.expect("task").0;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "the retry ran after the release"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn expired_keys_run_again_and_are_pruned() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let short = IdempotencyOptions::new()
+        .ttl(Duration::from_millis(200))
+        .lock(Duration::from_millis(200));
+    let app = counting_app(runs.clone())
+        .layer(IdempotencyLayer::with_options(fx.store.clone(), short).expect("options"));
+    send(&app, post_req(Some("old"), "{}")).await;
+    send(&app, post_req(Some("older"), "{}")).await;
+    let (_, h, _) = send(&app, post_req(Some("old"), "{}")).await;
+    assert_eq!(h["idempotent-replayed"], "true", "within the TTL: replayed");
+
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let (s, h, _) = send(&app, post_req(Some("old"), r#"{"new":true}"#)).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(
+        h.get("idempotent-replayed").is_none(),
+        "after the TTL: a new request"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    // "older" expired and is pruned; "old" was just renewed and stays.
+    assert_eq!(prune_expired(&fx.store, 1).await.expect("prune"), 1);
+    assert_eq!(prune_expired(&fx.store, 100).await.expect("prune"), 0);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(prune_expired(&fx.store, 100).await.expect("prune"), 1);
+}
+
+#[tokio::test]
+async fn a_response_too_large_to_store_replays_without_body() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let options = IdempotencyOptions::new().max_response_body(8);
+    let app = counting_app(runs.clone())
+        .layer(IdempotencyLayer::with_options(fx.store.clone(), options).expect("options"));
+    let (s, _, b) = send(&app, post_req(Some("large"), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(b.len() > 8, "the live response is complete");
+    let (s, h, b) = send(&app, post_req(Some("large"), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(h["idempotent-body-omitted"], "true");
+    assert_eq!(
+        h[header::LOCATION],
+        "/orders/1",
+        "Location still tells where it is"
+    );
+    assert!(b.is_empty());
+    assert!(h.get(header::CONTENT_TYPE).is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "never run twice");
+}
+
+#[tokio::test]
+async fn options_that_cannot_work_are_refused() {
+    let fx = fixture().await;
+    let refuse = |options: IdempotencyOptions| {
+        IdempotencyLayer::with_options(fx.store.clone(), options).expect_err("invalid")
+    };
+    assert_eq!(
+        refuse(IdempotencyOptions::new().methods([])),
+        InvalidIdempotencyOptions::NoMethods
+    );
+    assert_eq!(
+        refuse(IdempotencyOptions::new().ttl(Duration::ZERO)),
+        InvalidIdempotencyOptions::ZeroTtl
+    );
+    assert!(matches!(
+        refuse(IdempotencyOptions::new().lock(Duration::from_secs(48 * 3600))),
+        InvalidIdempotencyOptions::Lock { .. }
+    ));
+    assert_eq!(
+        refuse(IdempotencyOptions::new().max_body(0)),
+        InvalidIdempotencyOptions::ZeroMaxBody
+    );
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_keep_their_statuses() {
+    let fx = fixture().await;
+    let app = Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .layer(IdempotencyLayer::new(fx.store.clone()));
+    // No route: a 404 is not 5xx or 429, so it is stored, and the retry
+    // gets it replayed, never a 500.
+    let (s, _, _) = send(&app, post_req(Some("nowhere"), "{}")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, h, _) = send(&app, post_req(Some("nowhere"), "{}")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(h["idempotent-replayed"], "true");
+    // A wrong method on a known route: 405, likewise.
+    let (s, _, _) = send(
+        &app,
+        Request::post("/health")
+            .header("idempotency-key", "m")
+            .body(Body::empty())
+            .expect("req"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test]
+async fn a_key_abandoned_in_flight_is_taken_over_after_its_lock() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (entered, proceed) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let options = IdempotencyOptions::new().lock(Duration::from_millis(100));
+    let app = gated_app(runs.clone(), entered.clone(), proceed.clone())
+        .layer(IdempotencyLayer::with_options(fx.store.clone(), options).expect("options"));
+
+    // A request that never finishes stands in for a process that died.
+    let stuck = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_req(Some("orphan"), "{}")).await }
+    });
+    entered.notified().await;
+    let (s, _, _) = send(&app, post_req(Some("orphan"), "{}")).await;
+    assert_eq!(s, StatusCode::CONFLICT, "locked: in flight");
+
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let retry = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_req(Some("orphan"), "{}")).await }
+    });
+    entered.notified().await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "after the lock the retry took over"
+    );
+    proceed.notify_waiters();
+    assert_eq!(retry.await.expect("task").0, StatusCode::CREATED);
+    stuck.abort();
+}
