@@ -95,6 +95,31 @@ impl From<Rejected> for Problem {
     }
 }
 
+#[cfg(feature = "propagation")]
+impl From<&crate::propagation::HttpCallError> for Problem {
+    /// A failed dependency call, answered without leaking its URL or body.
+    fn from(err: &crate::propagation::HttpCallError) -> Self {
+        use crate::propagation::HttpCallError as E;
+        match err {
+            E::Rejected(rejected) => Self::from_rejected(rejected),
+            E::Timeout { .. } => Self::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "a dependency did not answer in time",
+            )
+            .with_type("urn:keel:problem:dependency_timeout"),
+            _ => {
+                let mut problem = Self::new(
+                    StatusCode::BAD_GATEWAY,
+                    "a dependency failed; try again later",
+                )
+                .with_type("urn:keel:problem:dependency_failed");
+                problem.retry_after = keel_core::Classify::retry_after(err);
+                problem
+            }
+        }
+    }
+}
+
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -117,12 +142,18 @@ mod tests {
 
     #[test]
     fn refusals_map_to_statuses_with_retry_after() {
-        let open = Rejected::CircuitOpen { name: "payments".into(), retry_after: Duration::from_millis(1500) };
+        let open = Rejected::CircuitOpen {
+            name: "payments".into(),
+            retry_after: Duration::from_millis(1500),
+        };
         let response = Problem::from(open).into_response();
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers()[header::RETRY_AFTER], "2");
         assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
-        let limited = Rejected::RateLimited { name: "api".into(), retry_after: Duration::ZERO };
+        let limited = Rejected::RateLimited {
+            name: "api".into(),
+            retry_after: Duration::ZERO,
+        };
         let response = Problem::from(limited).into_response();
         assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");

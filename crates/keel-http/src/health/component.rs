@@ -1,0 +1,474 @@
+//! [`Health`]: `/livez`, `/readyz` and `/debug/deep`.
+
+use std::collections::HashSet;
+use std::fmt::Display;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, join_all};
+use keel_core::{Deadline, Name, clock};
+use keel_messaging::Store;
+use keel_policy::ConfigError;
+use serde::Serialize;
+
+use super::drain::Drain;
+use crate::problem::Problem;
+
+/// The time limit of each readiness check by default: 1 s, below a probe's
+/// usual 2 s `timeoutSeconds`.
+pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The waiters a pool may have with no connection free before readiness
+/// fails, by default: 50.
+pub const DEFAULT_MAX_POOL_WAITERS: usize = 50;
+
+type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
+
+#[derive(Clone)]
+struct Check {
+    name: Name,
+    timeout: Option<Duration>,
+    probe: Probe,
+}
+
+impl std::fmt::Debug for Check {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Check")
+            .field("name", &self.name)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+fn probe<F, Fut, E>(check: F) -> Probe
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), E>> + Send + 'static,
+    E: Display,
+{
+    Arc::new(move || {
+        let fut = check();
+        Box::pin(async move { fut.await.map_err(|err| err.to_string()) })
+    })
+}
+
+/// How busy a connection pool is, as a
+/// [`pool_saturation`](HealthBuilder::pool_saturation) hook reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolUsage {
+    /// Connections free now.
+    pub available: usize,
+    /// Callers waiting for a connection now.
+    pub waiters: usize,
+}
+
+/// Builds a [`Health`]; see the [module docs](super).
+#[derive(Debug, Default)]
+#[must_use]
+pub struct HealthBuilder {
+    ready: Vec<Check>,
+    deep: Vec<Check>,
+    drain: Option<Drain>,
+    check_timeout: Option<Duration>,
+}
+
+impl HealthBuilder {
+    /// Fails readiness with `draining` once `drain` has been triggered.
+    pub fn drain(mut self, drain: &Drain) -> Self {
+        self.drain = Some(drain.clone());
+        self
+    }
+
+    /// Adds a readiness check named `name`: something this instance owns
+    /// and is useless without. Its error becomes the `503`'s reason. Never
+    /// check a dependency here; that is what `/debug/deep` is for.
+    pub fn ready_check<F, Fut, E>(mut self, name: &str, check: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Display,
+    {
+        self.ready.push(Check {
+            name: Name::from(name),
+            timeout: None,
+            probe: probe(check),
+        });
+        self
+    }
+
+    /// Readiness requires the store's schema to be migrated and its pool
+    /// usable ([`Store::ready`]), as the check named `store`.
+    pub fn store<S: Store>(self, store: S) -> Self {
+        self.ready_check("store", move || {
+            let store = store.clone();
+            async move { store.ready().await }
+        })
+    }
+
+    /// Readiness fails while the pool `probe` reports has no free
+    /// connection and more than `max_waiters` callers waiting (e.g.
+    /// [`DEFAULT_MAX_POOL_WAITERS`]): the instance would only add latency.
+    pub fn pool_saturation<F>(self, name: &str, max_waiters: usize, probe: F) -> Self
+    where
+        F: Fn() -> PoolUsage + Send + Sync + 'static,
+    {
+        let probe = Arc::new(probe);
+        self.ready_check(name, move || {
+            let usage = probe();
+            async move {
+                if usage.available == 0 && usage.waiters > max_waiters {
+                    Err(format!(
+                        "pool saturated: no connection free and {} waiting (more than {max_waiters})",
+                        usage.waiters
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+    }
+
+    /// The time limit of each readiness check (default
+    /// [`DEFAULT_CHECK_TIMEOUT`], 1 s).
+    pub fn check_timeout(mut self, timeout: Duration) -> Self {
+        self.check_timeout = Some(timeout);
+        self
+    }
+
+    /// Adds a dependency to ping from `/debug/deep`, within `timeout`. The
+    /// ping runs under a [`Deadline`] of `timeout`, so a
+    /// [`PropagatingClient`](crate::propagation) call inside it carries it.
+    /// Dependencies are never checked by `/livez` or `/readyz`.
+    pub fn dependency<F, Fut, E>(mut self, name: &str, timeout: Duration, ping: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Display,
+    {
+        self.deep.push(Check {
+            name: Name::from(name),
+            timeout: Some(timeout),
+            probe: probe(ping),
+        });
+        self
+    }
+
+    /// Checks the settings and builds the component: every timeout must be
+    /// more than zero and every name unique.
+    pub fn build(self) -> Result<Health, ConfigError> {
+        let check_timeout = self.check_timeout.unwrap_or(DEFAULT_CHECK_TIMEOUT);
+        if check_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "check_timeout",
+                "must be more than zero: every readiness check would time out",
+            ));
+        }
+        for (list, field) in [(&self.ready, "ready_check"), (&self.deep, "dependency")] {
+            let mut names = HashSet::new();
+            for check in list {
+                if !names.insert(&check.name) {
+                    return Err(ConfigError::new(
+                        field,
+                        format!(
+                            "`{}` is registered twice; give each check its own name",
+                            check.name
+                        ),
+                    ));
+                }
+                if check.timeout.is_some_and(|t| t.is_zero()) {
+                    return Err(ConfigError::new(
+                        "timeout",
+                        format!("the timeout of `{}` must be more than zero", check.name),
+                    ));
+                }
+            }
+        }
+        Ok(Health {
+            inner: Arc::new(Inner {
+                ready: self.ready,
+                deep: self.deep,
+                drain: self.drain,
+                check_timeout,
+            }),
+        })
+    }
+}
+
+/// The health endpoints of one service instance; see the
+/// [module docs](super). Cheap to clone.
+///
+/// ```
+/// use axum::{body::Body, http::{Request, StatusCode}};
+/// use keel_http::health::{Drain, Health};
+/// use tower::ServiceExt;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let drain = Drain::builder().lb_notice(std::time::Duration::ZERO).build().unwrap();
+/// let health = Health::builder().drain(&drain).build().unwrap();
+/// let app = health.router();
+/// let readyz = || Request::get("/readyz").body(Body::empty()).unwrap();
+/// assert_eq!(app.clone().oneshot(readyz()).await.unwrap().status(), StatusCode::OK);
+/// drain.trigger();
+/// assert_eq!(app.oneshot(readyz()).await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Health {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    ready: Vec<Check>,
+    deep: Vec<Check>,
+    drain: Option<Drain>,
+    check_timeout: Duration,
+}
+
+/// Why the instance is not ready: one reason per failed check, `draining`
+/// alone while draining.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not ready: {}", reasons.join("; "))]
+pub struct NotReady {
+    /// `draining`, or `<check>: <error>` for each failed check.
+    pub reasons: Vec<String>,
+}
+
+/// How one dependency answered its ping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PingStatus {
+    /// It answered in time.
+    Ok,
+    /// It answered with an error (or the ping panicked).
+    Failed,
+    /// It did not answer within its timeout.
+    TimedOut,
+}
+
+/// One dependency's line in a [`DeepReport`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DependencyStatus {
+    /// The dependency.
+    pub name: String,
+    /// How it answered.
+    pub status: PingStatus,
+    /// How long the ping took, in milliseconds.
+    pub latency_ms: f64,
+    /// The ping's time limit, in milliseconds.
+    pub timeout_ms: u64,
+    /// The error, when it failed or timed out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The body of `/debug/deep`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeepReport {
+    /// Whether every dependency answered in time.
+    pub ok: bool,
+    /// Each dependency, in registration order.
+    pub dependencies: Vec<DependencyStatus>,
+}
+
+impl Health {
+    /// Starts building the component.
+    pub fn builder() -> HealthBuilder {
+        HealthBuilder::default()
+    }
+
+    /// The routes `/livez`, `/readyz` and `/debug/deep`, to merge into the
+    /// service's router (outside shedding and authentication).
+    ///
+    /// Point the liveness probe at `/livez` and the readiness (and startup)
+    /// probes at `/readyz`. **Never point a probe at `/debug/deep`**: it
+    /// pings dependencies, and a dependency blip must never restart or
+    /// eject the fleet.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/livez", get(livez))
+            .route("/readyz", get(readyz))
+            .route("/debug/deep", get(deep))
+            .with_state(self.clone())
+    }
+
+    /// Whether the instance should get traffic: not draining, and every
+    /// readiness check passing within its time limit (checks run
+    /// concurrently; none runs while draining).
+    pub async fn readiness(&self) -> Result<(), NotReady> {
+        let inner = &*self.inner;
+        if inner.drain.as_ref().is_some_and(Drain::is_draining) {
+            return Err(NotReady {
+                reasons: vec!["draining".to_owned()],
+            });
+        }
+        let results = join_all(
+            inner
+                .ready
+                .iter()
+                .map(|check| run(check, inner.check_timeout)),
+        )
+        .await;
+        let reasons: Vec<String> = inner
+            .ready
+            .iter()
+            .zip(results)
+            .filter_map(|(check, (outcome, _))| {
+                let (_, error) = outcome.err()?;
+                metrics::counter!("keel_http_not_ready_total", "check" => Arc::clone(&check.name))
+                    .increment(1);
+                Some(format!("{}: {error}", check.name))
+            })
+            .collect();
+        if reasons.is_empty() {
+            Ok(())
+        } else {
+            Err(NotReady { reasons })
+        }
+    }
+
+    /// Pings every dependency concurrently, each within its own timeout.
+    pub async fn deep(&self) -> DeepReport {
+        let inner = &*self.inner;
+        let results = join_all(
+            inner
+                .deep
+                .iter()
+                .map(|check| run(check, inner.check_timeout)),
+        )
+        .await;
+        let dependencies: Vec<DependencyStatus> = inner
+            .deep
+            .iter()
+            .zip(results)
+            .map(|(check, (outcome, latency))| {
+                let (status, error) = match outcome {
+                    Ok(()) => (PingStatus::Ok, None),
+                    Err((status, error)) => (status, Some(error)),
+                };
+                let label = match status {
+                    PingStatus::Ok => "ok",
+                    PingStatus::Failed => "failed",
+                    PingStatus::TimedOut => "timed_out",
+                };
+                metrics::counter!("keel_http_deep_ping_total", "dependency" => Arc::clone(&check.name), "status" => label)
+                    .increment(1);
+                DependencyStatus {
+                    name: check.name.to_string(),
+                    status,
+                    latency_ms: latency.as_secs_f64() * 1000.0,
+                    timeout_ms: u64::try_from(
+                        check.timeout.unwrap_or(inner.check_timeout).as_millis(),
+                    )
+                    .unwrap_or(u64::MAX),
+                    error,
+                }
+            })
+            .collect();
+        DeepReport {
+            ok: dependencies.iter().all(|d| d.status == PingStatus::Ok),
+            dependencies,
+        }
+    }
+}
+
+/// Runs one check within its time limit (and under that deadline), never
+/// letting it panic through.
+async fn run(
+    check: &Check,
+    default_timeout: Duration,
+) -> (Result<(), (PingStatus, String)>, Duration) {
+    let limit = check.timeout.unwrap_or(default_timeout);
+    let started = clock::now();
+    let fut = AssertUnwindSafe(Deadline::after(limit).scope((check.probe)())).catch_unwind();
+    let outcome = match tokio::time::timeout(limit, fut).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(error))) => Err((PingStatus::Failed, error)),
+        Ok(Err(_panic)) => Err((PingStatus::Failed, "the check panicked".to_owned())),
+        Err(_elapsed) => Err((PingStatus::TimedOut, format!("no answer within {limit:?}"))),
+    };
+    if let Err((_, error)) = &outcome {
+        tracing::debug!(check = %check.name, %error, "health check failed");
+    }
+    (outcome, started.elapsed())
+}
+
+fn no_store(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+/// Deliberately trivial: if this runs, the process is alive. NEVER touch a
+/// dependency here.
+async fn livez() -> Response {
+    no_store(Json(serde_json::json!({ "ok": true })).into_response())
+}
+
+async fn readyz(State(health): State<Health>) -> Response {
+    no_store(match health.readiness().await {
+        Ok(()) => Json(serde_json::json!({ "ok": true })).into_response(),
+        Err(not_ready) => {
+            tracing::debug!(reason = %not_ready, "readiness check failed: 503");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, not_ready.to_string())
+                .with_type("urn:keel:problem:not_ready")
+                .into_response()
+        }
+    })
+}
+
+/// For humans and dashboards; NOT wired to any probe.
+async fn deep(State(health): State<Health>) -> Response {
+    no_store(Json(health.deep().await).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let err = Health::builder()
+            .check_timeout(Duration::ZERO)
+            .build()
+            .unwrap_err();
+        assert_eq!(err.field, "check_timeout");
+        let twice = Health::builder()
+            .ready_check("db", || async { Ok::<_, String>(()) })
+            .ready_check("db", || async { Ok::<_, String>(()) })
+            .build()
+            .unwrap_err();
+        assert_eq!(twice.field, "ready_check");
+        let zero = Health::builder()
+            .dependency("cache", Duration::ZERO, || async { Ok::<_, String>(()) })
+            .build()
+            .unwrap_err();
+        assert_eq!(zero.field, "timeout");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_check_is_a_failure_not_a_crash() {
+        let health = Health::builder()
+            .dependency("flaky", Duration::from_millis(50), || async {
+                if true {
+                    panic!("boom");
+                }
+                Ok::<_, String>(())
+            })
+            .build()
+            .unwrap();
+        let report = health.deep().await;
+        assert!(!report.ok);
+        assert_eq!(report.dependencies[0].status, PingStatus::Failed);
+    }
+}

@@ -1,0 +1,113 @@
+//! Deadline and trace propagation: every hop knows when the whole request
+//! stops mattering and which trace it belongs to, and stops working for a
+//! caller that is gone.
+//!
+//! A timeout says how long *this* hop may wait; a deadline says when the
+//! *whole* request is worthless. Carried from the edge into every call
+//! below it, the deadline lets each hop refuse work that would finish too
+//! late, instead of doing it slowly for nobody. The trace context does the
+//! same for observability: one trace id, five services.
+//!
+//! # Server side
+//!
+//! - [`DeadlineLayer`] reads `X-Request-Deadline-Unix-Ms`, **trusts it but
+//!   never beyond our own maximum** (default 30 s, [`DEFAULT_MAX_DEADLINE`]):
+//!   a caller must not pin our resources for an hour with one header. The
+//!   handler runs inside [`Deadline::scope`](keel_core::Deadline::scope), so
+//!   every policy and client below sees it, and is cancelled (dropped) when
+//!   the deadline passes: `504` problem. A malformed header is a `400`
+//!   problem; an already expired one is a `504` without running the
+//!   handler.
+//! - [`TraceContextLayer`] reads the W3C `traceparent`, runs the handler as a
+//!   child span in [`TraceParent::scope`](keel_core::TraceParent::scope) and
+//!   inside a `tracing` span carrying the trace id, and answers with
+//!   `traceresponse` and `x-trace-id`. A malformed `traceparent` is a `400`
+//!   problem by default (the issue's rule for malformed headers);
+//!   [`TraceContextLayer::lenient`] follows the W3C recommendation instead
+//!   (ignore it, start a new trace). No header starts a new trace.
+//!
+//! # If the client hangs up, everything downstream stops
+//!
+//! Nothing extra is needed for that, and nothing must get in its way: when a
+//! connection closes, hyper drops the request's future, and with it every
+//! future it is awaiting, outgoing HTTP calls through [`PropagatingClient`]
+//! included (a dropped reqwest future aborts its request). The one way to
+//! break this is `tokio::spawn`-ing work from a handler: a spawned task
+//! outlives the request. [`DeadlineLayer`] counts such cancellations in
+//! `keel_http_requests_cancelled_total`.
+//!
+//! # Client side
+//!
+//! [`PropagatingClient`] wraps a `reqwest::Client`. Every request carries the
+//! current deadline (tightened to the client's own timeout) and a child
+//! `traceparent`; a call with no more than 50 ms left is refused with
+//! [`Rejected::DeadlineExceeded`](keel_core::Rejected::DeadlineExceeded)
+//! without leaving the process; the request timeout is
+//! `min(own timeout, time left)`. Failures come back as [`HttpCallError`],
+//! classified for retries and breakers ([`keel_core::Classify`]).
+//!
+//! [`Dependency`] puts one downstream service behind its own policies:
+//! a total timeout, retries with a budget, **its own** circuit breaker, a
+//! bulkhead and a per-attempt timeout, so a failing payments service opens
+//! the payments breaker and nothing else.
+//!
+//! # Order of layers
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{Router, routing::get};
+//! use keel_http::propagation::{DeadlineLayer, TraceContextLayer};
+//!
+//! let app: Router = Router::new()
+//!     .route("/orders", get(|| async { "ok" }))
+//!     // Inner: the deadline (its 400/504 answers still carry trace ids).
+//!     .layer(DeadlineLayer::with_max(Duration::from_secs(2)).unwrap())
+//!     // Outer: the trace context.
+//!     .layer(TraceContextLayer::new());
+//! ```
+
+mod client;
+mod deadline;
+mod dependency;
+mod error;
+mod trace;
+
+pub use client::{DEFAULT_CLIENT_TIMEOUT, ERROR_BODY_LIMIT, PropagatingClient};
+pub use deadline::{DEFAULT_MAX_DEADLINE, DeadlineLayer, DeadlineService};
+pub use dependency::{Dependency, DependencyBuilder, DependencyConfig};
+pub use error::{HttpCallError, parse_retry_after};
+pub use trace::{TRACE_ID_HEADER, TRACERESPONSE_HEADER, TraceContextLayer, TraceContextService};
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::http::Response;
+
+/// The response future of the propagation layers.
+pub struct ResponseFuture<E> {
+    inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
+}
+
+impl<E> ResponseFuture<E> {
+    fn new(future: impl Future<Output = Result<Response<Body>, E>> + Send + 'static) -> Self {
+        Self {
+            inner: Box::pin(future),
+        }
+    }
+}
+
+impl<E> std::fmt::Debug for ResponseFuture<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<E> Future for ResponseFuture<E> {
+    type Output = Result<Response<Body>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}

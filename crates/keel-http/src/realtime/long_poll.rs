@@ -1,0 +1,140 @@
+//! Long polling: `GET ?after=<seq>` answers at once when the stream has
+//! events after the cursor, otherwise waits for one, up to the poll timeout.
+//!
+//! # Subscribe first, then read
+//!
+//! Reading first and subscribing second leaves a window: an event committed
+//! after the read but before the subscription wakes nobody, and the request
+//! sleeps for the whole timeout with news sitting in the log. So the handler
+//! subscribes, *then* reads; an event committed at any point after the
+//! subscription wakes it, and one committed before is found by the read.
+//!
+//! # Answers
+//!
+//! - `200` with `{"events": [{"seq", "type", "data", "at"}...], "cursor": <seq>}`
+//!   (at most one read batch; poll again with `after=<cursor>`), plus
+//!   `"truncated": true` when retention removed events the client had not
+//!   seen yet (its cursor fell behind the retained window);
+//! - `204` when nothing arrived within the poll timeout (25 s by default,
+//!   below every proxy's idle timeout), or when the server began draining
+//!   during the wait: the client polls again (reaching another instance);
+//! - `400` for a malformed cursor, `401` when unauthenticated, `503` +
+//!   `Retry-After` when the server is draining or the log is busy.
+//!
+//! Every answer carries `Cache-Control: no-store`: a cached poll would hide
+//! events.
+
+use axum::Json;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use keel_core::clock;
+use keel_messaging::store::{EventLogStore, LoggedEvent};
+use serde::Serialize;
+
+use super::reject::{RealtimeRejection, after_param, refuse, store_failure};
+use super::{Gauge, Realtime, wait_drain};
+
+const TRANSPORT: &str = "long_poll";
+
+/// One event in a long-poll answer.
+#[derive(Debug, Serialize)]
+struct EventBody<'a> {
+    seq: i64,
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    data: &'a serde_json::Value,
+    at: DateTime<Utc>,
+}
+
+#[derive(Debug, Serialize)]
+struct PollBody<'a> {
+    events: Vec<EventBody<'a>>,
+    cursor: i64,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    truncated: bool,
+}
+
+/// The long-poll handler.
+pub(crate) async fn handler<S: EventLogStore>(
+    State(realtime): State<Realtime<S>>,
+    request: Request,
+) -> Response {
+    let (parts, _body) = request.into_parts();
+    if realtime.is_draining() {
+        return refuse(TRANSPORT, RealtimeRejection::Draining);
+    }
+    let Some(stream) = realtime.authenticate(&parts) else {
+        return refuse(TRANSPORT, RealtimeRejection::Unauthenticated);
+    };
+    let after = match after_param(&parts) {
+        Ok(after) => after.unwrap_or(0),
+        Err(rejection) => return refuse(TRANSPORT, rejection),
+    };
+    let options = realtime.options();
+    let log = realtime.log();
+
+    // Subscribe FIRST, then read: see the module docs.
+    let mut subscription = log.subscribe(&stream);
+    let deadline = clock::now() + options.poll_timeout;
+    let mut drain = realtime.drain_signal();
+    let mut announced = after;
+    let mut waiting = None;
+    loop {
+        let events = match log
+            .read_after(&stream, after, options.read_batch.get())
+            .await
+        {
+            Ok(events) => events,
+            Err(err) => return store_failure(TRANSPORT, &err),
+        };
+        if !events.is_empty() {
+            metrics::counter!("keel_long_poll_total", "outcome" => "events").increment(1);
+            return events_response(after, &events);
+        }
+        waiting.get_or_insert_with(|| realtime.open(Gauge::LongPollWaiting));
+        tokio::select! {
+            biased;
+            () = wait_drain(&mut drain) => return no_content("drained"),
+            () = tokio::time::sleep_until(deadline) => return no_content("timeout"),
+            latest = subscription.wait_beyond(announced) => announced = latest,
+        }
+    }
+}
+
+fn events_response(after: i64, events: &[LoggedEvent]) -> Response {
+    let truncated = after > 0 && events.first().is_some_and(|e| e.seq > after + 1);
+    if truncated {
+        metrics::counter!("keel_realtime_truncated_total").increment(1);
+    }
+    let body = PollBody {
+        events: events
+            .iter()
+            .map(|e| EventBody {
+                seq: e.seq,
+                event_type: &e.event_type,
+                data: &e.data,
+                at: e.at,
+            })
+            .collect(),
+        cursor: events.last().map_or(after, |e| e.seq),
+        truncated,
+    };
+    let mut response = Json(body).into_response();
+    no_store(&mut response);
+    response
+}
+
+fn no_content(outcome: &'static str) -> Response {
+    metrics::counter!("keel_long_poll_total", "outcome" => outcome).increment(1);
+    let mut response = StatusCode::NO_CONTENT.into_response();
+    no_store(&mut response);
+    response
+}
+
+fn no_store(response: &mut Response) {
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+}

@@ -1,0 +1,468 @@
+//! Health endpoints and graceful drain: in-process for the endpoints, a
+//! real server on loopback for the drain.
+#![cfg(feature = "health")]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{Request, StatusCode, header};
+use axum::response::Response;
+use axum::routing::get;
+use keel_core::clock;
+use keel_http::health::{Drain, DrainReport, Health, Phase, PingStatus, PoolUsage};
+use keel_http::problem::PROBLEM_JSON;
+use keel_sqlite::SqliteStore;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::ServiceExt;
+
+async fn get_in_process(app: &Router, path: &str) -> (StatusCode, Response) {
+    let response = app
+        .clone()
+        .oneshot(Request::get(path).body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    (response.status(), response)
+}
+
+async fn json_of(response: Response) -> serde_json::Value {
+    let body = axum::body::to_bytes(response.into_body(), 64 * 1024)
+        .await
+        .unwrap();
+    serde_json::from_slice(&body).unwrap()
+}
+
+/// A check that counts its calls and never answers.
+fn hanging(
+    calls: &Arc<AtomicUsize>,
+) -> impl Fn() -> futures_util::future::BoxFuture<'static, Result<(), String>> + Send + Sync + 'static
+{
+    let calls = Arc::clone(calls);
+    move || {
+        calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(std::future::pending())
+    }
+}
+
+#[tokio::test]
+async fn livez_is_trivial_and_never_touches_a_dependency() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let health = Health::builder()
+        .ready_check("migrations", hanging(&calls))
+        .dependency("database", Duration::from_secs(5), hanging(&calls))
+        .build()
+        .unwrap();
+    let app = health.router();
+    let (status, response) =
+        tokio::time::timeout(Duration::from_millis(500), get_in_process(&app, "/livez"))
+            .await
+            .expect("livez answers at once");
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+    assert_eq!(response.headers()[header::CACHE_CONTROL], "no-store");
+    assert_eq!(json_of(response).await, serde_json::json!({ "ok": true }));
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "livez ran no check");
+}
+
+#[tokio::test]
+async fn readyz_checks_what_we_own_on_a_real_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("keel.db")).await.unwrap();
+    let waiters = Arc::new(AtomicUsize::new(0));
+    let deep_calls = Arc::new(AtomicUsize::new(0));
+    let health = Health::builder()
+        .store(store.clone())
+        .pool_saturation("db_pool", 50, {
+            let waiters = Arc::clone(&waiters);
+            move || PoolUsage {
+                available: 0,
+                waiters: waiters.load(Ordering::SeqCst),
+            }
+        })
+        .dependency("payments", Duration::from_secs(5), hanging(&deep_calls))
+        .build()
+        .unwrap();
+    let app = health.router();
+
+    let (status, response) = get_in_process(&app, "/readyz").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(response.headers()[header::CACHE_CONTROL], "no-store");
+    assert_eq!(json_of(response).await, serde_json::json!({ "ok": true }));
+
+    // The pool is saturated: no connection free, more than 50 waiting.
+    waiters.store(51, Ordering::SeqCst);
+    let (status, response) = get_in_process(&app, "/readyz").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+    let problem = json_of(response).await;
+    assert_eq!(problem["type"], "urn:keel:problem:not_ready");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("db_pool: pool saturated"), "{detail}");
+    waiters.store(50, Ordering::SeqCst);
+    assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+
+    // The schema loses its migrations: not ready, and the store says why.
+    sqlx::query("DELETE FROM _sqlx_migrations")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let (status, response) = get_in_process(&app, "/readyz").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let detail = json_of(response).await["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(detail.starts_with("not ready: store: "), "{detail}");
+    assert!(detail.contains("not migrated"), "{detail}");
+    assert_eq!(
+        deep_calls.load(Ordering::SeqCst),
+        0,
+        "readiness never pings dependencies"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hanging_readiness_check_fails_within_its_time_limit() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let health = Health::builder()
+        .ready_check("cache_warm", hanging(&calls))
+        .check_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let started = clock::now();
+    let (status, response) = get_in_process(&health.router(), "/readyz").await;
+    assert_eq!(started.elapsed(), Duration::from_millis(200));
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let detail = json_of(response).await["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(detail, "not ready: cache_warm: no answer within 200ms");
+}
+
+#[tokio::test(start_paused = true)]
+async fn deep_reports_each_dependency_within_its_own_timeout() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let health = Health::builder()
+        .dependency("database", Duration::from_millis(200), || async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            Ok::<_, String>(())
+        })
+        .dependency("cache", Duration::from_millis(100), || async {
+            Err::<(), _>("connection refused")
+        })
+        .dependency("broker", Duration::from_millis(300), hanging(&calls))
+        .dependency("search", Duration::from_millis(100), || async {
+            // Each ping runs under its own deadline, for propagating clients.
+            let left = keel_core::Deadline::current_remaining().unwrap();
+            if left <= Duration::from_millis(100) {
+                Ok(())
+            } else {
+                Err("no deadline")
+            }
+        })
+        .build()
+        .unwrap();
+    let started = clock::now();
+    let (status, response) = get_in_process(&health.router(), "/debug/deep").await;
+    // Concurrent: the slowest timeout, not the sum.
+    assert_eq!(started.elapsed(), Duration::from_millis(300));
+    assert_eq!(status, StatusCode::OK);
+    let report = json_of(response).await;
+    assert_eq!(report["ok"], false);
+    let deps = report["dependencies"].as_array().unwrap();
+    let by_name = |name: &str| deps.iter().find(|d| d["name"] == name).unwrap().clone();
+    assert_eq!(by_name("database")["status"], "ok");
+    assert_eq!(by_name("database")["latency_ms"], 5.0);
+    assert_eq!(by_name("cache")["status"], "failed");
+    assert_eq!(by_name("cache")["error"], "connection refused");
+    let broker = by_name("broker");
+    assert_eq!(broker["status"], "timed_out");
+    assert_eq!(broker["latency_ms"], 300.0);
+    assert_eq!(broker["timeout_ms"], 300);
+    assert_eq!(by_name("search")["status"], "ok");
+
+    let typed = health.deep().await;
+    assert_eq!(typed.dependencies[2].status, PingStatus::TimedOut);
+}
+
+// ---------------------------------------------------------------- drain
+
+/// A response read off the wire, `Connection: close`.
+struct Raw {
+    status: u16,
+    text: String,
+}
+
+async fn raw_get(addr: SocketAddr, path: &str) -> std::io::Result<Raw> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+    let mut bytes = Vec::new();
+    stream.read_to_end(&mut bytes).await?;
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let status = text
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP response: {text:?}")))?;
+    Ok(Raw { status, text })
+}
+
+/// Waits until connecting to `addr` is refused (the listener closed).
+async fn until_refused(addr: SocketAddr) {
+    tokio::time::timeout(Duration::from_secs(1), async {
+        while TcpStream::connect(addr).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the listener closed");
+}
+
+struct Server {
+    addr: SocketAddr,
+    drain: Drain,
+    done: JoinHandle<std::io::Result<DrainReport>>,
+}
+
+async fn start(drain: Drain, app: Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let done = tokio::spawn({
+        let drain = drain.clone();
+        async move { drain.serve(listener, app).await }
+    });
+    Server { addr, drain, done }
+}
+
+fn drain(lb_notice_ms: u64, drain_timeout_ms: u64) -> Drain {
+    Drain::builder()
+        .lb_notice(Duration::from_millis(lb_notice_ms))
+        .drain_timeout(Duration::from_millis(drain_timeout_ms))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn readyz_fails_with_draining_before_the_listener_closes() {
+    let drain = drain(400, 5_000);
+    let health = Health::builder().drain(&drain).build().unwrap();
+    let app = Router::new()
+        .route("/orders", get(|| async { "orders" }))
+        .merge(health.router());
+    let server = start(drain.clone(), app).await;
+
+    assert_eq!(raw_get(server.addr, "/readyz").await.unwrap().status, 200);
+    server.drain.trigger();
+    // Readiness fails first, on a new connection: the listener still accepts...
+    let readyz = raw_get(server.addr, "/readyz").await.unwrap();
+    assert_eq!(readyz.status, 503);
+    assert!(
+        readyz.text.contains(r#""detail":"not ready: draining""#),
+        "{}",
+        readyz.text
+    );
+    assert!(readyz.text.contains(PROBLEM_JSON));
+    // ...and real traffic is still served while load balancers notice.
+    let orders = raw_get(server.addr, "/orders").await.unwrap();
+    assert_eq!(
+        (orders.status, orders.text.ends_with("orders")),
+        (200, true)
+    );
+    assert_eq!(drain.phase(), Phase::Draining);
+
+    // After the LB notice delay the listener closes.
+    drain.wait_for(Phase::Closing).await;
+    let report = tokio::time::timeout(Duration::from_secs(2), server.done)
+        .await
+        .expect("the server stopped")
+        .unwrap()
+        .unwrap();
+    assert!(!report.forced);
+    let refused = TcpStream::connect(server.addr).await;
+    assert!(refused.is_err(), "no longer accepting");
+}
+
+#[tokio::test]
+async fn an_in_flight_request_completes_during_the_drain() {
+    let drain = drain(0, 5_000);
+    let (started_tx, started) = oneshot::channel::<()>();
+    let started_tx = Arc::new(parking_lot::Mutex::new(Some(started_tx)));
+    let app = Router::new().route(
+        "/slow",
+        get(move || {
+            if let Some(tx) = started_tx.lock().take() {
+                let _ = tx.send(());
+            }
+            async {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                "finished"
+            }
+        }),
+    );
+    let server = start(drain.clone(), app).await;
+    let request = tokio::spawn({
+        let addr = server.addr;
+        async move { raw_get(addr, "/slow").await }
+    });
+    started.await.unwrap();
+    drain.trigger();
+    drain.wait_for(Phase::Closing).await;
+    // New connections are refused while the request is still running.
+    until_refused(server.addr).await;
+    assert!(
+        !request.is_finished(),
+        "the in-flight request is still being served"
+    );
+
+    let response = request.await.unwrap().unwrap();
+    assert_eq!(response.status, 200);
+    assert!(response.text.ends_with("finished"));
+    let report = server.done.await.unwrap().unwrap();
+    assert!(!report.forced);
+    assert_eq!(report.aborted_connections, 0);
+    assert_eq!(drain.open_connections(), 0);
+}
+
+/// A server-sent-events-like stream: ticks every 20 ms; with `drain`, ends
+/// with a `bye` event when the drain signal fires.
+fn ticking(drain: Option<Drain>) -> Body {
+    let signal = drain.map(|d| d.signal());
+    let stream = futures_util::stream::unfold((signal, false), |(mut signal, done)| async move {
+        if done {
+            return None;
+        }
+        let closing = async {
+            match signal.as_mut() {
+                Some(rx) => {
+                    let _ = rx.wait_for(|close| *close).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = closing => Some((Ok::<_, Infallible>(Bytes::from_static(b"event: bye\n\n")), (signal, true))),
+            () = tokio::time::sleep(Duration::from_millis(20)) => {
+                Some((Ok(Bytes::from_static(b"data: tick\n\n")), (signal, false)))
+            }
+        }
+    });
+    Body::from_stream(stream)
+}
+
+/// Opens a stream at `path` and waits for its first bytes.
+async fn open_stream(addr: SocketAddr, path: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut first = [0u8; 256];
+    let n = stream.read(&mut first).await.unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    stream
+}
+
+#[tokio::test]
+async fn a_long_lived_stream_is_closed_when_the_drain_signal_fires() {
+    let drain = drain(0, 10_000);
+    let app = Router::new().route(
+        "/events",
+        get({
+            let drain = drain.clone();
+            move || {
+                let drain = drain.clone();
+                async move { ticking(Some(drain)) }
+            }
+        }),
+    );
+    let server = start(drain.clone(), app).await;
+    let mut stream = open_stream(server.addr, "/events").await;
+
+    let triggered = clock::now();
+    drain.trigger();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(3), stream.read_to_end(&mut rest))
+        .await
+        .expect("the stream ended")
+        .unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("event: bye"), "a clean last event: {rest:?}");
+    assert!(
+        rest.ends_with("0\r\n\r\n"),
+        "a complete chunked body: {rest:?}"
+    );
+
+    let report = server.done.await.unwrap().unwrap();
+    assert!(
+        !report.forced,
+        "closed by the signal, long before the 10 s timeout"
+    );
+    assert!(triggered.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test]
+async fn a_stream_ignoring_the_signal_is_aborted_at_the_drain_timeout() {
+    let drain = drain(0, 300);
+    let app = Router::new().route("/events", get(|| async { ticking(None) }));
+    let server = start(drain.clone(), app).await;
+    let mut stream = open_stream(server.addr, "/events").await;
+    assert_eq!(drain.open_connections(), 1);
+
+    let triggered = clock::now();
+    drain.trigger();
+    let report = tokio::time::timeout(Duration::from_secs(3), server.done)
+        .await
+        .expect("the server stopped despite the stream")
+        .unwrap()
+        .unwrap();
+    let took = triggered.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert!(report.forced);
+    assert_eq!(report.aborted_connections, 1);
+    assert!(report.drain_time >= Duration::from_millis(300));
+
+    // The client sees the connection end without the body's last chunk.
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut rest))
+        .await
+        .expect("the connection was closed");
+    assert!(!String::from_utf8_lossy(&rest).ends_with("0\r\n\r\n"));
+    assert_eq!(drain.open_connections(), 0);
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn sigterm_starts_the_drain() {
+    let drain = drain(60_000, 60_000);
+    let listening = drain.trigger_on_signal().unwrap();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &std::process::id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    tokio::time::timeout(Duration::from_secs(5), drain.wait_for(Phase::Draining))
+        .await
+        .expect("SIGTERM triggered the drain");
+    assert!(drain.is_draining());
+    assert_eq!(
+        drain.phase(),
+        Phase::Draining,
+        "readiness fails; the listener stays open for now"
+    );
+    listening.abort();
+}
