@@ -29,8 +29,8 @@ pub use broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 pub use consumer::{Consumer, Group, HandlerError};
 pub use dead_letter::DeadLetters;
 pub use dedup::DedupWindow;
-pub use outbox::{Outbox, OutboxRelay};
 pub use envelope::{Envelope, Event, EventMeta};
+pub use outbox::{Outbox, OutboxRelay};
 pub use store::{MessagingStore, Store, StoreError};
 
 pub mod consumer;

@@ -612,7 +612,8 @@ pub trait JobStore: Store {
     /// Creates a job inside the caller's transaction (with its outbox event).
     /// If a job with the same kind and idempotency key exists, returns it
     /// instead and creates nothing.
-    async fn job_create(&self, tx: &mut Self::Tx, job: &JobRecord) -> Result<JobRecord, StoreError>;
+    async fn job_create(&self, tx: &mut Self::Tx, job: &JobRecord)
+    -> Result<JobRecord, StoreError>;
 
     /// One job.
     async fn job_get(&self, id: &str) -> Result<Option<JobRecord>, StoreError>;
@@ -758,9 +759,9 @@ impl WebhookEndpoint {
             || self.event_types.iter().any(|pattern| {
                 pattern == event_type
                     || pattern == "*"
-                    || pattern
-                        .strip_suffix('*')
-                        .is_some_and(|prefix| prefix.ends_with('.') && event_type.starts_with(prefix))
+                    || pattern.strip_suffix('*').is_some_and(|prefix| {
+                        prefix.ends_with('.') && event_type.starts_with(prefix)
+                    })
             })
     }
 
@@ -984,8 +985,11 @@ pub trait WebhookStore: Store {
     /// failure window. Its `disabled` deliveries stay so until a replay.
     /// `false` if it was enabled. [`StoreError::NotFound`] if there is no
     /// such endpoint.
-    async fn webhook_endpoint_enable(&self, id: &str, at: DateTime<Utc>)
-    -> Result<bool, StoreError>;
+    async fn webhook_endpoint_enable(
+        &self,
+        id: &str,
+        at: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
 
     /// Deletes an endpoint with its deliveries and their attempts. `false`
     /// if there was no such endpoint.
@@ -1049,8 +1053,11 @@ pub trait WebhookStore: Store {
     /// at `now`. `false` if it is being attempted right now (live lease) or
     /// its endpoint is disabled. [`StoreError::NotFound`] if there is no
     /// such delivery.
-    async fn webhook_resend(&self, delivery_id: i64, now: DateTime<Utc>)
-    -> Result<bool, StoreError>;
+    async fn webhook_resend(
+        &self,
+        delivery_id: i64,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
 
     /// Queues again (like a resend) every delivery of `endpoint_id` queued
     /// in `[from, to)` that failed or was disabled, and also those that

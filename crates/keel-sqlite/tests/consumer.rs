@@ -177,8 +177,11 @@ where
 
 // ------------------------------------------------------------- recorder --
 
+/// A counter's metric name and group label.
+type CounterKey = (String, String);
+
 /// Counters by (name, group label), for the metric assertions.
-static COUNTERS: LazyLock<RwLock<HashMap<(String, String), Arc<AtomicU64>>>> =
+static COUNTERS: LazyLock<RwLock<HashMap<CounterKey, Arc<AtomicU64>>>> =
     LazyLock::new(Default::default);
 
 struct TestRecorder;

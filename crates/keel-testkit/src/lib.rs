@@ -7,4 +7,13 @@
 #[cfg(feature = "broker-suite")]
 pub mod broker_suite;
 #[cfg(feature = "store-suite")]
+pub mod event_log_suite;
+#[cfg(feature = "store-suite")]
+pub mod idempotency_suite;
+#[cfg(feature = "store-suite")]
+pub mod jobs_suite;
+pub mod ledger;
+#[cfg(feature = "store-suite")]
 pub mod store_suite;
+#[cfg(feature = "store-suite")]
+pub mod webhook_suite;

@@ -1,0 +1,220 @@
+//! One delivery attempt over HTTP: a signed `POST`, redirects followed by
+//! hand and re-checked, the response read up to a cap, all under one timeout.
+
+use std::time::Duration;
+
+use axum::http::{HeaderMap, StatusCode, header};
+use bytes::Bytes;
+use keel_core::clock;
+use reqwest::Url;
+
+use super::ssrf::{SsrfError, SsrfGuard};
+
+/// The bounds of one attempt.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    /// For the whole attempt, every redirect hop and the response body
+    /// included.
+    pub(crate) timeout: Duration,
+    /// Redirect hops followed before giving up.
+    pub(crate) max_redirects: usize,
+    /// Response body bytes kept for the log.
+    pub(crate) max_response_body: usize,
+}
+
+/// What happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AttemptResult {
+    /// The URL of the last request made.
+    pub(crate) url: String,
+    /// The final response's status, if one came.
+    pub(crate) status: Option<u16>,
+    /// The start of its body.
+    pub(crate) body: Option<String>,
+    /// Its `Retry-After`, if any.
+    pub(crate) retry_after: Option<Duration>,
+    /// What went wrong, if no usable response came.
+    pub(crate) error: Option<String>,
+    /// Whether the SSRF guard refused a hop.
+    pub(crate) refused: bool,
+    /// From the first byte sent to the last byte read.
+    pub(crate) latency: Duration,
+}
+
+impl AttemptResult {
+    pub(crate) fn failed(url: &str, error: String) -> Self {
+        Self {
+            url: url.to_owned(),
+            status: None,
+            body: None,
+            retry_after: None,
+            error: Some(error),
+            refused: false,
+            latency: Duration::ZERO,
+        }
+    }
+}
+
+enum HopError {
+    Refused(SsrfError),
+    Http(reqwest::Error),
+    TooManyRedirects(usize),
+    BadLocation(String),
+}
+
+/// POSTs `body` with `headers` to `url`, following up to
+/// `limits.max_redirects` redirects, each hop checked by `guard` before it
+/// is requested (and its name resolved through the guard by the client).
+pub(crate) async fn post(
+    client: &reqwest::Client,
+    guard: &SsrfGuard,
+    url: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    limits: Limits,
+    now_unix_ms: i64,
+) -> AttemptResult {
+    let started = clock::now();
+    let mut current = match Url::parse(url) {
+        Ok(url) => url,
+        Err(err) => return AttemptResult::failed(url, format!("invalid URL: {err}")),
+    };
+    let hops = async {
+        for hop in 0..=limits.max_redirects {
+            guard.check_url(&current).map_err(HopError::Refused)?;
+            let response = client
+                .post(current.clone())
+                .headers(headers.clone())
+                .body(body.clone())
+                .send()
+                .await
+                .map_err(HopError::Http)?;
+            let status = response.status();
+            if is_followed_redirect(status)
+                && let Some(location) = response
+                    .headers()
+                    .get(header::LOCATION)
+                    .and_then(|v| v.to_str().ok())
+            {
+                if hop == limits.max_redirects {
+                    return Err(HopError::TooManyRedirects(limits.max_redirects));
+                }
+                current = current
+                    .join(location)
+                    .map_err(|e| HopError::BadLocation(format!("{location:?}: {e}")))?;
+                tracing::debug!(to = %current, status = status.as_u16(), "following webhook redirect");
+                continue;
+            }
+            let retry_after = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| parse_retry_after(v, now_unix_ms));
+            let body = read_capped(response, limits.max_response_body).await;
+            return Ok((status, retry_after, body));
+        }
+        Err(HopError::TooManyRedirects(limits.max_redirects))
+    };
+    let result = tokio::time::timeout(limits.timeout, hops).await;
+    let latency = clock::now().saturating_duration_since(started);
+    let mut out = AttemptResult::failed(current.as_str(), String::new());
+    out.latency = latency;
+    match result {
+        Ok(Ok((status, retry_after, body))) => {
+            out.status = Some(status.as_u16());
+            out.retry_after = retry_after;
+            out.body = Some(body);
+            out.error = None;
+        }
+        Ok(Err(HopError::Refused(err))) => {
+            out.refused = true;
+            out.error = Some(format!("refused by the SSRF guard: {err}"));
+        }
+        Ok(Err(HopError::Http(err))) => {
+            if let Some(ssrf) = keel_core::error::find_cause::<SsrfError>(&err) {
+                out.refused = true;
+                out.error = Some(format!("refused by the SSRF guard: {ssrf}"));
+            } else {
+                out.error = Some(keel_core::error::report(&err));
+            }
+        }
+        Ok(Err(HopError::TooManyRedirects(limit))) => {
+            out.error = Some(format!("more than {limit} redirects"));
+        }
+        Ok(Err(HopError::BadLocation(detail))) => {
+            out.error = Some(format!("redirect to an invalid location {detail}"));
+        }
+        Err(_) => {
+            out.error = Some(format!("timed out after {:?}", limits.timeout));
+        }
+    }
+    out
+}
+
+/// The redirects a webhook follows. The same signed `POST` is sent to the
+/// new location for all of them: a webhook turned into a `GET` would lose
+/// its payload, so even `301`/`302`/`303` keep the method (like curl's
+/// `--post301 --post302 --post303`).
+fn is_followed_redirect(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308)
+}
+
+/// Reads at most `cap` bytes of the body (the rest is not downloaded) as
+/// lossy UTF-8.
+async fn read_capped(mut response: reqwest::Response, cap: usize) -> String {
+    let mut kept: Vec<u8> = Vec::new();
+    while let Ok(Some(chunk)) = response.chunk().await {
+        let room = cap.saturating_sub(kept.len());
+        kept.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if kept.len() >= cap {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&kept).into_owned()
+}
+
+/// The longest `Retry-After` in seconds parsed (about 31 years); longer
+/// values are clamped by the worker's bound anyway.
+const MAX_RETRY_AFTER_DIGITS: usize = 10;
+
+/// `Retry-After` as delay-seconds or an HTTP-date (relative to `now`).
+pub(crate) fn parse_retry_after(value: &str, now_unix_ms: i64) -> Option<Duration> {
+    let value = value.trim();
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        if value.len() > MAX_RETRY_AFTER_DIGITS {
+            return Some(Duration::from_secs(
+                10u64.pow(MAX_RETRY_AFTER_DIGITS as u32),
+            ));
+        }
+        return value.parse().ok().map(Duration::from_secs);
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+    let ms = at.timestamp_millis().saturating_sub(now_unix_ms).max(0);
+    Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_parses_seconds_and_dates() {
+        assert_eq!(parse_retry_after("120", 0), Some(Duration::from_secs(120)));
+        assert_eq!(parse_retry_after(" 0 ", 0), Some(Duration::ZERO));
+        let now = chrono::DateTime::parse_from_rfc2822("Sun, 06 Nov 1994 08:49:37 GMT")
+            .unwrap()
+            .timestamp_millis();
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:51:37 GMT", now),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert!(parse_retry_after("99999999999999999999", 0).is_some());
+        for bad in ["", "soon", "-5", "1.5"] {
+            assert_eq!(parse_retry_after(bad, 0), None, "{bad:?}");
+        }
+    }
+}
