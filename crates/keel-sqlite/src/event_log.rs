@@ -19,6 +19,7 @@ use keel_messaging::store::{EventLogStore, LoggedEvent, Store};
 use sqlx::Row;
 
 use crate::SqliteStore;
+use crate::store::error::db_error;
 
 const BUMP_SQL: &str = "\
 INSERT INTO keel_event_log_streams (stream, last_seq) VALUES (?1, 1)
@@ -149,25 +150,4 @@ fn event_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<LoggedEvent, StoreErr
 /// A `usize` limit as a SQL integer (saturating).
 fn sql_limit(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
-}
-
-/// Maps a statement's error like the rest of the store does (`BUSY` and
-/// `LOCKED` are retryable, a unique violation is a conflict). This mirrors
-/// `store::error::db_error`, which is private to the `store` module.
-fn db_error(err: sqlx::Error) -> StoreError {
-    let busy = matches!(&err, sqlx::Error::Database(db)
-        if db.code().and_then(|c| c.parse::<i32>().ok()).is_some_and(|c| matches!(c & 0xff, 5 | 6)));
-    if busy {
-        metrics::counter!("keel_sqlite_busy_total").increment(1);
-        return StoreError::Unavailable(err.into());
-    }
-    match err {
-        sqlx::Error::Database(db) if db.kind() == sqlx::error::ErrorKind::UniqueViolation => {
-            StoreError::Conflict(db.message().to_owned())
-        }
-        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => {
-            StoreError::Unavailable(err.into())
-        }
-        other => StoreError::other(other),
-    }
 }

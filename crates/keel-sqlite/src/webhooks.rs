@@ -34,6 +34,8 @@ use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
 use crate::SqliteStore;
+use crate::store::codec::from_ms;
+use crate::store::error::db_error;
 
 const ENDPOINT_COLUMNS: &str = "id, url, description, event_types, secrets, enabled, \
     disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at";
@@ -885,10 +887,6 @@ fn ms(at: DateTime<Utc>) -> i64 {
     at.timestamp_millis()
 }
 
-fn from_ms(ms: i64) -> Result<DateTime<Utc>, StoreError> {
-    DateTime::from_timestamp_millis(ms).ok_or_else(|| corrupt(format!("timestamp {ms}")))
-}
-
 fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(StoreError::other)
 }
@@ -905,25 +903,4 @@ fn corrupt(detail: String) -> StoreError {
     StoreError::other(format!(
         "unreadable webhook row in the SQLite store: {detail}"
     ))
-}
-
-/// Maps a statement's error like the rest of the store does (`BUSY` and
-/// `LOCKED` are retryable, a unique violation is a conflict). This mirrors
-/// `store::error::db_error`, which is private to the `store` module.
-fn db_error(err: sqlx::Error) -> StoreError {
-    let busy = matches!(&err, sqlx::Error::Database(db)
-        if db.code().and_then(|c| c.parse::<i32>().ok()).is_some_and(|c| matches!(c & 0xff, 5 | 6)));
-    if busy {
-        metrics::counter!("keel_sqlite_busy_total").increment(1);
-        return StoreError::Unavailable(err.into());
-    }
-    match err {
-        sqlx::Error::Database(db) if db.kind() == sqlx::error::ErrorKind::UniqueViolation => {
-            StoreError::Conflict(db.message().to_owned())
-        }
-        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => {
-            StoreError::Unavailable(err.into())
-        }
-        other => StoreError::other(other),
-    }
 }
