@@ -4,6 +4,19 @@
 //! Every failure becomes a response: [`problem`] is the one place where
 //! Keel's errors and policy refusals become HTTP statuses with an
 //! `application/problem+json` body and, where it helps, `Retry-After`.
+//!
+//! Each module is behind the cargo feature of the same name:
+//!
+//! - `idempotency`: the `Idempotency-Key` layer (record first, replay,
+//!   409 in flight, 422 on a different request);
+//! - `pagination`: keyset pagination with signed, opaque cursors;
+//! - `jobs`: asynchronous jobs (202, poll, 303 to the result);
+//! - `health`: `/livez`, `/readyz`, `/debug/deep` and graceful drain;
+//! - `propagation`: deadline and trace context in and out, and one policy
+//!   pipeline per dependency;
+//! - `shed`: load shedding at the edge (503 + `Retry-After`);
+//! - `realtime`: long polling, SSE and WebSocket over a resumable event log;
+//! - `webhooks`: signed sending behind an SSRF guard, and verified receiving.
 
 pub mod problem;
 

@@ -3,6 +3,11 @@
 //! A backend is correct when it passes the suite here: the same tests run
 //! against the embedded SQLite backends and the PostgreSQL and NATS ones, so
 //! "works on SQLite" and "works on PostgreSQL" mean the same thing.
+//!
+//! [`ledger`] is the invariant checker that crash tests (and `keel chaos`)
+//! feed with what was committed, published and applied: nothing lost,
+//! nothing applied twice, no aborted event published, per-key order kept,
+//! every saga completed or fully compensated.
 
 #[cfg(feature = "broker-suite")]
 pub mod broker_suite;
