@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README's quick start and CI run it.
 #
-# It installs and starts everything the tests need on loopback, then runs:
-# formatting, clippy with warnings as errors, every test of every crate with
-# every feature, and the doc tests. Set KEEL_TEST_QUICK=1 to skip fmt/clippy.
+# It installs and starts everything the tests need on loopback (PostgreSQL and
+# nats-server through scripts/services.sh), then runs: formatting, clippy with
+# warnings as errors, every test of every crate with every feature (against
+# SQLite, the embedded broker, PostgreSQL and NATS JetStream), and the doc
+# tests. Set KEEL_TEST_QUICK=1 to skip fmt/clippy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +23,10 @@ if [ "${KEEL_TEST_QUICK:-0}" != 1 ]; then
   cargo clippy --workspace --all-targets --all-features -- -D warnings
 fi
 
-log "cargo nextest run (unit, integration and behaviour tests)"
-cargo nextest run --workspace --all-features --no-fail-fast
+log "cargo nextest run (unit, integration and behaviour tests) with PostgreSQL and NATS"
+# Build first, so the servers only run while the tests do.
+cargo nextest run --workspace --all-features --no-run
+scripts/services.sh run cargo nextest run --workspace --all-features --no-fail-fast
 
 log "doc tests"
 cargo test --workspace --all-features --doc

@@ -8,6 +8,9 @@
 //! feed with what was committed, published and applied: nothing lost,
 //! nothing applied twice, no aborted event published, per-key order kept,
 //! every saga completed or fully compensated.
+//!
+//! [`services`] hands tests the PostgreSQL and NATS servers that
+//! `scripts/services.sh` runs, and fails loudly in CI when they are missing.
 
 #[cfg(feature = "broker-suite")]
 pub mod broker_suite;
@@ -18,6 +21,7 @@ pub mod idempotency_suite;
 #[cfg(feature = "store-suite")]
 pub mod jobs_suite;
 pub mod ledger;
+pub mod services;
 #[cfg(feature = "store-suite")]
 pub mod store_suite;
 #[cfg(feature = "store-suite")]

@@ -1,0 +1,2 @@
+//! The keel binary.
+fn main() {}

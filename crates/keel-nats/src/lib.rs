@@ -1,0 +1,1 @@
+//! Keel's messaging Broker on NATS JetStream.

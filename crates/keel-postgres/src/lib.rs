@@ -1,0 +1,1 @@
+//! Keel's messaging Store on PostgreSQL.

