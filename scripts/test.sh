@@ -23,6 +23,10 @@ if [ "${KEEL_TEST_QUICK:-0}" != 1 ]; then
   cargo clippy --workspace --all-targets --all-features -- -D warnings
 fi
 
+log "headless Chromium and chromedriver for the console browser tests"
+scripts/browser.sh
+export KEEL_TEST_CHROMEDRIVER=/usr/bin/chromedriver
+
 log "cargo nextest run (unit, integration and behaviour tests) with PostgreSQL and NATS"
 # Build first, so the servers only run while the tests do.
 cargo nextest run --workspace --all-features --no-run

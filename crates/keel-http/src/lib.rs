@@ -16,10 +16,17 @@
 //!   pipeline per dependency;
 //! - `shed`: load shedding at the edge (503 + `Retry-After`);
 //! - `realtime`: long polling, SSE and WebSocket over a resumable event log;
-//! - `webhooks`: signed sending behind an SSRF guard, and verified receiving.
+//! - `webhooks`: signed sending behind an SSRF guard, and verified receiving;
+//! - `admin`: the token-protected JSON admin API over dead letters, sagas,
+//!   webhook deliveries, breakers and lag;
+//! - `console`: the operator console, server-rendered HTML live over SSE.
 
 pub mod problem;
 
+#[cfg(feature = "admin")]
+pub mod admin;
+#[cfg(feature = "console")]
+pub mod console;
 #[cfg(feature = "health")]
 pub mod health;
 #[cfg(feature = "idempotency")]

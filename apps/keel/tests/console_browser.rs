@@ -1,0 +1,418 @@
+//! `keel serve`'s operator console in headless Chromium: two orders are
+//! placed with demo faults (one dead-lettered, one whose saga gets stuck
+//! refunding), an operator replays the dead letter and retries the saga by
+//! pressing the console's buttons, and the API shows the first order
+//! completed and the second compensated.
+//!
+//! Needs Debian's `chromium` and `chromium-driver` (scripts/browser.sh
+//! installs them; the path is `KEEL_TEST_CHROMEDRIVER`, default
+//! `/usr/bin/chromedriver`). Without them the test is skipped, except in CI
+//! (`CI` set), where it fails.
+//!
+//! The browser is driven over the W3C WebDriver protocol with a small
+//! client on reqwest (this crate's HTTP client), the same protocol
+//! fantoccini speaks in keel-http's console test.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+const TOKEN: &str = "serve-browser-token-0123456789";
+const LISTENING: &str = "keel: listening on ";
+/// How long the shop may take to dead-letter a message or stick a saga
+/// (consumer retries with backoff, saga retries with backoff).
+const SETTLE: Duration = Duration::from_secs(90);
+
+// ---------------------------------------------------------- WebDriver --
+
+/// The key under which WebDriver returns an element reference.
+const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
+
+/// A WebDriver session with headless Chromium under a chromedriver this
+/// test started on a free loopback port; both die with it.
+struct Browser {
+    http: reqwest::Client,
+    session: String,
+    _driver: Child,
+    _profile: tempfile::TempDir,
+}
+
+impl Browser {
+    /// The browser, or `None` (with a message) when chromedriver is missing
+    /// and `CI` is not set.
+    async fn start() -> Option<Self> {
+        let driver = std::env::var("KEEL_TEST_CHROMEDRIVER")
+            .unwrap_or_else(|_| "/usr/bin/chromedriver".to_owned());
+        if !std::path::Path::new(&driver).exists() {
+            let why = format!(
+                "chromedriver not found at {driver}: run scripts/browser.sh (or set KEEL_TEST_CHROMEDRIVER)"
+            );
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "{why}; in CI this is an error"
+            );
+            eprintln!("skipping the browser test: {why}");
+            return None;
+        }
+        let port = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap().port()
+        };
+        let child = Command::new(&driver)
+            .arg(format!("--port={port}"))
+            .arg("--allowed-ips=127.0.0.1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("could not start {driver}: {e}"));
+        let mut ready = false;
+        for _ in 0..200 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            ready,
+            "chromedriver did not listen on port {port} within 10 s"
+        );
+        let profile = tempfile::tempdir().unwrap();
+        let mut options = json!({
+            "args": [
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage",
+                format!("--user-data-dir={}", profile.path().display()),
+            ]
+        });
+        if let Ok(binary) = std::env::var("KEEL_TEST_CHROMIUM") {
+            options["binary"] = binary.into();
+        }
+        let caps = json!({ "capabilities": { "alwaysMatch": {
+            "browserName": "chrome", "goog:chromeOptions": options } } });
+        let http = reqwest::Client::new();
+        let created: Value = http
+            .post(format!("http://127.0.0.1:{port}/session"))
+            .json(&caps)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = created["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no WebDriver session: {created}"));
+        Some(Self {
+            http,
+            session: format!("http://127.0.0.1:{port}/session/{id}"),
+            _driver: child,
+            _profile: profile,
+        })
+    }
+
+    async fn command(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Value,
+    ) -> Result<Value, String> {
+        let request = self.http.request(method, format!("{}{path}", self.session));
+        let request = if body.is_null() {
+            request
+        } else {
+            request.json(&body)
+        };
+        let reply: Value = request
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .json()
+            .await
+            .map_err(|e| e.to_string())?;
+        let value = reply["value"].clone();
+        match value.get("error") {
+            Some(error) => Err(format!("{error}: {}", value["message"])),
+            None => Ok(value),
+        }
+    }
+
+    async fn goto(&self, url: &str) {
+        self.command(reqwest::Method::POST, "/url", json!({ "url": url }))
+            .await
+            .unwrap();
+    }
+
+    async fn current_url(&self) -> String {
+        let url = self
+            .command(reqwest::Method::GET, "/url", Value::Null)
+            .await
+            .unwrap();
+        url.as_str().unwrap_or_default().to_owned()
+    }
+
+    async fn find_all(&self, css: &str) -> Vec<String> {
+        let body = json!({ "using": "css selector", "value": css });
+        let found = self
+            .command(reqwest::Method::POST, "/elements", body)
+            .await
+            .unwrap_or_else(|e| panic!("finding `{css}`: {e}"));
+        found
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e[ELEMENT].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    /// The first element matching `css`, waiting up to `within`.
+    async fn wait_for(&self, css: &str, within: Duration) -> String {
+        let tries = within.as_millis() / 100;
+        for _ in 0..tries.max(1) {
+            if let Some(element) = self.find_all(css).await.into_iter().next() {
+                return element;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "no `{css}` on {} after {within:?}",
+            self.current_url().await
+        );
+    }
+
+    async fn gone(&self, css: &str, within: Duration) {
+        let tries = within.as_millis() / 100;
+        for _ in 0..tries.max(1) {
+            if self.find_all(css).await.is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("`{css}` is still on the page after {within:?}");
+    }
+
+    /// Clicks `css`, finding it again if the live stream swapped it out.
+    async fn click(&self, css: &str) {
+        for _ in 0..20 {
+            let element = self.wait_for(css, Duration::from_secs(10)).await;
+            let path = format!("/element/{element}/click");
+            if self
+                .command(reqwest::Method::POST, &path, json!({}))
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("could not click `{css}`");
+    }
+
+    async fn type_into(&self, css: &str, text: &str) {
+        let element = self.wait_for(css, Duration::from_secs(10)).await;
+        let path = format!("/element/{element}/value");
+        self.command(reqwest::Method::POST, &path, json!({ "text": text }))
+            .await
+            .unwrap();
+    }
+
+    async fn text(&self, css: &str) -> String {
+        let element = self.wait_for(css, Duration::from_secs(10)).await;
+        let path = format!("/element/{element}/text");
+        let text = self
+            .command(reqwest::Method::GET, &path, Value::Null)
+            .await
+            .unwrap();
+        text.as_str().unwrap_or_default().to_owned()
+    }
+
+    async fn quit(self) {
+        let _ = self.http.delete(&self.session).send().await;
+    }
+}
+
+// -------------------------------------------------------------- server --
+
+/// `keel serve` on a free loopback port, killed when dropped.
+struct Server {
+    base: String,
+    http: reqwest::Client,
+    _process: Child,
+    _dir: tempfile::TempDir,
+}
+
+async fn serve() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let database = format!("sqlite:{}", dir.path().join("keel.db").display());
+    let mut process = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
+        .arg(&database)
+        .args(["--admin-token", TOKEN, "--demo-faults"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("keel serve starts");
+    let mut lines = BufReader::new(process.stdout.take().unwrap()).lines();
+    let address = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(address) = line.strip_prefix(LISTENING) {
+                return address.trim().to_owned();
+            }
+        }
+        panic!("keel serve exited without printing `{LISTENING}http://ADDR`");
+    })
+    .await
+    .expect("keel serve says where it listens within 60 s");
+    // Keep reading stdout, so a chatty server never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Server {
+        base: address,
+        http: reqwest::Client::new(),
+        _process: process,
+        _dir: dir,
+    }
+}
+
+impl Server {
+    async fn place_order(&self, fault: &str) -> String {
+        let response = self
+            .http
+            .post(format!("{}/orders", self.base))
+            .header("Idempotency-Key", format!("browser-{fault}"))
+            .header("X-Keel-Demo-Fault", fault)
+            .json(&json!({
+                "customerId": "cust-01",
+                "currency": "USD",
+                "items": [{ "sku": "tea", "qty": 1, "unitPriceCents": 450 }],
+            }))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(status, reqwest::StatusCode::CREATED, "{body}");
+        body["id"].as_str().unwrap().to_owned()
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let response = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            response.status().is_success(),
+            "{path}: {}",
+            response.status()
+        );
+        response.json().await.unwrap()
+    }
+
+    /// Polls `path` until `check` finds what it looks for.
+    async fn eventually<T>(&self, path: &str, check: impl Fn(&Value) -> Option<T>) -> T {
+        let mut last = Value::Null;
+        let tries = SETTLE.as_millis() / 200;
+        for _ in 0..tries {
+            last = self.get(path).await;
+            if let Some(found) = check(&last) {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("{path} never got there within {SETTLE:?}; last: {last}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_fixes_a_dead_letter_and_a_stuck_saga_of_keel_serve_in_the_browser() {
+    let Some(browser) = Browser::start().await else {
+        return;
+    };
+    let server = serve().await;
+    let dead = server.place_order("dead-letter").await;
+    let stuck = server.place_order("stuck-saga").await;
+
+    let letter = server
+        .eventually("/admin/api/dead-letters", |list| {
+            list["items"].as_array()?.iter().find_map(|l| {
+                let payload = l["payload"].as_str()?;
+                payload
+                    .contains(&dead)
+                    .then(|| l["id"].as_str().map(str::to_owned))?
+            })
+        })
+        .await;
+    server
+        .eventually(&format!("/admin/api/sagas/{stuck}"), |s| {
+            (s["status"] == "stuck").then_some(())
+        })
+        .await;
+
+    // Log in.
+    browser.goto(&format!("{}/console", server.base)).await;
+    browser.type_into("#login input[name=token]", TOKEN).await;
+    browser.click("button[data-action=login]").await;
+    browser
+        .wait_for("#live[data-live=true]", Duration::from_secs(10))
+        .await;
+
+    // Replay the dead letter; the order goes through.
+    browser
+        .click(&format!(
+            "button[data-action=replay][data-dead-letter-id='{letter}']"
+        ))
+        .await;
+    let notice = browser.text("#notice").await;
+    assert_eq!(notice, format!("Replayed dead letter {letter}"));
+    server
+        .eventually(&format!("/orders/{dead}"), |o| {
+            (o["status"] == "completed").then_some(())
+        })
+        .await;
+    let replayed = server
+        .get(&format!("/admin/api/dead-letters/{letter}"))
+        .await;
+    assert_eq!(replayed["status"], "replayed");
+
+    // Retry the stuck saga; its refund now succeeds and the order is
+    // compensated.
+    browser
+        .click(&format!(
+            "button[data-action=retry][data-saga-id='{stuck}']"
+        ))
+        .await;
+    assert!(
+        browser
+            .text("#notice")
+            .await
+            .starts_with(&format!("Retried saga {stuck}"))
+    );
+    server
+        .eventually(&format!("/admin/api/sagas/{stuck}"), |s| {
+            (s["status"] == "compensated").then_some(())
+        })
+        .await;
+    server
+        .eventually(&format!("/orders/{stuck}"), |o| {
+            (o["status"] == "compensated").then_some(())
+        })
+        .await;
+    browser
+        .gone(
+            &format!("tr[data-saga-id='{stuck}']"),
+            Duration::from_secs(10),
+        )
+        .await;
+    browser.quit().await;
+}

@@ -1,0 +1,483 @@
+//! The admin API: JSON over HTTP for the operator's levers — dead letters,
+//! sagas, webhook deliveries, circuit breakers and lag — behind a token.
+//!
+//! Keel's messaging crate already has the operations ([`DeadLetters`],
+//! [`SagaOrchestrator`], the webhook log); this module puts them on the
+//! network so that the operator console and the `keel` CLI are two views
+//! of one API, and every error an operator can cause (an unknown id, a
+//! retry of a finished saga, a malformed filter, a missing token) comes
+//! back as problem+json with the status that says what happened.
+//!
+//! ```text
+//! GET  /admin/api/summary                          counts at a glance
+//! GET  /admin/api/dead-letters?topic=&kind=&status=&limit=
+//! POST /admin/api/dead-letters/replay-matching?topic=&kind=&limit=
+//! GET  /admin/api/dead-letters/{id}                with the error history
+//! POST /admin/api/dead-letters/{id}/replay         back to its topic via the outbox
+//! POST /admin/api/dead-letters/{id}/discard
+//! GET  /admin/api/sagas?status=&idle_secs=&limit=
+//! GET  /admin/api/sagas/{id}
+//! POST /admin/api/sagas/{id}/retry                 a stuck saga, now
+//! POST /admin/api/sagas/{id}/cancel                before its pivot
+//! GET  /admin/api/webhook-deliveries?endpoint=&status=&event=&before=&limit=
+//! GET  /admin/api/webhook-deliveries/{id}          with the attempt log
+//! POST /admin/api/webhook-deliveries/{id}/resend
+//! GET  /admin/api/breakers
+//! GET  /admin/api/lag                              outbox backlog and gauges
+//! ```
+//!
+//! ```no_run
+//! # async fn demo(store: keel_sqlite::store::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+//! use keel_http::admin::{Admin, AdminToken};
+//!
+//! let addr: std::net::SocketAddr = "127.0.0.1:8080".parse()?;
+//! let token = AdminToken::require_for(addr, std::env::var("KEEL_ADMIN_TOKEN").ok())?;
+//! let admin = Admin::builder(store).token(token).build();
+//! let app = axum::Router::new().merge(admin.router());
+//! # let _ = app; Ok(()) }
+//! ```
+
+mod auth;
+mod error;
+mod gauges;
+mod model;
+mod query;
+mod routes;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use chrono::Utc;
+use keel_messaging::MessagingStore;
+use keel_messaging::dead_letter::DeadLetters;
+use keel_messaging::outbox::Outbox;
+use keel_messaging::saga::{SagaOrchestrator, SagaView};
+use keel_messaging::store::{SagaRecord, WebhookStore};
+use keel_policy::breaker::{BreakerRegistry, State};
+
+use crate::webhooks::Endpoints;
+use crate::webhooks::ssrf::SsrfGuard;
+
+pub use auth::{
+    AdminAuth, AdminAuthLayer, AdminToken, AdminTokenError, Credential, MIN_TOKEN_LEN,
+    SESSION_COOKIE, SESSION_MAX_AGE_SECS, cookie, same_origin,
+};
+pub use error::AdminError;
+pub use gauges::{FnGauges, Gauge, GaugeSource};
+pub use model::{
+    ActionJson, AttemptJson, BreakerJson, DeadLetterJson, DeliveryAttemptJson, DeliveryJson,
+    LagJson, Listing, OutboxLagJson, PAYLOAD_PREVIEW, SagaJson, SummaryJson,
+};
+pub use query::{DEFAULT_LIMIT, DeadLetterQuery, DeliveryQuery, MAX_LIMIT, SagaQuery};
+
+/// The path prefix of every admin API route.
+pub const API_PREFIX: &str = "/admin/api";
+
+/// Builds an [`Admin`]. Defaults: no token (loopback only — set one with
+/// [`token`](Self::token)), dead-letter replays through a plain outbox (no
+/// relay woken; set [`outbox`](Self::outbox) when a relay runs in this
+/// process), no saga orchestrator (saga routes list from the store and
+/// answer `501` to actions), no breakers, no gauges.
+pub struct AdminBuilder<S> {
+    store: S,
+    token: AdminToken,
+    outbox: Option<Outbox<S>>,
+    sagas: Option<SagaOrchestrator<S>>,
+    breakers: Option<BreakerRegistry>,
+    gauges: Vec<Arc<dyn GaugeSource>>,
+}
+
+impl<S> std::fmt::Debug for AdminBuilder<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminBuilder")
+            .field("token", &self.token)
+            .field("sagas", &self.sagas.is_some())
+            .field("breakers", &self.breakers.is_some())
+            .field("gauges", &self.gauges.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> AdminBuilder<S>
+where
+    S: MessagingStore + WebhookStore,
+{
+    /// The token requests must carry (default: none, which only
+    /// [`AdminToken::require_for`] a loopback address should produce).
+    pub fn token(mut self, token: AdminToken) -> Self {
+        self.token = token;
+        self
+    }
+
+    /// Replays go through `outbox`, waking its relay on commit.
+    pub fn outbox(mut self, outbox: Outbox<S>) -> Self {
+        self.outbox = Some(outbox);
+        self
+    }
+
+    /// The orchestrator whose sagas are listed, retried and cancelled.
+    pub fn sagas(mut self, orchestrator: SagaOrchestrator<S>) -> Self {
+        self.sagas = Some(orchestrator);
+        self
+    }
+
+    /// The breakers shown by `/admin/api/breakers`.
+    pub fn breakers(mut self, registry: BreakerRegistry) -> Self {
+        self.breakers = Some(registry);
+        self
+    }
+
+    /// Adds a source of gauges (consumer lag, ...) for `/admin/api/lag`.
+    pub fn gauges(mut self, source: impl GaugeSource) -> Self {
+        self.gauges.push(Arc::new(source));
+        self
+    }
+
+    /// Adds a synchronous gauge source.
+    pub fn gauges_fn<F>(self, f: F) -> Self
+    where
+        F: Fn() -> Vec<Gauge> + Send + Sync + 'static,
+    {
+        self.gauges(FnGauges(f))
+    }
+
+    /// The admin.
+    pub fn build(self) -> Admin<S> {
+        let outbox = self
+            .outbox
+            .unwrap_or_else(|| Outbox::new(self.store.clone()));
+        Admin {
+            inner: Arc::new(Inner {
+                dead_letters: DeadLetters::with_outbox(outbox),
+                endpoints: Endpoints::new(self.store.clone(), SsrfGuard::default()),
+                store: self.store,
+                token: self.token,
+                sagas: self.sagas,
+                breakers: self.breakers,
+                gauges: self.gauges,
+            }),
+        }
+    }
+}
+
+struct Inner<S> {
+    store: S,
+    token: AdminToken,
+    dead_letters: DeadLetters<S>,
+    endpoints: Endpoints<S>,
+    sagas: Option<SagaOrchestrator<S>>,
+    breakers: Option<BreakerRegistry>,
+    gauges: Vec<Arc<dyn GaugeSource>>,
+}
+
+/// The admin operations over a store, and their HTTP API
+/// ([`router`](Self::router)). Cheap to clone. The operations are public
+/// so other front ends (the console) call exactly the same code.
+pub struct Admin<S> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S> Clone for Admin<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for Admin<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admin")
+            .field("token", &self.inner.token)
+            .field("sagas", &self.inner.sagas.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> Admin<S>
+where
+    S: MessagingStore + WebhookStore,
+{
+    /// A builder over `store` (see [`AdminBuilder`] for the defaults).
+    pub fn builder(store: S) -> AdminBuilder<S> {
+        AdminBuilder {
+            store,
+            token: AdminToken::none(),
+            outbox: None,
+            sagas: None,
+            breakers: None,
+            gauges: Vec::new(),
+        }
+    }
+
+    /// The token this admin demands.
+    pub fn token(&self) -> &AdminToken {
+        &self.inner.token
+    }
+
+    /// The layer that demands this admin's token with `401` problems.
+    pub fn auth_layer(&self) -> AdminAuthLayer {
+        AdminAuthLayer::new(self.inner.token.clone())
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.inner.store
+    }
+
+    /// Dead letters matching `query`, oldest first, payloads cut.
+    pub async fn dead_letters(
+        &self,
+        query: &DeadLetterQuery,
+    ) -> Result<Vec<DeadLetterJson>, AdminError> {
+        let filter = query.filter()?;
+        let letters = self.inner.dead_letters.list(&filter).await?;
+        Ok(letters
+            .iter()
+            .map(|l| DeadLetterJson::new(l, true))
+            .collect())
+    }
+
+    /// One dead letter with its whole error history and payload.
+    pub async fn dead_letter(&self, id: &str) -> Result<DeadLetterJson, AdminError> {
+        let letter = self
+            .inner
+            .dead_letters
+            .inspect(id)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("no dead letter with id `{id}`")))?;
+        let later = self
+            .inner
+            .store
+            .failure_history(&letter.group, &letter.message.id)
+            .await?;
+        let mut json = DeadLetterJson::new(&letter, false);
+        json.later_failures = later.iter().map(AttemptJson::from).collect();
+        Ok(json)
+    }
+
+    /// Replays one pending dead letter through the outbox.
+    pub async fn replay_dead_letter(&self, id: &str) -> Result<ActionJson, AdminError> {
+        self.inner.dead_letters.replay(id).await?;
+        Ok(action("replayed", id, 1))
+    }
+
+    /// Replays the pending dead letters matching `query` (oldest first, at
+    /// most its limit); returns how many.
+    pub async fn replay_dead_letters(
+        &self,
+        query: &DeadLetterQuery,
+    ) -> Result<ActionJson, AdminError> {
+        let filter = query.filter()?;
+        let n = self.inner.dead_letters.replay_many(&filter).await?;
+        Ok(action("replayed", &query.describe(), n as u64))
+    }
+
+    /// Discards one pending dead letter.
+    pub async fn discard_dead_letter(&self, id: &str) -> Result<ActionJson, AdminError> {
+        self.inner.dead_letters.discard(id).await?;
+        Ok(action("discarded", id, 1))
+    }
+
+    /// Pending dead letters by error kind.
+    pub async fn dead_letter_counts(&self) -> Result<BTreeMap<String, u64>, AdminError> {
+        Ok(self
+            .inner
+            .dead_letters
+            .counts()
+            .await?
+            .into_iter()
+            .collect())
+    }
+
+    /// Sagas matching `query`, oldest update first.
+    pub async fn sagas(&self, query: &SagaQuery) -> Result<Vec<SagaJson>, AdminError> {
+        let filter = query.filter()?;
+        let views = match &self.inner.sagas {
+            Some(orchestrator) => orchestrator.list(&filter).await?,
+            None => {
+                let now = Utc::now();
+                let records = self.inner.store.saga_list(&filter).await?;
+                records.into_iter().map(|r| bare_view(r, now)).collect()
+            }
+        };
+        Ok(views.into_iter().map(SagaJson::from).collect())
+    }
+
+    /// One saga.
+    pub async fn saga(&self, id: &str) -> Result<SagaJson, AdminError> {
+        let record = self
+            .inner
+            .store
+            .saga_get(id)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("no saga with id `{id}`")))?;
+        Ok(self.saga_json(record).await)
+    }
+
+    /// Retries a stuck saga now and wakes the orchestrator.
+    pub async fn retry_saga(&self, id: &str) -> Result<SagaJson, AdminError> {
+        let orchestrator = self.orchestrator()?;
+        let record = orchestrator.retry(id).await?;
+        orchestrator.notify();
+        Ok(self.saga_json(record).await)
+    }
+
+    /// Cancels a saga before its pivot and wakes the orchestrator.
+    pub async fn cancel_saga(&self, id: &str) -> Result<SagaJson, AdminError> {
+        let orchestrator = self.orchestrator()?;
+        let record = orchestrator.cancel(id).await?;
+        orchestrator.notify();
+        Ok(self.saga_json(record).await)
+    }
+
+    /// How many sagas are in each status.
+    pub async fn saga_counts(&self) -> Result<BTreeMap<String, u64>, AdminError> {
+        let counts = match &self.inner.sagas {
+            Some(orchestrator) => orchestrator.counts().await?,
+            None => self.inner.store.saga_counts().await?,
+        };
+        Ok(counts
+            .into_iter()
+            .map(|(status, n)| (status.as_str().to_owned(), n))
+            .collect())
+    }
+
+    /// Webhook deliveries matching `query`, newest first; with
+    /// `with_attempts`, each with its attempt log.
+    pub async fn deliveries(
+        &self,
+        query: &DeliveryQuery,
+        with_attempts: bool,
+    ) -> Result<Vec<DeliveryJson>, AdminError> {
+        let filter = query.filter()?;
+        let deliveries = self.inner.endpoints.deliveries(&filter).await?;
+        let mut out = Vec::with_capacity(deliveries.len());
+        for delivery in &deliveries {
+            let mut json = DeliveryJson::from(delivery);
+            if with_attempts {
+                json.attempt_log = self.attempt_log(delivery.id).await?;
+            }
+            out.push(json);
+        }
+        Ok(out)
+    }
+
+    /// One delivery with its attempt log; `id` is the delivery's number.
+    pub async fn delivery(&self, id: &str) -> Result<DeliveryJson, AdminError> {
+        let id = delivery_id(id)?;
+        let delivery = self.inner.endpoints.delivery(id).await?;
+        let mut json = DeliveryJson::from(&delivery);
+        json.attempt_log = self.attempt_log(id).await?;
+        Ok(json)
+    }
+
+    /// Queues a delivery again from a fresh retry schedule.
+    pub async fn resend_delivery(&self, id: &str) -> Result<ActionJson, AdminError> {
+        let number = delivery_id(id)?;
+        self.inner.endpoints.resend(number).await?;
+        Ok(action("resent", id, 1))
+    }
+
+    /// Every circuit breaker made so far (empty without a registry).
+    pub fn breakers(&self) -> Vec<BreakerJson> {
+        self.inner
+            .breakers
+            .as_ref()
+            .map(|r| r.snapshot().iter().map(BreakerJson::from).collect())
+            .unwrap_or_default()
+    }
+
+    /// The outbox backlog and every registered gauge.
+    pub async fn lag(&self) -> Result<LagJson, AdminError> {
+        let outbox = self.inner.store.outbox_stats().await?.into();
+        let mut gauges = Vec::new();
+        for source in &self.inner.gauges {
+            gauges.extend(source.gauges().await);
+        }
+        Ok(LagJson { outbox, gauges })
+    }
+
+    /// Counts at a glance.
+    pub async fn summary(&self) -> Result<SummaryJson, AdminError> {
+        let breakers_not_closed = self
+            .breakers()
+            .into_iter()
+            .filter(|b| b.state != State::Closed.as_str())
+            .map(|b| {
+                let name = match b.endpoint {
+                    Some(endpoint) => format!("{}/{endpoint}", b.dependency),
+                    None => b.dependency,
+                };
+                (name, b.state)
+            })
+            .collect();
+        Ok(SummaryJson {
+            dead_letters_pending: self.dead_letter_counts().await?,
+            sagas: self.saga_counts().await?,
+            breakers_not_closed,
+            outbox: self.inner.store.outbox_stats().await?.into(),
+        })
+    }
+
+    fn orchestrator(&self) -> Result<&SagaOrchestrator<S>, AdminError> {
+        self.inner
+            .sagas
+            .as_ref()
+            .ok_or(AdminError::NotConfigured("a saga orchestrator"))
+    }
+
+    /// The saga's JSON, with its step name when the orchestrator knows it.
+    async fn saga_json(&self, record: SagaRecord) -> SagaJson {
+        let now = Utc::now();
+        let Some(orchestrator) = &self.inner.sagas else {
+            return bare_view(record, now).into();
+        };
+        // The orchestrator names steps only in its listings; look the saga
+        // up among the few that share its status and last update.
+        let filter = keel_messaging::store::SagaFilter {
+            status: Some(record.status),
+            updated_before: Some(record.updated_at + chrono::TimeDelta::milliseconds(1)),
+            limit: Some(MAX_LIMIT),
+        };
+        match orchestrator.list(&filter).await {
+            Ok(views) => views
+                .into_iter()
+                .find(|v| v.record.id == record.id)
+                .unwrap_or_else(|| bare_view(record, now))
+                .into(),
+            Err(_) => bare_view(record, now).into(),
+        }
+    }
+
+    async fn attempt_log(&self, id: i64) -> Result<Vec<DeliveryAttemptJson>, AdminError> {
+        let attempts = self.inner.endpoints.attempts(id).await?;
+        Ok(attempts.iter().map(DeliveryAttemptJson::from).collect())
+    }
+}
+
+fn action(action: &str, id: &str, affected: u64) -> ActionJson {
+    ActionJson {
+        action: action.to_owned(),
+        id: id.to_owned(),
+        affected,
+    }
+}
+
+fn delivery_id(id: &str) -> Result<i64, AdminError> {
+    id.parse().map_err(|_| {
+        AdminError::bad_request(format!(
+            "`{id}` is not a delivery id: delivery ids are whole numbers"
+        ))
+    })
+}
+
+fn bare_view(record: SagaRecord, now: chrono::DateTime<Utc>) -> SagaView {
+    let since = |t: chrono::DateTime<Utc>| (now - t).to_std().unwrap_or_default();
+    SagaView {
+        age: since(record.created_at),
+        idle: since(record.updated_at),
+        step_name: None,
+        record,
+    }
+}

@@ -1,0 +1,132 @@
+//! The console's page shell and login page: inline CSS, a few lines of
+//! script for the live stream and ages, no external assets (the console
+//! must work on an air-gapped operations network).
+
+use super::html::escape;
+
+const STYLE: &str = r#"
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2330;background:#f5f6f8}
+header{background:#1d2330;color:#fff;padding:.6rem 1.2rem;display:flex;gap:1rem;align-items:center}
+header h1{font-size:1.1rem;margin:0;flex:1}
+#live{font-size:.8rem;padding:.1rem .5rem;border-radius:1rem;background:#8a8f99}
+#live[data-live="true"]{background:#1f9d55}
+main{padding:1rem 1.2rem;max-width:1400px}
+section{background:#fff;border:1px solid #dde1e7;border-radius:6px;margin:0 0 1rem;padding:.4rem .9rem}
+h2{font-size:1rem;margin:.4rem 0}
+table{border-collapse:collapse;width:100%;font-size:13px}
+th,td{text-align:left;padding:.3rem .4rem;border-top:1px solid #eceef2;vertical-align:top}
+td.err{color:#a12;max-width:28rem;word-break:break-word}
+code{font-size:12px}
+.pill{display:inline-block;padding:0 .5rem;border-radius:1rem;background:#eceef2}
+.pill.stuck,.pill.failed,.pill.open,.pill.forced_open{background:#fbd5d5}
+.pill.running,.pill.compensating,.pill.pending,.pill.half_open{background:#fdf0c4}
+.pill.completed,.pill.succeeded,.pill.closed,.pill.compensated{background:#d4f2dc}
+.tiles{display:flex;gap:1rem;margin:.4rem 0}
+.tiles div{padding:.3rem .8rem;border-radius:6px;background:#f0f2f5}
+.tiles div.alert{background:#fbd5d5}
+.tiles dt{font-size:.75rem;color:#555}.tiles dd{margin:0;font-size:1.3rem}
+form.action{display:inline}
+button{cursor:pointer;margin:0 .2rem .2rem 0}
+.notice{padding:.5rem .9rem;border-radius:6px;margin:0 0 1rem;background:#d4f2dc}
+.notice.error{background:#fbd5d5}
+.empty{color:#666}
+pre.payload{max-height:12rem;overflow:auto;background:#f5f6f8;padding:.4rem}
+.login{max-width:24rem;margin:4rem auto}
+.login input{width:100%;padding:.4rem;margin:.4rem 0;box-sizing:border-box}
+"#;
+
+const SCRIPT: &str = r#"
+function keelAges(){const now=Date.now();document.querySelectorAll('[data-since]').forEach(function(el){
+ const s=Math.max(0,Math.round((now-Date.parse(el.dataset.since))/1000));
+ el.textContent=s<120?s+' s':s<7200?Math.round(s/60)+' min':Math.round(s/3600)+' h';});}
+keelAges();setInterval(keelAges,1000);
+(function(){const live=document.getElementById('live');const es=new EventSource('/console/events');
+ es.onopen=function(){live.dataset.live='true';live.textContent='live';};
+ es.onerror=function(){live.dataset.live='false';live.textContent='reconnecting';};
+ es.addEventListener('sections',function(e){const data=JSON.parse(e.data);
+  Object.keys(data).forEach(function(id){const el=document.getElementById(id);const s=data[id];
+   if(el&&el.dataset.hash!==s.hash){el.innerHTML=s.html;el.dataset.hash=s.hash;}});
+  document.body.dataset.updates=String(Number(document.body.dataset.updates||0)+1);keelAges();});})();
+"#;
+
+/// A section: its id, heading, content hash and HTML.
+pub(crate) struct Section<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) hash: &'a str,
+    pub(crate) html: &'a str,
+}
+
+fn heading(id: &str) -> &'static str {
+    match id {
+        "summary" => "At a glance",
+        "sagas" => "Sagas (running, compensating, stuck)",
+        "dead-letters" => "Dead letters",
+        "webhook-deliveries" => "Webhook deliveries",
+        "breakers" => "Circuit breakers",
+        "lag" => "Outbox and consumer lag",
+        _ => "",
+    }
+}
+
+/// The whole console page.
+pub(crate) fn console(
+    title: &str,
+    notice: Option<(&str, bool)>,
+    sections: &[Section<'_>],
+    logout: bool,
+) -> String {
+    let mut body = String::new();
+    if let Some((text, is_error)) = notice {
+        let kind = if is_error { "error" } else { "ok" };
+        body.push_str(&format!(
+            "<div id=\"notice\" class=\"notice {kind}\" data-notice-kind=\"{kind}\">{}</div>",
+            escape(text)
+        ));
+    }
+    for s in sections {
+        body.push_str(&format!(
+            "<h2>{}</h2><section id=\"{id}\" data-hash=\"{hash}\">{html}</section>",
+            heading(s.id),
+            id = s.id,
+            hash = s.hash,
+            html = s.html,
+        ));
+    }
+    let logout = if logout {
+        "<form method=\"post\" action=\"/console/logout\"><button type=\"submit\" \
+         data-action=\"logout\">Log out</button></form>"
+    } else {
+        ""
+    };
+    format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">\
+         <title>{title}</title><style>{STYLE}</style></head><body>\
+         <header><h1>{title}</h1><span id=\"live\" data-live=\"false\">connecting</span>{logout}</header>\
+         <main>{body}</main><script>{SCRIPT}</script></body></html>",
+        title = escape(title),
+    )
+}
+
+/// The login page, with an error if the last try failed.
+pub(crate) fn login(title: &str, error: Option<&str>) -> String {
+    let error = error
+        .map(|e| {
+            format!(
+                "<p id=\"login-error\" class=\"notice error\">{}</p>",
+                escape(e)
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <title>{title} — log in</title><style>{STYLE}</style></head><body>\
+         <div class=\"login\"><section><h2>{title}</h2>{error}\
+         <form id=\"login\" method=\"post\" action=\"/console/login\">\
+         <label for=\"token\">Admin token</label>\
+         <input id=\"token\" name=\"token\" type=\"password\" autocomplete=\"current-password\" autofocus>\
+         <button type=\"submit\" data-action=\"login\">Log in</button></form></section></div>\
+         </body></html>",
+        title = escape(title),
+    )
+}
