@@ -1,0 +1,206 @@
+//! JetStream publish and consume rates through [`NatsBroker`] against the
+//! raw async-nats client doing the same work in the same run.
+//!
+//! - `nats/publish/{keel,raw}`: a batch of `BATCH` messages with unique
+//!   ids (`Nats-Msg-Id`), all PubAcks awaited.
+//! - `nats/consume/{keel,raw}`: receive `BATCH` already-published
+//!   messages through a durable pull consumer and ack each with a confirmed
+//!   ack (acks of a batch sent concurrently). Each message has its own key,
+//!   so Keel's per-key order never holds one back; the difference is the
+//!   per-key bookkeeping (a head check per delivery, a cursor write per
+//!   ack).
+//!
+//! Needs `KEEL_TEST_NATS_URL`; run through `scripts/services.sh run cargo
+//! bench -p keel-nats --bench nats`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer::pull, stream};
+use bytes::Bytes;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use futures_util::StreamExt;
+use futures_util::future::join_all;
+use keel_core::clock;
+use keel_messaging::broker::{Broker, Message, SubscribeOptions};
+use keel_nats::{NatsBroker, NatsBrokerOptions};
+
+const BATCH: usize = 100;
+const PAYLOAD: &[u8] = &[b'x'; 256];
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn next_id() -> u64 {
+    COUNTER.fetch_add(1, Ordering::Relaxed)
+}
+
+fn keel_batch(topic: &str) -> Vec<Message> {
+    (0..BATCH)
+        .map(|_| {
+            let n = next_id();
+            Message::new(
+                format!("m-{n}"),
+                topic,
+                format!("k-{n}"),
+                Bytes::from_static(PAYLOAD),
+            )
+        })
+        .collect()
+}
+
+async fn raw_publish(context: &jetstream::Context, subject: &str) {
+    let mut acks = Vec::with_capacity(BATCH);
+    for _ in 0..BATCH {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("r-{}", next_id()).as_str());
+        acks.push(
+            context
+                .publish_with_headers(subject.to_owned(), headers, Bytes::from_static(PAYLOAD))
+                .await
+                .expect("raw publish"),
+        );
+    }
+    for ack in acks {
+        ack.await.expect("raw pub ack");
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    let Ok(url) = std::env::var("KEEL_TEST_NATS_URL") else {
+        eprintln!(
+            "KEEL_TEST_NATS_URL is not set: run `scripts/services.sh run cargo bench -p keel-nats --bench nats`"
+        );
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let prefix = format!("bench{}", std::process::id());
+    let (broker, context, raw_stream) = rt.block_on(async {
+        let broker = NatsBroker::connect(&url, NatsBrokerOptions::new().stream_prefix(&prefix))
+            .await
+            .expect("connect keel");
+        let client = async_nats::connect(&url).await.expect("connect raw");
+        let context = jetstream::new(client);
+        // The same stream settings NatsBroker uses.
+        let raw_stream = context
+            .get_or_create_stream(stream::Config {
+                name: format!("{prefix}raw"),
+                subjects: vec![format!("{prefix}raw.>")],
+                storage: stream::StorageType::File,
+                duplicate_window: Duration::from_secs(600),
+                max_age: Duration::from_secs(7 * 24 * 3600),
+                allow_direct: true,
+                ..Default::default()
+            })
+            .await
+            .expect("raw stream");
+        (broker, context, raw_stream)
+    });
+    let raw_subject = format!("{prefix}raw.k.x");
+
+    let mut group = c.benchmark_group("nats/publish");
+    group.throughput(Throughput::Elements(BATCH as u64));
+    group.sample_size(20);
+    group.bench_function("keel", |b| {
+        b.to_async(&rt).iter(|| async {
+            broker.publish(&keel_batch("pub")).await.expect("publish");
+        });
+    });
+    group.bench_function("raw", |b| {
+        b.to_async(&rt)
+            .iter(|| async { raw_publish(&context, &raw_subject).await });
+    });
+    group.finish();
+
+    let mut group = c.benchmark_group("nats/consume");
+    group.throughput(Throughput::Elements(BATCH as u64));
+    group.sample_size(20);
+    let sub = tokio::sync::Mutex::new(rt.block_on(async {
+        broker
+            .subscribe(SubscribeOptions::new("consume", "bench"))
+            .await
+            .expect("subscribe")
+    }));
+    group.bench_function("keel", |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (broker, sub) = (&broker, &sub);
+            async move {
+                let mut sub = sub.lock().await;
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    broker
+                        .publish(&keel_batch("consume"))
+                        .await
+                        .expect("publish");
+                    let started = clock::now();
+                    let mut got = 0;
+                    while got < BATCH {
+                        let batch = sub
+                            .receive(BATCH - got, Duration::from_secs(5))
+                            .await
+                            .expect("receive");
+                        assert!(!batch.is_empty(), "keel consume stalled");
+                        got += batch.len();
+                        for outcome in join_all(batch.iter().map(|d| d.ack())).await {
+                            outcome.expect("ack");
+                        }
+                    }
+                    total += started.elapsed();
+                }
+                total
+            }
+        });
+    });
+    let consumer = rt.block_on(async {
+        raw_stream
+            .get_or_create_consumer(
+                "bench",
+                pull::Config {
+                    durable_name: Some("bench".into()),
+                    ack_wait: Duration::from_secs(30),
+                    max_deliver: -1,
+                    max_ack_pending: 4096,
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("raw consumer")
+    });
+    group.bench_function("raw", |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (context, consumer, subject) = (&context, &consumer, &raw_subject);
+            async move {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    raw_publish(context, subject).await;
+                    let started = clock::now();
+                    let mut got = 0;
+                    while got < BATCH {
+                        let mut messages = consumer
+                            .fetch()
+                            .max_messages(BATCH - got)
+                            .expires(Duration::from_secs(5))
+                            .messages()
+                            .await
+                            .expect("fetch");
+                        let mut batch = Vec::new();
+                        while let Some(message) = messages.next().await {
+                            batch.push(message.expect("message"));
+                        }
+                        assert!(!batch.is_empty(), "raw consume stalled");
+                        got += batch.len();
+                        for outcome in join_all(batch.iter().map(|m| m.double_ack())).await {
+                            outcome.expect("ack");
+                        }
+                    }
+                    total += started.elapsed();
+                }
+                total
+            }
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(nats, benches);
+criterion_main!(nats);

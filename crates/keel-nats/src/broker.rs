@@ -1,0 +1,304 @@
+//! [`NatsBroker`]: connecting, publishing with dedupe, opening group
+//! subscriptions.
+
+use std::collections::{HashMap, HashSet};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};
+use async_nats::jetstream::{self, kv};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use async_trait::async_trait;
+use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use parking_lot::Mutex;
+use tokio::sync::OnceCell;
+
+use crate::cursor::Cursors;
+use crate::delivery::HeldKeys;
+use crate::error::{publish_ack, publish_send, unavailable};
+use crate::names::{TopicNames, check_prefix, checked_token};
+use crate::options::NatsBrokerOptions;
+use crate::subscription::NatsSubscription;
+use crate::{KEY_HEADER, MESSAGE_ID_HEADER};
+
+/// Keel's [`Broker`] on NATS JetStream.
+///
+/// Cheap to clone; clones share one connection. See the [crate docs](crate)
+/// for how topics, groups and keys map onto JetStream.
+#[derive(Clone)]
+pub struct NatsBroker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: async_nats::Client,
+    context: jetstream::Context,
+    options: NatsBrokerOptions,
+    streams: Mutex<HashMap<String, stream::Stream>>,
+    cursors: OnceCell<kv::Store>,
+}
+
+impl std::fmt::Debug for NatsBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsBroker")
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsBroker {
+    /// Connects to the NATS server at `url` (e.g. `nats://127.0.0.1:4222`).
+    /// The client reconnects on its own after a server restart.
+    pub async fn connect(url: &str, options: NatsBrokerOptions) -> Result<Self, BrokerError> {
+        check_prefix(&options.stream_prefix)?;
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(options.request_timeout)
+            .max_reconnects(None)
+            .connect(url)
+            .await
+            .map_err(|e| unavailable(&format!("connecting to NATS at {url}"), e))?;
+        Self::with_client(client, options)
+    }
+
+    /// A broker over an existing connection.
+    pub fn with_client(
+        client: async_nats::Client,
+        options: NatsBrokerOptions,
+    ) -> Result<Self, BrokerError> {
+        check_prefix(&options.stream_prefix)?;
+        let mut context = jetstream::new(client.clone());
+        context.set_timeout(options.request_timeout);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                context,
+                options,
+                streams: Mutex::new(HashMap::new()),
+                cursors: OnceCell::new(),
+            }),
+        })
+    }
+
+    /// The underlying connection (for request-reply, say).
+    pub fn client(&self) -> &async_nats::Client {
+        &self.inner.client
+    }
+
+    /// The settings this broker runs with.
+    pub fn options(&self) -> &NatsBrokerOptions {
+        &self.inner.options
+    }
+
+    /// The JetStream stream holding `topic`, created if missing.
+    async fn stream(&self, names: &TopicNames) -> Result<stream::Stream, BrokerError> {
+        if let Some(stream) = self.inner.streams.lock().get(&names.stream) {
+            return Ok(stream.clone());
+        }
+        let options = &self.inner.options;
+        let config = stream::Config {
+            name: names.stream.clone(),
+            subjects: vec![names.stream_subjects()],
+            retention: RetentionPolicy::Limits,
+            discard: DiscardPolicy::Old,
+            storage: storage(options.file_storage),
+            max_age: options.retention,
+            duplicate_window: options.duplicate_window,
+            allow_direct: true,
+            ..stream::Config::default()
+        };
+        let stream = self
+            .inner
+            .context
+            .get_or_create_stream(config)
+            .await
+            .map_err(|e| unavailable(&format!("opening stream {}", names.stream), e))?;
+        self.inner
+            .streams
+            .lock()
+            .insert(names.stream.clone(), stream.clone());
+        Ok(stream)
+    }
+
+    async fn cursor_store(&self) -> Result<kv::Store, BrokerError> {
+        let options = &self.inner.options;
+        let bucket = format!("{}_cursors", options.stream_prefix);
+        self.inner
+            .cursors
+            .get_or_try_init(|| {
+                Cursors::open(
+                    &self.inner.context,
+                    &bucket,
+                    options.retention,
+                    options.file_storage,
+                )
+            })
+            .await
+            .cloned()
+    }
+}
+
+fn storage(file: bool) -> StorageType {
+    if file {
+        StorageType::File
+    } else {
+        StorageType::Memory
+    }
+}
+
+/// A Keel message as a JetStream publish: its headers, plus the message id
+/// (`Nats-Msg-Id`, JetStream's dedupe key) and the key.
+fn to_publish(message: &Message) -> Result<PublishMessage, BrokerError> {
+    let mut headers = HeaderMap::new();
+    for (name, value) in &message.headers {
+        if name.starts_with("Nats-") || name == KEY_HEADER {
+            return Err(BrokerError::Invalid(format!(
+                "header {name:?} is reserved for the broker"
+            )));
+        }
+        headers.insert(header_name(name)?, header_value(name, value)?);
+    }
+    headers.insert(
+        header_name(MESSAGE_ID_HEADER)?,
+        header_value("message id", &message.id)?,
+    );
+    headers.insert(header_name(KEY_HEADER)?, header_value("key", &message.key)?);
+    Ok(PublishMessage::build()
+        .payload(message.payload.clone())
+        .headers(headers))
+}
+
+fn header_name(name: &str) -> Result<HeaderName, BrokerError> {
+    HeaderName::from_str(name)
+        .map_err(|e| BrokerError::Invalid(format!("header name {name:?}: {e}")))
+}
+
+fn header_value(name: &str, value: &str) -> Result<HeaderValue, BrokerError> {
+    if value.contains(['\r', '\n']) {
+        return Err(BrokerError::Invalid(format!(
+            "{name} {value:?} contains a line break"
+        )));
+    }
+    HeaderValue::from_str(value).map_err(|e| BrokerError::Invalid(format!("{name} {value:?}: {e}")))
+}
+
+#[async_trait]
+impl Broker for NatsBroker {
+    /// Sends every message, then waits for every PubAck: a message is
+    /// published once JetStream stored it. An ack that does not arrive is
+    /// [`BrokerError::OutcomeUnknown`]; republishing is safe because the
+    /// message id dedupes it within the duplicate window.
+    async fn publish(&self, messages: &[Message]) -> Result<(), BrokerError> {
+        let prefix = &self.inner.options.stream_prefix;
+        let mut prepared = Vec::with_capacity(messages.len());
+        let mut streams = HashSet::new();
+        for message in messages {
+            if message.id.is_empty() {
+                return Err(BrokerError::Invalid("a message id is empty".into()));
+            }
+            let names = TopicNames::new(prefix, &message.topic)?;
+            prepared.push((names.subject(&message.key), to_publish(message)?));
+            if streams.insert(names.stream.clone()) {
+                self.stream(&names).await?;
+            }
+        }
+        let mut acks = Vec::with_capacity(prepared.len());
+        for (subject, publish) in prepared {
+            let ack = self
+                .inner
+                .context
+                .send_publish(subject, publish)
+                .await
+                .map_err(publish_send)?;
+            acks.push(ack);
+        }
+        for ack in acks {
+            let ack = ack.await.map_err(|error| {
+                if error.kind() == PublishErrorKind::StreamNotFound {
+                    // Deleted behind our back: recreate it on the next try.
+                    self.inner.streams.lock().clear();
+                }
+                publish_ack(error)
+            })?;
+            if ack.duplicate {
+                metrics::counter!("keel_broker_publish_duplicates_total").increment(1);
+            }
+        }
+        Ok(())
+    }
+
+    /// Binds (creating if needed) the group's durable pull consumer: deliver
+    /// all retained messages, explicit acks, `ack_wait` = the lease,
+    /// unlimited deliveries (Keel's consumer dead-letters by delivery
+    /// count, into the Store's dead-letter table, not NATS's).
+    async fn subscribe(
+        &self,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>, BrokerError> {
+        if options.lease < Duration::from_millis(10) {
+            return Err(BrokerError::Invalid(format!(
+                "a lease of {:?} is too short for JetStream (at least 10 ms)",
+                options.lease
+            )));
+        }
+        let settings = &self.inner.options;
+        let names = TopicNames::new(&settings.stream_prefix, &options.topic)?;
+        let group_token = checked_token("group", &options.group)?;
+        let stream = self.stream(&names).await?;
+        let cursors = Arc::new(Cursors::new(self.cursor_store().await?));
+        let config = pull::Config {
+            durable_name: Some(group_token.clone()),
+            description: Some(format!("Keel consumer group {}", options.group)),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: options.lease,
+            max_deliver: -1,
+            max_ack_pending: settings.max_ack_pending,
+            filter_subject: names.stream_subjects(),
+            ..pull::Config::default()
+        };
+        let mut consumer = stream
+            .get_or_create_consumer(&group_token, config.clone())
+            .await
+            .map_err(|e| unavailable(&format!("opening consumer group {}", options.group), e))?;
+        if consumer.cached_info().config.ack_wait != options.lease {
+            // The lease belongs to the group: the latest subscriber's wins.
+            stream
+                .update_consumer(config)
+                .await
+                .map_err(|e| unavailable("updating the consumer group's lease", e))?;
+            consumer = stream
+                .get_consumer(&group_token)
+                .await
+                .map_err(|e| unavailable("reopening the consumer group", e))?;
+        }
+        let ack_wait = consumer.cached_info().config.ack_wait;
+        Ok(Box::new(NatsSubscription {
+            client: self.inner.client.clone(),
+            consumer,
+            stream,
+            names,
+            topic: options.topic,
+            group_token,
+            cursors,
+            ack_wait,
+            request_timeout: settings.request_timeout,
+            held: Arc::new(HeldKeys::default()),
+            parked: Vec::new(),
+        }))
+    }
+
+    /// Asks JetStream for the account's usage: a round trip through the
+    /// server's JetStream API.
+    async fn ping(&self) -> Result<(), BrokerError> {
+        self.inner
+            .context
+            .query_account()
+            .await
+            .map(drop)
+            .map_err(|e| unavailable("pinging JetStream", e))
+    }
+}

@@ -1,0 +1,88 @@
+//! The settings of a [`NatsBroker`](crate::NatsBroker), with their defaults.
+
+use std::time::Duration;
+
+/// How a [`NatsBroker`](crate::NatsBroker) lays out and uses JetStream.
+///
+/// The defaults suit a production server; tests give every scenario its own
+/// [`stream_prefix`](Self::stream_prefix) so that parallel tests on one
+/// server never see each other's streams.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsBrokerOptions {
+    /// Prefix of every stream name (`<prefix>_<topic>`), subject
+    /// (`<prefix>.<topic>.k.<key>`) and of the cursor bucket
+    /// (`<prefix>_cursors`). Default `KEEL`.
+    pub stream_prefix: String,
+    /// How long JetStream remembers message ids for publisher dedupe
+    /// (`Nats-Msg-Id`). A republish after this window is stored again.
+    /// Default 10 minutes.
+    pub duplicate_window: Duration,
+    /// How long a topic retains messages (`max_age`); zero keeps them until
+    /// other limits apply. Key cursors live as long. Default 7 days.
+    pub retention: Duration,
+    /// The most deliveries a group may have unacked at once, the ones held
+    /// back behind an earlier message of their key included. Default 4,096.
+    pub max_ack_pending: i64,
+    /// How long a JetStream API call (and a publish's ack) may take before it
+    /// counts as failed. Default 5 s.
+    pub request_timeout: Duration,
+    /// Whether streams keep messages on disk (`true`, the default) or in
+    /// memory.
+    pub file_storage: bool,
+}
+
+impl Default for NatsBrokerOptions {
+    fn default() -> Self {
+        Self {
+            stream_prefix: "KEEL".to_owned(),
+            duplicate_window: Duration::from_secs(600),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            max_ack_pending: 4096,
+            request_timeout: Duration::from_secs(5),
+            file_storage: true,
+        }
+    }
+}
+
+impl NatsBrokerOptions {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets [`stream_prefix`](Self::stream_prefix).
+    pub fn stream_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.stream_prefix = prefix.into();
+        self
+    }
+
+    /// Sets [`duplicate_window`](Self::duplicate_window).
+    pub fn duplicate_window(mut self, window: Duration) -> Self {
+        self.duplicate_window = window;
+        self
+    }
+
+    /// Sets [`retention`](Self::retention).
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Sets [`max_ack_pending`](Self::max_ack_pending).
+    pub fn max_ack_pending(mut self, max: i64) -> Self {
+        self.max_ack_pending = max;
+        self
+    }
+
+    /// Sets [`request_timeout`](Self::request_timeout).
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// Sets [`file_storage`](Self::file_storage).
+    pub fn file_storage(mut self, on_disk: bool) -> Self {
+        self.file_storage = on_disk;
+        self
+    }
+}
