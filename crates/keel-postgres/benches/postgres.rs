@@ -1,0 +1,379 @@
+//! The PostgreSQL store measured against what the server allows: its raw
+//! insert-and-commit rate, taken in the same run on the same pool.
+//!
+//! - `raw_insert_commit`: one 256-byte row per transaction (`BEGIN`,
+//!   `INSERT`, `COMMIT` through the store's pool), measured first and again
+//!   last, plus 100 raw inserts timed right before every relay sample;
+//! - `relay_drain`: N events pre-appended to the outbox (untimed, 500 per
+//!   transaction), the relay drains them (claim with `FOR UPDATE SKIP
+//!   LOCKED` under the advisory claim lock, publish to a no-op broker, mark
+//!   published), batches of 100 as by default; goal at least 0.9 of raw;
+//! - append → publish latency at 1,000 events/s: another pool (another
+//!   process, as the server sees it) appends and commits one event per
+//!   millisecond while a relay whose poll interval is 60 s is woken only by
+//!   `PgWakeups` (LISTEN/NOTIFY); the time from each commit's return to the
+//!   broker receiving the event, in an HDR histogram; goal p99 <= 10 ms.
+//!
+//! The broker is a no-op so that both sides measure PostgreSQL alone (the
+//! SQLite benchmark publishes to the SQLite broker because that *is* its
+//! embedded backend; here the broker is NATS or anything else, measured by
+//! its own crate).
+//!
+//! Needs `KEEL_TEST_POSTGRES_URL`; run through scripts/services.sh:
+//!
+//! ```text
+//! scripts/services.sh run cargo bench -p keel-postgres --bench postgres -- \
+//!     --warm-up-time 1 --measurement-time 3
+//! ```
+//!
+//! The test server runs with `fsync=off` (scripts/services.sh), so raw
+//! commits cost no disk flush: the ratio compares CPU and round trips.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use criterion::{Criterion, SamplingMode, Throughput};
+use hdrhistogram::Histogram;
+use keel_core::clock::{self, Instant};
+use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_messaging::envelope::{Envelope, Event, EventMeta};
+use keel_messaging::outbox::{Outbox, OutboxRelay};
+use keel_messaging::store::Store;
+use keel_postgres::{PgStore, PgWakeups};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::runtime::Runtime;
+
+/// Distinct partition keys.
+const KEYS: u64 = 256;
+/// The body of a raw row: about the size of an encoded order event.
+const ROW_BYTES: usize = 256;
+/// Raw inserts timed next to each relay sample.
+const ADJACENT_RAW: u64 = 100;
+/// Events in the latency run (at 1 kHz: three seconds).
+const LATENCY_EVENTS: u64 = 3_000;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct OrderPlaced {
+    order_id: String,
+    total_minor: i64,
+}
+
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "shop.order.placed.v1";
+    fn subject(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+fn order(n: u64) -> Envelope {
+    let placed = OrderPlaced {
+        order_id: format!("order-{}", n % KEYS),
+        total_minor: 8210,
+    };
+    Envelope::from_event("/bench/orders", &placed, EventMeta::new(n + 1)).expect("envelope")
+}
+
+// ---------------------------------------------------------------- tally --
+
+/// Elements and time summed over every timed call of one benchmark.
+#[derive(Default)]
+struct Tally {
+    elements: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl Tally {
+    fn add(&self, elements: u64, took: Duration) {
+        self.elements.fetch_add(elements, Ordering::Relaxed);
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    fn per_second(&self) -> f64 {
+        let nanos = self.nanos.load(Ordering::Relaxed);
+        if nanos == 0 {
+            return 0.0;
+        }
+        self.elements.load(Ordering::Relaxed) as f64 * 1e9 / nanos as f64
+    }
+}
+
+static RAW_FIRST: LazyLock<Tally> = LazyLock::new(Tally::default);
+static RAW_LAST: LazyLock<Tally> = LazyLock::new(Tally::default);
+static RELAY: LazyLock<Tally> = LazyLock::new(Tally::default);
+static RELAY_RAW: LazyLock<Tally> = LazyLock::new(Tally::default);
+
+// --------------------------------------------------------------- broker --
+
+/// Accepts everything; remembers when each event id arrived when asked to.
+#[derive(Default)]
+struct NoopBroker {
+    arrivals: Mutex<Option<HashMap<String, Instant>>>,
+}
+
+#[async_trait]
+impl Broker for NoopBroker {
+    async fn publish(&self, messages: &[Message]) -> Result<(), BrokerError> {
+        if let Some(arrivals) = self.arrivals.lock().as_mut() {
+            let now = clock::now();
+            for m in messages {
+                arrivals.insert(m.id.clone(), now);
+            }
+        }
+        Ok(())
+    }
+
+    async fn subscribe(&self, _: SubscribeOptions) -> Result<Box<dyn Subscription>, BrokerError> {
+        Err(BrokerError::Unavailable(
+            "the benchmark broker has no subscribers".into(),
+        ))
+    }
+}
+
+// -------------------------------------------------------------- fixture --
+
+struct Fixture {
+    url: String,
+    store: PgStore,
+    outbox: Outbox<PgStore>,
+    body: Vec<u8>,
+    next_event: AtomicU64,
+}
+
+impl Fixture {
+    async fn new(url: String) -> Self {
+        let schema = format!("keel_bench_{}", uuid::Uuid::now_v7().simple());
+        let store = PgStore::builder(url.as_str())
+            .schema(schema)
+            .connect()
+            .await
+            .expect("store");
+        sqlx::query("CREATE TABLE raw (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, body BYTEA NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("raw table");
+        Self {
+            url,
+            outbox: Outbox::new(store.clone()),
+            store,
+            body: vec![b'x'; ROW_BYTES],
+            next_event: AtomicU64::new(0),
+        }
+    }
+
+    /// `n` business transactions of one row each: the yardstick.
+    async fn raw_inserts(&self, n: u64) -> Duration {
+        let started = clock::now();
+        for _ in 0..n {
+            let mut tx = self.store.begin().await.expect("begin");
+            sqlx::query("INSERT INTO raw (body) VALUES ($1)")
+                .bind(self.body.as_slice())
+                .execute(&mut *tx)
+                .await
+                .expect("insert");
+            self.store.commit(tx).await.expect("commit");
+        }
+        started.elapsed()
+    }
+
+    /// Appends `n` events, 500 per transaction (untimed setup).
+    async fn fill_outbox(&self, n: u64) {
+        let first = self.next_event.fetch_add(n, Ordering::Relaxed);
+        let events: Vec<Envelope> = (first..first + n).map(order).collect();
+        for chunk in events.chunks(500) {
+            let mut tx = self.store.begin().await.expect("begin");
+            self.outbox
+                .append_all(&mut tx, "bench.relay", chunk)
+                .await
+                .expect("append");
+            self.store.commit(tx).await.expect("commit");
+        }
+    }
+
+    async fn drop_schema(&self) {
+        let sql = format!("DROP SCHEMA {} CASCADE", self.store.schema());
+        let _ = sqlx::query(&sql).execute(self.store.pool()).await;
+    }
+}
+
+// ----------------------------------------------------------- benchmarks --
+
+fn bench_raw(
+    c: &mut Criterion,
+    rt: &Runtime,
+    fx: &Arc<Fixture>,
+    name: &str,
+    tally: &'static Tally,
+) {
+    let mut group = c.benchmark_group("postgres");
+    group.throughput(Throughput::Elements(1));
+    group.sampling_mode(SamplingMode::Flat);
+    group.sample_size(10);
+    group.bench_function(name, |b| {
+        b.to_async(rt).iter_custom(|iters| {
+            let fx = Arc::clone(fx);
+            async move {
+                let took = fx.raw_inserts(iters).await;
+                tally.add(iters, took);
+                took
+            }
+        });
+    });
+    group.finish();
+}
+
+fn bench_relay(c: &mut Criterion, rt: &Runtime, fx: &Arc<Fixture>) {
+    let mut group = c.benchmark_group("postgres");
+    group.throughput(Throughput::Elements(1));
+    group.sampling_mode(SamplingMode::Flat);
+    group.sample_size(10);
+    group.bench_function("relay_drain", |b| {
+        b.to_async(rt).iter_custom(|iters| {
+            let fx = Arc::clone(fx);
+            async move {
+                fx.fill_outbox(iters).await;
+                RELAY_RAW.add(ADJACENT_RAW, fx.raw_inserts(ADJACENT_RAW).await);
+                // Defaults: batches of 100.
+                let relay = OutboxRelay::builder(&fx.outbox, Arc::new(NoopBroker::default()))
+                    .build()
+                    .expect("relay");
+                let started = clock::now();
+                let mut published = 0;
+                while published < iters {
+                    let n = relay.run_once().await.expect("relay round");
+                    assert!(n > 0, "the outbox ran dry after {published} of {iters}");
+                    published += n as u64;
+                }
+                let took = started.elapsed();
+                RELAY.add(iters, took);
+                took
+            }
+        });
+    });
+    group.finish();
+}
+
+/// Appends at 1 kHz from another pool while a relay woken by LISTEN/NOTIFY
+/// publishes; returns the commit → publish latencies in microseconds.
+async fn latency_run(fx: &Fixture) -> Histogram<u64> {
+    let broker = Arc::new(NoopBroker::default());
+    *broker.arrivals.lock() = Some(HashMap::new());
+    let outbox = Outbox::new(fx.store.clone());
+    let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .expect("relay");
+    let waker = outbox.clone();
+    let wakeups = PgWakeups::builder(&fx.store)
+        .on_outbox(move || waker.notify())
+        .spawn();
+    wakeups.listening().await;
+    let relay = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // The appending "process": its own pool and its own Outbox.
+    let producer = PgStore::builder(fx.url.as_str())
+        .schema(fx.store.schema())
+        .connect()
+        .await
+        .expect("producer store");
+    let producer_outbox = Outbox::new(producer.clone());
+    let first = fx.next_event.fetch_add(LATENCY_EVENTS, Ordering::Relaxed);
+    let mut committed = Vec::with_capacity(usize::try_from(LATENCY_EVENTS).unwrap_or(0));
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    for n in first..first + LATENCY_EVENTS {
+        tick.tick().await;
+        let envelope = order(n);
+        let mut tx = producer.begin().await.expect("begin");
+        producer_outbox
+            .append(&mut tx, "bench.latency", &envelope)
+            .await
+            .expect("append");
+        // Store::commit, not Outbox::commit: no in-process wake-up.
+        producer.commit(tx).await.expect("commit");
+        committed.push((envelope.id, clock::now()));
+    }
+    let deadline = clock::now() + Duration::from_secs(30);
+    while broker.arrivals.lock().as_ref().map_or(0, HashMap::len) < committed.len() {
+        assert!(clock::now() < deadline, "events did not arrive");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    relay.abort();
+    drop(wakeups);
+    let arrivals = broker.arrivals.lock().take().unwrap_or_default();
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("histogram");
+    for (id, at) in committed {
+        let arrived = arrivals.get(&id).copied().unwrap_or(at);
+        let micros = arrived.saturating_duration_since(at).as_micros();
+        histogram
+            .record(u64::try_from(micros).unwrap_or(u64::MAX).max(1))
+            .expect("record");
+    }
+    histogram
+}
+
+// -------------------------------------------------------------- summary --
+
+fn summary(latency: &Histogram<u64>) {
+    let (first, last) = (RAW_FIRST.per_second(), RAW_LAST.per_second());
+    let raw = {
+        let elements =
+            RAW_FIRST.elements.load(Ordering::Relaxed) + RAW_LAST.elements.load(Ordering::Relaxed);
+        let nanos =
+            RAW_FIRST.nanos.load(Ordering::Relaxed) + RAW_LAST.nanos.load(Ordering::Relaxed);
+        elements as f64 * 1e9 / nanos.max(1) as f64
+    };
+    let (relay, relay_raw) = (RELAY.per_second(), RELAY_RAW.per_second());
+    let ms = |micros: u64| micros as f64 / 1000.0;
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!();
+    println!("== postgres summary (test server: fsync=off, synchronous_commit=on) ==");
+    println!("raw insert+commit: {raw:.0} rows/s (first {first:.0}, last {last:.0})");
+    println!(
+        "relay drain:       {relay:.0} events/s = {:.2} x raw; {:.2} x the raw rate \
+         measured next to it ({relay_raw:.0}/s) (goal >= 0.9)",
+        relay / raw,
+        relay / relay_raw
+    );
+    println!(
+        "append -> publish at 1,000 events/s (LISTEN/NOTIFY, poll 60 s): p50 {:.2} ms, \
+         p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms over {} events (goal p99 <= 10 ms)",
+        ms(latency.value_at_quantile(0.50)),
+        ms(latency.value_at_quantile(0.99)),
+        ms(latency.value_at_quantile(0.999)),
+        ms(latency.max()),
+        latency.len()
+    );
+    println!("load average at the end: {}", load.trim());
+}
+
+fn main() {
+    let Ok(url) = std::env::var(keel_testkit::services::POSTGRES_URL) else {
+        eprintln!(
+            "{} is not set: run through scripts/services.sh \
+             (scripts/services.sh run cargo bench -p keel-postgres --bench postgres)",
+            keel_testkit::services::POSTGRES_URL
+        );
+        std::process::exit(2);
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let fx = Arc::new(rt.block_on(Fixture::new(url)));
+    let mut c = Criterion::default().configure_from_args();
+    bench_raw(&mut c, &rt, &fx, "raw_insert_commit", &RAW_FIRST);
+    bench_relay(&mut c, &rt, &fx);
+    let latency = rt.block_on(latency_run(&fx));
+    bench_raw(&mut c, &rt, &fx, "raw_insert_commit_again", &RAW_LAST);
+    c.final_summary();
+    summary(&latency);
+    rt.block_on(fx.drop_schema());
+}

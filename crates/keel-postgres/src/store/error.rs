@@ -1,0 +1,153 @@
+//! How PostgreSQL's failures become [`StoreError`]s.
+//!
+//! Callers retry on [`StoreError::Unavailable`] only, so the mapping decides
+//! what is transient: serialization failures (`40001`) and deadlocks
+//! (`40P01`), whose transaction PostgreSQL rolled back and which succeed when
+//! run again; lost connections, a server shutting down or starting up, too
+//! many connections, and a pool with no connection in time. A unique
+//! violation is a [`StoreError::Conflict`].
+//!
+//! `COMMIT` is different: a connection lost while it was in flight leaves
+//! the outcome unknown (the server may have written the commit record and
+//! died before answering), so it is [`StoreError::OutcomeUnknown`], and the
+//! caller must read back rather than guess. An *answer* from the server to
+//! `COMMIT` that is an ordinary error (a serialization failure under
+//! `SERIALIZABLE`, a deferred constraint) means it rolled back.
+
+use keel_messaging::StoreError;
+use sqlx::error::ErrorKind;
+
+/// SQLSTATE `serialization_failure`.
+pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
+/// SQLSTATE `deadlock_detected`.
+pub(crate) const DEADLOCK_DETECTED: &str = "40P01";
+
+/// A stored row that this version of Keel cannot read (a schema mismatch or
+/// a row written by something else).
+#[derive(Debug, thiserror::Error)]
+#[error("unreadable {what} in the PostgreSQL store: {detail}")]
+pub(crate) struct CorruptRow {
+    what: &'static str,
+    detail: String,
+}
+
+/// A [`StoreError::Other`] for a row that does not decode.
+pub(crate) fn corrupt(what: &'static str, detail: impl ToString) -> StoreError {
+    StoreError::other(CorruptRow {
+        what,
+        detail: detail.to_string(),
+    })
+}
+
+/// Maps an error of an ordinary statement.
+pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
+    if is_transient(&err) {
+        metrics::counter!("keel_postgres_transient_errors_total").increment(1);
+        tracing::debug!(error = %err, "postgres store: transient error");
+        return StoreError::Unavailable(err.into());
+    }
+    match err {
+        sqlx::Error::Database(db) if db.kind() == ErrorKind::UniqueViolation => {
+            StoreError::Conflict(db.message().to_owned())
+        }
+        other => StoreError::other(other),
+    }
+}
+
+/// Maps an error of `COMMIT` (see the module docs).
+pub(crate) fn commit_error(err: sqlx::Error) -> StoreError {
+    if is_connection_lost(&err) {
+        metrics::counter!("keel_postgres_commit_outcome_unknown_total").increment(1);
+        tracing::warn!(error = %err, "postgres commit failed; outcome unknown");
+        return StoreError::OutcomeUnknown(err.into());
+    }
+    db_error(err)
+}
+
+/// Whether running the operation again may succeed: a conflict between
+/// transactions or a connection/server problem.
+pub(crate) fn is_transient(err: &sqlx::Error) -> bool {
+    is_conflict(err) || is_connection_lost(err) || is_overloaded(err)
+}
+
+/// A serialization failure or a deadlock: PostgreSQL rolled the whole
+/// transaction back, and running it again is the documented remedy.
+pub(crate) fn is_conflict(err: &sqlx::Error) -> bool {
+    sqlstate(err).is_some_and(|code| code == SERIALIZATION_FAILURE || code == DEADLOCK_DETECTED)
+}
+
+/// Whether `err` is a [`StoreError::Unavailable`] caused by a serialization
+/// failure or a deadlock (what the store's retry helper retries).
+pub(crate) fn is_conflict_store_error(err: &StoreError) -> bool {
+    match err {
+        StoreError::Unavailable(source) => source
+            .downcast_ref::<sqlx::Error>()
+            .is_some_and(is_conflict),
+        _ => false,
+    }
+}
+
+/// The connection broke or the server is going away: class 08
+/// (connection exception), 57P01-57P03 (admin/crash shutdown, cannot
+/// connect now), or an I/O error.
+pub(crate) fn is_connection_lost(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Protocol(_) => true,
+        _ => sqlstate(err).is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
+    }
+}
+
+/// No connection in time, too many connections, or resources exhausted.
+fn is_overloaded(err: &sqlx::Error) -> bool {
+    matches!(err, sqlx::Error::PoolTimedOut)
+        || sqlstate(err).is_some_and(|code| code.starts_with("53") || code == "55P03")
+}
+
+fn sqlstate(err: &sqlx::Error) -> Option<String> {
+    match err {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// A count or id from PostgreSQL's `i64` into `u64` (negative → corrupt).
+pub(crate) fn to_u64(what: &'static str, value: i64) -> Result<u64, StoreError> {
+    u64::try_from(value).map_err(|_| corrupt(what, format!("negative value {value}")))
+}
+
+/// A `usize` limit as a SQL integer (saturating).
+pub(crate) fn sql_limit(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_core::{Classify, ErrorClass};
+
+    use super::*;
+
+    #[test]
+    fn io_during_commit_is_outcome_unknown() {
+        let io = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed");
+        let err = commit_error(sqlx::Error::Io(io));
+        assert_eq!(err.class(), ErrorClass::OutcomeUnknown);
+    }
+
+    #[test]
+    fn io_in_a_statement_is_retryable() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert_eq!(db_error(sqlx::Error::Io(io)).class(), ErrorClass::Retryable);
+        assert_eq!(
+            db_error(sqlx::Error::PoolTimedOut).class(),
+            ErrorClass::Retryable
+        );
+    }
+
+    #[test]
+    fn a_row_that_does_not_decode_is_permanent() {
+        let err = db_error(sqlx::Error::RowNotFound);
+        assert_eq!(err.class(), ErrorClass::Permanent);
+        assert!(!is_conflict_store_error(&err));
+    }
+}

@@ -1,0 +1,307 @@
+//! The messaging [`Store`] on PostgreSQL: outbox, inbox, dead letters, sagas
+//! and fencing tokens next to the application's own tables, shared by any
+//! number of processes.
+//!
+//! As with every Keel store, Keel's rows commit in the *user's* transaction:
+//! [`PgStore::begin`](Store::begin) hands out a plain
+//! `sqlx::Transaction<'static, Postgres>`; write your business rows in it
+//! with your own SQL, add Keel's rows with the same `&mut tx`, commit once.
+//!
+//! ```no_run
+//! use keel_messaging::store::{OutboxRecord, OutboxStore, Store};
+//! use keel_postgres::PgStore;
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let store = PgStore::connect("postgres://keel@127.0.0.1/keel").await?;
+//! let mut tx = store.begin().await?;
+//! sqlx::query("INSERT INTO public.orders (id, total_minor) VALUES ($1, $2)")
+//!     .bind("A-4471")
+//!     .bind(8210_i64)
+//!     .execute(&mut *tx)
+//!     .await?;
+//! let event = OutboxRecord {
+//!     event_id: "0190f5c4-6a1e-7b2c-9d3e-4f5a6b7c8d9e".into(),
+//!     topic: "orders".into(),
+//!     partition_key: "A-4471".into(),
+//!     headers: Default::default(),
+//!     payload: br#"{"orderId":"A-4471"}"#.as_slice().into(),
+//! };
+//! store.outbox_append(&mut tx, &[event]).await?;
+//! store.commit(tx).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Schema
+//!
+//! Every object lives in one schema (default `keel`, see
+//! [`PgStoreBuilder::schema`]), created on connect, and every connection of
+//! the pool starts with `search_path = <schema>, public`: Keel's tables are
+//! found unqualified, and your own tables in `public` still are too. Tables
+//! are prefixed `keel_` so that they never shadow one of yours. Migrations
+//! are embedded (versions 1001 and up) and run on connect; their bookkeeping
+//! table `_sqlx_migrations` is the one in Keel's schema, apart from yours.
+//!
+//! # Concurrency
+//!
+//! Several processes share one database. What keeps them apart:
+//! relays claim outbox rows with `FOR UPDATE SKIP LOCKED` under a lease (see
+//! `outbox.rs` for why claims also take a short advisory lock), webhook
+//! workers claim deliveries the same way, idempotency keys are decided under
+//! row locks, and fencing tokens and event-log seqs are single-row upserts.
+//!
+//! # Failures
+//!
+//! Serialization failures (`40001`) and deadlocks (`40P01`) of the
+//! statements and transactions the store runs itself are retried with
+//! backoff; in the user's transactions they are
+//! [`StoreError::Unavailable`] (retryable: run the transaction again). A
+//! connection lost during `COMMIT` is [`StoreError::OutcomeUnknown`] from
+//! [`Store::commit`]; [`PgStore::commit_resolved`] and the store's own
+//! transactions resolve it instead, by asking the server what became of the
+//! transaction id.
+//!
+//! # Wake-ups
+//!
+//! Appends send `pg_notify` on the store's channels inside the transaction,
+//! so the notification is delivered exactly when (and only if) it commits.
+//! [`PgWakeups`](crate::PgWakeups) listens to them in every process.
+
+pub(crate) mod codec;
+mod dead_letter;
+pub(crate) mod error;
+mod fence;
+mod inbox;
+mod options;
+mod outbox;
+pub(crate) mod retry;
+mod saga;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_messaging::StoreError;
+use keel_messaging::store::Store;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgPool, Postgres};
+
+pub use options::{InvalidSchema, PgStoreBuilder};
+
+use error::{commit_error, db_error, is_connection_lost};
+
+/// The first and last migration version this store owns.
+const VERSIONS: std::ops::RangeInclusive<i64> = 1001..=1999;
+
+/// The messaging [`Store`] on PostgreSQL. Cheap to clone; clones share the
+/// pool.
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pub(crate) pool: PgPool,
+    pub(crate) schema: Arc<str>,
+    pub(crate) channels: Arc<Channels>,
+}
+
+/// The `LISTEN/NOTIFY` channels of one schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Channels {
+    /// Outbox appends.
+    pub outbox: String,
+    /// Webhook deliveries queued.
+    pub webhooks: String,
+    /// Event-log appends (payload: `<seq> <stream>`).
+    pub event_log: String,
+    /// Sagas created or saved.
+    pub sagas: String,
+}
+
+impl Channels {
+    /// The channels of `schema`: `<schema>.outbox`, `<schema>.webhooks`,
+    /// `<schema>.event_log`, `<schema>.sagas`, so stores in different
+    /// schemas of one database never wake each other.
+    pub fn for_schema(schema: &str) -> Self {
+        Self {
+            outbox: format!("{schema}.outbox"),
+            webhooks: format!("{schema}.webhooks"),
+            event_log: format!("{schema}.event_log"),
+            sagas: format!("{schema}.sagas"),
+        }
+    }
+}
+
+/// What became of a transaction, as PostgreSQL remembers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxOutcome {
+    /// It committed.
+    Committed,
+    /// It rolled back (or its server crashed before it committed).
+    Aborted,
+    /// It is still running (its COMMIT may not have arrived yet).
+    InProgress,
+    /// The server no longer knows (the id is too old).
+    Unknown,
+}
+
+impl PgStore {
+    /// Connects to `url` with the default [`PgStoreBuilder`] options (schema
+    /// `keel`, 10 connections) and migrates.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::builder(url).connect().await
+    }
+
+    /// Options for connecting.
+    pub fn builder(url: impl Into<String>) -> PgStoreBuilder {
+        PgStoreBuilder::new(url)
+    }
+
+    /// The pool: every connection has Keel's schema first in its
+    /// `search_path`. For business writes that go with an event, use
+    /// [`Store::begin`] and `sqlx::query(..).execute(&mut *tx)`.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema holding Keel's tables.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The `LISTEN/NOTIFY` channels appends signal on.
+    pub fn channels(&self) -> &Channels {
+        &self.channels
+    }
+
+    /// The embedded migrations (run them yourself with `migrate(false)`).
+    pub fn migrator() -> Migrator {
+        let mut migrator = sqlx::migrate!("./migrations");
+        migrator.set_ignore_missing(true);
+        migrator
+    }
+
+    /// Closes the pool, waiting for connections in use to come back.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// Commits `tx` like [`Store::commit`], but when the connection is lost
+    /// during `COMMIT` it asks the server (on another connection, for up to
+    /// about five seconds) whether the transaction committed instead of
+    /// returning [`StoreError::OutcomeUnknown`]: `Ok` if it did,
+    /// [`StoreError::Unavailable`] (nothing was written: run it again) if it
+    /// did not. Only if the server cannot tell is the outcome still unknown.
+    /// Costs one extra round trip before the `COMMIT`.
+    pub async fn commit_resolved(&self, mut tx: <Self as Store>::Tx) -> Result<(), StoreError> {
+        let xid: Option<i64> = sqlx::query_scalar("SELECT txid_current_if_assigned()")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        let err = match tx.commit().await {
+            Ok(()) => return Ok(()),
+            Err(err) if is_connection_lost(&err) => err,
+            Err(err) => return Err(commit_error(err)),
+        };
+        // Nothing written (no xid): nothing to lose by calling it aborted.
+        let Some(xid) = xid else {
+            return Err(StoreError::Unavailable(err.into()));
+        };
+        for attempt in 0..25u32 {
+            match self.transaction_outcome(xid).await {
+                Ok(TxOutcome::Committed) => {
+                    tracing::info!(xid, "commit outcome resolved: committed");
+                    return Ok(());
+                }
+                Ok(TxOutcome::Aborted) => {
+                    tracing::info!(xid, "commit outcome resolved: rolled back");
+                    return Err(StoreError::Unavailable(
+                        format!("the transaction was rolled back: {err}").into(),
+                    ));
+                }
+                Ok(TxOutcome::Unknown) => break,
+                Ok(TxOutcome::InProgress) | Err(_) => {
+                    tracing::debug!(xid, attempt, "commit outcome not known yet");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        Err(commit_error(err))
+    }
+
+    /// What became of the transaction with id `xid` (`txid_current()`),
+    /// asked on a pool connection.
+    pub async fn transaction_outcome(&self, xid: i64) -> Result<TxOutcome, StoreError> {
+        let status: Option<String> = sqlx::query_scalar("SELECT txid_status($1)")
+            .bind(xid)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(match status.as_deref() {
+            Some("committed") => TxOutcome::Committed,
+            Some("aborted") => TxOutcome::Aborted,
+            Some("in progress") => TxOutcome::InProgress,
+            _ => TxOutcome::Unknown,
+        })
+    }
+}
+
+#[async_trait]
+impl Store for PgStore {
+    type Tx = sqlx::Transaction<'static, Postgres>;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.pool.begin().await.map_err(db_error)
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(commit_error)
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        tx.rollback().await.map_err(db_error)
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        let expected = Self::migrator()
+            .iter()
+            .filter(|m| !m.migration_type.is_down_migration())
+            .count();
+        let applied: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM _sqlx_migrations \
+             WHERE version BETWEEN $1 AND $2 AND success",
+        )
+        .bind(VERSIONS.start())
+        .bind(VERSIONS.end())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db_error)?;
+        if usize::try_from(applied).unwrap_or(0) < expected {
+            return Err(StoreError::other(format!(
+                "postgres store schema {:?} not migrated: {applied} of {expected} migrations applied",
+                self.schema
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Sends a notification on `channel` inside `tx`: PostgreSQL delivers it
+/// when (and only if) the transaction commits, once per distinct payload.
+pub(crate) async fn notify(
+    tx: &mut <PgStore as Store>::Tx,
+    channel: &str,
+    payload: &str,
+) -> Result<(), StoreError> {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(channel)
+        .bind(payload)
+        .execute(&mut **tx)
+        .await
+        .map_err(db_error)?;
+    Ok(())
+}
+
+/// Commits a transaction the store runs itself, resolving a lost `COMMIT`.
+pub(crate) async fn commit_own(
+    store: &PgStore,
+    tx: <PgStore as Store>::Tx,
+) -> Result<(), StoreError> {
+    store.commit_resolved(tx).await
+}

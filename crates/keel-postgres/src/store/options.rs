@@ -1,0 +1,203 @@
+//! How a [`PgStore`] connects: pool size, schema, migrations.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_messaging::StoreError;
+use sqlx::migrate::MigrateError;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+use super::error::db_error;
+use super::{Channels, PgStore};
+
+/// The longest schema name accepted: PostgreSQL's identifiers have 63
+/// bytes, and channel names (`<schema>.event_log`) must fit too.
+const MAX_SCHEMA_LEN: usize = 48;
+
+/// A schema name Keel refuses.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "invalid schema name {0:?}: use 1 to 48 lowercase ASCII letters, digits and underscores, \
+     starting with a letter or underscore"
+)]
+pub struct InvalidSchema(pub String);
+
+/// Options for connecting a [`PgStore`], with documented defaults.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), keel_messaging::StoreError> {
+/// use std::time::Duration;
+/// use keel_postgres::PgStore;
+///
+/// let store = PgStore::builder("postgres://keel@127.0.0.1/keel")
+///     .schema("orders_keel")
+///     .max_connections(20)
+///     .acquire_timeout(Duration::from_secs(2))
+///     .connect()
+///     .await?;
+/// # drop(store); Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PgStoreBuilder {
+    url: String,
+    schema: String,
+    max_connections: u32,
+    min_connections: u32,
+    acquire_timeout: Duration,
+    migrate: bool,
+    application_name: String,
+}
+
+impl PgStoreBuilder {
+    /// The defaults for `url`: schema `keel`, at most 10 connections (none
+    /// kept idle), a 5 s acquire timeout, migrations on connect,
+    /// `application_name = keel`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            schema: "keel".to_owned(),
+            max_connections: 10,
+            min_connections: 0,
+            acquire_timeout: Duration::from_secs(5),
+            migrate: true,
+            application_name: "keel".to_owned(),
+        }
+    }
+
+    /// The schema holding every Keel object (default `keel`). Created on
+    /// connect if missing. Lowercase letters, digits and underscores.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The most connections in the pool (default 10).
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// Connections kept open when idle (default 0).
+    pub fn min_connections(mut self, n: u32) -> Self {
+        self.min_connections = n;
+        self
+    }
+
+    /// How long an operation waits for a free connection before failing with
+    /// [`StoreError::Unavailable`] (default 5 s).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Whether to create the schema and run the embedded migrations on
+    /// connect (default `true`). Without it, run [`PgStore::migrator`]
+    /// yourself; [`ready`](keel_messaging::Store::ready) reports a schema
+    /// that is behind.
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+
+    /// The `application_name` the connections report in
+    /// `pg_stat_activity` (default `keel`).
+    pub fn application_name(mut self, name: impl Into<String>) -> Self {
+        self.application_name = name.into();
+        self
+    }
+
+    /// The connect options every connection of the store uses (the URL
+    /// with Keel's `search_path` and application name).
+    pub fn connect_options(&self) -> Result<PgConnectOptions, StoreError> {
+        validate_schema(&self.schema)?;
+        let options = PgConnectOptions::from_str(&self.url).map_err(StoreError::other)?;
+        Ok(options
+            .application_name(&self.application_name)
+            .options([("search_path", format!("{},public", self.schema))]))
+    }
+
+    /// Connects (lazily: the pool opens connections as needed), creates
+    /// the schema and migrates unless told not to.
+    pub async fn connect(self) -> Result<PgStore, StoreError> {
+        let options = self.connect_options()?;
+        let pool = PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .min_connections(self.min_connections)
+            .acquire_timeout(self.acquire_timeout)
+            .connect_lazy_with(options);
+        if self.migrate {
+            migrate(&pool, &self.schema).await?;
+        }
+        Ok(PgStore {
+            pool,
+            channels: Arc::new(Channels::for_schema(&self.schema)),
+            schema: Arc::from(self.schema),
+        })
+    }
+}
+
+/// Lowercase identifiers only: they need no quoting anywhere (search_path,
+/// channel names), and nothing user-supplied reaches SQL text unchecked.
+fn validate_schema(schema: &str) -> Result<(), StoreError> {
+    let mut chars = schema.chars();
+    let valid = schema.len() <= MAX_SCHEMA_LEN
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if valid {
+        Ok(())
+    } else {
+        Err(StoreError::other(InvalidSchema(schema.to_owned())))
+    }
+}
+
+/// Creates the schema and runs the migrations. Processes starting at the
+/// same moment race on `CREATE SCHEMA IF NOT EXISTS` (a unique violation in
+/// the catalog); the loser tries again and finds the schema. sqlx holds an
+/// advisory lock while migrating, so migrations themselves never race.
+async fn migrate(pool: &PgPool, schema: &str) -> Result<(), StoreError> {
+    let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
+    let migrator = PgStore::migrator();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let result = match sqlx::query(&create).execute(pool).await {
+            Ok(_) => migrator.run(pool).await,
+            Err(err) => Err(MigrateError::Execute(err)),
+        };
+        match result {
+            Ok(()) => return Ok(()),
+            Err(err) if attempt < 3 => {
+                tracing::debug!(error = %err, attempt, "postgres store migration failed, retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(MigrateError::Execute(err)) => return Err(db_error(err)),
+            Err(err) => return Err(StoreError::other(err)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_plain_identifiers() {
+        for ok in ["keel", "keel_t_0190f5c46a1e", "_x", "a1"] {
+            assert!(validate_schema(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "Keel", "1x", "a-b", "a;drop", "a b", &"x".repeat(49)] {
+            assert!(validate_schema(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn connect_options_carry_the_search_path() {
+        let builder = PgStoreBuilder::new("postgres://keel@127.0.0.1:5432/keel").schema("k1");
+        let options = builder.connect_options().expect("options");
+        assert_eq!(options.get_database(), Some("keel"));
+        assert!(format!("{options:?}").contains("search_path=k1,public"));
+    }
+}
