@@ -73,9 +73,64 @@ pub fn url(service: Service) -> Option<String> {
         "{} is not set: run the tests through scripts/services.sh (scripts/test.sh does)",
         service.url_var()
     );
-    assert!(std::env::var_os("CI").is_none(), "{why}; in CI this is an error");
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{why}; in CI this is an error"
+    );
     eprintln!("skipped: {why}");
     None
+}
+
+/// A lock that keeps server restarts away from tests that did not ask for
+/// one: tests run in parallel processes against one server, so a test that
+/// restarts or stops `service` holds [`ServerLock::exclusive`], and every
+/// other test using `service` holds [`ServerLock::shared`] while it runs.
+///
+/// It is a file lock in the services directory, so it works across test
+/// binaries and crates; outside `scripts/services.sh` it locks nothing.
+#[derive(Debug)]
+pub struct ServerLock {
+    // Held only for its lock; closing the file releases it.
+    _file: Option<std::fs::File>,
+}
+
+impl ServerLock {
+    /// Held by a test that only needs `service` up. Blocks while a restart
+    /// test runs.
+    pub fn shared(service: Service) -> Self {
+        Self::take(service, false)
+    }
+
+    /// Held by a test that restarts or stops `service`. Blocks until no
+    /// other test uses it.
+    pub fn exclusive(service: Service) -> Self {
+        Self::take(service, true)
+    }
+
+    fn take(service: Service, exclusive: bool) -> Self {
+        let Some(dir) = std::env::var_os("KEEL_TEST_SERVICES_DIR") else {
+            return Self { _file: None };
+        };
+        let path = std::path::Path::new(&dir).join(format!("{}.lock", service.name()));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path);
+        let file = match file {
+            Ok(file) => file,
+            Err(err) => panic!("opening the server lock {}: {err}", path.display()),
+        };
+        let locked = if exclusive {
+            file.lock()
+        } else {
+            file.lock_shared()
+        };
+        if let Err(err) = locked {
+            panic!("locking {}: {err}", path.display());
+        }
+        Self { _file: Some(file) }
+    }
 }
 
 /// What went wrong driving `scripts/services.sh`.

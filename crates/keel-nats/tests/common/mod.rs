@@ -9,12 +9,10 @@
 
 #![allow(dead_code, unreachable_pub)]
 
-use std::fs::File;
-use std::path::PathBuf;
-
 use async_trait::async_trait;
 use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
 use keel_nats::{NatsBroker, NatsBrokerOptions};
+use keel_testkit::services::{self, Service};
 
 /// A fresh, unique stream prefix.
 pub fn unique_prefix() -> String {
@@ -28,38 +26,23 @@ pub fn test_options() -> NatsBrokerOptions {
     NatsBrokerOptions::new().stream_prefix(unique_prefix())
 }
 
-/// A file lock on the test servers' directory (none outside services.sh).
+/// The shared server lock of keel-testkit, taken off the runtime's threads.
 pub struct ServerLock {
-    _file: Option<File>,
+    _lock: services::ServerLock,
 }
 
 impl ServerLock {
-    fn path() -> Option<PathBuf> {
-        let dir = std::env::var_os("KEEL_TEST_SERVICES_DIR")?;
-        Some(PathBuf::from(dir).join("keel-nats-restart.lock"))
-    }
-
     async fn take(exclusive: bool) -> Self {
-        let Some(path) = Self::path() else {
-            return Self { _file: None };
-        };
-        let file = tokio::task::spawn_blocking(move || {
-            let file = File::options()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-                .expect("open the restart lock file");
+        let lock = tokio::task::spawn_blocking(move || {
             if exclusive {
-                file.lock().expect("lock the restart lock file");
+                services::ServerLock::exclusive(Service::Nats)
             } else {
-                file.lock_shared().expect("lock the restart lock file");
+                services::ServerLock::shared(Service::Nats)
             }
-            file
         })
         .await
         .expect("the lock task panicked");
-        Self { _file: Some(file) }
+        Self { _lock: lock }
     }
 
     /// Held by tests that only need the server up.

@@ -5,6 +5,7 @@
 pub mod broker;
 
 use keel_postgres::PgStore;
+use keel_testkit::services::{ServerLock, Service};
 use keel_testkit::store_suite::Fixture;
 
 /// A unique schema name for one test (`keel_t_<uuidv7>`).
@@ -16,26 +17,15 @@ pub fn unique_schema() -> String {
 /// that restarts the server, so a restart never hits another test of this
 /// crate (they run in parallel processes against one server).
 #[derive(Debug)]
-pub struct ServerLease(Option<std::fs::File>);
+pub struct ServerLease(#[allow(dead_code)] ServerLock);
 
 impl ServerLease {
     fn take(exclusive: bool) -> Self {
-        let Some(dir) = std::env::var_os("KEEL_TEST_SERVICES_DIR") else {
-            return Self(None);
-        };
-        let path = std::path::Path::new(&dir).join("keel-postgres-tests.lock");
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)
-            .expect("open the test lock file");
-        if exclusive {
-            file.lock().expect("exclusive test lock");
+        Self(if exclusive {
+            ServerLock::exclusive(Service::Postgres)
         } else {
-            file.lock_shared().expect("shared test lock");
-        }
-        Self(Some(file))
+            ServerLock::shared(Service::Postgres)
+        })
     }
 }
 
