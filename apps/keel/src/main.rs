@@ -1,2 +1,140 @@
-//! The keel binary.
-fn main() {}
+//! The `keel` binary: `keel demo` runs the reference shop on the embedded
+//! defaults and checks its invariants; `keel serve` runs it as a server.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use keel::demo::workload::WorkloadConfig;
+use keel::demo::{self, DemoConfig};
+use keel::serve::{self, ServeArgs};
+
+// The operator commands (owned by the console work); their items are `pub`
+// for the browser test, which includes the file directly.
+#[allow(unreachable_pub)]
+mod ops;
+
+/// Keel: services that survive the network.
+#[derive(Debug, Parser)]
+#[command(name = "keel", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the reference shop with a workload of orders and check the invariants.
+    Demo(DemoArgs),
+    /// Run the reference shop as a server (API, console, admin API).
+    Serve(ServeArgs),
+    /// Dead letters on a running server: list, replay, discard.
+    Dlq {
+        #[command(flatten)]
+        client: ops::AdminClientArgs,
+        #[command(subcommand)]
+        command: ops::DlqCommand,
+    },
+    /// Sagas on a running server: list, retry, cancel.
+    Saga {
+        #[command(flatten)]
+        client: ops::AdminClientArgs,
+        #[command(subcommand)]
+        command: ops::SagaCommand,
+    },
+    /// Webhook deliveries on a running server: list, resend.
+    Webhooks {
+        #[command(flatten)]
+        client: ops::AdminClientArgs,
+        #[command(subcommand)]
+        command: ops::WebhooksCommand,
+    },
+}
+
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// How many distinct orders to submit.
+    #[arg(long, default_value_t = 1000)]
+    orders: u64,
+    /// Requests in flight at most.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Seeds the workload's choice of customers and skus.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// The longest wait, in seconds, for every order to settle.
+    #[arg(long, default_value_t = 60)]
+    settle_timeout: u64,
+    /// Print the report as one JSON object on the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn init_tracing(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+async fn demo_command(args: DemoArgs) -> anyhow::Result<bool> {
+    let config = DemoConfig {
+        workload: WorkloadConfig {
+            orders: args.orders,
+            concurrency: args.concurrency.max(1),
+            seed: args.seed,
+            ..WorkloadConfig::default()
+        },
+        settle_timeout: Duration::from_secs(args.settle_timeout),
+        progress: true,
+    };
+    let report = demo::run(config).await?;
+    print!("{}", report.table());
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    Ok(report.invariants.ok)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo's table is the output; logs only when asked for (KEEL_LOG).
+    init_tracing(match cli.command {
+        Command::Demo(_) => "off",
+        Command::Serve(_) => "info",
+        _ => "warn",
+    });
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("keel: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        match cli.command {
+            Command::Demo(args) => demo_command(args).await,
+            Command::Serve(args) => serve::run(args).await.map(|()| true),
+            Command::Dlq { client, command } => ops::run_dlq(&client, command).await.map(|()| true),
+            Command::Saga { client, command } => {
+                ops::run_saga(&client, command).await.map(|()| true)
+            }
+            Command::Webhooks { client, command } => {
+                ops::run_webhooks(&client, command).await.map(|()| true)
+            }
+        }
+    });
+    match outcome {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(2),
+        Err(e) => {
+            eprintln!("keel: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

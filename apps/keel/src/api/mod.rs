@@ -1,0 +1,122 @@
+//! The reference system's HTTP API: one router for `keel serve` and
+//! `keel demo` alike.
+
+pub mod orders;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, FromRef};
+use axum::http::request::Parts;
+use axum::routing::{get, post};
+use keel_http::idempotency::{IdempotencyLayer, IdempotencyOptions};
+use keel_http::pagination::Pagination;
+use keel_http::propagation::{DeadlineLayer, TraceContextLayer};
+use keel_http::realtime::{EventLog, Realtime, RealtimeOptions, StreamId};
+use keel_messaging::Outbox;
+
+use crate::shop::ShopStore;
+use crate::shop::model::MAX_BODY_BYTES;
+
+/// The longest deadline a caller may ask for; longer ones are capped.
+pub const MAX_DEADLINE: Duration = Duration::from_secs(10);
+
+/// What every handler shares. Cheap to clone.
+pub struct AppState<S: ShopStore> {
+    /// The store (business tables and Keel's).
+    pub store: S,
+    /// The outbox `POST /orders` writes to.
+    pub outbox: Outbox<S>,
+    /// The per-customer event log.
+    pub log: EventLog<S>,
+    /// Cursor signing for `GET /orders`.
+    pub pagination: Pagination,
+    /// Whether `X-Keel-Demo-Fault` is honoured.
+    pub demo_faults: bool,
+}
+
+impl<S: ShopStore> Clone for AppState<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            outbox: self.outbox.clone(),
+            log: self.log.clone(),
+            pagination: self.pagination.clone(),
+            demo_faults: self.demo_faults,
+        }
+    }
+}
+
+impl<S: ShopStore> FromRef<AppState<S>> for Pagination {
+    fn from_ref(state: &AppState<S>) -> Self {
+        state.pagination.clone()
+    }
+}
+
+/// The stream a realtime request reads: `?customerId=` (the demo has no
+/// login; a real deployment reads its session here instead).
+pub fn stream_of(parts: &Parts) -> Option<StreamId> {
+    let query = parts.uri.query()?;
+    let customer = query
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == "customerId")
+        .map(|(_, v)| v)?;
+    if customer.is_empty()
+        || customer.len() > 64
+        || !customer
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        return None;
+    }
+    StreamId::new(format!("customer:{customer}")).ok()
+}
+
+/// Errors building the router.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    /// A layer's options are invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+/// The public API: orders and realtime, behind the trace and deadline
+/// layers. `drain` ends realtime connections on shutdown.
+pub fn public_router<S: ShopStore>(
+    state: AppState<S>,
+    drain: tokio::sync::watch::Receiver<bool>,
+) -> Result<Router, RouterError> {
+    let idempotency = IdempotencyLayer::with_options(
+        state.store.clone(),
+        IdempotencyOptions::new()
+            .max_body(MAX_BODY_BYTES)
+            .in_flight_retry_after(Duration::from_secs(1)),
+    )
+    .map_err(|e| RouterError::Config(e.to_string()))?;
+    let realtime = Realtime::builder(state.log.clone(), stream_of)
+        .options(RealtimeOptions::new().allow_missing_origin(true))
+        .drain(drain)
+        .build()
+        .map_err(|e| RouterError::Config(e.to_string()))?;
+    let place = Router::new()
+        .route("/orders", post(orders::place_order::<S>))
+        .route_layer(idempotency);
+    let deadline =
+        DeadlineLayer::with_max(MAX_DEADLINE).map_err(|e| RouterError::Config(e.to_string()))?;
+    Ok(Router::new()
+        .route("/orders", get(orders::list_orders::<S>))
+        .merge(place)
+        .route("/orders/{id}", get(orders::get_order::<S>))
+        .route("/updates", realtime.long_poll())
+        .route("/stream", realtime.sse())
+        .route("/ws", realtime.websocket())
+        .with_state(state)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(deadline)
+        .layer(TraceContextLayer::new()))
+}
+
+pub mod openapi;
+pub mod reports;
+pub mod webhooks;

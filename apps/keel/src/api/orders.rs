@@ -1,0 +1,272 @@
+//! The orders API: `POST /orders`, `GET /orders`, `GET /orders/{id}`.
+//!
+//! `POST /orders` writes the order row, its `orders.placed` event (outbox)
+//! and an `order.placed` entry in the customer's event log in ONE store
+//! transaction, then answers `201`. The Idempotency-Key layer in front of
+//! it makes a retried submission answer the first response instead of
+//! placing a second order.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use keel_http::pagination::{Cursor, Page, PageRequest};
+use keel_http::problem::Problem;
+use keel_messaging::envelope::{Envelope, EventMeta};
+use serde::Deserialize;
+
+use super::AppState;
+use crate::shop::ShopStore;
+use crate::shop::db::now_rfc3339;
+use crate::shop::fulfilment::TOPIC;
+use crate::shop::model::{DemoFault, NewOrder, Order, OrderPlaced, OrderStatus};
+use crate::shop::projection::customer_stream;
+
+/// The CloudEvents source of the orders service.
+pub const SOURCE: &str = "/keel/shop/orders";
+
+fn unprocessable(detail: impl Into<String>) -> Problem {
+    Problem::new(StatusCode::UNPROCESSABLE_ENTITY, detail)
+}
+
+fn store_failed(err: impl std::fmt::Display) -> Response {
+    tracing::warn!(error = %err, "store error");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the store is unavailable; retry with the same Idempotency-Key",
+    )
+    .with_retry_after(std::time::Duration::from_secs(1))
+    .into_response()
+}
+
+/// Parses and validates a `NewOrder` body: `400` for malformed JSON or a
+/// wrong content type, `422` for a well-formed order that breaks a rule.
+pub fn parse_new_order(headers: &HeaderMap, body: &[u8]) -> Result<NewOrder, Problem> {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+        });
+    if !json {
+        return Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "send the order as Content-Type: application/json",
+        ));
+    }
+    let order: NewOrder = serde_json::from_slice(body).map_err(|e| {
+        if e.is_data() {
+            unprocessable(format!("the order does not fit the schema: {e}"))
+        } else {
+            Problem::bad_request(format!("malformed JSON: {e}"))
+        }
+    })?;
+    order.validate().map_err(|e| unprocessable(e.to_string()))?;
+    Ok(order)
+}
+
+/// `POST /orders`.
+#[utoipa::path(
+    post,
+    path = "/orders",
+    request_body = NewOrder,
+    params(
+        ("Idempotency-Key" = String, Header, description = "Required: one unique key per order; retries reuse it"),
+        ("X-Request-Deadline-Unix-Ms" = Option<String>, Header, description = "When the caller stops waiting (capped by the server)"),
+        ("traceparent" = Option<String>, Header, description = "W3C trace context"),
+    ),
+    responses(
+        (status = 201, description = "Accepted; fulfilment runs asynchronously", body = Order),
+        (status = 400, description = "Missing Idempotency-Key or malformed JSON (problem+json)"),
+        (status = 409, description = "The same key is still being processed; retry after Retry-After"),
+        (status = 413, description = "Body too large"),
+        (status = 415, description = "Not JSON"),
+        (status = 422, description = "Invalid order, or the key was used for a different request"),
+        (status = 503, description = "Store unavailable; retry with the same key"),
+    ),
+    tag = "orders"
+)]
+pub async fn place_order<S: ShopStore>(
+    State(state): State<AppState<S>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let new = match parse_new_order(&headers, &body) {
+        Ok(order) => order,
+        Err(problem) => return problem.into_response(),
+    };
+    let fault = state
+        .demo_faults
+        .then(|| {
+            headers
+                .get(DemoFault::HEADER)?
+                .to_str()
+                .ok()
+                .and_then(DemoFault::parse)
+        })
+        .flatten();
+    let order = Order {
+        id: keel_core::id::new_id().to_string(),
+        total_cents: new.total_cents(),
+        customer_id: new.customer_id,
+        currency: new.currency,
+        items: new.items,
+        status: OrderStatus::Pending,
+        created_at: now_rfc3339(),
+    };
+    match insert(&state, &order, fault).await {
+        Ok(()) => (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/orders/{}", order.id))],
+            Json(order),
+        )
+            .into_response(),
+        Err(response) => response,
+    }
+}
+
+async fn insert<S: ShopStore>(
+    state: &AppState<S>,
+    order: &Order,
+    fault: Option<DemoFault>,
+) -> Result<(), Response> {
+    let placed = OrderPlaced {
+        order_id: order.id.clone(),
+        customer_id: order.customer_id.clone(),
+        currency: order.currency.clone(),
+        items: order.items.clone(),
+        total_cents: order.total_cents,
+        demo_fault: fault,
+    };
+    let envelope = Envelope::from_event(SOURCE, &placed, EventMeta::new(1))
+        .map_err(|e| Problem::internal(e).into_response())?;
+    let store = &state.store;
+    let mut tx = store.begin().await.map_err(store_failed)?;
+    store
+        .insert_order(&mut tx, order, &envelope.id, fault)
+        .await
+        .map_err(store_failed)?;
+    state
+        .outbox
+        .append(&mut tx, TOPIC, &envelope)
+        .await
+        .map_err(store_failed)?;
+    let mut appended = Vec::new();
+    if let Some(stream) = customer_stream(&order.customer_id) {
+        let data = serde_json::json!({"orderId": order.id, "status": "pending", "totalCents": order.total_cents});
+        appended.push(
+            state
+                .log
+                .append(&mut tx, &stream, "order.placed", &data)
+                .await
+                .map_err(store_failed)?,
+        );
+    }
+    // Once COMMIT is sent, a failure's outcome is unknown: answering 5xx
+    // releases the key, and the retry would place the order twice, so a
+    // commit error is the one store error we do not answer with 503.
+    match state.log.commit(tx, appended).await {
+        Ok(()) => {
+            state.outbox.notify();
+            Ok(())
+        }
+        Err(keel_messaging::StoreError::OutcomeUnknown(e)) => {
+            tracing::error!(error = %e, order = %order.id, "commit outcome unknown");
+            state.outbox.notify();
+            Err(Problem::new(
+                StatusCode::ACCEPTED,
+                "the order may have been placed; check GET /orders/{id}",
+            )
+            .into_response())
+        }
+        Err(e) => Err(store_failed(e)),
+    }
+}
+
+/// `GET /orders/{id}`.
+#[utoipa::path(
+    get,
+    path = "/orders/{id}",
+    params(("id" = String, Path, description = "The order id")),
+    responses(
+        (status = 200, description = "The order", body = Order),
+        (status = 400, description = "Malformed id"),
+        (status = 404, description = "No such order"),
+    ),
+    tag = "orders"
+)]
+pub async fn get_order<S: ShopStore>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+) -> Response {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+        return Problem::bad_request("an order id is a UUID").into_response();
+    }
+    match state.store.order(&id).await {
+        Ok(Some(order)) => Json(order).into_response(),
+        Ok(None) => Problem::not_found(format!("no order {id}")).into_response(),
+        Err(e) => store_failed(e),
+    }
+}
+
+/// Filters of `GET /orders`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderFilter {
+    /// Only this customer's orders.
+    pub customer_id: Option<String>,
+    /// Page size (1 to 100, default 20).
+    pub limit: Option<u32>,
+    /// The `nextCursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+/// A page of orders.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderPage {
+    /// The orders, oldest first.
+    pub items: Vec<Order>,
+    /// The cursor of the next page; absent at the end.
+    pub next_cursor: Option<String>,
+}
+
+/// `GET /orders`: oldest first, keyset pagination with signed cursors.
+#[utoipa::path(
+    get,
+    path = "/orders",
+    params(OrderFilter),
+    responses(
+        (status = 200, description = "A page of orders", body = OrderPage),
+        (status = 400, description = "Bad limit, cursor or filter"),
+    ),
+    tag = "orders"
+)]
+pub async fn list_orders<S: ShopStore>(
+    State(state): State<AppState<S>>,
+    page: PageRequest<String, String>,
+    Query(filter): Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    let customer = filter.get("customerId").map(String::as_str);
+    if let Some(c) = customer
+        && (c.is_empty() || c.len() > 64)
+    {
+        return Problem::bad_request("customerId must be 1 to 64 characters").into_response();
+    }
+    let after = page.after().map(|c| c.id.as_str());
+    let rows = match state
+        .store
+        .orders_after(after, customer, page.fetch_limit() as usize)
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => return store_failed(e),
+    };
+    match page.page(rows, |o: &Order| Cursor::new(o.id.clone(), o.id.clone())) {
+        Ok(page) => Json::<Page<Order>>(page).into_response(),
+        Err(e) => Problem::internal(e).into_response(),
+    }
+}

@@ -1,0 +1,129 @@
+//! Async report jobs: `POST /reports` answers `202` with a job, a worker
+//! builds the report, `GET /jobs/{id}` answers `303` to the result.
+//!
+//! The job row and its `job.requested.v1` event commit together (keel-http
+//! jobs); the worker is a consumer group on the jobs topic. It only queues
+//! the work from inside the consumer's transaction: the report is written
+//! after that transaction commits, because SQLite has one writer and the
+//! transaction holds it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use keel_http::jobs::{JobRequested, Jobs};
+use keel_http::problem::Problem;
+use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
+use keel_messaging::envelope::Envelope;
+use parking_lot::Mutex;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::shop::ShopStore;
+
+/// Finished reports, by job id.
+pub type Reports = Arc<Mutex<HashMap<String, Report>>>;
+
+/// A report: orders by status at the time it ran.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    /// The job that built it.
+    pub job_id: String,
+    /// Orders counted by status.
+    pub orders_by_status: HashMap<String, u64>,
+    /// When it was built (RFC 3339).
+    pub generated_at: String,
+}
+
+/// Builds reports for `job.requested.v1`.
+pub struct ReportWorker<S: ShopStore> {
+    /// The jobs component (status updates).
+    pub jobs: Jobs<S>,
+    /// Where finished reports go.
+    pub reports: Reports,
+}
+
+async fn build<S: ShopStore>(jobs: Jobs<S>, reports: Reports, id: String) {
+    let run = async {
+        jobs.start(&id).await?;
+        let counts = jobs
+            .store()
+            .order_counts()
+            .await
+            .map_err(keel_http::jobs::JobError::from)?;
+        let report = Report {
+            job_id: id.clone(),
+            orders_by_status: counts
+                .into_iter()
+                .map(|(s, n)| (s.as_str().to_owned(), n))
+                .collect(),
+            generated_at: crate::shop::db::now_rfc3339(),
+        };
+        reports.lock().insert(id.clone(), report);
+        jobs.succeed(&id, &format!("/reports/{id}")).await?;
+        Ok::<(), keel_http::jobs::JobError>(())
+    };
+    if let Err(e) = run.await {
+        tracing::warn!(job = %id, error = %e, "report job failed");
+        let _ = jobs.fail(&id, &e.to_string()).await;
+    }
+}
+
+#[async_trait]
+impl<S: ShopStore> Handler<S::Tx> for ReportWorker<S> {
+    async fn handle(
+        &self,
+        _tx: &mut S::Tx,
+        envelope: &Envelope,
+        _info: &DeliveryInfo,
+    ) -> Result<(), HandlerError> {
+        let requested: JobRequested = envelope.data_as()?;
+        tokio::spawn(build(
+            self.jobs.clone(),
+            Arc::clone(&self.reports),
+            requested.job_id,
+        ));
+        Ok(())
+    }
+}
+
+/// `GET /reports/{id}`: a finished report.
+#[utoipa::path(get, path = "/reports/{id}",
+    params(("id" = String, Path, description = "The job id")),
+    responses(
+        (status = 200, description = "The report", body = Report),
+        (status = 404, description = "No finished report with this id"),
+    ), tag = "reports")]
+pub async fn get_report(State(reports): State<Reports>, Path(id): Path<String>) -> Response {
+    match reports.lock().get(&id) {
+        Some(report) => Json(report.clone()).into_response(),
+        None => Problem::not_found(format!("no finished report {id}")).into_response(),
+    }
+}
+
+/// Documents `POST /reports` (served by keel-http jobs).
+#[utoipa::path(post, path = "/reports",
+    params(("Idempotency-Key" = String, Header, description = "Required")),
+    request_body(content = Object, description = "Report parameters (any JSON object)", content_type = "application/json"),
+    responses(
+        (status = 202, description = "Accepted; Location is the job's status URL"),
+        (status = 400, description = "No or bad Idempotency-Key, malformed JSON"),
+        (status = 413, description = "Parameters too large"),
+        (status = 422, description = "The key was used with other parameters"),
+    ), tag = "reports")]
+pub fn doc_create_report() {}
+
+/// Documents `GET /jobs/{id}` (served by keel-http jobs).
+#[utoipa::path(get, path = "/jobs/{id}",
+    params(("id" = String, Path, description = "The job id")),
+    responses(
+        (status = 200, description = "Queued, running or failed: status and progress"),
+        (status = 303, description = "Succeeded: Location is the result"),
+        (status = 404, description = "Unknown job"),
+        (status = 410, description = "Expired"),
+    ), tag = "reports")]
+pub fn doc_job_status() {}

@@ -1,0 +1,341 @@
+//! Webhook routes: endpoints (`POST`/`GET /webhook-endpoints`), their
+//! delivery log, manual re-send, and verified inbound webhooks.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{FromRef, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use keel_http::problem::Problem;
+use keel_http::webhooks::{
+    DeliveryFilter, Endpoints, NewEndpoint, VerifiedWebhook, WebhookDelivery, WebhookEndpoint,
+    WebhookError, WebhookReceiver, WebhookRejection,
+};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use crate::shop::ShopStore;
+
+/// The webhook routes' state.
+pub struct WebhookApi<S: ShopStore> {
+    /// Endpoints and the delivery log.
+    pub endpoints: Endpoints<S>,
+    /// Verifies inbound webhooks.
+    pub receiver: WebhookReceiver,
+}
+
+impl<S: ShopStore> Clone for WebhookApi<S> {
+    fn clone(&self) -> Self {
+        Self {
+            endpoints: self.endpoints.clone(),
+            receiver: self.receiver.clone(),
+        }
+    }
+}
+
+/// A new webhook endpoint.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CreateEndpoint {
+    /// Where to send (http or https; internal addresses are refused).
+    pub url: String,
+    /// For humans.
+    #[serde(default)]
+    pub description: String,
+    /// Event types to receive (`order.completed`, `order.*`); empty: all.
+    #[serde(default)]
+    pub event_types: Vec<String>,
+}
+
+/// An endpoint as the API shows it (secrets are shown once, at creation).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointView {
+    /// The endpoint id.
+    pub id: String,
+    /// Its URL.
+    pub url: String,
+    /// Its description.
+    pub description: String,
+    /// Its event types.
+    pub event_types: Vec<String>,
+    /// Whether deliveries are sent.
+    pub enabled: bool,
+    /// Why it was disabled.
+    pub disabled_reason: Option<String>,
+    /// The signing secret: only in the answer to `POST`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+impl EndpointView {
+    fn from(e: WebhookEndpoint, secret: Option<String>) -> Self {
+        Self {
+            id: e.id,
+            url: e.url,
+            description: e.description,
+            event_types: e.event_types,
+            enabled: e.enabled,
+            disabled_reason: e.disabled_reason,
+            secret,
+        }
+    }
+}
+
+/// One delivery of an event to an endpoint.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeliveryView {
+    /// The delivery id.
+    pub id: i64,
+    /// The endpoint.
+    pub endpoint_id: String,
+    /// The event id (`webhook-id`).
+    pub event_id: String,
+    /// The event type.
+    pub event_type: String,
+    /// `pending`, `succeeded`, `failed`, ...
+    pub status: String,
+    /// Attempts so far.
+    pub attempts: u32,
+    /// When the next attempt is due (RFC 3339).
+    pub next_attempt_at: String,
+}
+
+impl From<WebhookDelivery> for DeliveryView {
+    fn from(d: WebhookDelivery) -> Self {
+        Self {
+            id: d.id,
+            endpoint_id: d.endpoint_id,
+            event_id: d.event_id,
+            event_type: d.event_type,
+            status: d.status.as_str().to_owned(),
+            attempts: d.attempts,
+            next_attempt_at: d.next_attempt_at.to_rfc3339(),
+        }
+    }
+}
+
+/// Filters of the delivery log.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveryParams {
+    /// At most this many (1 to 100, default 50).
+    pub limit: Option<usize>,
+    /// Only deliveries with ids below this (paging back).
+    pub before: Option<i64>,
+}
+
+/// The one mapping of webhook errors to problems.
+pub fn problem(err: WebhookError) -> Response {
+    match err {
+        WebhookError::EndpointNotFound(id) => {
+            Problem::not_found(format!("no webhook endpoint {id}")).into_response()
+        }
+        WebhookError::DeliveryNotFound(id) => {
+            Problem::not_found(format!("no delivery {id}")).into_response()
+        }
+        WebhookError::Conflict(why) => Problem::new(StatusCode::CONFLICT, why).into_response(),
+        e @ (WebhookError::Invalid { .. }
+        | WebhookError::Url(_)
+        | WebhookError::PayloadTooLarge { .. }) => {
+            Problem::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()).into_response()
+        }
+        WebhookError::Store(e) => {
+            tracing::warn!(error = %e, "webhook store error");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the store is unavailable; retry",
+            )
+            .with_retry_after(std::time::Duration::from_secs(1))
+            .into_response()
+        }
+        e => Problem::internal(e).into_response(),
+    }
+}
+
+fn json_body<T: serde::de::DeserializeOwned>(
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<T, Problem> {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !json {
+        return Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "send JSON (Content-Type: application/json)",
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        let status = if e.is_data() {
+            StatusCode::UNPROCESSABLE_ENTITY
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        Problem::new(status, format!("invalid body: {e}"))
+    })
+}
+
+/// `POST /webhook-endpoints`.
+#[utoipa::path(post, path = "/webhook-endpoints", request_body = CreateEndpoint,
+    responses(
+        (status = 201, description = "Registered; the secret is shown once", body = EndpointView),
+        (status = 400, description = "Malformed JSON"),
+        (status = 415, description = "Not JSON"),
+        (status = 422, description = "A refused URL (internal address) or bad event types"),
+    ), tag = "webhooks")]
+pub async fn create_endpoint<S: ShopStore>(
+    State(api): State<WebhookApi<S>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let req: CreateEndpoint = match json_body(&headers, &body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let new = NewEndpoint::new(req.url)
+        .description(req.description)
+        .event_types(req.event_types);
+    match api.endpoints.create(new).await {
+        Ok((endpoint, secret)) => (
+            StatusCode::CREATED,
+            Json(EndpointView::from(
+                endpoint,
+                Some(secret.expose().to_owned()),
+            )),
+        )
+            .into_response(),
+        Err(e) => problem(e),
+    }
+}
+
+/// `GET /webhook-endpoints`.
+#[utoipa::path(get, path = "/webhook-endpoints",
+    responses((status = 200, description = "Every endpoint", body = Vec<EndpointView>)), tag = "webhooks")]
+pub async fn list_endpoints<S: ShopStore>(State(api): State<WebhookApi<S>>) -> Response {
+    match api.endpoints.list().await {
+        Ok(list) => Json(
+            list.into_iter()
+                .map(|e| EndpointView::from(e, None))
+                .collect::<Vec<_>>(),
+        )
+        .into_response(),
+        Err(e) => problem(e),
+    }
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 255 && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// `GET /webhook-endpoints/{id}/deliveries`.
+#[utoipa::path(get, path = "/webhook-endpoints/{id}/deliveries",
+    params(("id" = String, Path, description = "The endpoint id"), DeliveryParams),
+    responses(
+        (status = 200, description = "Deliveries, newest first", body = Vec<DeliveryView>),
+        (status = 400, description = "Bad filter"),
+        (status = 404, description = "No such endpoint"),
+    ), tag = "webhooks")]
+pub async fn list_deliveries<S: ShopStore>(
+    State(api): State<WebhookApi<S>>,
+    Path(id): Path<String>,
+    params: Result<Query<DeliveryParams>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(params)) = params else {
+        return Problem::bad_request("limit and before must be integers").into_response();
+    };
+    if !valid_id(&id) {
+        return Problem::bad_request("malformed endpoint id").into_response();
+    }
+    let limit = params.limit.unwrap_or(50);
+    if !(1..=100).contains(&limit) {
+        return Problem::bad_request("limit must be 1 to 100").into_response();
+    }
+    if let Err(e) = api.endpoints.get(&id).await {
+        return problem(e);
+    }
+    let filter = DeliveryFilter {
+        endpoint_id: Some(id),
+        before_id: params.before,
+        limit: Some(limit),
+        ..DeliveryFilter::default()
+    };
+    match api.endpoints.deliveries(&filter).await {
+        Ok(list) => {
+            Json(list.into_iter().map(DeliveryView::from).collect::<Vec<_>>()).into_response()
+        }
+        Err(e) => problem(e),
+    }
+}
+
+/// `POST /deliveries/{id}/resend`.
+#[utoipa::path(post, path = "/deliveries/{id}/resend",
+    params(("id" = i64, Path, description = "The delivery id")),
+    responses(
+        (status = 202, description = "Queued again with the same webhook-id"),
+        (status = 400, description = "Malformed id"),
+        (status = 404, description = "No such delivery"),
+        (status = 409, description = "Being attempted now, or its endpoint is disabled"),
+    ), tag = "webhooks")]
+pub async fn resend<S: ShopStore>(
+    State(api): State<WebhookApi<S>>,
+    Path(id): Path<String>,
+) -> Response {
+    let Ok(id) = id.parse::<i64>() else {
+        return Problem::bad_request("a delivery id is an integer").into_response();
+    };
+    match api.endpoints.resend(id).await {
+        Ok(()) => (
+            StatusCode::ACCEPTED,
+            Json(serde_json::json!({"resent": id})),
+        )
+            .into_response(),
+        Err(e) => problem(e),
+    }
+}
+
+/// `POST /webhooks/inbound/{source}`: a webhook from a partner, verified
+/// (Standard Webhooks signature over the raw body, timestamp within 5
+/// minutes, deduped on its id) and acknowledged at once.
+#[utoipa::path(post, path = "/webhooks/inbound/{source}",
+    params(("source" = String, Path, description = "Who sends it (1 to 64 of [a-z0-9_-])")),
+    request_body(content = String, description = "The signed JSON body", content_type = "application/json"),
+    responses(
+        (status = 200, description = "Verified and accepted (or a duplicate)"),
+        (status = 400, description = "Missing/malformed signature headers, stale timestamp, bad JSON, bad source"),
+        (status = 401, description = "The signature does not verify"),
+        (status = 413, description = "Body too large"),
+    ), tag = "webhooks")]
+pub async fn inbound<S: ShopStore>(
+    Path(source): Path<String>,
+    hook: Result<VerifiedWebhook, WebhookRejection>,
+) -> Response {
+    if source.is_empty()
+        || source.len() > 64
+        || !source
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+    {
+        return Problem::bad_request("source must be 1 to 64 characters of a-z, 0-9, '_' or '-'")
+            .into_response();
+    }
+    match hook {
+        Ok(hook) => {
+            tracing::info!(source, id = %hook.id, "inbound webhook verified");
+            (
+                StatusCode::OK,
+                Json(serde_json::json!({"received": true, "source": source, "id": hook.id})),
+            )
+                .into_response()
+        }
+        Err(rejection) => rejection.into_response(),
+    }
+}
+
+impl<S: ShopStore> FromRef<WebhookApi<S>> for WebhookReceiver {
+    fn from_ref(api: &WebhookApi<S>) -> Self {
+        api.receiver.clone()
+    }
+}

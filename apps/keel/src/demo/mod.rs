@@ -1,0 +1,263 @@
+//! `keel demo`: the whole system on the embedded defaults (a SQLite file in
+//! a temporary directory, the SQLite broker), a workload of orders with
+//! duplicates and a flaky payments service, and the invariants' verdict.
+
+pub mod report;
+pub mod workload;
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use keel_http::webhooks::NewEndpoint;
+use keel_messaging::broker::Broker;
+use keel_sqlite::store::SqliteSynchronous;
+use keel_sqlite::{SqliteBroker, SqliteBrokerOptions, SqliteStore};
+use tokio::sync::watch;
+
+use crate::shop::model::OrderStatus;
+use crate::shop::services::PaymentsFaults;
+use crate::shop::{ShopStore, System, SystemConfig, SystemHandle};
+use report::{PolicyCounts, Report};
+use workload::{Progress, WorkloadConfig};
+
+/// How the demo runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DemoConfig {
+    /// The workload.
+    pub workload: WorkloadConfig,
+    /// The longest wait for every order to settle after the workload.
+    pub settle_timeout: Duration,
+    /// Whether to draw the progress line on stderr.
+    pub progress: bool,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            workload: WorkloadConfig::default(),
+            settle_timeout: Duration::from_secs(60),
+            progress: true,
+        }
+    }
+}
+
+/// Opens the embedded defaults in `dir`: the store and the broker, each in
+/// its own SQLite file. `synchronous = NORMAL`: the files are thrown away
+/// after the demo, so surviving power loss buys nothing here.
+pub async fn open_embedded(
+    dir: &std::path::Path,
+) -> anyhow::Result<(SqliteStore, Arc<dyn Broker>)> {
+    let store = SqliteStore::options()
+        .synchronous(SqliteSynchronous::Normal)
+        .open(dir.join("keel.db"))
+        .await?;
+    let broker = SqliteBroker::open_with(
+        dir.join("broker.db"),
+        SqliteBrokerOptions::new()
+            .synchronous(SqliteSynchronous::Normal)
+            .poll_interval(Duration::from_millis(20)),
+    )
+    .await?;
+    Ok((store, Arc::new(broker)))
+}
+
+/// A webhook receiver on loopback that counts deliveries.
+async fn webhook_receiver(
+    count: Arc<AtomicU64>,
+    shutdown: watch::Receiver<bool>,
+) -> std::io::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = axum::Router::new().route(
+        "/hooks",
+        axum::routing::post(move || {
+            let count = Arc::clone(&count);
+            async move {
+                count.fetch_add(1, Ordering::Relaxed);
+                axum::http::StatusCode::NO_CONTENT
+            }
+        }),
+    );
+    tokio::spawn(async move {
+        let mut shutdown = shutdown;
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = shutdown.wait_for(|s| *s).await;
+            })
+            .await;
+    });
+    Ok(format!("http://{addr}/hooks"))
+}
+
+/// Whether every order settled: the outbox is drained, and every order has
+/// left `pending` (or its event is a dead letter).
+pub async fn quiescent<S: ShopStore>(store: &S) -> Result<bool, keel_messaging::StoreError> {
+    let outbox = store.outbox_stats().await?;
+    if outbox.unpublished > 0 {
+        return Ok(false);
+    }
+    let counts = store.order_counts().await?;
+    let pending: u64 = counts
+        .iter()
+        .filter(|(s, _)| matches!(s, OrderStatus::Pending))
+        .map(|(_, n)| n)
+        .sum();
+    let dead: u64 = store
+        .dead_letter_counts()
+        .await?
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
+    Ok(pending <= dead)
+}
+
+/// Waits until [`quiescent`], at most `timeout`; whether it got there.
+pub async fn wait_quiescent<S: ShopStore>(
+    store: &S,
+    timeout: Duration,
+    mut tick: impl FnMut(),
+) -> bool {
+    let until = keel_core::clock::now() + timeout;
+    loop {
+        tick();
+        if matches!(quiescent(store).await, Ok(true)) {
+            // One more look after a pause: the projection may still be
+            // fanning out the last batch.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if matches!(quiescent(store).await, Ok(true)) {
+                return true;
+            }
+        }
+        if keel_core::clock::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn progress_line(progress: &Progress, total: u64, settled: u64, phase: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = write!(
+        err,
+        "\r\x1b[2K{phase}: {} answers ({total} orders + duplicates), accepted {}, settled {settled}",
+        progress.answered.load(Ordering::Relaxed),
+        progress.accepted.load(Ordering::Relaxed),
+    );
+    let _ = err.flush();
+}
+
+/// Runs the demo on a started system and builds the report.
+pub async fn run_on<S: ShopStore>(
+    handle: &SystemHandle<S>,
+    config: &DemoConfig,
+    webhooks_received: Arc<AtomicU64>,
+) -> anyhow::Result<Report> {
+    let started = keel_core::clock::now();
+    let progress = Arc::new(Progress::default());
+    let total = config.workload.orders;
+    let ticker = config.progress.then(|| {
+        let progress = Arc::clone(&progress);
+        let settled = Arc::clone(&handle.settled);
+        tokio::spawn(async move {
+            loop {
+                progress_line(&progress, total, settled.load(Ordering::Relaxed), "sending");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        })
+    });
+    let result = workload::run(&handle.base_url, &config.workload, Arc::clone(&progress)).await?;
+    if let Some(t) = ticker {
+        t.abort();
+    }
+    let settled = Arc::clone(&handle.settled);
+    let show = config.progress;
+    let quiet = wait_quiescent(&handle.store, config.settle_timeout, || {
+        if show {
+            progress_line(
+                &progress,
+                total,
+                settled.load(Ordering::Relaxed),
+                "settling",
+            );
+        }
+    })
+    .await;
+    // Give the webhook worker a moment to deliver the last batch.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    if show {
+        eprintln!();
+    }
+    let (audit, dead, money, invariants) = report::check(&handle.store, &result).await?;
+    let counts = PolicyCounts::now();
+    let ms = |q: f64| result.latency_us.value_at_quantile(q) as f64 / 1000.0;
+    let mut report = Report {
+        orders_sent: total,
+        orders_accepted: result.accepted.len() as u64,
+        orders_rejected: result.rejected,
+        duplicates_sent: result.duplicates_sent,
+        duplicates_absorbed: result.duplicates_absorbed,
+        duplicate_in_flight_conflicts: result.in_flight_conflicts,
+        events_published: audit.published.len() as u64,
+        effects_applied: audit.applied.len() as u64,
+        dependency_effects: audit.effects.len() as u64,
+        duplicates_deduped_by_inbox: counts.inbox_duplicates,
+        dead_letters: dead.len() as u64,
+        breaker_transitions: counts.breaker_transitions,
+        breaker_rejections: counts.breaker_rejections,
+        retries: counts.retries,
+        retry_budget_exhausted: counts.retry_budget_exhausted,
+        webhooks_received: webhooks_received.load(Ordering::Relaxed),
+        latency_p50_ms: ms(0.5),
+        latency_p99_ms: ms(0.99),
+        elapsed_s: started.elapsed().as_secs_f64(),
+        quiescent: quiet,
+        money,
+        invariants,
+        ..Report::default()
+    };
+    report::count_sagas(&mut report, &audit);
+    if !quiet {
+        report.invariants.ok = false;
+        report
+            .invariants
+            .violations
+            .push("not every accepted order settled within the wait".into());
+    }
+    Ok(report)
+}
+
+/// `keel demo`: starts everything in a temporary directory, runs the
+/// workload, shuts down, and returns the report.
+pub async fn run(config: DemoConfig) -> anyhow::Result<Report> {
+    crate::metrics_report::install();
+    let dir = tempfile::tempdir()?;
+    let (store, broker) = open_embedded(dir.path()).await?;
+    let (stop_hooks, hooks_stopped) = watch::channel(false);
+    let received = Arc::new(AtomicU64::new(0));
+    let hook_url = webhook_receiver(Arc::clone(&received), hooks_stopped).await?;
+    let system = SystemConfig {
+        payments_faults: PaymentsFaults::demo(config.workload.orders),
+        allow_loopback_webhooks: true,
+        ..SystemConfig::default()
+    };
+    eprintln!(
+        "keel demo: {} orders, SQLite in {}, webhook endpoints on loopback allowed for the demo's receiver",
+        config.workload.orders,
+        dir.path().display()
+    );
+    let handle = System::start(store, broker, system, |_| Ok(axum::Router::new())).await?;
+    handle
+        .endpoints
+        .create(
+            NewEndpoint::new(hook_url)
+                .description("keel demo receiver")
+                .event_types(["order.*"]),
+        )
+        .await?;
+    let report = run_on(&handle, &config, received).await;
+    handle.shutdown().await;
+    let _ = stop_hooks.send(true);
+    report
+}

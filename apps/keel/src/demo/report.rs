@@ -1,0 +1,435 @@
+//! The demo's report and the invariant check behind its verdict.
+//!
+//! The check reads the facts back from the database (orders, outbox rows,
+//! the inbox effects, every dependency effect in commit order, sagas, dead
+//! letters) and feeds them to keel-testkit's [`Ledger`], which judges lost,
+//! duplicated, leaked and out-of-order events and half-done sagas. Money is
+//! checked on top: what payments captured minus what it refunded must equal
+//! the totals of the completed orders, and no order is captured twice.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+
+use keel_messaging::store::{DeadLetterFilter, SagaStatus};
+use keel_testkit::ledger::Ledger;
+use serde::Serialize;
+
+use super::workload::WorkloadResult;
+use crate::shop::ShopStore;
+use crate::shop::db::Audit;
+use crate::shop::fulfilment::GROUP;
+use crate::shop::model::OrderStatus;
+use crate::shop::saga::STEPS;
+
+/// Money, in cents.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Money {
+    /// Captured by payments.
+    pub captured_cents: i64,
+    /// Refunded by payments.
+    pub refunded_cents: i64,
+    /// The totals of completed orders.
+    pub completed_orders_cents: i64,
+    /// Orders captured more than once (must be 0).
+    pub double_captures: u64,
+    /// Captures whose amount differs from the order total (must be 0).
+    pub wrong_amounts: u64,
+}
+
+impl Money {
+    /// Whether `captured − refunded == completed totals`, with no double
+    /// capture and no wrong amount.
+    pub fn conserved(&self) -> bool {
+        self.captured_cents - self.refunded_cents == self.completed_orders_cents
+            && self.double_captures == 0
+            && self.wrong_amounts == 0
+    }
+}
+
+/// The invariants' verdict.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Invariants {
+    /// Accepted orders or events that never took effect (must be 0).
+    pub lost: u64,
+    /// Orders, events or effects that happened twice (must be 0).
+    pub duplicated: u64,
+    /// Whether money is conserved.
+    pub money_conserved: bool,
+    /// Every violation, one line each, with ids.
+    pub violations: Vec<String>,
+    /// Whether everything holds.
+    pub ok: bool,
+}
+
+/// The demo's summary, printed as a table or one JSON object.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Report {
+    /// Distinct orders (keys) sent.
+    pub orders_sent: u64,
+    /// Orders accepted (201).
+    pub orders_accepted: u64,
+    /// Submissions refused with a 4xx (must be 0: the workload is valid).
+    pub orders_rejected: u64,
+    /// Duplicate submissions sent on purpose.
+    pub duplicates_sent: u64,
+    /// Duplicates answered with the first response by the idempotency layer.
+    pub duplicates_absorbed: u64,
+    /// `409` answers to concurrent duplicates (retried by the client).
+    pub duplicate_in_flight_conflicts: u64,
+    /// Events published by the relay.
+    pub events_published: u64,
+    /// Events applied by the consumer (inbox effects).
+    pub effects_applied: u64,
+    /// Effects applied by the dependencies (captures, reservations, ...).
+    pub dependency_effects: u64,
+    /// Redeliveries the consumer's inbox turned into no-ops.
+    pub duplicates_deduped_by_inbox: u64,
+    /// Sagas completed.
+    pub sagas_completed: u64,
+    /// Sagas compensated.
+    pub sagas_compensated: u64,
+    /// Sagas stuck (waiting for an operator).
+    pub sagas_stuck: u64,
+    /// Sagas in any other state at the end (running, compensating, cancelled).
+    pub sagas_other: u64,
+    /// Dead letters.
+    pub dead_letters: u64,
+    /// Circuit breaker state changes, all dependencies.
+    pub breaker_transitions: u64,
+    /// Calls a breaker refused.
+    pub breaker_rejections: u64,
+    /// Retries made by the dependency policies.
+    pub retries: u64,
+    /// Retries the retry budget refused.
+    pub retry_budget_exhausted: u64,
+    /// Webhook deliveries received by the demo's endpoint.
+    pub webhooks_received: u64,
+    /// Request latency, median, in milliseconds.
+    pub latency_p50_ms: f64,
+    /// Request latency, 99th percentile, in milliseconds.
+    pub latency_p99_ms: f64,
+    /// The whole run, in seconds.
+    pub elapsed_s: f64,
+    /// Whether every accepted order settled within the wait.
+    pub quiescent: bool,
+    /// Money.
+    pub money: Money,
+    /// The verdict.
+    pub invariants: Invariants,
+}
+
+/// Counts from the metrics recorder that the report shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyCounts {
+    /// `keel_breaker_transitions_total`.
+    pub breaker_transitions: u64,
+    /// `keel_breaker_rejected_total`.
+    pub breaker_rejections: u64,
+    /// `keel_retry_attempts_total`.
+    pub retries: u64,
+    /// `keel_retry_budget_exhausted_total`.
+    pub retry_budget_exhausted: u64,
+    /// `keel_consumer_duplicates_total`.
+    pub inbox_duplicates: u64,
+}
+
+impl PolicyCounts {
+    /// Reads them from the process's recorder.
+    pub fn now() -> Self {
+        let t = crate::metrics_report::Totals::now();
+        Self {
+            breaker_transitions: t.get("keel_breaker_transitions_total"),
+            breaker_rejections: t.get("keel_breaker_rejected_total"),
+            retries: t.get("keel_retry_attempts_total"),
+            retry_budget_exhausted: t.get("keel_retry_budget_exhausted_total"),
+            inbox_duplicates: t.get("keel_consumer_duplicates_total"),
+        }
+    }
+}
+
+/// Reads the facts back and checks every invariant against what the
+/// workload saw accepted.
+pub async fn check<S: ShopStore>(
+    store: &S,
+    workload: &WorkloadResult,
+) -> Result<(Audit, Vec<String>, Money, Invariants), keel_messaging::StoreError> {
+    let audit = store.audit().await?;
+    let dead = store
+        .dead_letter_list(&DeadLetterFilter {
+            limit: Some(100_000),
+            ..DeadLetterFilter::default()
+        })
+        .await?;
+    let dead_events: Vec<String> = dead
+        .iter()
+        .map(|d| {
+            d.message
+                .headers
+                .get("event-id")
+                .cloned()
+                .unwrap_or_else(|| d.message.id.clone())
+        })
+        .collect();
+    let ledger = Ledger::with_handlers([GROUP]);
+    for order in &audit.orders {
+        ledger.committed(&order.event_id, &order.id, 1);
+    }
+    for event in &audit.published {
+        ledger.published(event);
+    }
+    for (event, handler) in &audit.applied {
+        ledger.applied(event, handler);
+    }
+    for event in &dead_events {
+        ledger.dead_lettered(event, GROUP);
+    }
+    for (id, _) in &audit.sagas {
+        ledger.saga_started(id, STEPS);
+    }
+    for e in &audit.effects {
+        if e.compensation {
+            ledger.saga_compensation(&e.order_id, &e.step);
+        } else {
+            ledger.saga_action(&e.order_id, &e.step);
+        }
+    }
+    for (id, status) in &audit.sagas {
+        if let Some(status) = SagaStatus::parse(status) {
+            ledger.saga_ended(id, status);
+        }
+    }
+    let report = ledger.report();
+    let mut violations = report.violations();
+
+    let in_db: HashSet<&str> = audit.orders.iter().map(|o| o.id.as_str()).collect();
+    let mut lost = (report.lost.len() + report.sagas_unsettled.len()) as u64;
+    for a in &workload.accepted {
+        if !in_db.contains(a.order_id.as_str()) {
+            lost += 1;
+            violations.push(format!(
+                "accepted order {} (key {}) is not in the database",
+                a.order_id, a.key
+            ));
+        }
+    }
+    for key in &workload.failed {
+        lost += 1;
+        violations.push(format!("key {key} was never accepted after every retry"));
+    }
+    let mut duplicated = (report.duplicated.len() + report.leaked.len()) as u64;
+    for key in &workload.conflicting_keys {
+        duplicated += 1;
+        violations.push(format!("key {key} placed more than one order"));
+    }
+    let accepted_ids: HashSet<&str> = workload
+        .accepted
+        .iter()
+        .map(|a| a.order_id.as_str())
+        .collect();
+    for order in &audit.orders {
+        if !accepted_ids.contains(order.id.as_str()) {
+            duplicated += 1;
+            violations.push(format!(
+                "order {} exists but no client was told about it",
+                order.id
+            ));
+        }
+    }
+
+    let money = money(&audit, &mut violations);
+    if !money.conserved() {
+        violations.push(format!(
+            "money not conserved: captured {} − refunded {} ≠ completed {}",
+            money.captured_cents, money.refunded_cents, money.completed_orders_cents
+        ));
+    }
+    let ok = violations.is_empty() && lost == 0 && duplicated == 0 && money.conserved();
+    let invariants = Invariants {
+        lost,
+        duplicated,
+        money_conserved: money.conserved(),
+        violations,
+        ok,
+    };
+    Ok((audit, dead_events, money, invariants))
+}
+
+fn money(audit: &Audit, violations: &mut Vec<String>) -> Money {
+    let totals: HashMap<&str, i64> = audit
+        .orders
+        .iter()
+        .map(|o| (o.id.as_str(), o.total_cents))
+        .collect();
+    let mut m = Money::default();
+    let mut captures: BTreeMap<&str, u64> = BTreeMap::new();
+    for e in audit.effects.iter().filter(|e| e.step == "capture_payment") {
+        if e.compensation {
+            m.refunded_cents -= e.amount_cents;
+        } else {
+            m.captured_cents += e.amount_cents;
+            *captures.entry(e.order_id.as_str()).or_default() += 1;
+            if totals.get(e.order_id.as_str()) != Some(&e.amount_cents) {
+                m.wrong_amounts += 1;
+                violations.push(format!(
+                    "order {} captured {} cents, not its total",
+                    e.order_id, e.amount_cents
+                ));
+            }
+        }
+    }
+    for (order, n) in captures {
+        if n > 1 {
+            m.double_captures += 1;
+            violations.push(format!("order {order} captured {n} times"));
+        }
+    }
+    m.completed_orders_cents = audit
+        .orders
+        .iter()
+        .filter(|o| o.status == OrderStatus::Completed)
+        .map(|o| o.total_cents)
+        .sum();
+    m
+}
+
+/// Fills the saga counts of `report` from the audit.
+pub fn count_sagas(report: &mut Report, audit: &Audit) {
+    for (_, status) in &audit.sagas {
+        match SagaStatus::parse(status) {
+            Some(SagaStatus::Completed) => report.sagas_completed += 1,
+            Some(SagaStatus::Compensated) => report.sagas_compensated += 1,
+            Some(SagaStatus::Stuck) => report.sagas_stuck += 1,
+            _ => report.sagas_other += 1,
+        }
+    }
+}
+
+impl Report {
+    /// The summary table.
+    pub fn table(&self) -> String {
+        let rows: Vec<(&str, String)> = vec![
+            ("orders sent", self.orders_sent.to_string()),
+            ("orders accepted", self.orders_accepted.to_string()),
+            ("orders rejected (4xx)", self.orders_rejected.to_string()),
+            (
+                "duplicates sent on purpose",
+                self.duplicates_sent.to_string(),
+            ),
+            (
+                "duplicates absorbed by idempotency keys",
+                self.duplicates_absorbed.to_string(),
+            ),
+            (
+                "  of which 409 in flight, then replayed",
+                self.duplicate_in_flight_conflicts.to_string(),
+            ),
+            (
+                "events published (outbox relay)",
+                self.events_published.to_string(),
+            ),
+            ("effects applied (inbox)", self.effects_applied.to_string()),
+            (
+                "redeliveries deduped by the inbox",
+                self.duplicates_deduped_by_inbox.to_string(),
+            ),
+            (
+                "dependency effects (captures, refunds, ...)",
+                self.dependency_effects.to_string(),
+            ),
+            ("sagas completed", self.sagas_completed.to_string()),
+            ("sagas compensated", self.sagas_compensated.to_string()),
+            ("sagas stuck", self.sagas_stuck.to_string()),
+            ("sagas in another state", self.sagas_other.to_string()),
+            ("dead letters", self.dead_letters.to_string()),
+            ("breaker transitions", self.breaker_transitions.to_string()),
+            (
+                "calls refused by open breakers",
+                self.breaker_rejections.to_string(),
+            ),
+            ("retries", self.retries.to_string()),
+            (
+                "retries refused by the budget",
+                self.retry_budget_exhausted.to_string(),
+            ),
+            ("webhooks delivered", self.webhooks_received.to_string()),
+            (
+                "latency p50 / p99",
+                format!(
+                    "{:.1} ms / {:.1} ms",
+                    self.latency_p50_ms, self.latency_p99_ms
+                ),
+            ),
+            ("elapsed", format!("{:.1} s", self.elapsed_s)),
+            (
+                "money captured − refunded",
+                format!(
+                    "{} − {} = {} cents",
+                    self.money.captured_cents,
+                    self.money.refunded_cents,
+                    self.money.captured_cents - self.money.refunded_cents
+                ),
+            ),
+            (
+                "completed orders total",
+                format!("{} cents", self.money.completed_orders_cents),
+            ),
+        ];
+        let verdict = |ok: bool| if ok { "ok" } else { "VIOLATED" };
+        let checks: Vec<(&str, String)> = vec![
+            (
+                "lost = 0",
+                format!(
+                    "{} ({})",
+                    verdict(self.invariants.lost == 0),
+                    self.invariants.lost
+                ),
+            ),
+            (
+                "duplicated = 0",
+                format!(
+                    "{} ({})",
+                    verdict(self.invariants.duplicated == 0),
+                    self.invariants.duplicated
+                ),
+            ),
+            (
+                "money conserved",
+                verdict(self.invariants.money_conserved).to_owned(),
+            ),
+            (
+                "every accepted order settled",
+                verdict(self.quiescent).to_owned(),
+            ),
+        ];
+        let width = rows
+            .iter()
+            .chain(&checks)
+            .map(|(k, _)| k.chars().count())
+            .max()
+            .unwrap_or(0);
+        let mut out = String::new();
+        let line = "─".repeat(width + 24);
+        let _ = writeln!(out, "{line}");
+        for (k, v) in &rows {
+            let _ = writeln!(out, "{k:<width$}  {v}");
+        }
+        let _ = writeln!(out, "{line}");
+        for (k, v) in &checks {
+            let _ = writeln!(out, "{k:<width$}  {v}");
+        }
+        let _ = writeln!(out, "{line}");
+        let _ = writeln!(
+            out,
+            "verdict: {}",
+            if self.invariants.ok {
+                "every invariant holds"
+            } else {
+                "INVARIANTS VIOLATED"
+            }
+        );
+        for v in self.invariants.violations.iter().take(20) {
+            let _ = writeln!(out, "  - {v}");
+        }
+        out
+    }
+}

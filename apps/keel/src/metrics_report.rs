@@ -1,0 +1,98 @@
+//! The process's metrics recorder, readable from inside: `/metrics` renders
+//! it, and the demo's report sums its counters.
+//!
+//! The recorder must be installed before any policy is built: metric
+//! handles created earlier go to the no-op recorder and are lost.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the Prometheus recorder once per process and returns its
+/// handle (`None` if another recorder was installed first).
+pub fn install() -> Option<PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| PrometheusBuilder::new().install_recorder().ok())
+        .clone()
+}
+
+/// The Prometheus text exposition of every metric (empty without a
+/// recorder).
+pub fn render() -> String {
+    install().map(|h| h.render()).unwrap_or_default()
+}
+
+/// Every sample of the rendered metrics: `(name, labels, value)`.
+pub fn samples(text: &str) -> Vec<(String, String, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            let (name, labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            Some((name.to_owned(), labels.to_owned(), value))
+        })
+        .collect()
+}
+
+/// Counter totals by metric name, summed over labels, from a snapshot.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Totals(BTreeMap<String, f64>);
+
+impl Totals {
+    /// Reads the recorder now.
+    pub fn now() -> Self {
+        Self::from_text(&render())
+    }
+
+    /// Sums the samples of `text`.
+    pub fn from_text(text: &str) -> Self {
+        let mut totals = BTreeMap::new();
+        for (name, _, value) in samples(text) {
+            *totals.entry(name).or_insert(0.0) += value;
+        }
+        Self(totals)
+    }
+
+    /// The total of `name` (0 if never recorded).
+    pub fn get(&self, name: &str) -> u64 {
+        self.0.get(name).copied().unwrap_or(0.0).max(0.0) as u64
+    }
+
+    /// The total of `name` over samples whose labels contain `label`.
+    pub fn with_label(text: &str, name: &str, label: &str) -> u64 {
+        samples(text)
+            .into_iter()
+            .filter(|(n, l, _)| n == name && l.contains(label))
+            .map(|(_, _, v)| v)
+            .sum::<f64>()
+            .max(0.0) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_counters_over_labels() {
+        let text = "# TYPE keel_retry_attempts_total counter\n\
+                    keel_retry_attempts_total{name=\"payments\"} 3\n\
+                    keel_retry_attempts_total{name=\"inventory\"} 2\n\
+                    keel_outbox_published_total 7\n";
+        let totals = Totals::from_text(text);
+        assert_eq!(totals.get("keel_retry_attempts_total"), 5);
+        assert_eq!(totals.get("keel_outbox_published_total"), 7);
+        assert_eq!(totals.get("missing"), 0);
+        assert_eq!(
+            Totals::with_label(text, "keel_retry_attempts_total", "payments"),
+            3
+        );
+    }
+}

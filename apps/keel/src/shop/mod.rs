@@ -1,0 +1,393 @@
+//! The reference shop: orders, payments, inventory, shipping, customers,
+//! with every Keel component where it belongs, over real HTTP on loopback.
+//!
+//! [`System::start`] wires it on a store and a broker and returns a
+//! [`SystemHandle`]: the orders API (one transaction writes the order and
+//! its outbox event), the outbox relay, the `orders.placed` consumer (inbox
+//! dedupe in the effect's transaction) that starts the fulfilment saga, the
+//! saga orchestrator calling the four dependencies through their policy
+//! pipelines, the projection that fans settled orders out to the event log
+//! and webhooks, and the webhook delivery worker. `keel demo`, `keel serve`
+//! and `keel chaos` all start it this way.
+
+pub mod db;
+pub mod fulfilment;
+pub mod model;
+#[cfg(feature = "postgres")]
+pub mod pg;
+pub mod projection;
+pub mod saga;
+pub mod services;
+
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use axum::Router;
+use keel_http::health::Drain;
+use keel_http::pagination::{CursorCodec, Pagination};
+use keel_http::realtime::EventLog;
+use keel_http::webhooks::ssrf::{IpNetwork, SsrfGuard};
+use keel_http::webhooks::{DeliveryWorker, Endpoints, WebhookOutbox, WorkerOptions};
+use keel_messaging::broker::Broker;
+use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
+use keel_messaging::saga::SagaOrchestrator;
+use keel_messaging::store::{EventLogStore, IdempotencyStore, JobStore, WebhookStore};
+use keel_messaging::{DeadLetters, MessagingStore, Outbox, OutboxRelay};
+use keel_policy::breaker::{BreakerRegistry, CircuitBreakerConfig, SlidingWindow};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::api::{self, AppState};
+use db::ShopDb;
+use model::OrderPlaced;
+use saga::{Dependencies, DependencyTuning};
+use services::PaymentsFaults;
+
+/// Every store capability the shop needs, in one bound.
+pub trait ShopStore:
+    ShopDb<Tx: Send + 'static>
+    + MessagingStore
+    + IdempotencyStore
+    + JobStore
+    + EventLogStore
+    + WebhookStore
+{
+}
+
+impl<S> ShopStore for S where
+    S: ShopDb<Tx: Send + 'static>
+        + MessagingStore
+        + IdempotencyStore
+        + JobStore
+        + EventLogStore
+        + WebhookStore
+{
+}
+
+/// How the system is started.
+#[derive(Debug, Clone)]
+pub struct SystemConfig {
+    /// Where the public API listens (port 0 picks one).
+    pub listen: SocketAddr,
+    /// Whether `X-Keel-Demo-Fault` is honoured.
+    pub demo_faults: bool,
+    /// The payments service's scheduled faults.
+    pub payments_faults: PaymentsFaults,
+    /// The dependencies' policies.
+    pub tuning: DependencyTuning,
+    /// The breakers' configuration (one breaker per dependency).
+    pub breaker: CircuitBreakerConfig,
+    /// Initial stock levels.
+    pub stock: Vec<(String, i64)>,
+    /// Allow webhook endpoints on loopback (the SSRF guard blocks them
+    /// otherwise). The demo's receiver is on loopback, so the demo turns it
+    /// on, and says so.
+    pub allow_loopback_webhooks: bool,
+    /// The key cursors are signed with (at least 32 bytes).
+    pub cursor_key: Vec<u8>,
+    /// Deliveries of a failing message before it is dead-lettered.
+    pub max_deliveries: u32,
+    /// How long shutdown waits for load balancers to notice.
+    pub lb_notice: Duration,
+    /// How long in-flight requests get at shutdown.
+    pub drain_timeout: Duration,
+    /// How often the background workers poll when idle.
+    pub poll_interval: Duration,
+}
+
+impl Default for SystemConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            demo_faults: false,
+            payments_faults: PaymentsFaults::none(),
+            tuning: DependencyTuning::default(),
+            breaker: CircuitBreakerConfig {
+                sliding_window: SlidingWindow::Count { size: 20 },
+                minimum_calls: 10,
+                open_duration: Duration::from_millis(300),
+                max_open_duration: Duration::from_secs(1),
+                ..CircuitBreakerConfig::default()
+            },
+            stock: default_stock(),
+            allow_loopback_webhooks: false,
+            cursor_key: keel_core::id::new_id().simple().to_string().into_bytes(),
+            max_deliveries: 5,
+            lb_notice: Duration::ZERO,
+            drain_timeout: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(50),
+        }
+    }
+}
+
+/// The catalogue: plenty of most things, and `rare-*` skus that run out.
+pub fn default_stock() -> Vec<(String, i64)> {
+    let mut stock: Vec<(String, i64)> = ["tea", "coffee", "mug", "kettle", "filter", "grinder"]
+        .iter()
+        .map(|s| ((*s).to_owned(), 1_000_000))
+        .collect();
+    stock.push(("rare-teapot".to_owned(), 5));
+    stock.push(("rare-vinyl".to_owned(), 0));
+    stock
+}
+
+/// Why the system could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The store refused a setup step.
+    #[error("store: {0}")]
+    Store(#[from] keel_messaging::StoreError),
+    /// A component's configuration is invalid.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// A listener could not be bound.
+    #[error("listen: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn config_err(e: impl std::fmt::Display) -> StartError {
+    StartError::Config(e.to_string())
+}
+
+/// Starts the shop.
+#[derive(Debug)]
+pub struct System;
+
+/// A running shop. Drop it only after [`shutdown`](Self::shutdown).
+pub struct SystemHandle<S: ShopStore> {
+    /// `http://127.0.0.1:PORT` of the public API.
+    pub base_url: String,
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// The store.
+    pub store: S,
+    /// The broker.
+    pub broker: Arc<dyn Broker>,
+    /// Sagas: list, counts, retry, cancel.
+    pub orchestrator: SagaOrchestrator<S>,
+    /// Dead letters: list, replay, discard.
+    pub dead_letters: DeadLetters<S>,
+    /// Every dependency's breaker.
+    pub breakers: BreakerRegistry,
+    /// Webhook endpoints.
+    pub endpoints: Endpoints<S>,
+    /// The dependencies (their URLs and policies).
+    pub dependencies: Dependencies,
+    /// The graceful drain of the public server.
+    pub drain: Drain,
+    /// Orders settled by the projection so far.
+    pub settled: Arc<AtomicU64>,
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<()>,
+}
+
+impl<S: ShopStore> std::fmt::Debug for SystemHandle<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SystemHandle")
+            .field("base_url", &self.base_url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl System {
+    /// Starts everything on `store` and `broker`; `extra` is merged into
+    /// the public router (serve's admin, jobs, webhooks and metrics
+    /// routes).
+    pub async fn start<S: ShopStore>(
+        store: S,
+        broker: Arc<dyn Broker>,
+        config: SystemConfig,
+        extra: impl FnOnce(&Components<S>) -> Result<Router, StartError>,
+    ) -> Result<SystemHandle<S>, StartError> {
+        store.migrate_shop().await?;
+        store.seed_stock(&config.stock).await?;
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+
+        let urls = services::start_dependencies(
+            store.clone(),
+            config.payments_faults.clone(),
+            stopped.clone(),
+        )
+        .await?;
+        let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
+        let dependencies =
+            Dependencies::new(urls, &breakers, &config.tuning).map_err(config_err)?;
+        let saga = saga::definition(&dependencies).map_err(config_err)?;
+        let orchestrator = SagaOrchestrator::builder(store.clone())
+            .saga(&saga)
+            .poll_interval(config.poll_interval)
+            .concurrency(32)
+            .build()
+            .map_err(config_err)?;
+
+        let outbox = Outbox::new(store.clone());
+        let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
+            .name("shop-relay")
+            .poll_interval(config.poll_interval)
+            .batch_size(NonZeroUsize::new(200).unwrap_or(NonZeroUsize::MIN))
+            .build()
+            .map_err(config_err)?;
+        let backoff =
+            Backoff::exponential(Duration::from_millis(50), 2.0, Duration::from_millis(500))
+                .and_then(|b| b.with_jitter(Jitter::Full))
+                .map_err(config_err)?;
+        let consumer = Consumer::builder(store.clone(), Arc::clone(&broker))
+            .group(Group::new(fulfilment::TOPIC, fulfilment::GROUP).on(
+                <OrderPlaced as keel_messaging::Event>::TYPE,
+                fulfilment::StartFulfilment::new(store.clone(), orchestrator.clone(), saga),
+            ))
+            .max_in_flight(NonZeroUsize::new(32).unwrap_or(NonZeroUsize::MIN))
+            .max_deliveries(
+                NonZeroU32::new(config.max_deliveries.max(1)).unwrap_or(NonZeroU32::MIN),
+            )
+            .receive_wait(Duration::from_millis(200))
+            .drain_timeout(Duration::from_secs(5))
+            .backoff(backoff)
+            .build()
+            .map_err(config_err)?;
+
+        let mut guard = SsrfGuard::new();
+        if config.allow_loopback_webhooks {
+            tracing::warn!("webhook endpoints on loopback are allowed (demo/serve configuration)");
+            for net in [
+                IpNetwork::new([127, 0, 0, 0].into(), 8),
+                IpNetwork::new(std::net::Ipv6Addr::LOCALHOST.into(), 128),
+            ] {
+                guard = guard.allow(net.map_err(config_err)?);
+            }
+        }
+        let log = EventLog::new(store.clone());
+        let webhooks = WebhookOutbox::new(store.clone());
+        let endpoints = Endpoints::new(store.clone(), guard.clone());
+        let worker = DeliveryWorker::new(
+            store.clone(),
+            WorkerOptions::new()
+                .guard(guard)
+                .poll_interval(Duration::from_millis(100))
+                .timeout(Duration::from_secs(5)),
+        )
+        .map_err(config_err)?;
+        let projection = projection::Projection::new(store.clone(), log.clone(), webhooks);
+        let settled = projection.counter();
+
+        let drain = Drain::builder()
+            .lb_notice(config.lb_notice)
+            .drain_timeout(config.drain_timeout)
+            .build()
+            .map_err(config_err)?;
+        let codec = CursorCodec::new(config.cursor_key.clone()).map_err(config_err)?;
+        let state = AppState {
+            store: store.clone(),
+            outbox: outbox.clone(),
+            log: log.clone(),
+            pagination: Pagination::new(codec),
+            demo_faults: config.demo_faults,
+        };
+        let components = Components {
+            store: store.clone(),
+            orchestrator: orchestrator.clone(),
+            dead_letters: DeadLetters::with_outbox(outbox.clone()),
+            breakers: breakers.clone(),
+            endpoints: endpoints.clone(),
+            drain: drain.clone(),
+            dependency_urls: dependencies.urls().clone(),
+        };
+        let router = api::public_router(state, drain.signal())
+            .map_err(config_err)?
+            .merge(extra(&components)?);
+
+        let listener = tokio::net::TcpListener::bind(config.listen).await?;
+        let addr = listener.local_addr()?;
+
+        let wait = |rx: &watch::Receiver<bool>| {
+            let mut rx = rx.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let on_stop = wait(&stopped);
+        tasks.spawn(async move { relay.run(on_stop).await });
+        let on_stop = wait(&stopped);
+        tasks.spawn(async move {
+            let report = consumer.run(on_stop).await;
+            tracing::info!(?report, "consumer stopped");
+        });
+        let on_stop = wait(&stopped);
+        let orch = orchestrator.clone();
+        tasks.spawn(async move { orch.run(on_stop).await });
+        let on_stop = wait(&stopped);
+        tasks.spawn(async move {
+            worker.run(on_stop).await;
+        });
+        let interval = config.poll_interval;
+        let proj_stop = stopped.clone();
+        tasks.spawn(async move { projection.run(interval, proj_stop).await });
+        let server_drain = drain.clone();
+        tasks.spawn(async move {
+            if let Err(err) = server_drain.serve(listener, router).await {
+                tracing::error!(error = %err, "public server failed");
+            }
+        });
+
+        Ok(SystemHandle {
+            base_url: format!("http://{addr}"),
+            addr,
+            store,
+            broker,
+            orchestrator,
+            dead_letters: components.dead_letters,
+            breakers,
+            endpoints,
+            dependencies,
+            drain,
+            settled,
+            stop,
+            tasks,
+        })
+    }
+}
+
+/// The pieces extra routes (admin, console, jobs, webhooks) are built from.
+pub struct Components<S: ShopStore> {
+    /// The store.
+    pub store: S,
+    /// Sagas.
+    pub orchestrator: SagaOrchestrator<S>,
+    /// Dead letters.
+    pub dead_letters: DeadLetters<S>,
+    /// Breakers.
+    pub breakers: BreakerRegistry,
+    /// Webhook endpoints.
+    pub endpoints: Endpoints<S>,
+    /// The drain (readiness).
+    pub drain: Drain,
+    /// The dependencies' URLs (for `/debug/deep`).
+    pub dependency_urls: services::DependencyUrls,
+}
+
+impl<S: ShopStore> SystemHandle<S> {
+    /// Stops gracefully: the server drains (in-flight requests finish),
+    /// then the relay, consumer, orchestrator, projection and webhook
+    /// worker finish their current round and stop.
+    pub async fn shutdown(mut self) {
+        self.drain.trigger();
+        self.drain.wait_for(keel_http::health::Phase::Closing).await;
+        let _ = self.stop.send(true);
+        let deadline = tokio::time::sleep(Duration::from_secs(15));
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                next = self.tasks.join_next() => if next.is_none() { break },
+                () = &mut deadline => {
+                    tracing::warn!("workers did not stop in time; aborting them");
+                    self.tasks.abort_all();
+                    break;
+                }
+            }
+        }
+    }
+}

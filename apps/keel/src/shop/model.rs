@@ -1,0 +1,282 @@
+//! The shop's domain types: an order as a client submits it, as it is
+//! stored, and the event that announces it.
+//!
+//! Input is validated here, once, so every route that accepts an order
+//! refuses the same things with the same words: a request can never put a
+//! negative price or a thousand items into the database.
+
+use keel_messaging::envelope::Event;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// The most items one order may hold.
+pub const MAX_ITEMS: usize = 50;
+/// The most units of one item.
+pub const MAX_QTY: u32 = 1_000;
+/// The highest unit price, in cents (one million dollars).
+pub const MAX_UNIT_PRICE_CENTS: i64 = 100_000_000;
+/// The longest customer id or sku.
+pub const MAX_ID_LEN: usize = 64;
+/// The largest request body the orders API reads, in bytes.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// The demo fault a `POST /orders` may ask for with `X-Keel-Demo-Fault`
+/// when the server runs with `--demo-faults`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum DemoFault {
+    /// The `orders.placed` handler fails on every delivery of the original
+    /// message, so it is dead-lettered; a replay succeeds.
+    DeadLetter,
+    /// `reserve_stock` fails permanently and the refund fails until an
+    /// operator retries the saga: it ends `stuck`, then `compensated`.
+    StuckSaga,
+}
+
+impl DemoFault {
+    /// The header naming the fault.
+    pub const HEADER: &'static str = "x-keel-demo-fault";
+
+    /// Parses the header value.
+    pub fn parse(value: &str) -> Option<Self> {
+        match value.trim() {
+            "dead-letter" => Some(Self::DeadLetter),
+            "stuck-saga" => Some(Self::StuckSaga),
+            _ => None,
+        }
+    }
+}
+
+/// One line of an order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Item {
+    /// The stock keeping unit.
+    pub sku: String,
+    /// How many units (1 to 1000).
+    pub qty: u32,
+    /// The price of one unit in cents (integer minor units, never floats).
+    pub unit_price_cents: i64,
+}
+
+/// An order as a client submits it (`POST /orders`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NewOrder {
+    /// Who orders: 1 to 64 characters of `[A-Za-z0-9_-]`.
+    pub customer_id: String,
+    /// A three-letter ISO 4217 code, upper case (`USD`).
+    pub currency: String,
+    /// 1 to 50 items.
+    pub items: Vec<Item>,
+}
+
+/// Why an order was refused; each message says what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidOrder {
+    /// A customer id or sku is empty, too long or has odd characters.
+    #[error("{field} must be 1 to {MAX_ID_LEN} characters of A-Z, a-z, 0-9, '_' or '-'")]
+    BadId {
+        /// The field.
+        field: String,
+    },
+    /// The currency is not three upper-case letters.
+    #[error("currency must be a three-letter upper-case ISO 4217 code such as USD")]
+    BadCurrency,
+    /// No items, or too many.
+    #[error("an order needs 1 to {MAX_ITEMS} items")]
+    ItemCount,
+    /// A quantity is out of range.
+    #[error("items[{index}].qty must be 1 to {MAX_QTY}")]
+    Quantity {
+        /// The item.
+        index: usize,
+    },
+    /// A price is out of range.
+    #[error("items[{index}].unitPriceCents must be 1 to {MAX_UNIT_PRICE_CENTS}")]
+    Price {
+        /// The item.
+        index: usize,
+    },
+}
+
+fn valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_ID_LEN
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+impl NewOrder {
+    /// Checks every field; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), InvalidOrder> {
+        if !valid_id(&self.customer_id) {
+            return Err(InvalidOrder::BadId {
+                field: "customerId".into(),
+            });
+        }
+        if self.currency.len() != 3 || !self.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(InvalidOrder::BadCurrency);
+        }
+        if self.items.is_empty() || self.items.len() > MAX_ITEMS {
+            return Err(InvalidOrder::ItemCount);
+        }
+        for (index, item) in self.items.iter().enumerate() {
+            if !valid_id(&item.sku) {
+                return Err(InvalidOrder::BadId {
+                    field: format!("items[{index}].sku"),
+                });
+            }
+            if item.qty == 0 || item.qty > MAX_QTY {
+                return Err(InvalidOrder::Quantity { index });
+            }
+            if item.unit_price_cents <= 0 || item.unit_price_cents > MAX_UNIT_PRICE_CENTS {
+                return Err(InvalidOrder::Price { index });
+            }
+        }
+        Ok(())
+    }
+
+    /// The total in cents. Bounded by the validation limits, so it cannot
+    /// overflow (50 × 1000 × 10⁸ < 2⁶³).
+    pub fn total_cents(&self) -> i64 {
+        self.items
+            .iter()
+            .map(|i| i64::from(i.qty) * i.unit_price_cents)
+            .sum()
+    }
+}
+
+/// Where an order is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OrderStatus {
+    /// Accepted; fulfilment is under way.
+    Pending,
+    /// Paid, reserved, shipped and receipted.
+    Completed,
+    /// Fulfilment failed and everything done was undone (refunded, released).
+    Compensated,
+    /// Needs an operator: see the saga.
+    Stuck,
+    /// Cancelled by an operator.
+    Cancelled,
+}
+
+impl OrderStatus {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Completed => "completed",
+            Self::Compensated => "compensated",
+            Self::Stuck => "stuck",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "pending" => Self::Pending,
+            "completed" => Self::Completed,
+            "compensated" => Self::Compensated,
+            "stuck" => Self::Stuck,
+            "cancelled" => Self::Cancelled,
+            _ => return None,
+        })
+    }
+}
+
+/// An accepted order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Order {
+    /// The order id (UUIDv7: sorts by creation time).
+    pub id: String,
+    /// Who ordered.
+    pub customer_id: String,
+    /// The currency of every amount.
+    pub currency: String,
+    /// The items.
+    pub items: Vec<Item>,
+    /// The sum of `qty × unitPriceCents`.
+    pub total_cents: i64,
+    /// Where fulfilment is.
+    pub status: OrderStatus,
+    /// When it was accepted (RFC 3339).
+    pub created_at: String,
+}
+
+/// `shop.order.placed.v1`: an order was accepted. Its subject (and so the
+/// partition key) is the order id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderPlaced {
+    /// The order id.
+    pub order_id: String,
+    /// Who ordered.
+    pub customer_id: String,
+    /// The currency.
+    pub currency: String,
+    /// The items.
+    pub items: Vec<Item>,
+    /// The total in cents.
+    pub total_cents: i64,
+    /// A demo fault to act out (only with `--demo-faults`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub demo_fault: Option<DemoFault>,
+}
+
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "shop.order.placed.v1";
+
+    fn subject(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order() -> NewOrder {
+        NewOrder {
+            customer_id: "c-1".into(),
+            currency: "USD".into(),
+            items: vec![Item {
+                sku: "tea".into(),
+                qty: 2,
+                unit_price_cents: 450,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_good_order_totals_its_items() {
+        assert_eq!(order().validate(), Ok(()));
+        assert_eq!(order().total_cents(), 900);
+    }
+
+    #[test]
+    fn bad_orders_say_what_is_wrong() {
+        let mut o = order();
+        o.customer_id = "bad id".into();
+        assert!(matches!(o.validate(), Err(InvalidOrder::BadId { .. })));
+        let mut o = order();
+        o.currency = "usd".into();
+        assert_eq!(o.validate(), Err(InvalidOrder::BadCurrency));
+        let mut o = order();
+        o.items.clear();
+        assert_eq!(o.validate(), Err(InvalidOrder::ItemCount));
+        let mut o = order();
+        o.items[0].qty = 0;
+        assert_eq!(o.validate(), Err(InvalidOrder::Quantity { index: 0 }));
+        let mut o = order();
+        o.items[0].unit_price_cents = -1;
+        assert_eq!(o.validate(), Err(InvalidOrder::Price { index: 0 }));
+        let mut o = order();
+        o.items = vec![o.items[0].clone(); MAX_ITEMS + 1];
+        assert_eq!(o.validate(), Err(InvalidOrder::ItemCount));
+    }
+}

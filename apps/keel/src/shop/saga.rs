@@ -1,0 +1,297 @@
+//! The order fulfilment saga: capture the payment, reserve the stock,
+//! schedule the shipment (the pivot), send the receipt.
+//!
+//! Every call goes to a dependency over HTTP through its own
+//! [`Dependency`] (deadline, retry with a budget, one breaker per
+//! dependency from a shared [`BreakerRegistry`], bulkhead, timeouts) and
+//! carries the step's derived idempotency key (`saga_id:step`, or
+//! `saga_id:undo:step` for a compensation), so a repeated call is deduped
+//! by the service. Out of stock is permanent and makes the saga refund;
+//! after the pivot it only retries forward.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_core::{Classified, Classify};
+use keel_http::propagation::{Dependency, HttpCallError, PropagatingClient};
+use keel_messaging::saga::{Backoff, SagaDefinition, SagaError, Step, StepContext};
+use keel_policy::ConfigError;
+use keel_policy::breaker::BreakerRegistry;
+use keel_policy::bulkhead::BulkheadConfig;
+use keel_policy::retry::{BackoffConfig, Jitter, RetryConfig};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use super::model::{DemoFault, Item};
+use super::services::DependencyUrls;
+
+/// The saga's name.
+pub const SAGA: &str = "order_fulfilment";
+/// Its steps, in order.
+pub const STEPS: [&str; 4] = [
+    "capture_payment",
+    "reserve_stock",
+    "schedule_shipment",
+    "send_receipt",
+];
+/// Attempts at a compensation or a post-pivot step before the saga is
+/// stuck.
+pub const STUCK_AFTER: u32 = 8;
+/// Attempts at a step before the pivot before the saga compensates: enough
+/// to outlast an open breaker.
+pub const MAX_ATTEMPTS: u32 = 10;
+
+/// What the saga carries from step to step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FulfilmentData {
+    /// The order (also the saga id).
+    pub order_id: String,
+    /// Who ordered.
+    pub customer_id: String,
+    /// The amount to capture.
+    pub total_cents: i64,
+    /// What to reserve.
+    pub items: Vec<Item>,
+    /// A demo fault to act out.
+    #[serde(default)]
+    pub demo_fault: Option<DemoFault>,
+}
+
+/// The four dependencies, each behind its own policies.
+#[derive(Debug, Clone)]
+pub struct Dependencies {
+    urls: DependencyUrls,
+    payments: Dependency,
+    inventory: Dependency,
+    shipping: Dependency,
+    notifications: Dependency,
+    /// Sagas whose demo `stuck-saga` refund has failed until stuck: the
+    /// next refund (after an operator's retry) succeeds.
+    stuck_refunds: Arc<Mutex<HashSet<String>>>,
+}
+
+/// How the dependencies' policies are tuned.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DependencyTuning {
+    /// The whole call, retries included.
+    pub timeout: Duration,
+    /// One attempt.
+    pub attempt_timeout: Duration,
+    /// Attempts per call.
+    pub attempts: u32,
+    /// Calls in flight per dependency.
+    pub max_concurrent: usize,
+}
+
+impl Default for DependencyTuning {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(2),
+            attempt_timeout: Duration::from_millis(300),
+            attempts: 3,
+            max_concurrent: 64,
+        }
+    }
+}
+
+impl Dependencies {
+    /// Builds the four dependencies on `urls`, taking their breakers from
+    /// `breakers` (so operators see them all in one place).
+    pub fn new(
+        urls: DependencyUrls,
+        breakers: &BreakerRegistry,
+        tuning: &DependencyTuning,
+    ) -> Result<Self, ConfigError> {
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .map_err(|e| ConfigError::new("http client", e.to_string()))?;
+        let client = PropagatingClient::new(http);
+        let retry = RetryConfig {
+            max_attempts: std::num::NonZeroU32::new(tuning.attempts.max(1))
+                .unwrap_or(std::num::NonZeroU32::MIN),
+            backoff: BackoffConfig::Exponential {
+                base: Duration::from_millis(20),
+                factor: 2.0,
+                max_delay: Duration::from_millis(200),
+                jitter: Jitter::Full,
+            },
+            // Every call carries an idempotency key, so repeating one whose
+            // outcome is unknown is safe.
+            retry_outcome_unknown: true,
+            ..RetryConfig::default()
+        };
+        let bulkhead = BulkheadConfig {
+            max_concurrent: tuning.max_concurrent,
+            ..BulkheadConfig::default()
+        };
+        let build = |name: &str| {
+            client
+                .dependency(name)
+                .timeout(tuning.timeout)
+                .attempt_timeout(tuning.attempt_timeout)
+                .retry(retry.clone())
+                .bulkhead(bulkhead.clone())
+                .breaker_from(breakers)
+                .build()
+        };
+        Ok(Self {
+            payments: build("payments")?,
+            inventory: build("inventory")?,
+            shipping: build("shipping")?,
+            notifications: build("notifications")?,
+            urls,
+            stuck_refunds: Arc::default(),
+        })
+    }
+
+    /// The dependencies' URLs.
+    pub fn urls(&self) -> &DependencyUrls {
+        &self.urls
+    }
+}
+
+fn classified(err: HttpCallError) -> Classified {
+    Classified::new(err.class(), err)
+}
+
+async fn call(
+    dep: &Dependency,
+    url: String,
+    key: &str,
+    body: serde_json::Value,
+) -> Result<(), Classified> {
+    dep.send(|http| {
+        http.post(url.as_str())
+            .header("idempotency-key", key)
+            .json(&body)
+    })
+    .await
+    .map(drop)
+    .map_err(classified)
+}
+
+type Ctx = StepContext<FulfilmentData>;
+
+/// Builds the fulfilment saga over `deps`.
+pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>, SagaError> {
+    let backoff = Backoff::exponential(Duration::from_millis(100), 2.0, Duration::from_secs(2))
+        .and_then(|b| b.with_jitter(Jitter::Full))
+        .map_err(|e| SagaError::Definition {
+            saga: SAGA.to_owned(),
+            problems: e.to_string(),
+        })?;
+    let d = deps.clone();
+    let capture = Step::new("capture_payment", move |ctx: Ctx| {
+        let d = d.clone();
+        async move {
+            let data = ctx.data();
+            let body =
+                serde_json::json!({"orderId": data.order_id, "amountCents": data.total_cents});
+            call(
+                &d.payments,
+                format!("{}/captures", d.urls.payments),
+                ctx.idempotency_key(),
+                body,
+            )
+            .await
+        }
+    });
+    let d = deps.clone();
+    let capture = capture.compensate_with(move |ctx: Ctx| {
+        let d = d.clone();
+        async move {
+            let data = ctx.data();
+            if data.demo_fault == Some(DemoFault::StuckSaga) {
+                let mut stuck = d.stuck_refunds.lock();
+                if !stuck.contains(ctx.saga_id()) {
+                    if ctx.attempt() >= STUCK_AFTER {
+                        stuck.insert(ctx.saga_id().to_owned());
+                    }
+                    return Err(Classified::retryable(
+                        "demo fault: the refund fails until an operator retries the saga",
+                    ));
+                }
+            }
+            let body = serde_json::json!({"orderId": data.order_id});
+            call(
+                &d.payments,
+                format!("{}/refunds", d.urls.payments),
+                ctx.idempotency_key(),
+                body,
+            )
+            .await
+        }
+    });
+    let d = deps.clone();
+    let reserve = Step::new("reserve_stock", move |ctx: Ctx| {
+        let d = d.clone();
+        async move {
+            let data = ctx.data();
+            if data.demo_fault == Some(DemoFault::StuckSaga) {
+                return Err(Classified::permanent("demo fault: reserve_stock refused"));
+            }
+            let body = serde_json::json!({"orderId": data.order_id, "items": data.items});
+            call(
+                &d.inventory,
+                format!("{}/reservations", d.urls.inventory),
+                ctx.idempotency_key(),
+                body,
+            )
+            .await
+        }
+    });
+    let d = deps.clone();
+    let reserve = reserve.compensate_with(move |ctx: Ctx| {
+        let d = d.clone();
+        async move {
+            let body = serde_json::json!({"orderId": ctx.data().order_id});
+            call(
+                &d.inventory,
+                format!("{}/releases", d.urls.inventory),
+                ctx.idempotency_key(),
+                body,
+            )
+            .await
+        }
+    });
+    let d = deps.clone();
+    let ship = Step::new("schedule_shipment", move |ctx: Ctx| {
+        let d = d.clone();
+        async move {
+            let body = serde_json::json!({"orderId": ctx.data().order_id});
+            call(
+                &d.shipping,
+                format!("{}/shipments", d.urls.shipping),
+                ctx.idempotency_key(),
+                body,
+            )
+            .await
+        }
+    });
+    let d = deps.clone();
+    let receipt = Step::new("send_receipt", move |ctx: Ctx| {
+        let d = d.clone();
+        async move {
+            let body = serde_json::json!({"orderId": ctx.data().order_id});
+            call(
+                &d.notifications,
+                format!("{}/receipts", d.urls.notifications),
+                ctx.idempotency_key(),
+                body,
+            )
+            .await
+        }
+    });
+    let timeout = Duration::from_secs(5);
+    SagaDefinition::builder(SAGA)
+        .step(capture.timeout(timeout).max_attempts(MAX_ATTEMPTS))
+        .step(reserve.timeout(timeout).max_attempts(MAX_ATTEMPTS))
+        .pivot(ship.timeout(timeout))
+        .step(receipt.timeout(timeout))
+        .backoff(backoff)
+        .stuck_after(STUCK_AFTER)
+        .build()
+}

@@ -1,0 +1,335 @@
+//! The shop's dependencies as real HTTP services on loopback: payments,
+//! inventory, shipping and notifications.
+//!
+//! They run in the same process (so `keel demo` needs nothing installed)
+//! but are called over HTTP through the policy pipeline, exactly as remote
+//! services would be. Each dedupes by the `Idempotency-Key` it receives:
+//! the effect is a row in `shop_effects`, unique per key, so a retried
+//! capture charges once. Payments can be made flaky on a schedule
+//! ([`PaymentsFaults`]): it fails with `503`, then answers too slowly, then
+//! recovers.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use keel_http::problem::Problem;
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::db::{Reservation, ShopDb};
+use super::model::Item;
+
+/// When the payments service misbehaves: from the `start_after`-th
+/// capture request on, it answers `503` for `fail_for`, then answers
+/// captures only after `slow_delay` (longer than the caller's attempt
+/// timeout) for `slow_for`, then recovers. Time-based rather than counted
+/// in requests, because an open breaker stops requests from arriving: an
+/// outage measured in requests would never end.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PaymentsFaults {
+    /// Healthy captures before the outage (`None`: never misbehave).
+    pub start_after: Option<u64>,
+    /// How long captures fail.
+    pub fail_for: Duration,
+    /// How long captures are slow after that.
+    pub slow_for: Duration,
+    /// How slow.
+    pub slow_delay: Duration,
+}
+
+impl PaymentsFaults {
+    /// No faults.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The demo's schedule for about `orders` orders: healthy for the first
+    /// fifth of the captures, then 0.7 s of failures, 0.7 s of slow answers,
+    /// then healthy again.
+    pub fn demo(orders: u64) -> Self {
+        Self {
+            start_after: Some(orders / 5),
+            fail_for: Duration::from_millis(700),
+            slow_for: Duration::from_millis(700),
+            slow_delay: Duration::from_millis(600),
+        }
+    }
+}
+
+/// What the payments service does with a capture request now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Healthy,
+    Failing,
+    Slow,
+}
+
+/// The base URLs of the running dependencies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DependencyUrls {
+    /// Payments: `POST /captures`, `POST /refunds`.
+    pub payments: String,
+    /// Inventory: `POST /reservations`, `POST /releases`.
+    pub inventory: String,
+    /// Shipping: `POST /shipments`.
+    pub shipping: String,
+    /// Notifications: `POST /receipts`.
+    pub notifications: String,
+}
+
+struct ServiceState<S> {
+    db: S,
+    faults: PaymentsFaults,
+    captures_seen: AtomicU64,
+    outage_began: std::sync::OnceLock<keel_core::clock::Instant>,
+}
+
+impl<S> ServiceState<S> {
+    fn mode(&self) -> Mode {
+        let n = self.captures_seen.fetch_add(1, Ordering::Relaxed);
+        let Some(start) = self.faults.start_after else {
+            return Mode::Healthy;
+        };
+        if n < start {
+            return Mode::Healthy;
+        }
+        let began = *self.outage_began.get_or_init(keel_core::clock::now);
+        let elapsed = began.elapsed();
+        if elapsed < self.faults.fail_for {
+            Mode::Failing
+        } else if elapsed < self.faults.fail_for + self.faults.slow_for {
+            Mode::Slow
+        } else {
+            Mode::Healthy
+        }
+    }
+}
+
+type Shared<S> = Arc<ServiceState<S>>;
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct OrderRef {
+    order_id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Capture {
+    order_id: String,
+    amount_cents: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Reserve {
+    order_id: String,
+    items: Vec<Item>,
+}
+
+fn key(headers: &HeaderMap) -> Result<String, Problem> {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .filter(|k| !k.is_empty() && k.len() <= 255)
+        .map(str::to_owned)
+        .ok_or_else(|| Problem::bad_request("Idempotency-Key is required"))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Problem> {
+    serde_json::from_slice(body).map_err(|e| Problem::bad_request(format!("invalid body: {e}")))
+}
+
+fn unavailable(err: impl std::fmt::Display) -> Response {
+    tracing::warn!(error = %err, "dependency store error");
+    Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store unavailable; retry")
+        .with_retry_after(Duration::from_secs(1))
+        .into_response()
+}
+
+fn applied(new: bool) -> Response {
+    (
+        StatusCode::OK,
+        axum::Json(serde_json::json!({ "applied": new })),
+    )
+        .into_response()
+}
+
+async fn capture<S: ShopDb>(
+    State(state): State<Shared<S>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    match state.mode() {
+        Mode::Failing => {
+            return Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "payments is down (scheduled fault)",
+            )
+            .into_response();
+        }
+        Mode::Slow => {
+            // The caller gives up first; its dropped connection cancels this
+            // handler before the capture, like a request lost in a slow network.
+            tokio::time::sleep(state.faults.slow_delay).await;
+        }
+        Mode::Healthy => {}
+    }
+    let (key, req) = match (key(&headers), parse::<Capture>(&body)) {
+        (Ok(k), Ok(r)) => (k, r),
+        (Err(e), _) | (_, Err(e)) => return e.into_response(),
+    };
+    if req.amount_cents <= 0 {
+        return Problem::bad_request("amountCents must be positive").into_response();
+    }
+    match state
+        .db
+        .capture(&key, &req.order_id, req.amount_cents)
+        .await
+    {
+        Ok(new) => applied(new),
+        Err(e) => unavailable(e),
+    }
+}
+
+async fn refund<S: ShopDb>(
+    State(state): State<Shared<S>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let (key, req) = match (key(&headers), parse::<OrderRef>(&body)) {
+        (Ok(k), Ok(r)) => (k, r),
+        (Err(e), _) | (_, Err(e)) => return e.into_response(),
+    };
+    match state.db.refund(&key, &req.order_id).await {
+        Ok(new) => applied(new),
+        Err(e) => unavailable(e),
+    }
+}
+
+async fn reserve<S: ShopDb>(
+    State(state): State<Shared<S>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let (key, req) = match (key(&headers), parse::<Reserve>(&body)) {
+        (Ok(k), Ok(r)) => (k, r),
+        (Err(e), _) | (_, Err(e)) => return e.into_response(),
+    };
+    match state.db.reserve(&key, &req.order_id, &req.items).await {
+        Ok(Reservation::Reserved) => applied(true),
+        Ok(Reservation::OutOfStock(sku)) => {
+            Problem::new(StatusCode::CONFLICT, format!("out of stock: {sku}"))
+                .with_type("urn:keel:shop:out-of-stock")
+                .into_response()
+        }
+        Err(e) => unavailable(e),
+    }
+}
+
+async fn release<S: ShopDb>(
+    State(state): State<Shared<S>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let (key, req) = match (key(&headers), parse::<OrderRef>(&body)) {
+        (Ok(k), Ok(r)) => (k, r),
+        (Err(e), _) | (_, Err(e)) => return e.into_response(),
+    };
+    match state.db.release(&key, &req.order_id).await {
+        Ok(new) => applied(new),
+        Err(e) => unavailable(e),
+    }
+}
+
+async fn effect<S: ShopDb>(
+    state: Shared<S>,
+    headers: HeaderMap,
+    body: &[u8],
+    step: &str,
+) -> Response {
+    let (key, req) = match (key(&headers), parse::<OrderRef>(body)) {
+        (Ok(k), Ok(r)) => (k, r),
+        (Err(e), _) | (_, Err(e)) => return e.into_response(),
+    };
+    match state.db.record_effect(&key, &req.order_id, step).await {
+        Ok(new) => applied(new),
+        Err(e) => unavailable(e),
+    }
+}
+
+async fn ship<S: ShopDb>(
+    State(state): State<Shared<S>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    effect(state, headers, &body, "schedule_shipment").await
+}
+
+async fn receipt<S: ShopDb>(
+    State(state): State<Shared<S>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    effect(state, headers, &body, "send_receipt").await
+}
+
+async fn serve(router: Router, shutdown: watch::Receiver<bool>) -> std::io::Result<String> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let mut shutdown = shutdown;
+        let stop = async move {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+        };
+        if let Err(err) = axum::serve(listener, router)
+            .with_graceful_shutdown(stop)
+            .await
+        {
+            tracing::error!(error = %err, "dependency server failed");
+        }
+    });
+    Ok(format!("http://{addr}"))
+}
+
+/// Starts the four dependencies on `127.0.0.1:0`, each its own server,
+/// until `shutdown` turns `true`.
+pub async fn start_dependencies<S: ShopDb>(
+    db: S,
+    faults: PaymentsFaults,
+    shutdown: watch::Receiver<bool>,
+) -> std::io::Result<DependencyUrls> {
+    let state = Arc::new(ServiceState {
+        db,
+        faults,
+        captures_seen: AtomicU64::new(0),
+        outage_began: std::sync::OnceLock::new(),
+    });
+    let payments = Router::new()
+        .route("/captures", post(capture::<S>))
+        .route("/refunds", post(refund::<S>))
+        .with_state(Arc::clone(&state));
+    let inventory = Router::new()
+        .route("/reservations", post(reserve::<S>))
+        .route("/releases", post(release::<S>))
+        .with_state(Arc::clone(&state));
+    let shipping = Router::new()
+        .route("/shipments", post(ship::<S>))
+        .with_state(Arc::clone(&state));
+    let notifications = Router::new()
+        .route("/receipts", post(receipt::<S>))
+        .with_state(state);
+    Ok(DependencyUrls {
+        payments: serve(payments, shutdown.clone()).await?,
+        inventory: serve(inventory, shutdown.clone()).await?,
+        shipping: serve(shipping, shutdown.clone()).await?,
+        notifications: serve(notifications, shutdown).await?,
+    })
+}

@@ -1,0 +1,624 @@
+//! `keel serve` over HTTP: bad input gets problem+json, retries are
+//! replayed, pages walk without gaps, jobs answer 202 then 303, the demo
+//! faults end in a dead letter and a stuck saga that operators can fix, and
+//! the OpenAPI document lists every route.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+struct Server {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(extra: &[&str]) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("shop.db").display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url", &db])
+        .args(extra)
+        .env_remove("KEEL_ADMIN_TOKEN")
+        .env("KEEL_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("keel serve starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("keel: listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    Server {
+        child,
+        url,
+        _dir: dir,
+    }
+}
+
+fn order(customer: &str) -> Value {
+    json!({"customerId": customer, "currency": "USD", "items": [{"sku": "tea", "qty": 2, "unitPriceCents": 450}]})
+}
+
+async fn place(http: &reqwest::Client, s: &Server, key: &str, body: &Value) -> reqwest::Response {
+    http.post(format!("{}/orders", s.url))
+        .header("idempotency-key", key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn assert_problem(response: reqwest::Response, status: u16, what: &str) {
+    assert_eq!(response.status().as_u16(), status, "{what}");
+    let ct = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(ct, "application/problem+json", "{what}");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["status"], status, "{what}: {body}");
+    assert!(
+        body["detail"].as_str().is_some_and(|d| !d.is_empty()),
+        "{what}: {body}"
+    );
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_with_problem_json() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let post = |key: Option<&str>, ct: &str, body: Vec<u8>| {
+        let mut r = http
+            .post(format!("{}/orders", s.url))
+            .header("content-type", ct)
+            .body(body);
+        if let Some(k) = key {
+            r = r.header("idempotency-key", k);
+        }
+        r.send()
+    };
+    let good = serde_json::to_vec(&order("c1")).unwrap();
+    assert_problem(
+        post(None, "application/json", good.clone()).await.unwrap(),
+        400,
+        "no key",
+    )
+    .await;
+    assert_problem(
+        post(Some("k-ct"), "text/plain", good.clone())
+            .await
+            .unwrap(),
+        415,
+        "not json",
+    )
+    .await;
+    assert_problem(
+        post(Some("k-mal"), "application/json", b"{".to_vec())
+            .await
+            .unwrap(),
+        400,
+        "malformed",
+    )
+    .await;
+    for (i, bad) in [
+        json!({"customerId": "", "currency": "USD", "items": [{"sku": "tea", "qty": 1, "unitPriceCents": 1}]}),
+        json!({"customerId": "c", "currency": "usd", "items": [{"sku": "tea", "qty": 1, "unitPriceCents": 1}]}),
+        json!({"customerId": "c", "currency": "USD", "items": []}),
+        json!({"customerId": "c", "currency": "USD", "items": [{"sku": "tea", "qty": 0, "unitPriceCents": 1}]}),
+        json!({"customerId": "c", "currency": "USD", "items": [{"sku": "tea", "qty": 1, "unitPriceCents": -5}]}),
+        json!({"customerId": "c", "currency": "USD", "items": [{"sku": "tea", "qty": 1, "unitPriceCents": 1.5}]}),
+        json!({"customerId": "c", "currency": "USD", "items": [{"sku": "tea", "qty": 1, "unitPriceCents": 1}], "extra": 1}),
+        json!({"customerId": "c", "currency": "USD", "items": vec![json!({"sku": "tea", "qty": 1, "unitPriceCents": 1}); 51]}),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let key = format!("k-bad-{i}");
+        assert_problem(place(&http, &s, &key, bad).await, 422, &format!("invalid order {i}")).await;
+    }
+    let huge = vec![b' '; 2 * 1024 * 1024];
+    // Its own client: the server closes a connection whose body it refused
+    // to read, and a pooled connection must not be reused after that.
+    let r = reqwest::Client::new()
+        .post(format!("{}/orders", s.url))
+        .header("idempotency-key", "k-huge")
+        .header("content-type", "application/json")
+        .body(huge)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+
+    let get = |path: &str| http.get(format!("{}{path}", s.url)).send();
+    assert_problem(get("/orders/not-a-uuid!").await.unwrap(), 400, "bad id").await;
+    assert_problem(
+        get("/orders/01a2273d-66a4-7662-b439-4d55ca045944")
+            .await
+            .unwrap(),
+        404,
+        "unknown id",
+    )
+    .await;
+    assert_problem(get("/orders?limit=0").await.unwrap(), 400, "limit 0").await;
+    assert_problem(
+        get("/orders?limit=1000").await.unwrap(),
+        400,
+        "limit too big",
+    )
+    .await;
+    assert_problem(
+        get("/orders?cursor=forged").await.unwrap(),
+        400,
+        "forged cursor",
+    )
+    .await;
+    assert_problem(
+        get("/webhook-endpoints/ep/deliveries?limit=x")
+            .await
+            .unwrap(),
+        400,
+        "bad limit",
+    )
+    .await;
+    assert_problem(
+        get("/webhook-endpoints/nope/deliveries").await.unwrap(),
+        404,
+        "unknown endpoint",
+    )
+    .await;
+    let r = http
+        .post(format!("{}/deliveries/abc/resend", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(r, 400, "bad delivery id").await;
+    let r = http
+        .post(format!("{}/deliveries/424242/resend", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(r, 404, "unknown delivery").await;
+    let r = http
+        .post(format!("{}/webhook-endpoints", s.url))
+        .json(&json!({"url": "http://169.254.169.254/latest"}))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(r, 422, "ssrf").await;
+    let r = http
+        .post(format!("{}/webhooks/inbound/partner", s.url))
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        StatusCode::BAD_REQUEST,
+        "unsigned inbound webhook"
+    );
+    let r = http
+        .get(format!("{}/orders", s.url))
+        .header("x-request-deadline-unix-ms", "soon")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(r, 400, "bad deadline").await;
+    let r = http
+        .get(format!("{}/orders", s.url))
+        .header("traceparent", "nonsense")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(r, 400, "bad traceparent").await;
+    // The server is still fine.
+    assert_eq!(get("/livez").await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        place(&http, &s, "k-ok", &order("c1")).await.status(),
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test]
+async fn a_retried_order_is_replayed_not_placed_twice() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let first = place(&http, &s, "retry-1", &order("c9")).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first: Value = first.json().await.unwrap();
+    let again = place(&http, &s, "retry-1", &order("c9")).await;
+    assert_eq!(again.status(), StatusCode::CREATED);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(first["id"], again["id"]);
+    // The same key for another order is refused.
+    let other = place(&http, &s, "retry-1", &order("c8")).await;
+    assert_problem(other, 422, "key reuse").await;
+    let list: Value = http
+        .get(format!("{}/orders?customerId=c9", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["items"].as_array().unwrap().len(), 1);
+    let one: Value = http
+        .get(format!(
+            "{}/orders/{}",
+            s.url,
+            first["id"].as_str().unwrap()
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(one["totalCents"], 900);
+}
+
+#[tokio::test]
+async fn pages_walk_every_order_once_in_order() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let mut placed = Vec::new();
+    for i in 0..23 {
+        let r = place(&http, &s, &format!("page-{i}"), &order("walker")).await;
+        assert_eq!(r.status(), StatusCode::CREATED);
+        placed.push(
+            r.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+        // Another customer's orders interleave and must not show up.
+        place(&http, &s, &format!("noise-{i}"), &order("other")).await;
+    }
+    let mut seen = Vec::new();
+    let mut next = format!("{}/orders?customerId=walker&limit=5", s.url);
+    let mut pages = 0;
+    loop {
+        let page: Value = http.get(&next).send().await.unwrap().json().await.unwrap();
+        pages += 1;
+        for o in page["items"].as_array().unwrap() {
+            seen.push(o["id"].as_str().unwrap().to_owned());
+        }
+        match page["nextCursor"].as_str() {
+            Some(c) => next = format!("{}/orders?customerId=walker&limit=5&cursor={c}", s.url),
+            None => break,
+        }
+    }
+    assert_eq!(pages, 5);
+    assert_eq!(seen, placed, "every order once, oldest first");
+    // A cursor is bound to its filter.
+    let first: Value = http
+        .get(format!("{}/orders?customerId=walker&limit=5", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let cursor = first["nextCursor"].as_str().unwrap();
+    let r = http
+        .get(format!(
+            "{}/orders?customerId=other&limit=5&cursor={cursor}",
+            s.url
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(r, 400, "cursor of another filter").await;
+}
+
+#[tokio::test]
+async fn a_report_job_answers_202_then_303() {
+    let s = serve(&[]);
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    place(&http, &s, "rep-1", &order("c1")).await;
+    let r = http
+        .post(format!("{}/reports", s.url))
+        .header("idempotency-key", "report-1")
+        .json(&json!({"month": "2026-11"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    let status_url = r.headers()["location"].to_str().unwrap().to_owned();
+    let mut done = None;
+    for _ in 0..100 {
+        let r = http
+            .get(format!("{}{status_url}", s.url))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == StatusCode::SEE_OTHER {
+            done = Some(r.headers()["location"].to_str().unwrap().to_owned());
+            break;
+        }
+        assert_eq!(r.status(), StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let result = done.expect("the job finished");
+    let report: Value = http
+        .get(format!("{}{result}", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(report["ordersByStatus"].is_object(), "{report}");
+    let r = http
+        .get(format!("{}/jobs/unknown-job", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+}
+
+async fn admin(http: &reqwest::Client, s: &Server, path: &str) -> Value {
+    http.get(format!("{}/admin/api{path}", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn status_of(http: &reqwest::Client, s: &Server, id: &str) -> String {
+    let o: Value = http
+        .get(format!("{}/orders/{id}", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    o["status"].as_str().unwrap_or_default().to_owned()
+}
+
+async fn eventually<F, Fut>(mut check: F, what: &str)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..300 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() {
+    let s = serve(&["--demo-faults"]);
+    let http = reqwest::Client::new();
+    let faulty = |fault: &'static str, key: &'static str| {
+        http.post(format!("{}/orders", s.url))
+            .header("idempotency-key", key)
+            .header("x-keel-demo-fault", fault)
+            .json(&order("ops"))
+            .send()
+    };
+    let dl: Value = faulty("dead-letter", "f-dl")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let st: Value = faulty("stuck-saga", "f-st")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let (dl_id, st_id) = (dl["id"].as_str().unwrap(), st["id"].as_str().unwrap());
+
+    eventually(
+        || async {
+            admin(&http, &s, "/dead-letters").await["items"]
+                .as_array()
+                .is_some_and(|a| a.len() == 1)
+        },
+        "a dead letter",
+    )
+    .await;
+    eventually(
+        || async { status_of(&http, &s, st_id).await == "stuck" },
+        "a stuck saga",
+    )
+    .await;
+    assert_eq!(status_of(&http, &s, dl_id).await, "pending");
+
+    let letters = admin(&http, &s, "/dead-letters").await;
+    let letter = &letters["items"][0];
+    let r = http
+        .post(format!(
+            "{}/admin/api/dead-letters/{}/replay",
+            s.url,
+            letter["id"].as_str().unwrap()
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    let r = http
+        .post(format!("{}/admin/api/sagas/{st_id}/retry", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+
+    eventually(
+        || async { status_of(&http, &s, dl_id).await == "completed" },
+        "the replayed order to complete",
+    )
+    .await;
+    eventually(
+        || async { status_of(&http, &s, st_id).await == "compensated" },
+        "the retried saga to compensate",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn openapi_describes_every_route() {
+    let s = serve(&[]);
+    let doc: Value = reqwest::get(format!("{}/openapi.json", s.url))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().unwrap();
+    for (path, method) in [
+        ("/orders", "post"),
+        ("/orders", "get"),
+        ("/orders/{id}", "get"),
+        ("/reports", "post"),
+        ("/jobs/{id}", "get"),
+        ("/updates", "get"),
+        ("/stream", "get"),
+        ("/ws", "get"),
+        ("/webhook-endpoints", "post"),
+        ("/webhook-endpoints", "get"),
+        ("/webhook-endpoints/{id}/deliveries", "get"),
+        ("/deliveries/{id}/resend", "post"),
+        ("/webhooks/inbound/{source}", "post"),
+        ("/livez", "get"),
+        ("/readyz", "get"),
+        ("/debug/deep", "get"),
+        ("/metrics", "get"),
+        ("/openapi.json", "get"),
+    ] {
+        assert!(
+            paths.get(path).and_then(|p| p.get(method)).is_some(),
+            "{method} {path} missing"
+        );
+    }
+    for schema in ["NewOrder", "Order", "Item", "CreateEndpoint"] {
+        assert!(
+            doc["components"]["schemas"].get(schema).is_some(),
+            "schema {schema}"
+        );
+    }
+    let metrics = reqwest::get(format!("{}/metrics", s.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("keel_"), "prometheus text");
+}
+
+#[test]
+fn bad_configuration_is_refused_before_starting() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_keel"))
+            .arg("serve")
+            .args(args)
+            .env_remove("KEEL_ADMIN_TOKEN")
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "--database-url",
+        "postgres://127.0.0.1/keel",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .to_lowercase()
+            .contains("postgres")
+    );
+    let out = run(&[
+        "--broker",
+        "nats://127.0.0.1:4222",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .to_lowercase()
+            .contains("nats")
+    );
+    // A public address (TEST-NET, never bound) without an admin token.
+    let out = run(&["--listen", "192.0.2.1:8080"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("admin-token"));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("keel.toml");
+    std::fs::write(&file, "listen = \"127.0.0.1:0\"\nunknown_setting = 1\n").unwrap();
+    let out = run(&["--config", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown"));
+}
+
+#[tokio::test]
+async fn a_customer_follows_an_order_over_long_poll() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let placed: Value = place(&http, &s, "lp-1", &order("follower"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = placed["id"].as_str().unwrap();
+    let mut after = 0;
+    let mut types = Vec::new();
+    for _ in 0..20 {
+        let r = http
+            .get(format!(
+                "{}/updates?customerId=follower&after={after}",
+                s.url
+            ))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == StatusCode::OK {
+            let body: Value = r.json().await.unwrap();
+            for e in body["events"].as_array().unwrap() {
+                assert_eq!(e["data"]["orderId"], id);
+                types.push(e["type"].as_str().unwrap_or_default().to_owned());
+                after = e["seq"].as_i64().unwrap_or(after);
+            }
+        }
+        if types.iter().any(|t| t == "order.completed") {
+            break;
+        }
+    }
+    assert_eq!(
+        types,
+        ["order.placed", "order.completed"],
+        "in order, once each"
+    );
+    let r = http.get(format!("{}/updates", s.url)).send().await.unwrap();
+    assert!(r.status().is_client_error(), "no customer, no stream");
+}
