@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use keel::chaos::{self, ChaosArgs};
 use keel::demo::workload::WorkloadConfig;
 use keel::demo::{self, DemoConfig};
 use keel::serve::{self, ServeArgs};
@@ -28,6 +29,9 @@ enum Command {
     Demo(DemoArgs),
     /// Run the reference shop as a server (API, console, admin API).
     Serve(ServeArgs),
+    /// Run the demo's workload while crashing and restarting the system on
+    /// a seeded schedule of faults, then check the invariants.
+    Chaos(ChaosArgs),
     /// Dead letters on a running server: list, replay, discard.
     Dlq {
         #[command(flatten)]
@@ -98,14 +102,29 @@ async fn demo_command(args: DemoArgs) -> anyhow::Result<bool> {
     Ok(report.invariants.ok)
 }
 
+async fn chaos_command(args: ChaosArgs) -> anyhow::Result<bool> {
+    let json = args.json;
+    let report = chaos::run(args).await?;
+    print!("{}", report.table());
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    Ok(report.ok)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo's table is the output; logs only when asked for (KEEL_LOG).
-    init_tracing(match cli.command {
-        Command::Demo(_) => "off",
-        Command::Serve(_) => "info",
-        _ => "warn",
-    });
+    match cli.command {
+        // Chaos installs its own subscriber: it watches keel-messaging's
+        // events to see its failpoints fire.
+        Command::Chaos(_) => {
+            chaos::init_tracing("off");
+        }
+        Command::Demo(_) => init_tracing("off"),
+        Command::Serve(_) => init_tracing("info"),
+        _ => init_tracing("warn"),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -120,6 +139,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Demo(args) => demo_command(args).await,
             Command::Serve(args) => serve::run(args).await.map(|()| true),
+            Command::Chaos(args) => chaos_command(args).await,
             Command::Dlq { client, command } => ops::run_dlq(&client, command).await.map(|()| true),
             Command::Saga { client, command } => {
                 ops::run_saga(&client, command).await.map(|()| true)

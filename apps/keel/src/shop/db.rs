@@ -406,7 +406,7 @@ impl ShopDb for SqliteStore {
         for (sku, available) in stock {
             sqlx::query(
                 "INSERT INTO shop_stock (sku, available) VALUES (?, ?)
-                 ON CONFLICT (sku) DO UPDATE SET available = excluded.available",
+                 ON CONFLICT (sku) DO NOTHING",
             )
             .bind(sku)
             .bind(available)
