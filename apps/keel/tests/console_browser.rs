@@ -224,14 +224,17 @@ impl Browser {
             .unwrap();
     }
 
+    /// The text of `css`, found again if the live stream swapped it out.
     async fn text(&self, css: &str) -> String {
-        let element = self.wait_for(css, Duration::from_secs(10)).await;
-        let path = format!("/element/{element}/text");
-        let text = self
-            .command(reqwest::Method::GET, &path, Value::Null)
-            .await
-            .unwrap();
-        text.as_str().unwrap_or_default().to_owned()
+        for _ in 0..20 {
+            let element = self.wait_for(css, Duration::from_secs(10)).await;
+            let path = format!("/element/{element}/text");
+            if let Ok(text) = self.command(reqwest::Method::GET, &path, Value::Null).await {
+                return text.as_str().unwrap_or_default().to_owned();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("could not read `{css}`");
     }
 
     async fn quit(self) {

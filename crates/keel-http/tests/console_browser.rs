@@ -302,14 +302,38 @@ async fn click(client: &Client, css: &str) {
     panic!("could not click `{css}`");
 }
 
+/// The outer HTML of `css`, found afresh when the live stream replaced it
+/// between finding and reading (a stale element reference).
+async fn html_of(client: &Client, css: &str) -> String {
+    for _ in 0..20 {
+        let found = client
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no `{css}` on the page: {e}"));
+        if let Ok(html) = found.html(false).await {
+            return html;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("could not read `{css}`");
+}
+
 async fn notice(client: &Client) -> String {
-    let element = client
-        .wait()
-        .at_most(Duration::from_secs(10))
-        .for_element(Locator::Css("#notice"))
-        .await
-        .expect("a notice after the action");
-    element.text().await.unwrap()
+    for _ in 0..20 {
+        let element = client
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css("#notice"))
+            .await
+            .expect("a notice after the action");
+        if let Ok(text) = element.text().await {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("could not read the notice");
 }
 
 async fn gone(client: &Client, css: &str) {
@@ -360,11 +384,7 @@ async fn an_operator_replays_a_dead_letter_and_retries_a_stuck_saga_in_the_brows
         .for_element(Locator::Css("#live[data-live=true]"))
         .await
         .expect("the live stream connects");
-    let letter = c
-        .find(Locator::Css("tr[data-dead-letter-id='billing:a']"))
-        .await
-        .unwrap();
-    let html = letter.html(false).await.unwrap();
+    let html = html_of(c, "tr[data-dead-letter-id='billing:a']").await;
     assert!(
         html.contains("&lt;b&gt;ledger&lt;/b&gt; timeout #3"),
         "{html}"
