@@ -273,6 +273,53 @@ async fn a_retried_order_is_replayed_not_placed_twice() {
     assert_eq!(one["totalCents"], 900);
 }
 
+/// A process that dies after the order's commit but before the key's
+/// response is recorded leaves the key to be taken over; the retry then runs
+/// the handler again, which must find the order, not place a second one.
+#[tokio::test]
+async fn a_retry_after_a_crash_before_the_key_was_recorded_places_nothing_twice() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let first = place(&http, &s, "crash-1", &order("c7")).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first: Value = first.json().await.unwrap();
+
+    // What the crash and the lock's expiry leave: the order, and no key.
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(s._dir.path().join("shop.db"))
+        .busy_timeout(Duration::from_secs(10));
+    let mut db = <sqlx::SqliteConnection as sqlx::Connection>::connect_with(&options)
+        .await
+        .unwrap();
+    let forgotten = sqlx::query("DELETE FROM keel_idempotency")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    assert_eq!(forgotten.rows_affected(), 1);
+
+    let again = place(&http, &s, "crash-1", &order("c7")).await;
+    assert_eq!(again.status(), StatusCode::CREATED);
+    assert!(
+        again.headers().get("idempotent-replayed").is_none(),
+        "the handler ran again"
+    );
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(first["id"], again["id"], "the order placed the first time");
+    let list: Value = http
+        .get(format!("{}/orders?customerId=c7", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        list["items"].as_array().unwrap().len(),
+        1,
+        "one order, not two"
+    );
+}
+
 #[tokio::test]
 async fn pages_walk_every_order_once_in_order() {
     let s = serve(&[]);

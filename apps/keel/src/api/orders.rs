@@ -5,6 +5,13 @@
 //! transaction, then answers `201`. The Idempotency-Key layer in front of
 //! it makes a retried submission answer the first response instead of
 //! placing a second order.
+//!
+//! The layer records the response in a transaction of its own, after the
+//! order's. A process that dies between the two leaves the key locked until
+//! its lock expires, and then the retry runs this handler again. So the
+//! event id is derived from the key (and the caller's `Authorization`,
+//! which is whose keys they are), and a second run finds the order placed
+//! under it and answers with that order instead of placing another.
 
 use axum::Json;
 use axum::body::Bytes;
@@ -108,6 +115,14 @@ pub async fn place_order<S: ShopStore>(
                 .and_then(DemoFault::parse)
         })
         .flatten();
+    let event_id = placed_event_id(&headers);
+    if let Some(id) = &event_id {
+        match state.store.order_by_event(id).await {
+            Ok(Some(order)) => return created(order),
+            Ok(None) => {}
+            Err(e) => return store_failed(e),
+        }
+    }
     let order = Order {
         id: keel_core::id::new_id().to_string(),
         total_cents: new.total_cents(),
@@ -117,20 +132,46 @@ pub async fn place_order<S: ShopStore>(
         status: OrderStatus::Pending,
         created_at: now_rfc3339(),
     };
-    match insert(&state, &order, fault).await {
-        Ok(()) => (
-            StatusCode::CREATED,
-            [(header::LOCATION, format!("/orders/{}", order.id))],
-            Json(order),
-        )
-            .into_response(),
+    match insert(&state, &order, event_id, fault).await {
+        Ok(()) => created(order),
         Err(response) => response,
     }
+}
+
+fn created(order: Order) -> Response {
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/orders/{}", order.id))],
+        Json(order),
+    )
+        .into_response()
+}
+
+/// The id of the `orders.placed` event of the request's Idempotency-Key:
+/// the same for every run of the same request, unique per caller and key.
+fn placed_event_id(headers: &HeaderMap) -> Option<String> {
+    use sha2::{Digest, Sha256};
+    use std::fmt::Write;
+    let key = headers.get("idempotency-key")?;
+    let caller = headers
+        .get(header::AUTHORIZATION)
+        .map_or(&b""[..], |v| v.as_bytes());
+    let digest = Sha256::new()
+        .chain_update(caller)
+        .chain_update([0])
+        .chain_update(key.as_bytes())
+        .finalize();
+    let mut id = String::from("order-placed-");
+    for byte in &digest[..16] {
+        let _ = write!(id, "{byte:02x}");
+    }
+    Some(id)
 }
 
 async fn insert<S: ShopStore>(
     state: &AppState<S>,
     order: &Order,
+    event_id: Option<String>,
     fault: Option<DemoFault>,
 ) -> Result<(), Response> {
     let placed = OrderPlaced {
@@ -141,8 +182,11 @@ async fn insert<S: ShopStore>(
         total_cents: order.total_cents,
         demo_fault: fault,
     };
-    let envelope = Envelope::from_event(SOURCE, &placed, EventMeta::new(1))
+    let mut envelope = Envelope::from_event(SOURCE, &placed, EventMeta::new(1))
         .map_err(|e| Problem::internal(e).into_response())?;
+    if let Some(id) = event_id {
+        envelope.id = id;
+    }
     let store = &state.store;
     let mut tx = store.begin().await.map_err(store_failed)?;
     store

@@ -101,6 +101,8 @@ pub trait ShopDb: Store {
     ) -> Result<(), StoreError>;
     /// One order.
     async fn order(&self, id: &str) -> Result<Option<Order>, StoreError>;
+    /// The order whose `orders.placed` event has this id.
+    async fn order_by_event(&self, event_id: &str) -> Result<Option<Order>, StoreError>;
     /// Up to `limit` orders with ids after `after`, oldest first,
     /// optionally of one customer.
     async fn orders_after(
@@ -125,7 +127,8 @@ pub trait ShopDb: Store {
         tx: &mut Self::Tx,
         limit: usize,
     ) -> Result<Vec<Settled>, StoreError>;
-    /// Sets the stock levels.
+    /// Stocks the skus not stocked yet; never resets a level, so a restart
+    /// keeps what orders reserved.
     async fn seed_stock(&self, stock: &[(String, i64)]) -> Result<(), StoreError>;
     /// Records a capture under `key`; `false` if the key was already used.
     async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<bool, StoreError>;
@@ -303,6 +306,17 @@ impl ShopDb for SqliteStore {
             "SELECT {ORDER_COLUMNS} FROM shop_orders WHERE id = ?"
         ))
         .bind(id)
+        .fetch_optional(self.read_pool())
+        .await
+        .map_err(db)?;
+        row.as_ref().map(order_from_row).transpose()
+    }
+
+    async fn order_by_event(&self, event_id: &str) -> Result<Option<Order>, StoreError> {
+        let row = sqlx::query(&format!(
+            "SELECT {ORDER_COLUMNS} FROM shop_orders WHERE event_id = ?"
+        ))
+        .bind(event_id)
         .fetch_optional(self.read_pool())
         .await
         .map_err(db)?;
