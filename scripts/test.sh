@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\n==> %s\n' "$*"; }
 
+# One clean build: incremental artifacts only cost disk and time here.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 if ! command -v cargo-nextest >/dev/null 2>&1; then
   log "installing cargo-nextest"
   cargo install --locked cargo-nextest
