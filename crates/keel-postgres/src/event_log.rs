@@ -24,7 +24,7 @@ use sqlx::Row;
 use crate::PgStore;
 use crate::store::codec::{now, to_json};
 use crate::store::error::{corrupt, db_error, sql_limit};
-use crate::store::retry::retry;
+use crate::store::retry::delete_batch;
 
 /// Bumps the counter, inserts the event and notifies, in one statement.
 const APPEND_SQL: &str = "\
@@ -108,19 +108,7 @@ impl EventLogStore for PgStore {
     }
 
     async fn event_log_trim(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
-        let done = retry("event_log_trim", || async {
-            sqlx::query(TRIM_AGE_SQL)
-                .bind(before)
-                .bind(sql_limit(batch))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(done.rows_affected())
+        delete_batch(&self.pool, "event_log_trim", TRIM_AGE_SQL, before, batch).await
     }
 
     async fn event_log_last_seq(&self, stream: &str) -> Result<i64, StoreError> {
@@ -133,19 +121,14 @@ impl EventLogStore for PgStore {
     }
 
     async fn event_log_trim_keep_last(&self, keep: u64, batch: usize) -> Result<u64, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
         let keep = i64::try_from(keep).unwrap_or(i64::MAX);
-        let done = retry("event_log_trim_keep_last", || async {
-            sqlx::query(TRIM_KEEP_SQL)
-                .bind(keep)
-                .bind(sql_limit(batch))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(done.rows_affected())
+        delete_batch(
+            &self.pool,
+            "event_log_trim_keep_last",
+            TRIM_KEEP_SQL,
+            keep,
+            batch,
+        )
+        .await
     }
 }

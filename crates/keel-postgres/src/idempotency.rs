@@ -27,8 +27,8 @@ use sqlx::postgres::PgRow;
 use crate::PgStore;
 use crate::store::codec::{now, to_json};
 use crate::store::commit_own;
-use crate::store::error::{corrupt, db_error, sql_limit};
-use crate::store::retry::retry;
+use crate::store::error::{corrupt, db_error};
+use crate::store::retry::{delete_batch, retry};
 
 /// How often the decision starts over when the row keeps vanishing.
 const MAX_ROUNDS: usize = 8;
@@ -194,23 +194,7 @@ impl IdempotencyStore for PgStore {
     }
 
     async fn idempotency_prune(&self, now: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
-        let done = retry("idempotency_prune", || async {
-            sqlx::query(PRUNE_SQL)
-                .bind(now)
-                .bind(sql_limit(batch))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        let deleted = done.rows_affected();
-        if deleted > 0 {
-            tracing::debug!(deleted, "idempotency keys pruned");
-        }
-        Ok(deleted)
+        delete_batch(&self.pool, "idempotency_prune", PRUNE_SQL, now, batch).await
     }
 }
 

@@ -21,8 +21,8 @@ use sqlx::postgres::PgRow;
 
 use crate::PgStore;
 use crate::store::codec::{now, to_json};
-use crate::store::error::{corrupt, db_error, sql_limit};
-use crate::store::retry::retry;
+use crate::store::error::{corrupt, db_error};
+use crate::store::retry::{delete_batch, retry};
 
 const COLUMNS: &str = "id, kind, idempotency_key, params::text AS params, status, progress, \
                        result_location, error, created_at, updated_at, expires_at";
@@ -116,23 +116,7 @@ impl JobStore for PgStore {
     }
 
     async fn job_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
-        let done = retry("job_prune", || async {
-            sqlx::query(PRUNE_SQL)
-                .bind(before)
-                .bind(sql_limit(batch))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        let deleted = done.rows_affected();
-        if deleted > 0 {
-            tracing::debug!(deleted, "expired jobs pruned");
-        }
-        Ok(deleted)
+        delete_batch(&self.pool, "job_prune", PRUNE_SQL, before, batch).await
     }
 }
 

@@ -15,8 +15,8 @@ use keel_messaging::store::{InboxStore, Store};
 
 use super::PgStore;
 use super::codec::now;
-use super::error::{db_error, sql_limit};
-use super::retry::retry;
+use super::error::db_error;
+use super::retry::delete_batch;
 
 const RECORD_SQL: &str = "\
 INSERT INTO keel_inbox (event_id, handler, processed_at) VALUES ($1, $2, $3)
@@ -46,18 +46,6 @@ impl InboxStore for PgStore {
     }
 
     async fn inbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
-        let done = retry("inbox_prune", || async {
-            sqlx::query(PRUNE_SQL)
-                .bind(before)
-                .bind(sql_limit(batch))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(done.rows_affected())
+        delete_batch(&self.pool, "inbox_prune", PRUNE_SQL, before, batch).await
     }
 }

@@ -52,7 +52,7 @@ use sqlx::postgres::PgRow;
 use super::PgStore;
 use super::codec::{headers_from_json, now, to_json};
 use super::error::{db_error, sql_limit, to_u64};
-use super::retry::retry;
+use super::retry::{delete_batch, retry};
 
 /// Inserts the rows given as parallel arrays and notifies the outbox
 /// channel, in one statement.
@@ -223,23 +223,7 @@ impl OutboxStore for PgStore {
     }
 
     async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
-        let done = retry("outbox_prune", || async {
-            sqlx::query(PRUNE_SQL)
-                .bind(before)
-                .bind(sql_limit(batch))
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        let deleted = done.rows_affected();
-        if deleted > 0 {
-            tracing::debug!(deleted, "outbox pruned");
-        }
-        Ok(deleted)
+        delete_batch(&self.pool, "outbox_prune", PRUNE_SQL, before, batch).await
     }
 
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
