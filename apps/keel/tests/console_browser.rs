@@ -16,6 +16,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use keel_testkit::browser::ChromeDriver;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -36,71 +37,19 @@ const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
 struct Browser {
     http: reqwest::Client,
     session: String,
-    _driver: Child,
-    _profile: tempfile::TempDir,
+    _driver: ChromeDriver,
 }
 
 impl Browser {
     /// The browser, or `None` (with a message) when chromedriver is missing
     /// and `CI` is not set.
     async fn start() -> Option<Self> {
-        let driver = std::env::var("KEEL_TEST_CHROMEDRIVER")
-            .unwrap_or_else(|_| "/usr/bin/chromedriver".to_owned());
-        if !std::path::Path::new(&driver).exists() {
-            let why = format!(
-                "chromedriver not found at {driver}: run scripts/browser.sh (or set KEEL_TEST_CHROMEDRIVER)"
-            );
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "{why}; in CI this is an error"
-            );
-            eprintln!("skipping the browser test: {why}");
-            return None;
-        }
-        let port = {
-            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            probe.local_addr().unwrap().port()
-        };
-        let child = Command::new(&driver)
-            .arg(format!("--port={port}"))
-            .arg("--allowed-ips=127.0.0.1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("could not start {driver}: {e}"));
-        let mut ready = false;
-        for _ in 0..200 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                ready = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(
-            ready,
-            "chromedriver did not listen on port {port} within 10 s"
-        );
-        let profile = tempfile::tempdir().unwrap();
-        let mut options = json!({
-            "args": [
-                "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage",
-                format!("--user-data-dir={}", profile.path().display()),
-            ]
-        });
-        if let Ok(binary) = std::env::var("KEEL_TEST_CHROMIUM") {
-            options["binary"] = binary.into();
-        }
+        let driver = ChromeDriver::start().await?;
         let caps = json!({ "capabilities": { "alwaysMatch": {
-            "browserName": "chrome", "goog:chromeOptions": options } } });
+            "browserName": "chrome", "goog:chromeOptions": driver.chrome_options() } } });
         let http = reqwest::Client::new();
         let created: Value = http
-            .post(format!("http://127.0.0.1:{port}/session"))
+            .post(format!("{}/session", driver.url()))
             .json(&caps)
             .send()
             .await
@@ -113,9 +62,8 @@ impl Browser {
             .unwrap_or_else(|| panic!("no WebDriver session: {created}"));
         Some(Self {
             http,
-            session: format!("http://127.0.0.1:{port}/session/{id}"),
-            _driver: child,
-            _profile: profile,
+            session: format!("{}/session/{id}", driver.url()),
+            _driver: driver,
         })
     }
 

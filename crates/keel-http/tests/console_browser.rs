@@ -24,6 +24,7 @@ use keel_messaging::store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, SagaStatus, Store,
 };
 use keel_sqlite::store::SqliteStore;
+use keel_testkit::browser::ChromeDriver;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tempfile::TempDir;
@@ -36,74 +37,23 @@ const TOKEN: &str = "browser-test-token-0123456789";
 /// port; both die with it.
 struct Browser {
     client: Client,
-    _driver: tokio::process::Child,
-    _profile: TempDir,
+    _driver: ChromeDriver,
 }
 
 /// The browser, or `None` (with a message) when chromedriver is missing
 /// and `CI` is not set.
 async fn browser() -> Option<Browser> {
-    let driver = std::env::var("KEEL_TEST_CHROMEDRIVER")
-        .unwrap_or_else(|_| "/usr/bin/chromedriver".to_owned());
-    if !std::path::Path::new(&driver).exists() {
-        let why = format!(
-            "chromedriver not found at {driver}: run scripts/browser.sh (or set KEEL_TEST_CHROMEDRIVER)"
-        );
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{why}; in CI this is an error"
-        );
-        eprintln!("skipping the browser test: {why}");
-        return None;
-    }
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
-    let child = tokio::process::Command::new(&driver)
-        .arg(format!("--port={port}"))
-        .arg("--allowed-ips=127.0.0.1")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("could not start {driver}: {e}"));
-    let url = format!("http://127.0.0.1:{port}");
-    let mut ready = false;
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(ready, "chromedriver did not listen on {url} within 10 s");
-    let profile = tempfile::tempdir().unwrap();
-    let mut options = serde_json::json!({
-        "args": [
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--disable-dev-shm-usage",
-            format!("--user-data-dir={}", profile.path().display()),
-        ]
-    });
-    if let Ok(binary) = std::env::var("KEEL_TEST_CHROMIUM") {
-        options["binary"] = binary.into();
-    }
+    let driver = ChromeDriver::start().await?;
     let mut caps = serde_json::Map::new();
-    caps.insert("goog:chromeOptions".to_owned(), options);
+    caps.insert("goog:chromeOptions".to_owned(), driver.chrome_options());
     let client = ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
         .capabilities(caps)
-        .connect(&url)
+        .connect(&driver.url())
         .await
         .expect("a WebDriver session with headless Chromium");
     Some(Browser {
         client,
-        _driver: child,
-        _profile: profile,
+        _driver: driver,
     })
 }
 

@@ -10,10 +10,13 @@
 //! every saga completed or fully compensated.
 //!
 //! [`services`] hands tests the PostgreSQL and NATS servers that
-//! `scripts/services.sh` runs, and fails loudly in CI when they are missing.
+//! `scripts/services.sh` runs, and fails loudly in CI when they are missing;
+//! [`browser`] starts chromedriver for the console's browser tests.
 
 #[cfg(feature = "broker-suite")]
 pub mod broker_suite;
+#[cfg(feature = "browser")]
+pub mod browser;
 #[cfg(feature = "store-suite")]
 pub mod event_log_suite;
 #[cfg(feature = "store-suite")]
