@@ -10,7 +10,7 @@ use keel_sqlite::{SqliteBroker, SqliteStore};
 use serde::Serialize;
 
 use super::schedule::{Crash, DEAD_LETTER_FAILPOINT, Schedule};
-use crate::demo::report::{self, PolicyCounts, Report};
+use crate::demo::report::{self, Report};
 use crate::demo::wait_quiescent;
 use crate::demo::workload::WorkloadResult;
 use crate::shop::SystemHandle;
@@ -183,36 +183,9 @@ pub(super) async fn settle_and_check(
     )
     .await
         && broker_settled(broker, until).await;
-    let (audit, dead, money, invariants) = report::check(&handle.store, result).await?;
-    let counts = PolicyCounts::now();
-    let ms = |q: f64| result.latency_us.value_at_quantile(q) as f64 / 1000.0;
-    let mut report = Report {
-        orders_sent: args.orders,
-        orders_accepted: result.accepted.len() as u64,
-        orders_rejected: result.rejected,
-        duplicates_sent: result.duplicates_sent,
-        duplicates_absorbed: result.duplicates_absorbed,
-        duplicate_in_flight_conflicts: result.in_flight_conflicts,
-        events_published: audit.published.len() as u64,
-        effects_applied: audit.applied.len() as u64,
-        dependency_effects: audit.effects.len() as u64,
-        duplicates_deduped_by_inbox: counts.inbox_duplicates,
-        dead_letters: dead.len() as u64,
-        breaker_transitions: counts.breaker_transitions,
-        breaker_rejections: counts.breaker_rejections,
-        retries: counts.retries,
-        retry_budget_exhausted: counts.retry_budget_exhausted,
-        latency_p50_ms: ms(0.5),
-        latency_p99_ms: ms(0.99),
-        elapsed_s: started.elapsed().as_secs_f64(),
-        quiescent: quiet,
-        money,
-        invariants,
-        ..Report::default()
-    };
-    report::count_sagas(&mut report, &audit);
+    let mut report =
+        report::assemble(&handle.store, result, args.orders, started.elapsed(), quiet).await?;
     if !quiet {
-        report.invariants.ok = false;
         report.invariants.violations.push(
             "not every accepted order (and every message in the broker) settled within the wait"
                 .into(),

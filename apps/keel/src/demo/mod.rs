@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use crate::shop::model::OrderStatus;
 use crate::shop::services::PaymentsFaults;
 use crate::shop::{ShopStore, System, SystemConfig, SystemHandle};
-use report::{PolicyCounts, Report};
+use report::Report;
 use workload::{Progress, WorkloadConfig};
 
 /// How the demo runs.
@@ -189,37 +189,10 @@ pub async fn run_on<S: ShopStore>(
     if show {
         eprintln!();
     }
-    let (audit, dead, money, invariants) = report::check(&handle.store, &result).await?;
-    let counts = PolicyCounts::now();
-    let ms = |q: f64| result.latency_us.value_at_quantile(q) as f64 / 1000.0;
-    let mut report = Report {
-        orders_sent: total,
-        orders_accepted: result.accepted.len() as u64,
-        orders_rejected: result.rejected,
-        duplicates_sent: result.duplicates_sent,
-        duplicates_absorbed: result.duplicates_absorbed,
-        duplicate_in_flight_conflicts: result.in_flight_conflicts,
-        events_published: audit.published.len() as u64,
-        effects_applied: audit.applied.len() as u64,
-        dependency_effects: audit.effects.len() as u64,
-        duplicates_deduped_by_inbox: counts.inbox_duplicates,
-        dead_letters: dead.len() as u64,
-        breaker_transitions: counts.breaker_transitions,
-        breaker_rejections: counts.breaker_rejections,
-        retries: counts.retries,
-        retry_budget_exhausted: counts.retry_budget_exhausted,
-        webhooks_received: webhooks_received.load(Ordering::Relaxed),
-        latency_p50_ms: ms(0.5),
-        latency_p99_ms: ms(0.99),
-        elapsed_s: started.elapsed().as_secs_f64(),
-        quiescent: quiet,
-        money,
-        invariants,
-        ..Report::default()
-    };
-    report::count_sagas(&mut report, &audit);
+    let mut report =
+        report::assemble(&handle.store, &result, total, started.elapsed(), quiet).await?;
+    report.webhooks_received = webhooks_received.load(Ordering::Relaxed);
     if !quiet {
-        report.invariants.ok = false;
         report
             .invariants
             .violations

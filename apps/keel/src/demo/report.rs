@@ -147,6 +147,50 @@ impl PolicyCounts {
     }
 }
 
+/// The report of a finished workload: checks the invariants on `store`,
+/// reads the policies' counters, and fails the verdict when the system did
+/// not settle (`settled` false) within the wait.
+pub async fn assemble<S: ShopStore>(
+    store: &S,
+    workload: &WorkloadResult,
+    orders_sent: u64,
+    elapsed: std::time::Duration,
+    settled: bool,
+) -> Result<Report, keel_messaging::StoreError> {
+    let (audit, dead, money, invariants) = check(store, workload).await?;
+    let counts = PolicyCounts::now();
+    let ms = |q: f64| workload.latency_us.value_at_quantile(q) as f64 / 1000.0;
+    let mut report = Report {
+        orders_sent,
+        orders_accepted: workload.accepted.len() as u64,
+        orders_rejected: workload.rejected,
+        duplicates_sent: workload.duplicates_sent,
+        duplicates_absorbed: workload.duplicates_absorbed,
+        duplicate_in_flight_conflicts: workload.in_flight_conflicts,
+        events_published: audit.published.len() as u64,
+        effects_applied: audit.applied.len() as u64,
+        dependency_effects: audit.effects.len() as u64,
+        duplicates_deduped_by_inbox: counts.inbox_duplicates,
+        dead_letters: dead.len() as u64,
+        breaker_transitions: counts.breaker_transitions,
+        breaker_rejections: counts.breaker_rejections,
+        retries: counts.retries,
+        retry_budget_exhausted: counts.retry_budget_exhausted,
+        latency_p50_ms: ms(0.5),
+        latency_p99_ms: ms(0.99),
+        elapsed_s: elapsed.as_secs_f64(),
+        quiescent: settled,
+        money,
+        invariants,
+        ..Report::default()
+    };
+    count_sagas(&mut report, &audit);
+    if !settled {
+        report.invariants.ok = false;
+    }
+    Ok(report)
+}
+
 /// Reads the facts back and checks every invariant against what the
 /// workload saw accepted.
 pub async fn check<S: ShopStore>(
