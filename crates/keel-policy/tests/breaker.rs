@@ -775,33 +775,40 @@ mod concurrency {
         let dependency = Dependency::default();
         let release = Arc::new(tokio::sync::Semaphore::new(0));
         let start = Arc::new(tokio::sync::Barrier::new(64));
+        let finished = Arc::new(AtomicUsize::new(0));
         let tasks: Vec<_> = (0..64)
             .map(|_| {
-                let (b, dependency, release, start) = (
+                let (b, dependency, release, start, finished) = (
                     b.clone(),
                     dependency.clone(),
                     release.clone(),
                     start.clone(),
+                    finished.clone(),
                 );
                 tokio::spawn(async move {
                     start.wait().await;
-                    b.call(|| async move {
-                        dependency.calls.fetch_add(1, SeqCst);
-                        let _ = release.acquire().await;
-                        Ok::<u32, DepError>(1)
-                    })
-                    .await
+                    let answer = b
+                        .call(|| async move {
+                            dependency.calls.fetch_add(1, SeqCst);
+                            let _ = release.acquire().await;
+                            Ok::<u32, DepError>(1)
+                        })
+                        .await;
+                    finished.fetch_add(1, SeqCst);
+                    answer
                 })
             })
             .collect();
-        let probes_in = async {
-            while dependency.calls() < 3 {
+        // Hold the probes until every other task has been turned away, so
+        // none of them can arrive after the probes closed the breaker.
+        let the_rest_refused = async {
+            while dependency.calls() < 3 || finished.load(SeqCst) < 61 {
                 tokio::task::yield_now().await;
             }
         };
-        tokio::time::timeout(Duration::from_secs(10), probes_in)
+        tokio::time::timeout(Duration::from_secs(10), the_rest_refused)
             .await
-            .expect("3 probes enter");
+            .expect("3 probes enter and 61 calls are refused");
         release.add_permits(64);
         let mut answered = 0;
         for task in tasks {
