@@ -7,6 +7,7 @@
 //! checks the invariants; [`serve`] runs it as a server.
 
 pub mod api;
+pub mod backend;
 pub mod chaos;
 pub mod demo;
 pub mod metrics_report;

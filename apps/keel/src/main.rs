@@ -72,6 +72,16 @@ struct DemoArgs {
     /// Print the report as one JSON object on the last line of stdout.
     #[arg(long)]
     json: bool,
+    /// `sqlite` (the embedded defaults in a temporary directory) or
+    /// `postgres+nats` (the servers of --database-url and --broker).
+    #[arg(long, default_value = "sqlite")]
+    backend: String,
+    /// With `--backend postgres+nats`: the PostgreSQL URL.
+    #[arg(long, env = "KEEL_DATABASE_URL")]
+    database_url: Option<String>,
+    /// With `--backend postgres+nats`: the NATS URL.
+    #[arg(long, env = "KEEL_BROKER")]
+    broker: Option<String>,
 }
 
 fn init_tracing(default: &str) {
@@ -84,6 +94,11 @@ fn init_tracing(default: &str) {
 }
 
 async fn demo_command(args: DemoArgs) -> anyhow::Result<bool> {
+    let backend = keel::backend::demo_backend(
+        &args.backend,
+        args.database_url.as_deref(),
+        args.broker.as_deref(),
+    )?;
     let config = DemoConfig {
         workload: WorkloadConfig {
             orders: args.orders,
@@ -93,6 +108,7 @@ async fn demo_command(args: DemoArgs) -> anyhow::Result<bool> {
         },
         settle_timeout: Duration::from_secs(args.settle_timeout),
         progress: true,
+        backend,
     };
     let report = demo::run(config).await?;
     print!("{}", report.table());

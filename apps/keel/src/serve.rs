@@ -26,6 +26,7 @@ use serde::Deserialize;
 use crate::api::openapi;
 use crate::api::reports::{ReportWorker, Reports};
 use crate::api::webhooks::{self, WebhookApi};
+use crate::backend::{self, Backend, BackendOptions, InvalidBackend, OnStore};
 use crate::shop::{Components, ShopStore, StartError, System, SystemConfig};
 
 /// The default listen address.
@@ -48,6 +49,14 @@ pub struct ServeArgs {
     /// with the `nats` feature.
     #[arg(long, env = "KEEL_BROKER")]
     pub broker: Option<String>,
+    /// PostgreSQL: the schema holding every table [default: keel].
+    /// Processes sharing the work must use the same one.
+    #[arg(long, env = "KEEL_PG_SCHEMA")]
+    pub pg_schema: Option<String>,
+    /// NATS: the prefix of the JetStream streams [default: KEEL].
+    /// Processes sharing the work must use the same one.
+    #[arg(long, env = "KEEL_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
     /// The admin API and console token (at least 16 characters); required
     /// unless listening on loopback.
     #[arg(long, env = "KEEL_ADMIN_TOKEN", hide_env_values = true)]
@@ -78,6 +87,10 @@ pub struct ServeFile {
     pub database_url: Option<String>,
     /// See [`ServeArgs::broker`].
     pub broker: Option<String>,
+    /// See [`ServeArgs::pg_schema`].
+    pub pg_schema: Option<String>,
+    /// See [`ServeArgs::stream_prefix`].
+    pub stream_prefix: Option<String>,
     /// See [`ServeArgs::admin_token`].
     pub admin_token: Option<String>,
     /// See [`ServeArgs::demo_faults`].
@@ -90,19 +103,7 @@ pub struct ServeFile {
     pub cursor_key: Option<String>,
 }
 
-/// Where the data lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Database {
-    /// A SQLite file.
-    Sqlite(PathBuf),
-}
-
-/// Which broker carries events.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BrokerKind {
-    /// The embedded SQLite broker, in this file.
-    Embedded(PathBuf),
-}
+pub use crate::backend::{BrokerKind, Database};
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
@@ -113,6 +114,10 @@ pub struct ServeConfig {
     pub database: Database,
     /// The broker.
     pub broker: BrokerKind,
+    /// The PostgreSQL schema.
+    pub pg_schema: String,
+    /// The NATS stream prefix.
+    pub stream_prefix: String,
     /// The admin token (none: loopback only).
     pub admin_token: Option<String>,
     /// Demo faults on.
@@ -153,56 +158,23 @@ fn invalid(setting: &'static str, reason: impl Into<String>) -> ConfigError {
     }
 }
 
-/// Parses `--database-url`.
-pub fn parse_database(url: &str) -> Result<Database, ConfigError> {
-    if let Some(rest) = url.strip_prefix("sqlite:") {
-        let path = rest.trim_start_matches("//");
-        if path.is_empty() || path == ":memory:" {
-            return Err(invalid(
-                "database-url",
-                "give a file: sqlite:PATH (the shop needs a file the broker can share)",
-            ));
+impl From<InvalidBackend> for ConfigError {
+    fn from(e: InvalidBackend) -> Self {
+        ConfigError::Invalid {
+            setting: e.setting,
+            reason: e.reason,
         }
-        return Ok(Database::Sqlite(PathBuf::from(path)));
     }
-    if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        return Err(invalid(
-            "database-url",
-            if cfg!(feature = "postgres") {
-                "PostgreSQL is compiled in, but the shop's business tables are not implemented on it yet; use sqlite:PATH"
-            } else {
-                "this keel was built without the `postgres` feature; rebuild with it, or use sqlite:PATH"
-            },
-        ));
-    }
-    Err(invalid(
-        "database-url",
-        format!("`{url}` is neither sqlite:PATH nor postgres://..."),
-    ))
 }
 
-/// Parses `--broker` (the embedded broker lives next to `database`).
+/// Parses `--database-url` (see [`backend::parse_database`]).
+pub fn parse_database(url: &str) -> Result<Database, ConfigError> {
+    Ok(backend::parse_database(url)?)
+}
+
+/// Parses `--broker` (see [`backend::parse_broker`]).
 pub fn parse_broker(broker: &str, database: &Database) -> Result<BrokerKind, ConfigError> {
-    match broker {
-        "embedded" => {
-            let Database::Sqlite(db) = database;
-            let mut path = db.clone().into_os_string();
-            path.push(".broker");
-            Ok(BrokerKind::Embedded(PathBuf::from(path)))
-        }
-        url if url.starts_with("nats://") => Err(invalid(
-            "broker",
-            if cfg!(feature = "nats") {
-                "NATS is compiled in but not wired into keel serve yet; use --broker embedded"
-            } else {
-                "this keel was built without the `nats` feature (NATS JetStream broker not built); rebuild with it, or use --broker embedded"
-            },
-        )),
-        other => Err(invalid(
-            "broker",
-            format!("`{other}` is neither `embedded` nor nats://..."),
-        )),
-    }
+    Ok(backend::parse_broker(broker, database)?)
 }
 
 impl ServeArgs {
@@ -245,6 +217,16 @@ impl ServeArgs {
                 .unwrap_or_else(|| "embedded".to_owned()),
             &database,
         )?;
+        let pg_schema = self
+            .pg_schema
+            .clone()
+            .or(file.pg_schema)
+            .unwrap_or_else(|| backend::DEFAULT_PG_SCHEMA.to_owned());
+        let stream_prefix = self
+            .stream_prefix
+            .clone()
+            .or(file.stream_prefix)
+            .unwrap_or_else(|| backend::DEFAULT_STREAM_PREFIX.to_owned());
         let admin_token = self.admin_token.clone().or(file.admin_token);
         AdminToken::require_for(listen, admin_token.clone())
             .map_err(|e| invalid("admin-token", e.to_string()))?;
@@ -263,6 +245,8 @@ impl ServeArgs {
             listen,
             database,
             broker,
+            pg_schema,
+            stream_prefix,
             admin_token,
             demo_faults: self.demo_faults || file.demo_faults.unwrap_or(false),
             allow_loopback_webhooks: self.allow_loopback_webhooks
@@ -359,15 +343,20 @@ pub fn serve_routes<S: ShopStore>(
         .merge(admin_routes(c, token)))
 }
 
+impl ServeConfig {
+    /// The backends to open.
+    pub fn backend_options(&self) -> BackendOptions {
+        BackendOptions {
+            pg_schema: self.pg_schema.clone(),
+            stream_prefix: self.stream_prefix.clone(),
+            ..BackendOptions::new(self.database.clone(), self.broker.clone())
+        }
+    }
+}
+
 /// Opens the configured store and broker.
-pub async fn open(
-    config: &ServeConfig,
-) -> anyhow::Result<(keel_sqlite::SqliteStore, Arc<dyn Broker>)> {
-    let Database::Sqlite(db) = &config.database;
-    let BrokerKind::Embedded(broker_path) = &config.broker;
-    let store = keel_sqlite::SqliteStore::open(db).await?;
-    let broker = keel_sqlite::SqliteBroker::open(broker_path).await?;
-    Ok((store, Arc::new(broker)))
+pub async fn open(config: &ServeConfig) -> anyhow::Result<Backend> {
+    Ok(Backend::open(&config.backend_options()).await?)
 }
 
 /// Runs the server until SIGTERM/ctrl-c, printing exactly one line to
@@ -375,7 +364,30 @@ pub async fn open(
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     crate::metrics_report::install();
     let config = args.resolve()?;
-    let (store, broker) = open(&config).await?;
+    let options = config.backend_options();
+    tracing::info!(backends = %options.describe(), "opening the backends");
+    let backend = Backend::open(&options).await?;
+    backend.run(Serve { config }).await
+}
+
+/// The server, on whichever store was opened.
+struct Serve {
+    config: ServeConfig,
+}
+
+impl OnStore for Serve {
+    type Output = anyhow::Result<()>;
+
+    async fn run<S: ShopStore>(self, store: S, broker: Arc<dyn Broker>) -> anyhow::Result<()> {
+        serve_on(self.config, store, broker).await
+    }
+}
+
+async fn serve_on<S: ShopStore>(
+    config: ServeConfig,
+    store: S,
+    broker: Arc<dyn Broker>,
+) -> anyhow::Result<()> {
     let system = SystemConfig {
         listen: config.listen,
         demo_faults: config.demo_faults,
@@ -406,6 +418,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         serve_routes(c, &cfg, reports, &jobs_for_routes)
     })
     .await?;
+    // Other processes' commits wake this one's relay, orchestrator and
+    // event-log readers (PostgreSQL; a no-op on SQLite).
+    let _wakeups = backend::spawn_wakeups(&handle.store, backend::wake_targets(&handle));
     let (stop_worker, worker_stopped) = tokio::sync::watch::channel(false);
     let worker_task = tokio::spawn(async move {
         let mut rx = worker_stopped;
@@ -473,6 +488,27 @@ mod tests {
     }
 
     #[test]
+    fn scale_out_backends_resolve_with_their_schema_and_prefix() {
+        let mut a = args();
+        a.database_url = Some("postgres://keel@127.0.0.1/keel".into());
+        a.broker = Some("nats://127.0.0.1:4222".into());
+        a.pg_schema = Some("shop".into());
+        a.stream_prefix = Some("SHOP".into());
+        let resolved = a.resolve();
+        if cfg!(all(feature = "postgres", feature = "nats")) {
+            let options = resolved.unwrap().backend_options();
+            assert!(options.shareable());
+            assert_eq!(options.pg_schema, "shop");
+            assert_eq!(options.stream_prefix, "SHOP");
+        } else {
+            assert!(resolved.unwrap_err().to_string().contains("feature"));
+        }
+        let options = args().resolve().unwrap().backend_options();
+        assert_eq!(options.pg_schema, backend::DEFAULT_PG_SCHEMA);
+        assert_eq!(options.stream_prefix, backend::DEFAULT_STREAM_PREFIX);
+    }
+
+    #[test]
     fn unusable_settings_say_what_to_change() {
         let mut a = args();
         a.listen = Some("localhost".into());
@@ -481,16 +517,8 @@ mod tests {
         a.database_url = Some("mysql://x".into());
         assert!(a.resolve().is_err());
         let mut a = args();
-        a.database_url = Some("postgres://127.0.0.1/keel".into());
-        assert!(a.resolve().unwrap_err().to_string().contains("sqlite:PATH"));
-        let mut a = args();
-        a.broker = Some("nats://127.0.0.1:4222".into());
-        assert!(
-            a.resolve()
-                .unwrap_err()
-                .to_string()
-                .contains("--broker embedded")
-        );
+        a.broker = Some("kafka://127.0.0.1:9092".into());
+        assert!(a.resolve().unwrap_err().to_string().contains("nats://"));
         let mut a = args();
         a.listen = Some("192.0.2.1:8080".into());
         assert!(a.resolve().unwrap_err().to_string().contains("admin-token"));

@@ -592,9 +592,12 @@ fn bad_configuration_is_refused_before_starting() {
             .output()
             .unwrap()
     };
+    // Nothing listens on port 1: the unreachable server is named.
     let out = run(&[
         "--database-url",
-        "postgres://127.0.0.1/keel",
+        "postgres://keel@127.0.0.1:1/keel",
+        "--broker",
+        "nats://127.0.0.1:1",
         "--listen",
         "127.0.0.1:0",
     ]);
@@ -604,9 +607,13 @@ fn bad_configuration_is_refused_before_starting() {
             .to_lowercase()
             .contains("postgres")
     );
+    let scratch = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", scratch.path().join("keel.db").display());
     let out = run(&[
+        "--database-url",
+        &db,
         "--broker",
-        "nats://127.0.0.1:4222",
+        "nats://127.0.0.1:1",
         "--listen",
         "127.0.0.1:0",
     ]);

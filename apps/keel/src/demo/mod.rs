@@ -1,6 +1,11 @@
 //! `keel demo`: the whole system on the embedded defaults (a SQLite file in
 //! a temporary directory, the SQLite broker), a workload of orders with
 //! duplicates and a flaky payments service, and the invariants' verdict.
+//!
+//! `keel demo --backend postgres+nats` runs the same on PostgreSQL and NATS
+//! JetStream instead, in a schema and under a stream prefix of the run's
+//! own (the invariants judge this run's rows only); the schema is dropped
+//! afterwards, the streams age out with their retention.
 
 pub mod report;
 pub mod workload;
@@ -16,6 +21,7 @@ use keel_sqlite::store::SqliteSynchronous;
 use keel_sqlite::{SqliteBroker, SqliteBrokerOptions, SqliteStore};
 use tokio::sync::watch;
 
+use crate::backend::{self, Backend, BackendOptions, OnStore, OpenedStore};
 use crate::shop::model::OrderStatus;
 use crate::shop::services::PaymentsFaults;
 use crate::shop::{ShopStore, System, SystemConfig, SystemHandle};
@@ -31,6 +37,10 @@ pub struct DemoConfig {
     pub settle_timeout: Duration,
     /// Whether to draw the progress line on stderr.
     pub progress: bool,
+    /// `None`: the embedded defaults in a temporary directory. Otherwise
+    /// these backends; the schema and stream prefix are replaced by ones
+    /// of the run's own.
+    pub backend: Option<BackendOptions>,
 }
 
 impl Default for DemoConfig {
@@ -39,6 +49,7 @@ impl Default for DemoConfig {
             workload: WorkloadConfig::default(),
             settle_timeout: Duration::from_secs(60),
             progress: true,
+            backend: None,
         }
     }
 }
@@ -201,12 +212,72 @@ pub async fn run_on<S: ShopStore>(
     Ok(report)
 }
 
-/// `keel demo`: starts everything in a temporary directory, runs the
-/// workload, shuts down, and returns the report.
+/// `keel demo`: starts everything in a temporary directory (or on the
+/// configured backends), runs the workload, shuts down, and returns the
+/// report.
 pub async fn run(config: DemoConfig) -> anyhow::Result<Report> {
     crate::metrics_report::install();
+    if let Some(options) = config.backend.clone() {
+        return run_scale_out(&config, options).await;
+    }
     let dir = tempfile::tempdir()?;
     let (store, broker) = open_embedded(dir.path()).await?;
+    let place = format!("SQLite in {}", dir.path().display());
+    run_system(store, broker, &config, &place).await
+}
+
+/// The demo on `options`, in a fresh schema and stream prefix, so that the
+/// invariants judge this run alone; drops the schema afterwards.
+async fn run_scale_out(config: &DemoConfig, options: BackendOptions) -> anyhow::Result<Report> {
+    let id = keel_core::id::new_id().simple().to_string();
+    let options = BackendOptions {
+        pg_schema: format!("keel_demo_{id}"),
+        stream_prefix: format!("demo_{}", &id[id.len() - 24..]),
+        ..options
+    };
+    let place = options.describe();
+    let backend = Backend::open(&options).await?;
+    let store = backend.store.clone();
+    let report = backend.run(Demo { config, place }).await;
+    drop_run_schema(&store).await;
+    report
+}
+
+/// Drops the run's PostgreSQL schema (SQLite's temporary directory goes
+/// by itself).
+async fn drop_run_schema(store: &OpenedStore) {
+    #[cfg(feature = "postgres")]
+    if let OpenedStore::Postgres(store) = store {
+        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", store.schema());
+        if let Err(err) = sqlx::query(&sql).execute(store.pool()).await {
+            eprintln!("keel demo: could not drop schema {}: {err}", store.schema());
+        }
+        store.close().await;
+    }
+    #[cfg(not(feature = "postgres"))]
+    let _ = store;
+}
+
+/// The demo, on whichever store was opened.
+struct Demo<'a> {
+    config: &'a DemoConfig,
+    place: String,
+}
+
+impl OnStore for Demo<'_> {
+    type Output = anyhow::Result<Report>;
+
+    async fn run<S: ShopStore>(self, store: S, broker: Arc<dyn Broker>) -> Self::Output {
+        run_system(store, broker, self.config, &self.place).await
+    }
+}
+
+async fn run_system<S: ShopStore>(
+    store: S,
+    broker: Arc<dyn Broker>,
+    config: &DemoConfig,
+    place: &str,
+) -> anyhow::Result<Report> {
     let (stop_hooks, hooks_stopped) = watch::channel(false);
     let received = Arc::new(AtomicU64::new(0));
     let hook_url = webhook_receiver(Arc::clone(&received), hooks_stopped).await?;
@@ -216,11 +287,11 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<Report> {
         ..SystemConfig::default()
     };
     eprintln!(
-        "keel demo: {} orders, SQLite in {}, webhook endpoints on loopback allowed for the demo's receiver",
+        "keel demo: {} orders, {place}, webhook endpoints on loopback allowed for the demo's receiver",
         config.workload.orders,
-        dir.path().display()
     );
     let handle = System::start(store, broker, system, |_| Ok(axum::Router::new())).await?;
+    let _wakeups = backend::spawn_wakeups(&handle.store, backend::wake_targets(&handle));
     handle
         .endpoints
         .create(
@@ -229,7 +300,7 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<Report> {
                 .event_types(["order.*"]),
         )
         .await?;
-    let report = run_on(&handle, &config, received).await;
+    let report = run_on(&handle, config, received).await;
     handle.shutdown().await;
     let _ = stop_hooks.send(true);
     report

@@ -166,6 +166,11 @@ pub struct SystemHandle<S: ShopStore> {
     pub store: S,
     /// The broker.
     pub broker: Arc<dyn Broker>,
+    /// The outbox whose relay this system runs (`notify` wakes it).
+    pub outbox: Outbox<S>,
+    /// The event log the projection appends to (its notifier wakes
+    /// long-poll, SSE and WebSocket readers).
+    pub log: EventLog<S>,
     /// Sagas: list, counts, retry, cancel.
     pub orchestrator: SagaOrchestrator<S>,
     /// Dead letters: list, replay, discard.
@@ -338,6 +343,8 @@ impl System {
             addr,
             store,
             broker,
+            outbox,
+            log,
             orchestrator,
             dead_letters: components.dead_letters,
             breakers,
