@@ -398,6 +398,12 @@ async fn serve_on<S: ShopStore>(
             .map(String::into_bytes)
             .unwrap_or_else(|| SystemConfig::default().cursor_key),
         lb_notice: Duration::from_secs(1),
+        // Processes sharing a database must not take each other's claims.
+        relay_name: if matches!(config.database, Database::Sqlite(_)) {
+            "shop-relay".to_owned()
+        } else {
+            format!("shop-relay-{}", keel_core::id::new_id().simple())
+        },
         ..SystemConfig::default()
     };
     let reports: Reports = Arc::default();

@@ -96,6 +96,12 @@ pub struct SystemConfig {
     pub drain_timeout: Duration,
     /// How often the background workers poll when idle.
     pub poll_interval: Duration,
+    /// The outbox relay's name. A relay takes back claims made under its
+    /// own name at once (so a restarted process resumes its batch), which
+    /// is right for one process on its own database and wrong for several
+    /// sharing one: each of those needs a name of its own (default
+    /// `shop-relay`).
+    pub relay_name: String,
 }
 
 impl Default for SystemConfig {
@@ -119,6 +125,7 @@ impl Default for SystemConfig {
             lb_notice: Duration::ZERO,
             drain_timeout: Duration::from_secs(10),
             poll_interval: Duration::from_millis(50),
+            relay_name: "shop-relay".to_owned(),
         }
     }
 }
@@ -231,7 +238,7 @@ impl System {
 
         let outbox = Outbox::new(store.clone());
         let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
-            .name("shop-relay")
+            .name(config.relay_name.clone())
             .poll_interval(config.poll_interval)
             .batch_size(NonZeroUsize::new(200).unwrap_or(NonZeroUsize::MIN))
             .build()
