@@ -1,5 +1,7 @@
 //! The `keel` binary: `keel demo` runs the reference shop on the embedded
-//! defaults and checks its invariants; `keel serve` runs it as a server.
+//! defaults and checks its invariants; `keel serve` runs it as a server;
+//! `keel chaos` runs the demo under seeded faults; `keel dlq`, `keel saga`
+//! and `keel webhooks` are the operator commands against a running server.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -10,8 +12,8 @@ use keel::demo::workload::WorkloadConfig;
 use keel::demo::{self, DemoConfig};
 use keel::serve::{self, ServeArgs};
 
-// The operator commands (owned by the console work); their items are `pub`
-// for the browser test, which includes the file directly.
+// The operator commands: a client of the admin API. Its items are `pub` so
+// the module reads like the library's; in a binary that is unreachable.
 #[allow(unreachable_pub)]
 mod ops;
 
