@@ -116,8 +116,16 @@ impl NatsSubscription {
             .messages()
             .await
             .map_err(|e| unavailable("pulling from JetStream", e))?;
+        // The server ends a pull when it expires; a pull it lost (a restart)
+        // would never end, so the client gives up a request timeout later.
+        let give_up = clock::now() + wait + self.request_timeout;
         let mut got = Vec::new();
-        while let Some(message) = batch.next().await {
+        loop {
+            let Ok(next) = tokio::time::timeout_at(give_up, batch.next()).await else {
+                tracing::debug!("a pull outlived its expiry; the server lost it");
+                break;
+            };
+            let Some(message) = next else { break };
             match message {
                 Ok(message) => got.push((message, clock::now())),
                 Err(error) if got.is_empty() => {
