@@ -584,55 +584,50 @@ async fn openapi_describes_every_route() {
 
 #[test]
 fn bad_configuration_is_refused_before_starting() {
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_keel"))
+    // `keel serve ARGS` exits with an error; returns what it printed.
+    let refused = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_keel"))
             .arg("serve")
             .args(args)
             .env_remove("KEEL_ADMIN_TOKEN")
             .output()
-            .unwrap()
+            .unwrap();
+        assert!(!out.status.success(), "serve {args:?} started");
+        String::from_utf8_lossy(&out.stderr).into_owned()
     };
     // Nothing listens on port 1: the unreachable server is named.
-    let out = run(&[
-        "--database-url",
-        "postgres://keel@127.0.0.1:1/keel",
-        "--broker",
-        "nats://127.0.0.1:1",
-        "--listen",
-        "127.0.0.1:0",
-    ]);
-    assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr)
-            .to_lowercase()
-            .contains("postgres")
+        refused(&[
+            "--database-url",
+            "postgres://keel@127.0.0.1:1/keel",
+            "--broker",
+            "nats://127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .to_lowercase()
+        .contains("postgres")
     );
     let scratch = tempfile::tempdir().unwrap();
     let db = format!("sqlite:{}", scratch.path().join("keel.db").display());
-    let out = run(&[
-        "--database-url",
-        &db,
-        "--broker",
-        "nats://127.0.0.1:1",
-        "--listen",
-        "127.0.0.1:0",
-    ]);
-    assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr)
-            .to_lowercase()
-            .contains("nats")
+        refused(&[
+            "--database-url",
+            &db,
+            "--broker",
+            "nats://127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .to_lowercase()
+        .contains("nats")
     );
     // A public address (TEST-NET, never bound) without an admin token.
-    let out = run(&["--listen", "192.0.2.1:8080"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("admin-token"));
+    assert!(refused(&["--listen", "192.0.2.1:8080"]).contains("admin-token"));
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("keel.toml");
     std::fs::write(&file, "listen = \"127.0.0.1:0\"\nunknown_setting = 1\n").unwrap();
-    let out = run(&["--config", file.to_str().unwrap()]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown"));
+    assert!(refused(&["--config", file.to_str().unwrap()]).contains("unknown"));
 }
 
 #[tokio::test]
