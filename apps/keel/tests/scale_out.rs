@@ -346,8 +346,6 @@ async fn two_servers_share_the_work_and_do_nothing_twice() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "orders stop settling after nats-server restarts under two serve processes; \
-            under investigation (run with --run-ignored all)"]
 async fn restarting_postgres_and_nats_mid_run_loses_and_duplicates_nothing() {
     let Some(cluster) = Cluster::new() else {
         return;

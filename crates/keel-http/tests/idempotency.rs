@@ -1,6 +1,7 @@
 //! The Idempotency-Key layer against a real SQLite store on a temp file:
 //! every status it answers with, replay byte for byte, concurrent
-//! duplicates executing once, principals, release, expiry and pruning.
+//! duplicates executing once, principals, release, expiry and pruning, and
+//! a store that fails while a key is settled.
 #![cfg(feature = "idempotency")]
 
 use std::sync::Arc;
@@ -11,10 +12,13 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
 use axum::routing::{get, post};
+use chrono::{DateTime, Utc};
 use keel_http::idempotency::{
     IdempotencyLayer, IdempotencyOptions, InvalidIdempotencyOptions, prune_expired,
 };
 use keel_http::problem::PROBLEM_JSON;
+use keel_messaging::StoreError;
+use keel_messaging::store::{IdempotencyBegin, IdempotencyStore, Store, StoredResponse};
 use keel_sqlite::SqliteStore;
 use tempfile::TempDir;
 use tokio::sync::Notify;
@@ -649,4 +653,188 @@ async fn a_key_abandoned_in_flight_is_taken_over_after_its_lock() {
     proceed.notify_waiters();
     assert_eq!(retry.await.expect("task").0, StatusCode::CREATED);
     stuck.abort();
+}
+
+/// The SQLite store, with its next `failures` settles (complete or release)
+/// failing as if the database were restarting.
+#[derive(Clone)]
+struct RestartingStore {
+    inner: SqliteStore,
+    failures: Arc<AtomicUsize>,
+    settles: Arc<AtomicUsize>,
+}
+
+impl RestartingStore {
+    fn settle(&self) -> Result<(), StoreError> {
+        self.settles.fetch_add(1, Ordering::SeqCst);
+        let failing = self
+            .failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        match failing {
+            Ok(_) => Err(StoreError::Unavailable("the database is restarting".into())),
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for RestartingStore {
+    type Tx = <SqliteStore as Store>::Tx;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.inner.begin().await
+    }
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        self.inner.commit(tx).await
+    }
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        self.inner.rollback(tx).await
+    }
+    async fn ready(&self) -> Result<(), StoreError> {
+        self.inner.ready().await
+    }
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for RestartingStore {
+    async fn idempotency_begin(
+        &self,
+        principal: &str,
+        key: &str,
+        fingerprint: &str,
+        expires_at: DateTime<Utc>,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        self.inner
+            .idempotency_begin(principal, key, fingerprint, expires_at)
+            .await
+    }
+    async fn idempotency_begin_locked(
+        &self,
+        principal: &str,
+        key: &str,
+        fingerprint: &str,
+        locked_until: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        self.inner
+            .idempotency_begin_locked(principal, key, fingerprint, locked_until, expires_at)
+            .await
+    }
+    async fn idempotency_complete(
+        &self,
+        principal: &str,
+        key: &str,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError> {
+        self.settle()?;
+        self.inner
+            .idempotency_complete(principal, key, response)
+            .await
+    }
+    async fn idempotency_release(&self, principal: &str, key: &str) -> Result<(), StoreError> {
+        self.settle()?;
+        self.inner.idempotency_release(principal, key).await
+    }
+    async fn idempotency_prune(&self, now: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
+        self.inner.idempotency_prune(now, batch).await
+    }
+}
+
+async fn restarting_store(failures: usize) -> (RestartingStore, TempDir) {
+    let fx = fixture().await;
+    let store = RestartingStore {
+        inner: fx.store,
+        failures: Arc::new(AtomicUsize::new(failures)),
+        settles: Arc::new(AtomicUsize::new(0)),
+    };
+    (store, fx._dir)
+}
+
+/// Polls `key` until its answer is not `409`, for at most `within`.
+async fn answer_after_in_flight(
+    app: &Router,
+    key: &str,
+    within: Duration,
+) -> (StatusCode, HeaderMap) {
+    let until = tokio::time::Instant::now() + within;
+    loop {
+        let (status, headers, _) = send(app, post_req(Some(key), "{}")).await;
+        if status != StatusCode::CONFLICT || tokio::time::Instant::now() >= until {
+            return (status, headers);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_response_the_store_could_not_take_is_stored_once_it_is_back() {
+    let (store, _dir) = restarting_store(4).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(store.clone()));
+
+    let (status, _, _) = send(&app, post_req(Some("during-restart"), "{}")).await;
+    assert_eq!(status, StatusCode::CREATED, "the handler's answer goes out");
+
+    // Within seconds, not the 5-minute lock, the retry gets the replay.
+    let (status, headers) =
+        answer_after_in_flight(&app, "during-restart", Duration::from_secs(10)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(
+        store.settles.load(Ordering::SeqCst),
+        5,
+        "4 failures, then stored"
+    );
+}
+
+#[tokio::test]
+async fn a_release_the_store_could_not_take_is_retried_so_the_retry_runs() {
+    let (store, _dir) = restarting_store(2).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route(
+            "/orders",
+            post({
+                let runs = runs.clone();
+                move || async move {
+                    match runs.fetch_add(1, Ordering::SeqCst) {
+                        0 => StatusCode::SERVICE_UNAVAILABLE,
+                        _ => StatusCode::CREATED,
+                    }
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(store.clone()));
+
+    let (status, _, _) = send(&app, post_req(Some("retry-me"), "{}")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, _) = answer_after_in_flight(&app, "retry-me", Duration::from_secs(10)).await;
+    assert_eq!(status, StatusCode::CREATED, "released, so the retry ran");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn settling_stops_before_the_lock_passes() {
+    let (store, _dir) = restarting_store(usize::MAX).await;
+    let options = IdempotencyOptions::new().lock(Duration::from_secs(20));
+    let app = counting_app(Arc::new(AtomicUsize::new(0)))
+        .layer(IdempotencyLayer::with_options(store.clone(), options).expect("options"));
+    let (status, _, _) = send(&app, post_req(Some("down-for-good"), "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    // From here only failing settles run, none touching SQLite (whose pool
+    // would time out under paused time).
+    tokio::time::pause();
+
+    // With the store down for good, the tries stop a margin before the
+    // 20 s lock passes: a later write could clobber the key's next owner.
+    tokio::time::sleep(Duration::from_secs(19)).await;
+    let tries = store.settles.load(Ordering::SeqCst);
+    assert!(tries > 3, "it kept trying: {tries}");
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(
+        store.settles.load(Ordering::SeqCst),
+        tries,
+        "no try after the margin"
+    );
 }

@@ -184,6 +184,7 @@ async fn insert<S: ShopStore>(
     };
     let mut envelope = Envelope::from_event(SOURCE, &placed, EventMeta::new(1))
         .map_err(|e| Problem::internal(e).into_response())?;
+    let resolvable = event_id.is_some();
     if let Some(id) = event_id {
         envelope.id = id;
     }
@@ -209,17 +210,24 @@ async fn insert<S: ShopStore>(
                 .map_err(store_failed)?,
         );
     }
-    // Once COMMIT is sent, a failure's outcome is unknown: answering 5xx
-    // releases the key, and the retry would place the order twice, so a
-    // commit error is the one store error we do not answer with 503.
-    match state.log.commit(tx, appended).await {
+    // Once COMMIT is sent, a failure's outcome is unknown. With an event id
+    // derived from the Idempotency-Key, the retry resolves it: it finds the
+    // order if the commit landed and places it if not (the event id is
+    // unique, so a late commit and a retry never both win), so `503` is
+    // safe. Without one, a retry would place a second order: say `202`.
+    match commit(state, tx, appended).await {
         Ok(()) => {
             state.outbox.notify();
             Ok(())
         }
         Err(keel_messaging::StoreError::OutcomeUnknown(e)) => {
-            tracing::error!(error = %e, order = %order.id, "commit outcome unknown");
             state.outbox.notify();
+            if resolvable {
+                tracing::warn!(error = %e, order = %order.id,
+                    "commit outcome unknown; the client's retry resolves it");
+                return Err(store_failed(e));
+            }
+            tracing::error!(error = %e, order = %order.id, "commit outcome unknown");
             Err(Problem::new(
                 StatusCode::ACCEPTED,
                 "the order may have been placed; check GET /orders/{id}",
@@ -228,6 +236,31 @@ async fn insert<S: ShopStore>(
         }
         Err(e) => Err(store_failed(e)),
     }
+}
+
+/// Commits the order's transaction. The failpoint `keel-orders-commit-lost`
+/// stands in for a connection lost during COMMIT: `return(committed)` after
+/// the commit landed, `return` before (rolled back); both report the
+/// outcome unknown, as the store would.
+async fn commit<S: ShopStore>(
+    state: &AppState<S>,
+    tx: S::Tx,
+    appended: Vec<keel_http::realtime::Appended>,
+) -> Result<(), keel_messaging::StoreError> {
+    let lost = fail::eval("keel-orders-commit-lost", |arg| {
+        arg.as_deref() == Some("committed")
+    });
+    let Some(landed) = lost else {
+        return state.log.commit(tx, appended).await;
+    };
+    if landed {
+        state.log.commit(tx, appended).await?;
+    } else {
+        state.store.rollback(tx).await?;
+    }
+    Err(keel_messaging::StoreError::OutcomeUnknown(
+        "failpoint keel-orders-commit-lost".into(),
+    ))
 }
 
 /// `GET /orders/{id}`.

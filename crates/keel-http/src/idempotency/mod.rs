@@ -45,7 +45,10 @@
 //! the request's future is dropped (the client disconnected, the server
 //! timed out) or the handler panics. If the process dies mid-request, the
 //! key's lock (default 5 minutes, [`IdempotencyOptions::lock`]) lets a retry
-//! take it over afterwards.
+//! take it over afterwards. If the store fails while the response is stored
+//! or the key released (a database restart), the layer keeps trying in the
+//! background while the lock is still its own, so retries get the replay
+//! once the store is back instead of `409` until the lock passes.
 //!
 //! Keys live 24 hours by default ([`IdempotencyOptions::ttl`]);
 //! [`spawn_pruner`] or [`prune_expired`] delete them afterwards.
@@ -89,6 +92,7 @@ mod layer;
 mod options;
 mod prune;
 mod service;
+mod settle;
 
 pub use key::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyRejection, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;

@@ -19,6 +19,7 @@ use tower_service::Service;
 use super::fingerprint::fingerprint;
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyRejection, parse_key};
 use super::options::IdempotencyOptions;
+use super::settle::{Pending, Settle};
 use crate::problem::Problem;
 
 /// The header on a replay whose body was too large to store.
@@ -160,6 +161,7 @@ where
     let now = wall_now();
     let expires_at = after(now, options.ttl);
     let locked_until = after(now, options.lock);
+    let lock_ends = keel_core::clock::now() + options.lock;
     let begin = store
         .idempotency_begin_locked(&principal, &key, &fingerprint, locked_until, expires_at)
         .await;
@@ -187,9 +189,12 @@ where
     // released. The guard releases it if this future is dropped (the client
     // disconnected) or the handler panics.
     let mut guard = InFlight {
-        store: Some(store),
-        principal,
-        key,
+        pending: Some(Pending {
+            store,
+            principal,
+            key,
+            locked_until: lock_ends,
+        }),
     };
     metrics::counter!("keel_idempotency_executed_total").increment(1);
     let response = match inner
@@ -311,63 +316,35 @@ fn store_failure(err: &StoreError) -> Response<Body> {
 
 /// A key this request holds in flight, released unless completed.
 struct InFlight<S: IdempotencyStore> {
-    store: Option<S>,
-    principal: String,
-    key: String,
+    pending: Option<Pending<S>>,
 }
 
 impl<S: IdempotencyStore> InFlight<S> {
     async fn complete(&mut self, response: &StoredResponse) {
-        let Some(store) = self.store.take() else {
-            return;
-        };
-        if let Err(err) = store
-            .idempotency_complete(&self.principal, &self.key, response)
-            .await
-        {
-            // The handler ran and its response goes out; the key stays in
-            // flight until its lock passes, so retries get 409 meanwhile and
-            // never run the handler again before then.
-            metrics::counter!("keel_idempotency_store_errors_total").increment(1);
-            tracing::error!(error = %err, principal = %self.principal, key = %self.key,
-                "storing the idempotent response failed; the key stays locked until its lock passes");
+        if let Some(pending) = self.pending.take() {
+            pending.settle(Settle::Complete(response.clone())).await;
         }
     }
 
     async fn release(&mut self, why: &'static str) {
-        let Some(store) = self.store.take() else {
-            return;
-        };
-        release(store, &self.principal, &self.key, why).await;
+        if let Some(pending) = self.pending.take() {
+            pending.settle(Settle::Release(why)).await;
+        }
     }
 }
 
 impl<S: IdempotencyStore> Drop for InFlight<S> {
     fn drop(&mut self) {
-        let Some(store) = self.store.take() else {
+        let Some(pending) = self.pending.take() else {
             return;
         };
-        let principal = std::mem::take(&mut self.principal);
-        let key = std::mem::take(&mut self.key);
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
-                handle.spawn(
-                    async move { release(store, &principal, &key, "request dropped").await },
-                );
+                handle.spawn(pending.settle(Settle::Release("request dropped")));
             }
-            Err(_) => tracing::warn!(%principal, %key,
+            Err(_) => tracing::warn!(principal = %pending.principal, key = %pending.key,
                 "idempotent request dropped outside a runtime; the key stays locked until its lock passes"),
         }
-    }
-}
-
-async fn release<S: IdempotencyStore>(store: S, principal: &str, key: &str, why: &'static str) {
-    metrics::counter!("keel_idempotency_released_total", "reason" => why).increment(1);
-    tracing::debug!(principal, key, reason = why, "idempotency key released");
-    if let Err(err) = store.idempotency_release(principal, key).await {
-        metrics::counter!("keel_idempotency_store_errors_total").increment(1);
-        tracing::warn!(error = %err, principal, key,
-            "releasing an idempotency key failed; it stays locked until its lock passes");
     }
 }
 

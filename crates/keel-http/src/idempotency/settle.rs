@@ -1,0 +1,142 @@
+//! Settling a key after its handler ran: storing the response or releasing
+//! the key, retried in the background while the store is down.
+//!
+//! The handler's effect has happened by then, so giving up on the first
+//! store error would leave the key in flight until its lock passes: every
+//! retry of the client gets `409` for minutes (5 by default), long after the
+//! store came back from a restart. So a settle that failed with an error
+//! worth retrying (the store unavailable, or a commit whose outcome is
+//! unknown) is tried again with jittered backoff, while the key's lock is
+//! ours. It stops a safety margin before the lock passes: after that,
+//! another request may own the key, and a late write would clobber it.
+
+use std::time::Duration;
+
+use keel_core::clock::{self, Instant};
+use keel_messaging::StoreError;
+use keel_messaging::store::{IdempotencyStore, StoredResponse};
+
+/// The first wait before trying a failed settle again.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+
+/// The longest wait between two tries.
+const MAX_RETRY: Duration = Duration::from_secs(5);
+
+/// What to do with an in-flight key.
+#[derive(Debug, Clone)]
+pub(crate) enum Settle {
+    /// Store the response; the key replays it from now on.
+    Complete(StoredResponse),
+    /// Forget the key, so a retry runs again.
+    Release(&'static str),
+}
+
+impl Settle {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Complete(_) => "storing the idempotent response",
+            Self::Release(_) => "releasing the idempotency key",
+        }
+    }
+}
+
+/// An in-flight key to settle, and until when its lock is ours.
+pub(crate) struct Pending<S> {
+    pub(crate) store: S,
+    pub(crate) principal: String,
+    pub(crate) key: String,
+    pub(crate) locked_until: Instant,
+}
+
+impl<S: IdempotencyStore> Pending<S> {
+    /// Settles the key once; if the store failed in a way worth retrying,
+    /// keeps trying in a background task (see the module docs).
+    pub(crate) async fn settle(self, settle: Settle) {
+        if let Settle::Release(why) = &settle {
+            metrics::counter!("keel_idempotency_released_total", "reason" => *why).increment(1);
+            tracing::debug!(principal = %self.principal, key = %self.key, reason = why,
+                "idempotency key released");
+        }
+        match self.try_once(&settle).await {
+            Ok(()) => {}
+            Err(err) if worth_retrying(&err) => self.retry_in_background(settle, err),
+            Err(err) => self.give_up(&settle, &err),
+        }
+    }
+
+    async fn try_once(&self, settle: &Settle) -> Result<(), StoreError> {
+        let done = match settle {
+            Settle::Complete(response) => {
+                self.store
+                    .idempotency_complete(&self.principal, &self.key, response)
+                    .await
+            }
+            Settle::Release(_) => {
+                self.store
+                    .idempotency_release(&self.principal, &self.key)
+                    .await
+            }
+        };
+        match done {
+            // An earlier try whose outcome was unknown did commit.
+            Err(StoreError::NotFound(_)) if matches!(settle, Settle::Complete(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    fn retry_in_background(self, settle: Settle, first: StoreError) {
+        metrics::counter!("keel_idempotency_store_errors_total").increment(1);
+        tracing::warn!(error = %first, principal = %self.principal, key = %self.key,
+            "{} failed; trying again while the key's lock lasts", settle.name());
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return self.give_up(&settle, &first);
+        };
+        runtime.spawn(async move { self.retry(settle).await });
+    }
+
+    async fn retry(self, settle: Settle) {
+        let give_up_at = self.locked_until - safety_margin(self.locked_until);
+        let mut wait = FIRST_RETRY;
+        loop {
+            let jittered = wait.mul_f64(0.5 + fastrand::f64() / 2.0);
+            if clock::now() + jittered >= give_up_at {
+                let err = StoreError::Unavailable("the store stayed down".into());
+                return self.give_up(&settle, &err);
+            }
+            tokio::time::sleep(jittered).await;
+            match self.try_once(&settle).await {
+                Ok(()) => {
+                    metrics::counter!("keel_idempotency_settle_retried_total").increment(1);
+                    tracing::info!(principal = %self.principal, key = %self.key,
+                        "{} succeeded on a later try", settle.name());
+                    return;
+                }
+                Err(err) if worth_retrying(&err) => {
+                    metrics::counter!("keel_idempotency_store_errors_total").increment(1);
+                }
+                Err(err) => return self.give_up(&settle, &err),
+            }
+            wait = (wait * 2).min(MAX_RETRY);
+        }
+    }
+
+    fn give_up(&self, settle: &Settle, err: &StoreError) {
+        metrics::counter!("keel_idempotency_store_errors_total").increment(1);
+        tracing::error!(error = %err, principal = %self.principal, key = %self.key,
+            "{} failed; the key stays locked until its lock passes", settle.name());
+    }
+}
+
+fn worth_retrying(err: &StoreError) -> bool {
+    matches!(
+        err,
+        StoreError::Unavailable(_) | StoreError::OutcomeUnknown(_)
+    )
+}
+
+/// How long before the lock passes the retries stop: a tenth of what is
+/// left, at least one second, for clocks and a write in flight.
+fn safety_margin(locked_until: Instant) -> Duration {
+    let left = locked_until.saturating_duration_since(clock::now());
+    (left / 10).max(Duration::from_secs(1))
+}
