@@ -92,7 +92,7 @@ pub fn parse_new_order(headers: &HeaderMap, body: &[u8]) -> Result<NewOrder, Pro
         (status = 413, description = "Body too large"),
         (status = 415, description = "Not JSON"),
         (status = 422, description = "Invalid order, or the key was used for a different request"),
-        (status = 503, description = "Store unavailable; retry with the same key"),
+        (status = 503, description = "Store unavailable, or the commit's outcome unknown (a lost connection); retry with the same key, which finds the order or places it"),
     ),
     tag = "orders"
 )]
