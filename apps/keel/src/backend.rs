@@ -418,15 +418,15 @@ impl std::fmt::Debug for WakeTargets {
 }
 
 /// What `LISTEN/NOTIFY` wakes in a running shop: its relay, its saga
-/// orchestrator and its event-log readers. (The webhook delivery worker
-/// has no wake-up hook; it polls every 100 ms.)
+/// orchestrator, its webhook delivery worker and its event-log readers.
 pub fn wake_targets<S: ShopStore>(handle: &SystemHandle<S>) -> WakeTargets {
     let outbox = handle.outbox.clone();
     let orchestrator = handle.orchestrator.clone();
+    let worker = handle.webhook_worker.clone();
     WakeTargets {
         outbox: vec![Box::new(move || outbox.notify())],
         sagas: vec![Box::new(move || orchestrator.notify())],
-        webhooks: Vec::new(),
+        webhooks: vec![Box::new(move || worker.notify())],
         event_log: Some(Arc::clone(handle.log.notifier())),
     }
 }

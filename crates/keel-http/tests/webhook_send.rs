@@ -1263,6 +1263,38 @@ async fn the_worker_loop_delivers_bounds_concurrency_and_drains() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notified_worker_claims_at_once_instead_of_at_its_next_poll() {
+    let f = fx().await;
+    f.endpoint("/a").await;
+    f.hooks.fallback(Reply::status(204));
+    let worker = DeliveryWorker::new(
+        f.store.clone(),
+        f.options().poll_interval(Duration::from_secs(3600)),
+    )
+    .expect("worker");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = worker.spawn(async move {
+        let _ = stopped.await;
+    });
+    // Its first claim found nothing; the next poll is an hour away.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for (n, id) in ["evt_woken_1", "evt_woken_2"].into_iter().enumerate() {
+        f.send(&[event(id)]).await;
+        worker.notify();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while f.hooks.received().len() <= n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the wake-up made it claim {id}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    stop.send(()).expect("stop");
+    assert_eq!(running.await.expect("worker task").succeeded, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_worker_options_are_refused() {
     let f = fx().await;
     for options in [

@@ -186,6 +186,8 @@ pub struct SystemHandle<S: ShopStore> {
     pub breakers: BreakerRegistry,
     /// Webhook endpoints.
     pub endpoints: Endpoints<S>,
+    /// The webhook delivery worker (`notify` wakes it).
+    pub webhook_worker: DeliveryWorker<S>,
     /// The dependencies (their URLs and policies).
     pub dependencies: Dependencies,
     /// The graceful drain of the public server.
@@ -283,7 +285,8 @@ impl System {
                 .timeout(Duration::from_secs(5)),
         )
         .map_err(config_err)?;
-        let projection = projection::Projection::new(store.clone(), log.clone(), webhooks);
+        let projection =
+            projection::Projection::new(store.clone(), log.clone(), webhooks, worker.clone());
         let settled = projection.counter();
 
         let drain = Drain::builder()
@@ -332,6 +335,7 @@ impl System {
         let orch = orchestrator.clone();
         tasks.spawn(async move { orch.run(on_stop).await });
         let on_stop = wait(&stopped);
+        let webhook_worker = worker.clone();
         tasks.spawn(async move {
             worker.run(on_stop).await;
         });
@@ -356,6 +360,7 @@ impl System {
             dead_letters: components.dead_letters,
             breakers,
             endpoints,
+            webhook_worker,
             dependencies,
             drain,
             settled,

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use keel_http::realtime::{EventLog, StreamId};
-use keel_http::webhooks::{WebhookEvent, WebhookOutbox};
+use keel_http::webhooks::{DeliveryWorker, WebhookEvent, WebhookOutbox};
 use tokio::sync::watch;
 
 use super::ShopStore;
@@ -35,16 +35,24 @@ pub struct Projection<S: ShopStore> {
     store: S,
     log: EventLog<S>,
     webhooks: WebhookOutbox<S>,
+    worker: DeliveryWorker<S>,
     settled: Arc<AtomicU64>,
 }
 
 impl<S: ShopStore> Projection<S> {
-    /// A projection writing through `log` and `webhooks`.
-    pub fn new(store: S, log: EventLog<S>, webhooks: WebhookOutbox<S>) -> Self {
+    /// A projection writing through `log` and `webhooks`; it wakes
+    /// `worker` when it queued deliveries.
+    pub fn new(
+        store: S,
+        log: EventLog<S>,
+        webhooks: WebhookOutbox<S>,
+        worker: DeliveryWorker<S>,
+    ) -> Self {
         Self {
             store,
             log,
             webhooks,
+            worker,
             settled: Arc::default(),
         }
     }
@@ -78,6 +86,7 @@ impl<S: ShopStore> Projection<S> {
         }
         self.webhooks.enqueue(&mut tx, &events).await?;
         self.log.commit(tx, appended).await?;
+        self.worker.notify();
         self.settled
             .fetch_add(settled.len() as u64, Ordering::Relaxed);
         Ok(settled.len())

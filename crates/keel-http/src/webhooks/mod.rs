@@ -37,6 +37,10 @@
 //!
 //! Events consumed from the broker (the outbox-consumer path) are queued by
 //! [`WebhookFanout`], a consumer handler, in the consumer's transaction.
+//!
+//! The worker polls for due rows ([`WorkerOptions::poll_interval`]);
+//! [`DeliveryWorker::notify`] after a commit makes it claim at once, and a
+//! store's cross-process wake-up (PostgreSQL's `LISTEN`) can call it too.
 
 mod attempt;
 mod clock;

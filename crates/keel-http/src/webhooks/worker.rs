@@ -92,6 +92,7 @@ struct Inner<S> {
     client: reqwest::Client,
     limits: Limits,
     user_agent: HeaderValue,
+    wake: tokio::sync::Notify,
 }
 
 /// What one batch did.
@@ -154,8 +155,18 @@ impl<S: WebhookStore> DeliveryWorker<S> {
                 client,
                 limits,
                 user_agent,
+                wake: tokio::sync::Notify::new(),
             }),
         })
+    }
+
+    /// Makes a running [`run`](Self::run) claim now instead of at its next
+    /// poll: call it after committing deliveries (and, across processes,
+    /// from a store wake-up such as PostgreSQL's `LISTEN`). A call while the
+    /// worker is busy is remembered, so none is lost; polling stays as the
+    /// fallback.
+    pub fn notify(&self) {
+        self.inner.wake.notify_one();
     }
 
     /// The options.
@@ -263,6 +274,9 @@ impl<S: WebhookStore> DeliveryWorker<S> {
                     }
                 }
                 () = tokio::time::sleep(opts.poll_interval), if !claim_now && !draining => {
+                    claim_now = true;
+                }
+                () = self.inner.wake.notified(), if !claim_now && !draining => {
                     claim_now = true;
                 }
             }
