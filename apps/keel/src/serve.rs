@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{get, post};
-use keel_http::admin::{Admin, AdminToken};
+use keel_http::admin::{Admin, AdminToken, BrokerLag};
 use keel_http::console::Console;
 use keel_http::health::Health;
 use keel_http::jobs::{JobRequested, Jobs, JobsOptions};
@@ -27,10 +27,13 @@ use crate::api::openapi;
 use crate::api::reports::{ReportWorker, Reports};
 use crate::api::webhooks::{self, WebhookApi};
 use crate::backend::{self, Backend, BackendOptions, InvalidBackend, OnStore};
-use crate::shop::{Components, ShopStore, StartError, System, SystemConfig};
+use crate::shop::{Components, ShopStore, StartError, System, SystemConfig, fulfilment};
 
 /// The default listen address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+/// The consumer group that runs report jobs.
+pub const REPORTS_GROUP: &str = "reports";
 
 /// `keel serve`'s flags; each also reads `KEEL_<NAME>`.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -260,11 +263,15 @@ impl ServeArgs {
 /// The admin API and the console, behind the admin token. Mounted by
 /// `keel serve`; the chaos run and tests can mount it too.
 pub fn admin_routes<S: ShopStore>(c: &Components<S>, token: AdminToken) -> Router {
+    let lag = BrokerLag::new(Arc::clone(&c.broker))
+        .group(fulfilment::TOPIC, fulfilment::GROUP)
+        .group(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP);
     let admin = Admin::builder(c.store.clone())
         .token(token)
         .outbox(Outbox::new(c.store.clone()))
         .sagas(c.orchestrator.clone())
         .breakers(c.breakers.clone())
+        .gauges(lag)
         .build();
     admin.router().merge(Console::new(admin).router())
 }
@@ -410,13 +417,15 @@ async fn serve_on<S: ShopStore>(
     let jobs = Jobs::new(Outbox::new(store.clone()), JobsOptions::new("report"))
         .map_err(|e| anyhow::anyhow!("jobs: {e}"))?;
     let worker = Consumer::builder(store.clone(), Arc::clone(&broker))
-        .group(Group::new(keel_http::jobs::DEFAULT_TOPIC, "reports").on(
-            <JobRequested as keel_messaging::Event>::TYPE,
-            ReportWorker {
-                jobs: jobs.clone(),
-                reports: Arc::clone(&reports),
-            },
-        ))
+        .group(
+            Group::new(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP).on(
+                <JobRequested as keel_messaging::Event>::TYPE,
+                ReportWorker {
+                    jobs: jobs.clone(),
+                    reports: Arc::clone(&reports),
+                },
+            ),
+        )
         .build()?;
     let cfg = config.clone();
     let jobs_for_routes = jobs.clone();

@@ -529,6 +529,18 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
         "the retried saga to compensate",
     )
     .await;
+
+    // Both orders finished, so the shop's consumer groups are caught up.
+    let lag = admin(&http, &s, "/lag").await;
+    let fulfilment = lag["gauges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == "consumer_lag" && g["labels"]["group"] == "fulfilment")
+        .unwrap_or_else(|| panic!("the fulfilment group's lag: {lag}"))
+        .clone();
+    assert_eq!(fulfilment["labels"]["topic"], "orders");
+    assert_eq!(fulfilment["value"], 0.0, "{lag}");
 }
 
 #[tokio::test]

@@ -632,6 +632,59 @@ async fn breakers_and_lag_report_what_the_process_knows() {
 }
 
 #[tokio::test]
+async fn broker_lag_reports_each_groups_unfinished_messages() {
+    use keel_http::admin::BrokerLag;
+    use keel_messaging::broker::{Broker, SubscribeOptions};
+    let w = world().await;
+    let broker = Arc::new(
+        keel_sqlite::SqliteBroker::open(w._dir.path().join("broker.db"))
+            .await
+            .unwrap(),
+    );
+    let mut billing = broker
+        .subscribe(SubscribeOptions::new("orders", "billing"))
+        .await
+        .unwrap();
+    let messages: Vec<Message> = (0..3)
+        .map(|n| Message::new(format!("m-{n}"), "orders", format!("k-{n}"), "{}"))
+        .collect();
+    broker.publish(&messages).await.unwrap();
+    let held = billing.receive(1, Duration::from_secs(1)).await.unwrap();
+    assert_eq!(held.len(), 1);
+    let lag = BrokerLag::new(broker)
+        .group("orders", "billing")
+        .group("orders", "never-subscribed");
+    let app = Admin::builder(w.store.clone())
+        .token(AdminToken::new(TOKEN).unwrap())
+        .gauges(lag)
+        .build()
+        .router();
+    let response = app
+        .oneshot(
+            Request::get("/admin/api/lag")
+                .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let body: Value = serde_json::from_slice(
+        &axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let gauges = body["gauges"].as_array().unwrap();
+    assert_eq!(gauges.len(), 2, "the unknown group is left out: {body}");
+    assert_eq!(gauges[0]["name"], "consumer_lag");
+    assert_eq!(gauges[0]["value"], 3.0);
+    assert_eq!(gauges[0]["labels"]["group"], "billing");
+    assert_eq!(gauges[0]["labels"]["topic"], "orders");
+    assert_eq!(gauges[1]["name"], "consumer_in_flight");
+    assert_eq!(gauges[1]["value"], 1.0);
+}
+
+#[tokio::test]
 async fn without_an_orchestrator_sagas_are_listed_and_actions_are_501() {
     let w = world().await;
     w.start("order-9").await;

@@ -207,6 +207,32 @@ pub trait Broker: Send + Sync + 'static {
     async fn ping(&self) -> Result<(), BrokerError> {
         Ok(())
     }
+
+    /// How many messages of `topic` the consumer group `group` has not
+    /// finished yet (consumer lag), as the broker counts them. `Ok(None)`
+    /// when the group does not exist yet or the broker cannot tell (the
+    /// default).
+    async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
+        let _ = (topic, group);
+        Ok(None)
+    }
+}
+
+/// A consumer group's unfinished messages on a topic: its lag.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Messages not handed to any member right now: never delivered,
+    /// nacked, or back after a lost lease.
+    pub waiting: u64,
+    /// Messages delivered to a member (or held for one) and not settled.
+    pub in_flight: u64,
+}
+
+impl Backlog {
+    /// Every unfinished message: waiting plus in flight.
+    pub fn total(&self) -> u64 {
+        self.waiting + self.in_flight
+    }
 }
 
 /// A consumer group's view of a topic.

@@ -7,13 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{ConsumerInfoErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};
 use async_nats::jetstream::{self, kv};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use async_trait::async_trait;
-use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_messaging::broker::{
+    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
+};
 use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
@@ -289,6 +291,36 @@ impl Broker for NatsBroker {
             held: Arc::new(HeldKeys::default()),
             parked: Vec::new(),
         }))
+    }
+
+    /// The group's durable consumer, as JetStream counts it: messages not
+    /// yet delivered to the group are waiting (`num_pending`); delivered and
+    /// unacked ones are in flight (`num_ack_pending`), including those this
+    /// process holds back behind an earlier message of their key.
+    async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
+        let names = TopicNames::new(&self.inner.options.stream_prefix, topic)?;
+        let group_token = checked_token("group", group)?;
+        let stream = self
+            .inner
+            .context
+            .get_stream_no_info(&names.stream)
+            .await
+            .map_err(|e| unavailable(&format!("opening stream {}", names.stream), e))?;
+        match stream.consumer_info(&group_token).await {
+            Ok(info) => Ok(Some(Backlog {
+                waiting: info.num_pending,
+                in_flight: u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX),
+            })),
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    ConsumerInfoErrorKind::NotFound | ConsumerInfoErrorKind::StreamNotFound
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(error) => Err(unavailable("reading a consumer group's backlog", error)),
+        }
     }
 
     /// Asks JetStream for the account's usage: a round trip through the

@@ -4,7 +4,9 @@
 #![cfg(feature = "broker")]
 
 use async_trait::async_trait;
-use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_messaging::broker::{
+    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
+};
 use keel_sqlite::broker::SqliteBroker;
 use tempfile::TempDir;
 
@@ -29,6 +31,10 @@ impl Broker for TempBroker {
 
     async fn ping(&self) -> Result<(), BrokerError> {
         self.broker.ping().await
+    }
+
+    async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
+        self.broker.backlog(topic, group).await
     }
 }
 

@@ -45,7 +45,8 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use basics::{
-    ack_means_never_again, every_group_gets_every_message, group_members_split_the_work,
+    ack_means_never_again, backlog_counts_what_the_group_has_not_finished,
+    every_group_gets_every_message, group_members_split_the_work,
     late_group_receives_retained_messages, ping_answers, publish_then_receive,
     publisher_dedupes_on_message_id, receive_respects_max, receive_waits_then_returns_empty,
     receive_wakes_on_publish, terminate_means_never_again,
@@ -103,6 +104,7 @@ macro_rules! broker_conformance_tests {
             receive_respects_max,
             late_group_receives_retained_messages,
             ping_answers,
+            backlog_counts_what_the_group_has_not_finished,
             nack_with_delay_redelivers_after_the_delay,
             nack_without_delay_redelivers_promptly,
             lease_expiry_redelivers,

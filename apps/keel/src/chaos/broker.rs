@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use keel_core::PolicyError;
 use keel_messaging::broker::{
-    Broker, BrokerError, Delivery, Message, SubscribeOptions, Subscription,
+    Backlog, Broker, BrokerError, Delivery, Message, SubscribeOptions, Subscription,
 };
 use keel_policy::ConfigError;
 use keel_policy::chaos::{ChaosExperiment, FaultInjection};
@@ -107,6 +107,10 @@ impl Broker for FaultyBroker {
 
     async fn ping(&self) -> Result<(), BrokerError> {
         self.inner.ping().await
+    }
+
+    async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
+        self.inner.backlog(topic, group).await
     }
 }
 

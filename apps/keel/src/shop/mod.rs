@@ -310,6 +310,7 @@ impl System {
             endpoints: endpoints.clone(),
             drain: drain.clone(),
             dependency_urls: dependencies.urls().clone(),
+            broker: Arc::clone(&broker),
         };
         let router = api::public_router(state, drain.signal())
             .map_err(config_err)?
@@ -386,6 +387,8 @@ pub struct Components<S: ShopStore> {
     pub drain: Drain,
     /// The dependencies' URLs (for `/debug/deep`).
     pub dependency_urls: services::DependencyUrls,
+    /// The broker (consumer lag for the admin API).
+    pub broker: Arc<dyn Broker>,
 }
 
 impl<S: ShopStore> SystemHandle<S> {

@@ -2,14 +2,17 @@
 //! should see next to the outbox backlog.
 //!
 //! The consumer runtime keeps no lag figure of its own (how far behind a
-//! group is depends on the broker: pending messages in SQLite, a stream's
+//! group is depends on the broker: pending rows in SQLite, a consumer's
 //! `num_pending` in JetStream), so the application registers a
-//! [`GaugeSource`] that asks its broker, and the admin API and the console
-//! show whatever it reports.
+//! [`GaugeSource`] that asks its broker — [`BrokerLag`] does it through
+//! [`Broker::backlog`] — and the admin API and the console show whatever it
+//! reports.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use async_trait::async_trait;
+use keel_messaging::broker::Broker;
 use serde::{Deserialize, Serialize};
 
 /// One reading, e.g. `consumer_lag{group="billing", topic="orders"} = 12`.
@@ -77,5 +80,79 @@ where
 {
     async fn gauges(&self) -> Vec<Gauge> {
         (self.0)()
+    }
+}
+
+/// Consumer lag of the given consumer groups, asked of their broker
+/// ([`Broker::backlog`]): per group, `consumer_lag` (every unfinished
+/// message) and `consumer_in_flight` (those held by a member right now),
+/// labelled with `topic` and `group`. A group the broker cannot count is
+/// left out; a broker error is logged and leaves its groups out.
+///
+/// ```
+/// # use std::sync::Arc;
+/// # use keel_messaging::broker::Broker;
+/// # fn lag(broker: Arc<dyn Broker>) {
+/// use keel_http::admin::BrokerLag;
+/// let lag = BrokerLag::new(broker).group("orders", "fulfilment").group("orders", "billing");
+/// // Admin::builder(store).gauges(lag)
+/// # let _ = lag; }
+/// ```
+#[derive(Clone)]
+pub struct BrokerLag {
+    broker: Arc<dyn Broker>,
+    groups: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for BrokerLag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerLag")
+            .field("groups", &self.groups)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BrokerLag {
+    /// Lag read from `broker`, of no group yet.
+    pub fn new(broker: Arc<dyn Broker>) -> Self {
+        Self {
+            broker,
+            groups: Vec::new(),
+        }
+    }
+
+    /// Adds the consumer group `group` of `topic`.
+    pub fn group(mut self, topic: impl Into<String>, group: impl Into<String>) -> Self {
+        self.groups.push((topic.into(), group.into()));
+        self
+    }
+}
+
+#[async_trait]
+impl GaugeSource for BrokerLag {
+    async fn gauges(&self) -> Vec<Gauge> {
+        let mut gauges = Vec::with_capacity(self.groups.len() * 2);
+        for (topic, group) in &self.groups {
+            let backlog = match self.broker.backlog(topic, group).await {
+                Ok(Some(backlog)) => backlog,
+                Ok(None) => continue,
+                Err(error) => {
+                    tracing::warn!(%error, topic, group, "could not read a consumer group's lag");
+                    continue;
+                }
+            };
+            for (name, value) in [
+                ("consumer_lag", backlog.total()),
+                ("consumer_in_flight", backlog.in_flight),
+            ] {
+                gauges.push(
+                    Gauge::new(name, value as f64)
+                        .label("topic", topic)
+                        .label("group", group)
+                        .unit("messages"),
+                );
+            }
+        }
+        gauges
     }
 }

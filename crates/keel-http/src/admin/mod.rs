@@ -63,7 +63,7 @@ pub use auth::{
     SESSION_COOKIE, SESSION_MAX_AGE_SECS, cookie, same_origin,
 };
 pub use error::AdminError;
-pub use gauges::{FnGauges, Gauge, GaugeSource};
+pub use gauges::{BrokerLag, FnGauges, Gauge, GaugeSource};
 pub use model::{
     ActionJson, AttemptJson, BreakerJson, DeadLetterJson, DeliveryAttemptJson, DeliveryJson,
     LagJson, Listing, OutboxLagJson, PAYLOAD_PREVIEW, SagaJson, SummaryJson,

@@ -10,7 +10,9 @@
 #![allow(dead_code, unreachable_pub)]
 
 use async_trait::async_trait;
-use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_messaging::broker::{
+    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
+};
 use keel_nats::{NatsBroker, NatsBrokerOptions};
 use keel_testkit::services::{self, Service};
 
@@ -78,6 +80,10 @@ impl Broker for TestBroker {
 
     async fn ping(&self) -> Result<(), BrokerError> {
         self.broker.ping().await
+    }
+
+    async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
+        self.broker.backlog(topic, group).await
     }
 }
 

@@ -106,7 +106,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_messaging::broker::{
+    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
+};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 
 pub use options::SqliteBrokerOptions;
@@ -365,5 +367,9 @@ impl Broker for SqliteBroker {
 
     async fn ping(&self) -> Result<(), BrokerError> {
         self.inner.db.ping().await
+    }
+
+    async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
+        self.inner.db.backlog(topic, group).await
     }
 }

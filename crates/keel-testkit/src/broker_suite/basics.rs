@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use keel_core::clock;
-use keel_messaging::broker::{Broker, Delivery, Message};
+use keel_messaging::broker::{Backlog, Broker, Delivery, Message};
 
 use super::support::{
     LONG_LEASE, PATIENCE, SHORT_LEASE, ack_all, collect, ids, message, publish, receive, subscribe,
@@ -311,6 +311,67 @@ pub async fn late_group_receives_retained_messages<B: Broker>(broker: B) {
 /// `ping` answers on a healthy broker.
 pub async fn ping_answers<B: Broker>(broker: B) {
     broker.ping().await.expect("ping");
+}
+
+/// A group's backlog counts every message it has not finished: nothing at
+/// first, everything published, the deliveries it holds as in flight, and
+/// a message leaves it when acked. A group that does not exist has none.
+pub async fn backlog_counts_what_the_group_has_not_finished<B: Broker>(broker: B) {
+    let topic = unique_topic("backlog");
+    let mut sub = subscribe(&broker, &topic, "g", LONG_LEASE).await;
+    assert_eq!(
+        backlog_settles_to(&broker, &topic, 0).await,
+        Backlog::default()
+    );
+    let unknown = broker.backlog(&topic, "nobody").await.expect("backlog");
+    assert_eq!(unknown, None, "a group that never subscribed");
+    publish(
+        &broker,
+        &[
+            message(&topic, "a-1", "a", "1"),
+            message(&topic, "b-1", "b", "1"),
+            message(&topic, "a-2", "a", "2"),
+        ],
+    )
+    .await;
+    backlog_settles_to(&broker, &topic, 3).await;
+    let first = collect(sub.as_mut(), 2, PATIENCE).await;
+    assert_eq!(ids(&first), ["a-1", "b-1"]);
+    let held = backlog_settles_to(&broker, &topic, 3).await;
+    assert!(
+        held.in_flight >= 2,
+        "the two deliveries are in flight: {held:?}"
+    );
+    ack_all(&first).await;
+    backlog_settles_to(&broker, &topic, 1).await;
+    let last = collect(sub.as_mut(), 1, PATIENCE).await;
+    assert_eq!(ids(&last), ["a-2"]);
+    ack_all(&last).await;
+    assert_eq!(
+        backlog_settles_to(&broker, &topic, 0).await,
+        Backlog::default()
+    );
+}
+
+/// Group `g`'s backlog once its total is `total` (brokers may count a
+/// moment late); fails the test if it never gets there.
+async fn backlog_settles_to<B: Broker>(broker: &B, topic: &str, total: u64) -> Backlog {
+    let deadline = clock::now() + PATIENCE;
+    loop {
+        let backlog = broker
+            .backlog(topic, "g")
+            .await
+            .expect("backlog")
+            .expect("the group exists once subscribed");
+        if backlog.total() == total {
+            return backlog;
+        }
+        assert!(
+            clock::now() < deadline,
+            "the backlog stayed at {backlog:?}, not {total} in all"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn ids_of(messages: &[Message]) -> Vec<String> {

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_messaging::broker::{BrokerError, Message};
+use keel_messaging::broker::{Backlog, BrokerError, Message};
 use sqlx::Transaction;
 use sqlx::sqlite::{Sqlite, SqlitePool};
 use tokio::sync::{Mutex, OwnedMutexGuard};
@@ -24,6 +24,18 @@ mod lease;
 mod prune;
 mod publish;
 mod settle;
+
+/// Counts a group's unfinished messages, given now (Unix ms), the topic and
+/// the group.
+const BACKLOG_SQL: &str = "\
+SELECT (SELECT COUNT(*) FROM keel_broker_messages m
+         WHERE m.topic_id = g.topic_id AND m.seq > g.pulled_seq),
+       (SELECT COUNT(*) FROM keel_broker_pending p
+         WHERE p.group_id = g.group_id AND NOT (p.leased = 1 AND p.visible_at > ?1)),
+       (SELECT COUNT(*) FROM keel_broker_pending p
+         WHERE p.group_id = g.group_id AND p.leased = 1 AND p.visible_at > ?1)
+  FROM keel_broker_groups g JOIN keel_broker_topics t ON t.topic_id = g.topic_id
+ WHERE t.name = ?2 AND g.name = ?3";
 
 /// The database side of a broker: the pool, the write gate, the clock and
 /// the topic registry. Cheap to clone.
@@ -183,6 +195,28 @@ impl Db {
             .await
             .map(drop)
             .map_err(|e| db_error("ping", e))
+    }
+
+    /// Group `group`'s unfinished messages of `topic`: not yet pulled into
+    /// its pending set or pending unleased (waiting), and leased with a
+    /// lease still running (in flight). `None` if there is no such group.
+    pub(super) async fn backlog(
+        &self,
+        topic: &str,
+        group: &str,
+    ) -> Result<Option<Backlog>, BrokerError> {
+        let row: Option<(i64, i64, i64)> = sqlx::query_as(BACKLOG_SQL)
+            .bind(self.clock.now_ms())
+            .bind(topic)
+            .bind(group)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| db_error("backlog", e))?;
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        Ok(row.map(|(unpulled, waiting, in_flight)| Backlog {
+            waiting: count(unpulled) + count(waiting),
+            in_flight: count(in_flight),
+        }))
     }
 
     /// The topic named `name`, created if needed.
