@@ -8,6 +8,7 @@
 # Usage:
 #   scripts/services.sh run CMD...      start both, run CMD with the URLs exported, stop both
 #   scripts/services.sh restart NAME    restart postgres or nats of a running `run` (tests use it)
+#   scripts/services.sh crash NAME      kill it as a crash would (immediate / SIGKILL), then start it
 #   scripts/services.sh stop NAME       stop one of them (tests use it for outages)
 #   scripts/services.sh start NAME      start it again on the same port and data
 #
@@ -97,14 +98,22 @@ start_nats() {
   log "nats-server did not start; its log:"; cat "$dir/log" >&2 || true; exit 1
 }
 
+kill_postgres() {
+  local dir="$KEEL_TEST_SERVICES_DIR/postgres"
+  [ -f "$dir/data/postmaster.pid" ] || return 0
+  as_pg "$(pg_bin)/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null || true
+}
+
 stop_nats() {
   local pidfile="$KEEL_TEST_SERVICES_DIR/nats/pid" pid
   [ -f "$pidfile" ] || return 0
   pid="$(cat "$pidfile")"
-  kill "$pid" 2>/dev/null || true
+  kill "${1:--TERM}" "$pid" 2>/dev/null || true
   while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
   rm -f "$pidfile"
 }
+
+kill_nats() { stop_nats -KILL; }
 
 stop_all() {
   stop_nats
@@ -137,7 +146,8 @@ need_dir() {
 case "${1:-}" in
   run) shift; cmd_run "$@" ;;
   restart) need_dir; "stop_$2"; "start_$2" ;;
+  crash) need_dir; "kill_$2"; "start_$2" ;;
   stop) need_dir; "stop_$2" ;;
   start) need_dir; "start_$2" ;;
-  *) log "usage: $0 run CMD... | restart|stop|start postgres|nats"; exit 2 ;;
+  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats"; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 //! Two `keel serve` processes on one PostgreSQL and one NATS JetStream
 //! share the shop's work, and nothing is done twice, also when both
-//! servers restart mid-run.
+//! servers restart, or crash (immediate shutdown, SIGKILL), mid-run.
 //!
 //! Each test has a PostgreSQL schema and a NATS stream prefix of its own,
 //! so tests running in parallel on one server never see each other. The
@@ -347,6 +347,17 @@ async fn two_servers_share_the_work_and_do_nothing_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_postgres_and_nats_mid_run_loses_and_duplicates_nothing() {
+    outage_mid_run(services::restart, "restarting").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashing_postgres_and_nats_mid_run_loses_and_duplicates_nothing() {
+    outage_mid_run(services::crash, "crashing").await;
+}
+
+/// Runs the two-server workload while `outage` hits PostgreSQL, then
+/// nats-server; every order must settle once, with nothing lost.
+async fn outage_mid_run(outage: fn(Service) -> Result<(), services::ServiceError>, what: &str) {
     let Some(cluster) = Cluster::new() else {
         return;
     };
@@ -356,16 +367,13 @@ async fn restarting_postgres_and_nats_mid_run_loses_and_duplicates_nothing() {
     let servers = [&a, &b];
     let run = workload(&servers, 12);
     let faults = async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        tokio::task::spawn_blocking(|| services::restart(Service::Postgres))
-            .await
-            .unwrap()
-            .expect("restart PostgreSQL");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        tokio::task::spawn_blocking(|| services::restart(Service::Nats))
-            .await
-            .unwrap()
-            .expect("restart nats-server");
+        for service in [Service::Postgres, Service::Nats] {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            tokio::task::spawn_blocking(move || outage(service))
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{what} {service:?}: {e}"));
+        }
     };
     let (result, ()) = tokio::join!(run, faults);
     assert!(result.failed.is_empty(), "failed keys: {:?}", result.failed);
@@ -373,5 +381,5 @@ async fn restarting_postgres_and_nats_mid_run_loses_and_duplicates_nothing() {
     assert_eq!(result.accepted.len() as u64, ORDERS);
     let store = cluster.store().await;
     let (_, dead) = verdict(&store, &result).await;
-    eprintln!("after restarting both servers: {dead} dead letters, 0 lost, 0 duplicated");
+    eprintln!("after {what} both servers: {dead} dead letters, 0 lost, 0 duplicated");
 }

@@ -150,6 +150,13 @@ pub fn restart(service: Service) -> Result<(), ServiceError> {
     control("restart", service)
 }
 
+/// Kills `service` the way a crash would (PostgreSQL: an immediate
+/// shutdown, recovered from its WAL at start; nats-server: `SIGKILL`) and
+/// starts it again.
+pub fn crash(service: Service) -> Result<(), ServiceError> {
+    control("crash", service)
+}
+
 /// Stops `service` until [`start`] brings it back.
 pub fn stop(service: Service) -> Result<(), ServiceError> {
     control("stop", service)
