@@ -741,13 +741,13 @@ impl IdempotencyStore for RestartingStore {
 }
 
 async fn restarting_store(failures: usize) -> (RestartingStore, TempDir) {
-    let fx = fixture().await;
+    let Fixture { store, _dir: dir } = fixture().await;
     let store = RestartingStore {
-        inner: fx.store,
+        inner: store,
         failures: Arc::new(AtomicUsize::new(failures)),
         settles: Arc::new(AtomicUsize::new(0)),
     };
-    (store, fx._dir)
+    (store, dir)
 }
 
 /// Polls `key` until its answer is not `409`, for at most `within`.
