@@ -95,7 +95,10 @@ impl<S: IdempotencyStore> Pending<S> {
     }
 
     async fn retry(self, settle: Settle) {
-        let give_up_at = self.locked_until - safety_margin(self.locked_until);
+        let give_up_at = self
+            .locked_until
+            .checked_sub(safety_margin(self.locked_until))
+            .unwrap_or_else(clock::now);
         let mut wait = FIRST_RETRY;
         loop {
             let jittered = wait.mul_f64(0.5 + fastrand::f64() / 2.0);
