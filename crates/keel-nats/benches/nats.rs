@@ -4,8 +4,9 @@
 //! - `nats/publish/{keel,raw}`: a batch of `BATCH` messages with unique
 //!   ids (`Nats-Msg-Id`), all PubAcks awaited.
 //! - `nats/consume/{keel,raw}`: receive `BATCH` already-published
-//!   messages through a durable pull consumer and ack each with a confirmed
-//!   ack (acks of a batch sent concurrently). Each message has its own key,
+//!   messages through a durable pull consumer and ack each, confirmed (raw:
+//!   JetStream's double ack; Keel: its key-cursor write, then a plain
+//!   `+ACK`), acks of a batch sent concurrently. Each message has its own key,
 //!   so Keel's per-key order never holds one back; the difference is the
 //!   per-key bookkeeping (a head check per delivery, a cursor write per
 //!   ack).

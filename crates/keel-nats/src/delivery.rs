@@ -1,6 +1,6 @@
 //! Settling one JetStream delivery: ack, nack, extend, terminate, each
-//! confirmed by the server, and refused with `LeaseLost` once the lease ran
-//! out.
+//! confirmed by the server (an ack or terminate by its key-cursor write),
+//! and refused with `LeaseLost` once the lease ran out.
 //!
 //! JetStream does not tell a late holder that its delivery was handed to
 //! someone else: an ack sent after the ack wait acks the *new* holder's
@@ -175,7 +175,10 @@ impl NatsDeliveryControl {
     }
 
     /// Acks or terminates: the cursor moves first (that is the commit), then
-    /// JetStream forgets the message.
+    /// JetStream is told to forget the message. That second step is not
+    /// waited for: if it is lost, the cursor already records the message as
+    /// done, and its redelivery is acked on arrival without reaching the
+    /// application again. Waiting would cost a round trip per ack.
     async fn finish(&self, action: &str, kind: AckKind) -> Result<(), BrokerError> {
         if let Go::AlreadyFinished = self.begin(action, true)? {
             return Ok(());
@@ -184,10 +187,9 @@ impl NatsDeliveryControl {
             .advance(&self.cursor_key, self.sequence)
             .await?;
         self.lease.set_phase(Phase::Finished);
-        if let Err(error) = self.send(kind).await {
-            // The cursor already records it as done: a redelivery is acked
-            // on arrival without reaching the application again.
-            tracing::warn!(%error, action, "JetStream did not confirm a settle; the key cursor covers it");
+        let payload: Bytes = kind.into();
+        if let Err(error) = self.client.publish(self.reply.clone(), payload).await {
+            tracing::warn!(%error, action, "telling JetStream a settle failed; the key cursor covers it");
         }
         metrics::counter!("keel_broker_settled_total", "outcome" => action.to_owned()).increment(1);
         Ok(())

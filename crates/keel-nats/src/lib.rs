@@ -25,9 +25,11 @@
 //!   its subject for the group, judged by a per-group, per-key cursor in a
 //!   JetStream key-value bucket (`<prefix>_cursors`). See [`cursor`] for
 //!   why, and the trade-offs below.
-//! - **Settles**: ack = move the key cursor, then `+ACK` confirmed by the
-//!   server; nack(delay) = `-NAK` with the delay; extend = `+WPI`
-//!   (in-progress), repeated by a background task when the requested lease
+//! - **Settles**: ack = move the key cursor (a confirmed key-value write:
+//!   the commit), then `+ACK`, not waited for (a lost one only means a
+//!   redelivery that the cursor acks on arrival); nack(delay) = `-NAK` with
+//!   the delay and extend = `+WPI` (in-progress), both confirmed by the
+//!   server, extend repeated by a background task when the requested lease
 //!   is longer than the ack wait; terminate = cursor, then `+TERM`. A settle
 //!   after the client-side lease deadline is [`LeaseLost`] and sends nothing.
 //!
