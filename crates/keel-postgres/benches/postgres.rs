@@ -12,9 +12,14 @@
 //!   process, as the server sees it) appends and commits one event per
 //!   millisecond while a relay whose poll interval is 60 s is woken only by
 //!   `PgWakeups` (LISTEN/NOTIFY); the time from each commit's return to the
-//!   broker receiving the event, in an HDR histogram; goal p99 <= 10 ms.
+//!   broker receiving the event, in an HDR histogram;
+//! - append → effect latency at 1,000 events/s, end to end on the scale-out
+//!   pair: the same appends, the relay publishing to NATS JetStream
+//!   (`NatsBroker`, when `KEEL_TEST_NATS_URL` is set) and a consumer group
+//!   applying each event through the inbox in a PostgreSQL transaction; the
+//!   time from each append's commit to its handler running; goal p99 <= 10 ms.
 //!
-//! The broker is a no-op so that both sides measure PostgreSQL alone (the
+//! For the first three the broker is a no-op so that they measure PostgreSQL alone (the
 //! SQLite benchmark publishes to the SQLite broker because that *is* its
 //! embedded backend; here the broker is NATS or anything else, measured by
 //! its own crate).
@@ -39,9 +44,11 @@ use criterion::{Criterion, SamplingMode, Throughput};
 use hdrhistogram::Histogram;
 use keel_core::clock::{self, Instant};
 use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_messaging::consumer::{Consumer, Group};
 use keel_messaging::envelope::{Envelope, Event, EventMeta};
 use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::Store;
+use keel_nats::{NatsBroker, NatsBrokerOptions};
 use keel_postgres::{PgStore, PgWakeups};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -263,8 +270,61 @@ fn bench_relay(c: &mut Criterion, rt: &Runtime, fx: &Arc<Fixture>) {
 async fn latency_run(fx: &Fixture) -> Histogram<u64> {
     let broker = Arc::new(NoopBroker::default());
     *broker.arrivals.lock() = Some(HashMap::new());
+    let (relay, wakeups) = spawn_relay(fx, Arc::clone(&broker) as Arc<dyn Broker>).await;
+    let committed = append_at_1khz(fx, "bench.latency").await;
+    let arrivals = wait_for(&committed, || {
+        broker.arrivals.lock().clone().unwrap_or_default()
+    })
+    .await;
+    relay.abort();
+    drop(wakeups);
+    histogram(&committed, &arrivals)
+}
+
+/// The same appends, end to end on the scale-out pair: the relay publishes
+/// to NATS JetStream (`NatsBroker`) and a consumer group applies each event
+/// through the inbox in a PostgreSQL transaction. Returns the time from
+/// each append's commit to its handler running inside the effect's
+/// transaction (the effect's own commit follows). `None` without
+/// `KEEL_TEST_NATS_URL`.
+async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
+    let url = std::env::var(keel_testkit::services::NATS_URL).ok()?;
+    let prefix = format!("bench_{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let broker: Arc<dyn Broker> = Arc::new(
+        NatsBroker::connect(&url, NatsBrokerOptions::new().stream_prefix(prefix))
+            .await
+            .expect("connect to NATS"),
+    );
+    let effects: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let seen = Arc::clone(&effects);
+    let group = Group::new("bench.effect", "bench").on_event(
+        move |_tx: &mut <PgStore as Store>::Tx, _: OrderPlaced, env: &Envelope| {
+            seen.lock().insert(env.id.clone(), clock::now());
+            Box::pin(async { Ok(()) })
+        },
+    );
+    let consumer = Consumer::builder(fx.store.clone(), Arc::clone(&broker))
+        .group(group)
+        .build()
+        .expect("consumer");
+    let consumer = tokio::spawn(async move { consumer.run(std::future::pending()).await });
+    let (relay, wakeups) = spawn_relay(fx, broker).await;
+    let committed = append_at_1khz(fx, "bench.effect").await;
+    let arrivals = wait_for(&committed, || effects.lock().clone()).await;
+    relay.abort();
+    consumer.abort();
+    drop(wakeups);
+    Some(histogram(&committed, &arrivals))
+}
+
+/// A relay on `broker` whose poll interval is 60 s, woken only by
+/// `PgWakeups`, running once it listens.
+async fn spawn_relay(
+    fx: &Fixture,
+    broker: Arc<dyn Broker>,
+) -> (tokio::task::JoinHandle<()>, PgWakeups) {
     let outbox = Outbox::new(fx.store.clone());
-    let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
+    let relay = OutboxRelay::builder(&outbox, broker)
         .poll_interval(Duration::from_secs(60))
         .build()
         .expect("relay");
@@ -273,10 +333,17 @@ async fn latency_run(fx: &Fixture) -> Histogram<u64> {
         .on_outbox(move || waker.notify())
         .spawn();
     wakeups.listening().await;
-    let relay = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    let relay = tokio::spawn(async move {
+        relay.run(std::future::pending()).await;
+    });
     tokio::time::sleep(Duration::from_millis(500)).await;
+    (relay, wakeups)
+}
 
-    // The appending "process": its own pool and its own Outbox.
+/// From its own pool (another process, as the server sees it), appends and
+/// commits one event to `topic` per millisecond; returns each event id with
+/// the time its commit returned.
+async fn append_at_1khz(fx: &Fixture, topic: &str) -> Vec<(String, Instant)> {
     let producer = PgStore::builder(fx.url.as_str())
         .schema(fx.store.schema())
         .connect()
@@ -292,25 +359,41 @@ async fn latency_run(fx: &Fixture) -> Histogram<u64> {
         let envelope = order(n);
         let mut tx = producer.begin().await.expect("begin");
         producer_outbox
-            .append(&mut tx, "bench.latency", &envelope)
+            .append(&mut tx, topic, &envelope)
             .await
             .expect("append");
         // Store::commit, not Outbox::commit: no in-process wake-up.
         producer.commit(tx).await.expect("commit");
         committed.push((envelope.id, clock::now()));
     }
+    committed
+}
+
+/// Waits (up to 30 s) until `arrivals` has every committed event.
+async fn wait_for(
+    committed: &[(String, Instant)],
+    arrivals: impl Fn() -> HashMap<String, Instant>,
+) -> HashMap<String, Instant> {
     let deadline = clock::now() + Duration::from_secs(30);
-    while broker.arrivals.lock().as_ref().map_or(0, HashMap::len) < committed.len() {
+    loop {
+        let got = arrivals();
+        if got.len() >= committed.len() {
+            return got;
+        }
         assert!(clock::now() < deadline, "events did not arrive");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    relay.abort();
-    drop(wakeups);
-    let arrivals = broker.arrivals.lock().take().unwrap_or_default();
+}
+
+/// Commit → arrival latencies in microseconds.
+fn histogram(
+    committed: &[(String, Instant)],
+    arrivals: &HashMap<String, Instant>,
+) -> Histogram<u64> {
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("histogram");
     for (id, at) in committed {
-        let arrived = arrivals.get(&id).copied().unwrap_or(at);
-        let micros = arrived.saturating_duration_since(at).as_micros();
+        let arrived = arrivals.get(id).copied().unwrap_or(*at);
+        let micros = arrived.saturating_duration_since(*at).as_micros();
         histogram
             .record(u64::try_from(micros).unwrap_or(u64::MAX).max(1))
             .expect("record");
@@ -320,7 +403,7 @@ async fn latency_run(fx: &Fixture) -> Histogram<u64> {
 
 // -------------------------------------------------------------- summary --
 
-fn summary(latency: &Histogram<u64>) {
+fn summary(latency: &Histogram<u64>, effect: Option<&Histogram<u64>>) {
     let (first, last) = (RAW_FIRST.per_second(), RAW_LAST.per_second());
     let raw = {
         let elements =
@@ -350,6 +433,22 @@ fn summary(latency: &Histogram<u64>) {
         ms(latency.max()),
         latency.len()
     );
+    match effect {
+        Some(effect) => println!(
+            "append -> effect at 1,000 events/s (relay -> NATS JetStream -> consumer, inbox on \
+             PostgreSQL): p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms over {} events \
+             (goal p99 <= 10 ms)",
+            ms(effect.value_at_quantile(0.50)),
+            ms(effect.value_at_quantile(0.99)),
+            ms(effect.value_at_quantile(0.999)),
+            ms(effect.max()),
+            effect.len()
+        ),
+        None => println!(
+            "append -> effect: skipped ({} is not set)",
+            keel_testkit::services::NATS_URL
+        ),
+    }
     println!("load average at the end: {}", load.trim());
 }
 
@@ -372,8 +471,9 @@ fn main() {
     bench_raw(&mut c, &rt, &fx, "raw_insert_commit", &RAW_FIRST);
     bench_relay(&mut c, &rt, &fx);
     let latency = rt.block_on(latency_run(&fx));
+    let effect = rt.block_on(effect_latency_run(&fx));
     bench_raw(&mut c, &rt, &fx, "raw_insert_commit_again", &RAW_LAST);
     c.final_summary();
-    summary(&latency);
+    summary(&latency, effect.as_ref());
     rt.block_on(fx.drop_schema());
 }
