@@ -272,7 +272,9 @@ async fn verdict(store: &PgStore, result: &WorkloadResult) -> (Invariants, usize
     let (audit, dead, money, invariants) = report::check(store, result).await.unwrap();
     assert!(
         invariants.ok,
-        "invariants: {invariants:#?}\nmoney: {money:?}\ndead letters: {dead:?}"
+        "invariants: {invariants:#?}\nmoney: {money:?}\ndead letters: {dead:?}\n\
+         sagas that ended without all their actions' effects:\n{}",
+        unsettled_sagas(store).await
     );
     assert_eq!(invariants.lost, 0);
     assert_eq!(invariants.duplicated, 0);
@@ -294,6 +296,28 @@ async fn verdict(store: &PgStore, result: &WorkloadResult) -> (Invariants, usize
         .count();
     assert!(captures > 0 && captures as u64 <= ORDERS);
     (invariants, dead.len())
+}
+
+/// For a failed verdict: every saga that ended completed without all four
+/// actions' effects, with its record and the effects that do exist.
+async fn unsettled_sagas(store: &PgStore) -> String {
+    let rows: Vec<(String, i64, i64, i64, Option<String>, Vec<String>)> = sqlx::query_as(
+        "SELECT s.id, s.step, s.attempts, s.version, s.last_error,
+                COALESCE(array_agg(e.step || CASE WHEN e.compensation THEN ' (undo)' ELSE '' END
+                                   || ' key=' || e.idem_key ORDER BY e.seq)
+                         FILTER (WHERE e.step IS NOT NULL), '{}')
+           FROM keel_sagas s LEFT JOIN shop_effects e ON e.order_id = s.id
+          WHERE s.status = 'completed'
+          GROUP BY s.id
+         HAVING COUNT(*) FILTER (WHERE NOT e.compensation) < 4",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap_or_default();
+    rows.iter()
+        .map(|r| format!("{r:?}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
