@@ -298,10 +298,13 @@ async fn verdict(store: &PgStore, result: &WorkloadResult) -> (Invariants, usize
     (invariants, dead.len())
 }
 
+/// A saga's id, step, attempts, version and last error, and its effects.
+type SagaRow = (String, i64, i64, i64, Option<String>, Vec<String>);
+
 /// For a failed verdict: every saga that ended completed without all four
 /// actions' effects, with its record and the effects that do exist.
 async fn unsettled_sagas(store: &PgStore) -> String {
-    let rows: Vec<(String, i64, i64, i64, Option<String>, Vec<String>)> = sqlx::query_as(
+    let rows: Vec<SagaRow> = sqlx::query_as(
         "SELECT s.id, s.step, s.attempts, s.version, s.last_error,
                 COALESCE(array_agg(e.step || CASE WHEN e.compensation THEN ' (undo)' ELSE '' END
                                    || ' key=' || e.idem_key ORDER BY e.seq)
