@@ -84,9 +84,11 @@ impl<S: ShopStore> Projection<S> {
                 s.status.as_str()
             )));
         }
-        self.webhooks.enqueue(&mut tx, &events).await?;
+        let queued = self.webhooks.enqueue(&mut tx, &events).await?;
         self.log.commit(tx, appended).await?;
-        self.worker.notify();
+        if queued > 0 {
+            self.worker.notify();
+        }
         self.settled
             .fetch_add(settled.len() as u64, Ordering::Relaxed);
         Ok(settled.len())
