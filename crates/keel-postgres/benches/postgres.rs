@@ -272,10 +272,11 @@ async fn latency_run(fx: &Fixture) -> Histogram<u64> {
     *broker.arrivals.lock() = Some(HashMap::new());
     let (relay, wakeups) = spawn_relay(fx, Arc::clone(&broker) as Arc<dyn Broker>).await;
     let committed = append_at_1khz(fx, "bench.latency").await;
-    let arrivals = wait_for(&committed, || {
-        broker.arrivals.lock().clone().unwrap_or_default()
+    wait_for(committed.len(), || {
+        broker.arrivals.lock().as_ref().map_or(0, HashMap::len)
     })
     .await;
+    let arrivals = broker.arrivals.lock().take().unwrap_or_default();
     relay.abort();
     drop(wakeups);
     histogram(&committed, &arrivals)
@@ -310,7 +311,8 @@ async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
     let consumer = tokio::spawn(async move { consumer.run(std::future::pending()).await });
     let (relay, wakeups) = spawn_relay(fx, broker).await;
     let committed = append_at_1khz(fx, "bench.effect").await;
-    let arrivals = wait_for(&committed, || effects.lock().clone()).await;
+    wait_for(committed.len(), || effects.lock().len()).await;
+    let arrivals = std::mem::take(&mut *effects.lock());
     relay.abort();
     consumer.abort();
     drop(wakeups);
@@ -369,17 +371,12 @@ async fn append_at_1khz(fx: &Fixture, topic: &str) -> Vec<(String, Instant)> {
     committed
 }
 
-/// Waits (up to 30 s) until `arrivals` has every committed event.
-async fn wait_for(
-    committed: &[(String, Instant)],
-    arrivals: impl Fn() -> HashMap<String, Instant>,
-) -> HashMap<String, Instant> {
+/// Waits (up to 30 s) until `arrived` counts all `committed` events. It
+/// only counts: copying the arrivals every few milliseconds would take CPU
+/// from the events still in flight.
+async fn wait_for(committed: usize, arrived: impl Fn() -> usize) {
     let deadline = clock::now() + Duration::from_secs(30);
-    loop {
-        let got = arrivals();
-        if got.len() >= committed.len() {
-            return got;
-        }
+    while arrived() < committed {
         assert!(clock::now() < deadline, "events did not arrive");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
