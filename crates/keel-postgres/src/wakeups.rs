@@ -30,7 +30,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgListener, PgPool};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -126,7 +126,7 @@ impl PgWakeups {
     /// A builder listening on `store`'s channels, connecting like `store`.
     pub fn builder(store: &PgStore) -> PgWakeupsBuilder {
         let options = store.pool().connect_options();
-        let pool = PgPoolOptions::new()
+        let pool = crate::store::guarded_pool_options()
             .max_connections(1)
             .idle_timeout(None)
             .max_lifetime(None)

@@ -85,6 +85,7 @@ use keel_messaging::store::Store;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, Postgres};
 
+pub(crate) use options::guarded_pool_options;
 pub use options::{InvalidSchema, PgStoreBuilder};
 
 use error::{commit_error, db_error, is_connection_lost};
@@ -246,8 +247,17 @@ impl PgStore {
 impl Store for PgStore {
     type Tx = sqlx::Transaction<'static, Postgres>;
 
+    /// Runs `BEGIN` in a task of its own, so a caller dropped while waiting
+    /// for it (a hang-up, a timeout) never cuts it in half: the task still
+    /// gets the transaction, and dropping it there rolls it back the way
+    /// sqlx knows how (see [`guarded_pool_options`] for the half it does
+    /// not).
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool.begin().await.map_err(db_error)
+        let pool = self.pool.clone();
+        tokio::spawn(async move { pool.begin().await })
+            .await
+            .map_err(StoreError::other)?
+            .map_err(db_error)
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {

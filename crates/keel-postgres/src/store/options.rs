@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use keel_messaging::StoreError;
 use sqlx::migrate::MigrateError;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Executor, Row};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 use super::error::db_error;
 use super::{Channels, PgStore};
@@ -47,12 +48,15 @@ pub struct PgStoreBuilder {
     acquire_timeout: Duration,
     migrate: bool,
     application_name: String,
+    idle_in_transaction_timeout: Duration,
+    max_lifetime: Duration,
 }
 
 impl PgStoreBuilder {
     /// The defaults for `url`: schema `keel`, at most 10 connections (none
     /// kept idle), a 5 s acquire timeout, migrations on connect,
-    /// `application_name = keel`.
+    /// `application_name = keel`, sessions ended by the server after 60 s
+    /// idle inside a transaction and replaced after 30 minutes.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -62,6 +66,8 @@ impl PgStoreBuilder {
             acquire_timeout: Duration::from_secs(5),
             migrate: true,
             application_name: "keel".to_owned(),
+            idle_in_transaction_timeout: Duration::from_secs(60),
+            max_lifetime: Duration::from_secs(30 * 60),
         }
     }
 
@@ -107,6 +113,24 @@ impl PgStoreBuilder {
         self
     }
 
+    /// How long the server lets a session sit idle inside a transaction
+    /// before ending it (`idle_in_transaction_session_timeout`, default
+    /// 60 s, whole seconds). It bounds what a leaked transaction can hold:
+    /// its row locks, and the writes of anyone who mistakenly joined it.
+    /// Keep it above the longest pause your own transactions make between
+    /// statements.
+    pub fn idle_in_transaction_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_in_transaction_timeout = timeout.max(Duration::from_secs(1));
+        self
+    }
+
+    /// How long a connection lives before the pool replaces it (default
+    /// 30 minutes).
+    pub fn max_lifetime(mut self, lifetime: Duration) -> Self {
+        self.max_lifetime = lifetime;
+        self
+    }
+
     /// The connect options every connection of the store uses (the URL
     /// with Keel's `search_path` and application name).
     pub fn connect_options(&self) -> Result<PgConnectOptions, StoreError> {
@@ -114,17 +138,24 @@ impl PgStoreBuilder {
         let options = PgConnectOptions::from_str(&self.url).map_err(StoreError::other)?;
         Ok(options
             .application_name(&self.application_name)
-            .options([("search_path", format!("{},public", self.schema))]))
+            .options([
+                ("search_path", format!("{},public", self.schema)),
+                (
+                    "idle_in_transaction_session_timeout",
+                    format!("{}s", self.idle_in_transaction_timeout.as_secs()),
+                ),
+            ]))
     }
 
     /// Connects (lazily: the pool opens connections as needed), creates
     /// the schema and migrates unless told not to.
     pub async fn connect(self) -> Result<PgStore, StoreError> {
         let options = self.connect_options()?;
-        let pool = PgPoolOptions::new()
+        let pool = guarded_pool_options()
             .max_connections(self.max_connections)
             .min_connections(self.min_connections)
             .acquire_timeout(self.acquire_timeout)
+            .max_lifetime(self.max_lifetime)
             .connect_lazy_with(options);
         if self.migrate {
             migrate(&pool, &self.schema).await?;
@@ -136,6 +167,47 @@ impl PgStoreBuilder {
         })
     }
 }
+
+/// Pool options that never hand out a session inside a transaction.
+///
+/// sqlx (0.8.6 and 0.9.0; upstream issues #4385 and #4393) raises its
+/// transaction depth only once `BEGIN` has answered, so a `begin()` dropped
+/// while waiting for that answer leaves the server inside a transaction that
+/// sqlx does not know about, and the connection goes back to the pool that
+/// way. Its next borrower's autocommit writes would then answer success and
+/// be discarded by the next `ROLLBACK` on that connection, or the session
+/// would answer `25P02` to everything once a statement failed in it.
+///
+/// So every checkout asks the server, in the round trip that sqlx's own
+/// liveness ping used to cost, whether the session is inside a transaction
+/// block: in autocommit, a statement's start is its transaction's start.
+/// A session that is inside one, or that cannot answer (`25P02`), is
+/// closed, which makes the server roll back what it held, and the borrower
+/// gets a fresh one.
+pub(crate) fn guarded_pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, _meta| Box::pin(outside_a_transaction(conn)))
+}
+
+/// Whether `conn`'s session is outside any transaction block (see
+/// [`guarded_pool_options`]); counts and logs one that is not.
+async fn outside_a_transaction(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    // A plain string runs as a simple query (no prepared statement).
+    let row = conn.fetch_one(OUTSIDE_A_TRANSACTION).await?;
+    let clean: bool = row.try_get(0)?;
+    if !clean {
+        metrics::counter!("keel_postgres_leaked_transactions_total").increment(1);
+        tracing::warn!(
+            "a pooled PostgreSQL session was inside a transaction nobody owns \
+             (a cancelled BEGIN); closing it"
+        );
+    }
+    Ok(clean)
+}
+
+/// True exactly when the statement runs outside a transaction block.
+const OUTSIDE_A_TRANSACTION: &str = "SELECT statement_timestamp() = transaction_timestamp()";
 
 /// Lowercase identifiers only: they need no quoting anywhere (search_path,
 /// channel names), and nothing user-supplied reaches SQL text unchecked.
