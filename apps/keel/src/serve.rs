@@ -14,7 +14,7 @@ use axum::Router;
 use axum::routing::{get, post};
 use keel_http::admin::{Admin, AdminToken, BrokerLag};
 use keel_http::console::Console;
-use keel_http::health::Health;
+use keel_http::health::{DEFAULT_POOL_EXHAUSTION_GRACE, Health};
 use keel_http::jobs::{JobRequested, Jobs, JobsOptions};
 use keel_http::webhooks::WebhookReceiver;
 use keel_http::webhooks::signing::Secret;
@@ -306,7 +306,13 @@ pub fn serve_routes<S: ShopStore>(
         .route("/webhooks/inbound/{source}", post(webhooks::inbound::<S>))
         .with_state(webhook_api);
     let http = reqwest::Client::new();
-    let mut health = Health::builder().drain(&c.drain).store(c.store.clone());
+    let pool = c.store.clone();
+    let mut health = Health::builder()
+        .drain(&c.drain)
+        .store(c.store.clone())
+        .pool_exhaustion("db_pool", DEFAULT_POOL_EXHAUSTION_GRACE, move || {
+            pool.connections_free()
+        });
     let urls = &c.dependency_urls;
     for (name, url) in [
         ("payments", urls.payments.clone()),

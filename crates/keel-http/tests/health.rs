@@ -108,11 +108,29 @@ async fn readyz_checks_what_we_own_on_a_real_store() {
     waiters.store(50, Ordering::SeqCst);
     assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
 
-    // The schema loses its migrations: not ready, and the store says why.
+    // The schema loses its migrations after start: readiness, which saw
+    // them applied, no longer asks the database; `/debug/deep` does.
     sqlx::query("DELETE FROM _sqlx_migrations")
         .execute(store.pool())
         .await
         .unwrap();
+    assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+    assert_eq!(
+        deep_calls.load(Ordering::SeqCst),
+        0,
+        "readiness never pings dependencies"
+    );
+}
+
+#[tokio::test]
+async fn readyz_refuses_a_store_that_was_never_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("keel.db")).await.unwrap();
+    sqlx::query("DELETE FROM _sqlx_migrations")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let app = Health::builder().store(store).build().unwrap().router();
     let (status, response) = get_in_process(&app, "/readyz").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let detail = json_of(response).await["detail"]
@@ -121,10 +139,116 @@ async fn readyz_checks_what_we_own_on_a_real_store() {
         .to_owned();
     assert!(detail.starts_with("not ready: store: "), "{detail}");
     assert!(detail.contains("not migrated"), "{detail}");
+}
+
+/// A store whose database can be switched off, counting every question
+/// asked of it.
+#[derive(Clone, Default)]
+struct CountedStore {
+    asked: Arc<AtomicUsize>,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl keel_messaging::Store for CountedStore {
+    type Tx = ();
+
+    async fn begin(&self) -> Result<(), keel_messaging::StoreError> {
+        Ok(())
+    }
+
+    async fn commit(&self, (): ()) -> Result<(), keel_messaging::StoreError> {
+        Ok(())
+    }
+
+    async fn rollback(&self, (): ()) -> Result<(), keel_messaging::StoreError> {
+        Ok(())
+    }
+
+    async fn ready(&self) -> Result<(), keel_messaging::StoreError> {
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        if self.down.load(Ordering::SeqCst) {
+            Err(keel_messaging::StoreError::other("connection refused"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// The cascade the seeds warn about: every instance shares the database,
+/// so a readiness probe that reads it takes the whole fleet out of the load
+/// balancer when the database blips. Readiness asks the store once, at
+/// start; the blip shows in `/debug/deep` only.
+#[tokio::test]
+async fn a_database_blip_leaves_every_instance_ready() {
+    let store = CountedStore::default();
+    let app = Health::builder()
+        .store(store.clone())
+        .build()
+        .unwrap()
+        .router();
+    for _ in 0..10 {
+        assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+    }
     assert_eq!(
-        deep_calls.load(Ordering::SeqCst),
-        0,
-        "readiness never pings dependencies"
+        store.asked.load(Ordering::SeqCst),
+        1,
+        "one question, at start"
+    );
+
+    store.down.store(true, Ordering::SeqCst);
+    assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+    assert_eq!(
+        store.asked.load(Ordering::SeqCst),
+        1,
+        "probes never read the database"
+    );
+    let (status, response) = get_in_process(&app, "/debug/deep").await;
+    assert_eq!(status, StatusCode::OK);
+    let report = json_of(response).await;
+    assert_eq!(report["ok"], false, "{report}");
+    assert!(
+        report.to_string().contains("connection refused"),
+        "{report}"
+    );
+}
+
+/// A pool with nothing free for a moment stays ready; one that stays
+/// exhausted past the grace is not, and is ready again once a connection
+/// frees up.
+#[tokio::test(start_paused = true)]
+async fn a_pool_exhausted_past_its_grace_is_not_ready() {
+    let free = Arc::new(AtomicUsize::new(0));
+    let app = Health::builder()
+        .pool_exhaustion("db_pool", Duration::from_secs(5), {
+            let free = Arc::clone(&free);
+            move || free.load(Ordering::SeqCst)
+        })
+        .build()
+        .unwrap()
+        .router();
+    assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+    tokio::time::advance(Duration::from_secs(4)).await;
+    assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let (status, response) = get_in_process(&app, "/readyz").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let detail = json_of(response).await["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        detail,
+        "not ready: db_pool: pool exhausted: no connection free for 5000ms"
+    );
+
+    free.store(1, Ordering::SeqCst);
+    assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+    free.store(0, Ordering::SeqCst);
+    assert_eq!(
+        get_in_process(&app, "/readyz").await.0,
+        StatusCode::OK,
+        "the grace starts over"
     );
 }
 

@@ -12,8 +12,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use keel_messaging::store::Store;
-use sqlx::Connection;
 use keel_postgres::PgStore;
+use sqlx::Connection;
 
 /// Polls `future` once and drops it: the cancellation that lands between
 /// sending a statement and reading its answer.

@@ -132,9 +132,15 @@ pub async fn place_order<S: ShopStore>(
         status: OrderStatus::Pending,
         created_at: now_rfc3339(),
     };
-    match insert(&state, &order, event_id, fault).await {
-        Ok(()) => created(order),
-        Err(response) => response,
+    // A client that hangs up must not cut the transaction in half: it runs
+    // to its end in a task of its own, and a retry under the same key finds
+    // the order it placed.
+    let placed = order.clone();
+    let inserting = tokio::spawn(async move { insert(&state, &placed, event_id, fault).await });
+    match inserting.await {
+        Ok(Ok(())) => created(order),
+        Ok(Err(response)) => response,
+        Err(e) => Problem::internal(e).into_response(),
     }
 }
 
@@ -181,6 +187,7 @@ async fn insert<S: ShopStore>(
         items: order.items.clone(),
         total_cents: order.total_cents,
         demo_fault: fault,
+        extra: Default::default(),
     };
     let mut envelope = Envelope::from_event(SOURCE, &placed, EventMeta::new(1))
         .map_err(|e| Problem::internal(e).into_response())?;

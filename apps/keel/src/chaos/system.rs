@@ -113,11 +113,7 @@ pub(super) async fn submit_poison(base_url: String, key: String) -> Option<Accep
     let order = NewOrder {
         customer_id: "cust-poison".into(),
         currency: "USD".into(),
-        items: vec![Item {
-            sku: "tea".into(),
-            qty: 1,
-            unit_price_cents: 450,
-        }],
+        items: vec![Item::new("tea", 1, 450)],
     };
     let client = reqwest::Client::new();
     for _ in 0..400 {

@@ -90,23 +90,17 @@ pub fn order_for(n: u64, rng: &mut fastrand::Rng) -> NewOrder {
     const SKUS: [&str; 6] = ["tea", "coffee", "mug", "kettle", "filter", "grinder"];
     let lines = rng.usize(1..=3);
     let mut items: Vec<Item> = (0..lines)
-        .map(|_| Item {
-            sku: SKUS[rng.usize(..SKUS.len())].to_owned(),
-            qty: rng.u32(1..=4),
-            unit_price_cents: rng.i64(199..=4_999),
+        .map(|_| {
+            Item::new(
+                SKUS[rng.usize(..SKUS.len())],
+                rng.u32(1..=4),
+                rng.i64(199..=4_999),
+            )
         })
         .collect();
     match rng.u32(0..100) {
-        0..=3 => items.push(Item {
-            sku: "rare-vinyl".into(),
-            qty: 1,
-            unit_price_cents: 2_999,
-        }),
-        4..=5 => items.push(Item {
-            sku: "rare-teapot".into(),
-            qty: 1,
-            unit_price_cents: 8_900,
-        }),
+        0..=3 => items.push(Item::new("rare-vinyl", 1, 2_999)),
+        4..=5 => items.push(Item::new("rare-teapot", 1, 8_900)),
         _ => {}
     }
     NewOrder {

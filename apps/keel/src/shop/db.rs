@@ -89,6 +89,8 @@ pub struct Audit {
 /// implements the same methods.
 #[async_trait]
 pub trait ShopDb: Store {
+    /// Connections free in the store's pool (readiness: pool exhaustion).
+    fn connections_free(&self) -> usize;
     /// Creates the shop's tables if missing.
     async fn migrate_shop(&self) -> Result<(), StoreError>;
     /// Inserts an accepted order in the caller's transaction.
@@ -261,6 +263,10 @@ async fn action_amount(
 
 #[async_trait]
 impl ShopDb for SqliteStore {
+    fn connections_free(&self) -> usize {
+        SqliteStore::connections_free(self)
+    }
+
     async fn migrate_shop(&self) -> Result<(), StoreError> {
         sqlx::raw_sql(SCHEMA)
             .execute(self.pool())
@@ -617,11 +623,7 @@ mod tests {
     }
 
     fn item(sku: &str, qty: u32) -> Item {
-        Item {
-            sku: sku.into(),
-            qty,
-            unit_price_cents: 100,
-        }
+        Item::new(sku, qty, 100)
     }
 
     #[tokio::test]

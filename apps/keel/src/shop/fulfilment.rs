@@ -76,6 +76,7 @@ impl<S: ShopStore> Handler<S::Tx> for StartFulfilment<S> {
             total_cents: placed.total_cents,
             items: placed.items,
             demo_fault: placed.demo_fault,
+            extra: placed.extra,
         };
         self.orchestrator
             .start(tx, &self.saga, &placed.order_id, &data)

@@ -7,6 +7,7 @@
 
 use keel_messaging::envelope::Event;
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
 /// The most items one order may hold.
@@ -47,9 +48,18 @@ impl DemoFault {
     }
 }
 
+/// Fields a reader does not know, kept so that re-emitting an event loses
+/// nothing a newer producer added (the tolerant reader).
+pub type UnknownFields = Map<String, Value>;
+
 /// One line of an order.
+///
+/// Read tolerantly: inside an event, a field added by a newer producer is
+/// kept in [`extra`](Self::extra) and written back out unchanged. A
+/// client's `POST /orders` is still held to the documented fields, by
+/// [`NewOrder::validate`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct Item {
     /// The stock keeping unit.
     pub sku: String,
@@ -57,6 +67,22 @@ pub struct Item {
     pub qty: u32,
     /// The price of one unit in cents (integer minor units, never floats).
     pub unit_price_cents: i64,
+    /// Fields this version does not know.
+    #[serde(flatten, default, skip_serializing_if = "Map::is_empty")]
+    #[schema(ignore)]
+    pub extra: UnknownFields,
+}
+
+impl Item {
+    /// A line of `qty` units of `sku` at `unit_price_cents` each.
+    pub fn new(sku: impl Into<String>, qty: u32, unit_price_cents: i64) -> Self {
+        Self {
+            sku: sku.into(),
+            qty,
+            unit_price_cents,
+            extra: UnknownFields::new(),
+        }
+    }
 }
 
 /// An order as a client submits it (`POST /orders`).
@@ -98,6 +124,14 @@ pub enum InvalidOrder {
         /// The item.
         index: usize,
     },
+    /// An item has a field the API does not define.
+    #[error("items[{index}] has an unknown field {field:?}: use sku, qty and unitPriceCents")]
+    UnknownField {
+        /// The item.
+        index: usize,
+        /// The first unknown field.
+        field: String,
+    },
 }
 
 fn valid_id(s: &str) -> bool {
@@ -132,6 +166,12 @@ impl NewOrder {
             }
             if item.unit_price_cents <= 0 || item.unit_price_cents > MAX_UNIT_PRICE_CENTS {
                 return Err(InvalidOrder::Price { index });
+            }
+            if let Some(field) = item.extra.keys().next() {
+                return Err(InvalidOrder::UnknownField {
+                    index,
+                    field: field.clone(),
+                });
             }
         }
         Ok(())
@@ -210,6 +250,10 @@ pub struct Order {
 
 /// `shop.order.placed.v1`: an order was accepted. Its subject (and so the
 /// partition key) is the order id.
+///
+/// A tolerant reader: fields a newer producer adds, at the top or in an
+/// item, are kept in `extra` and re-emitted unchanged, so a v2 producer
+/// never dead-letters a v1 consumer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct OrderPlaced {
@@ -226,6 +270,9 @@ pub struct OrderPlaced {
     /// A demo fault to act out (only with `--demo-faults`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub demo_fault: Option<DemoFault>,
+    /// Fields this version does not know.
+    #[serde(flatten, default, skip_serializing_if = "Map::is_empty")]
+    pub extra: UnknownFields,
 }
 
 impl Event for OrderPlaced {
@@ -244,11 +291,7 @@ mod tests {
         NewOrder {
             customer_id: "c-1".into(),
             currency: "USD".into(),
-            items: vec![Item {
-                sku: "tea".into(),
-                qty: 2,
-                unit_price_cents: 450,
-            }],
+            items: vec![Item::new("tea", 2, 450)],
         }
     }
 
@@ -278,5 +321,43 @@ mod tests {
         let mut o = order();
         o.items = vec![o.items[0].clone(); MAX_ITEMS + 1];
         assert_eq!(o.validate(), Err(InvalidOrder::ItemCount));
+    }
+
+    #[test]
+    fn a_client_order_is_held_to_the_documented_fields() {
+        let body = r#"{"customerId":"c-1","currency":"USD",
+            "items":[{"sku":"tea","qty":1,"unitPriceCents":450,"discount":100}]}"#;
+        let order: NewOrder = serde_json::from_str(body).expect("parses");
+        assert_eq!(
+            order.validate(),
+            Err(InvalidOrder::UnknownField {
+                index: 0,
+                field: "discount".into()
+            })
+        );
+        let body = r#"{"customerId":"c-1","currency":"USD","items":[],"coupon":"X"}"#;
+        assert!(serde_json::from_str::<NewOrder>(body).is_err());
+    }
+
+    /// The tolerant reader: a v2 producer's extra fields, at the top and
+    /// in an item, survive a read and a re-emit unchanged.
+    #[test]
+    fn an_order_event_from_a_newer_producer_round_trips_losslessly() {
+        let v2 = serde_json::json!({
+            "orderId": "o-1",
+            "customerId": "c-1",
+            "currency": "USD",
+            "items": [{"sku": "tea", "qty": 2, "unitPriceCents": 450, "engraving": "hi"}],
+            "totalCents": 900,
+            "giftWrap": {"paper": "blue"},
+            "occurredAt": "2026-12-01T00:00:00.000Z",
+        });
+        let placed: OrderPlaced = serde_json::from_value(v2.clone()).expect("a v1 reader reads v2");
+        assert_eq!(placed.items[0].qty, 2);
+        assert_eq!(
+            placed.extra["giftWrap"],
+            serde_json::json!({"paper": "blue"})
+        );
+        assert_eq!(serde_json::to_value(&placed).expect("re-emit"), v2);
     }
 }

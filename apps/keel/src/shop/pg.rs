@@ -170,6 +170,10 @@ fn wanted(items: &[Item]) -> BTreeMap<&str, i64> {
 
 #[async_trait]
 impl ShopDb for PgStore {
+    fn connections_free(&self) -> usize {
+        PgStore::connections_free(self)
+    }
+
     async fn migrate_shop(&self) -> Result<(), StoreError> {
         let mut tx = self.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext(current_schema() || $1))")
@@ -543,11 +547,7 @@ mod tests {
     }
 
     fn item(sku: &str, qty: u32) -> Item {
-        Item {
-            sku: sku.into(),
-            qty,
-            unit_price_cents: 100,
-        }
+        Item::new(sku, qty, 100)
     }
 
     async fn available(store: &PgStore, sku: &str) -> i64 {

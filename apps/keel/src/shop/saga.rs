@@ -57,6 +57,9 @@ pub struct FulfilmentData {
     /// A demo fault to act out.
     #[serde(default)]
     pub demo_fault: Option<DemoFault>,
+    /// The order event's fields this version does not know, carried along.
+    #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: super::model::UnknownFields,
 }
 
 /// The four dependencies, each behind its own policies.

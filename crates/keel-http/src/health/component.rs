@@ -5,6 +5,7 @@ use std::fmt::Display;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::extract::State;
@@ -60,6 +61,33 @@ where
     })
 }
 
+/// How long a pool may have no free connection before readiness fails, by
+/// default: 5 s.
+pub const DEFAULT_POOL_EXHAUSTION_GRACE: Duration = Duration::from_secs(5);
+
+/// The verdict of one [`pool_exhaustion`](HealthBuilder::pool_exhaustion)
+/// probe, given when the pool was first seen with nothing free.
+fn exhaustion(
+    since: &mut Option<clock::Instant>,
+    free: usize,
+    grace: Duration,
+) -> Result<(), String> {
+    if free > 0 {
+        *since = None;
+        return Ok(());
+    }
+    let since = *since.get_or_insert_with(clock::now);
+    let exhausted = since.elapsed();
+    if exhausted >= grace {
+        Err(format!(
+            "pool exhausted: no connection free for {}ms",
+            exhausted.as_millis()
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 /// How busy a connection pool is, as a
 /// [`pool_saturation`](HealthBuilder::pool_saturation) hook reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -104,11 +132,29 @@ impl HealthBuilder {
         self
     }
 
-    /// Readiness requires the store's schema to be migrated and its pool
-    /// usable ([`Store::ready`]), as the check named `store`.
+    /// Readiness requires the store's schema to have been migrated, checked
+    /// with [`Store::ready`] until it first passes and never again: the
+    /// database is shared by every instance, so pinging it from `/readyz`
+    /// would make a database blip take every instance out of the load
+    /// balancer at once, the cascade readiness exists to prevent. The
+    /// store is pinged from `/debug/deep` instead, as the dependency
+    /// `store` (within [`DEFAULT_CHECK_TIMEOUT`]).
     pub fn store<S: Store>(self, store: S) -> Self {
+        let migrated = Arc::new(AtomicBool::new(false));
+        let pinged = store.clone();
         self.ready_check("store", move || {
             let store = store.clone();
+            let migrated = Arc::clone(&migrated);
+            async move {
+                if !migrated.load(Ordering::Acquire) {
+                    store.ready().await?;
+                    migrated.store(true, Ordering::Release);
+                }
+                Ok::<_, keel_messaging::StoreError>(())
+            }
+        })
+        .dependency("store", DEFAULT_CHECK_TIMEOUT, move || {
+            let store = pinged.clone();
             async move { store.ready().await }
         })
     }
@@ -133,6 +179,23 @@ impl HealthBuilder {
                     Ok(())
                 }
             }
+        })
+    }
+
+    /// Readiness fails once the pool `free` reports (connections idle or
+    /// not yet opened) has had no free connection at every probe for at
+    /// least `grace` (e.g. [`DEFAULT_POOL_EXHAUSTION_GRACE`]): for pools
+    /// that cannot count their waiters, such as sqlx's. A pool that is
+    /// busy for a moment stays ready; one that stays exhausted only adds
+    /// queueing to every request sent here. Reads no database.
+    pub fn pool_exhaustion<F>(self, name: &str, grace: Duration, free: F) -> Self
+    where
+        F: Fn() -> usize + Send + Sync + 'static,
+    {
+        let exhausted_since = Arc::new(parking_lot::Mutex::new(None));
+        self.ready_check(name, move || {
+            let verdict = exhaustion(&mut exhausted_since.lock(), free(), grace);
+            async move { verdict }
         })
     }
 

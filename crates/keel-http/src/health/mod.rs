@@ -10,11 +10,15 @@
 //!   database restarts every instance of the fleet when the database blips,
 //!   turning a degraded service into a dead one.
 //! - **`/readyz`: should this instance get traffic?** It checks only what
-//!   *we* own and what makes us useless if broken: migrations applied
-//!   ([`HealthBuilder::store`], via [`Store::ready`](keel_messaging::Store::ready)),
+//!   *we* own and what makes us useless if broken: migrations applied at
+//!   start ([`HealthBuilder::store`], via
+//!   [`Store::ready`](keel_messaging::Store::ready) until it first passes),
 //!   not draining ([`HealthBuilder::drain`]), the connection pool not
-//!   saturated ([`HealthBuilder::pool_saturation`]), and any
-//!   [`ready_check`](HealthBuilder::ready_check) you add. Each check has a
+//!   saturated ([`HealthBuilder::pool_saturation`],
+//!   [`HealthBuilder::pool_exhaustion`]), and any
+//!   [`ready_check`](HealthBuilder::ready_check) you add. It **never reads
+//!   the shared database** on a probe: every instance shares it, so a
+//!   database blip would make them all unready at once. Each check has a
 //!   time limit (default 1 s): a probe with no timeout is not a probe. Not
 //!   ready is a `503` problem naming the reason (`draining`, `store: ...`).
 //! - **`/debug/deep`: how are our dependencies?** Pings each registered
@@ -77,8 +81,8 @@ mod drain;
 mod listener;
 
 pub use component::{
-    DEFAULT_CHECK_TIMEOUT, DEFAULT_MAX_POOL_WAITERS, DeepReport, DependencyStatus, Health,
-    HealthBuilder, NotReady, PingStatus, PoolUsage,
+    DEFAULT_CHECK_TIMEOUT, DEFAULT_MAX_POOL_WAITERS, DEFAULT_POOL_EXHAUSTION_GRACE, DeepReport,
+    DependencyStatus, Health, HealthBuilder, NotReady, PingStatus, PoolUsage,
 };
 pub use drain::{
     DEFAULT_DRAIN_TIMEOUT, DEFAULT_LB_NOTICE, Drain, DrainBuilder, DrainReport, Phase,

@@ -161,6 +161,18 @@ impl PgStore {
         &self.pool
     }
 
+    /// Connections the pool could hand out right now without waiting: the
+    /// idle ones and those not opened yet. For readiness (pool
+    /// exhaustion); reads no database.
+    pub fn connections_free(&self) -> usize {
+        let unopened = self
+            .pool
+            .options()
+            .get_max_connections()
+            .saturating_sub(self.pool.size());
+        self.pool.num_idle() + unopened as usize
+    }
+
     /// The schema holding Keel's tables.
     pub fn schema(&self) -> &str {
         &self.schema

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use keel_messaging::StoreError;
 use sqlx::migrate::MigrateError;
-use sqlx::{Executor, Row};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::{Executor, Row};
 
 use super::error::db_error;
 use super::{Channels, PgStore};
@@ -136,15 +136,13 @@ impl PgStoreBuilder {
     pub fn connect_options(&self) -> Result<PgConnectOptions, StoreError> {
         validate_schema(&self.schema)?;
         let options = PgConnectOptions::from_str(&self.url).map_err(StoreError::other)?;
-        Ok(options
-            .application_name(&self.application_name)
-            .options([
-                ("search_path", format!("{},public", self.schema)),
-                (
-                    "idle_in_transaction_session_timeout",
-                    format!("{}s", self.idle_in_transaction_timeout.as_secs()),
-                ),
-            ]))
+        Ok(options.application_name(&self.application_name).options([
+            ("search_path", format!("{},public", self.schema)),
+            (
+                "idle_in_transaction_session_timeout",
+                format!("{}s", self.idle_in_transaction_timeout.as_secs()),
+            ),
+        ]))
     }
 
     /// Connects (lazily: the pool opens connections as needed), creates

@@ -157,6 +157,18 @@ impl SqliteStore {
         &self.writer
     }
 
+    /// Connections the pool could hand out right now without waiting: the
+    /// idle ones and those not opened yet. For readiness (pool
+    /// exhaustion); reads no database.
+    pub fn connections_free(&self) -> usize {
+        let pool = &self.writer;
+        let unopened = pool
+            .options()
+            .get_max_connections()
+            .saturating_sub(pool.size());
+        pool.num_idle() + unopened as usize
+    }
+
     /// The pool for reads outside a transaction; its connections refuse
     /// writes (`PRAGMA query_only`) unless the store came from
     /// [`SqliteStore::from_pool`] or is in memory.
