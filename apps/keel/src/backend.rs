@@ -352,13 +352,17 @@ async fn open_store(options: &BackendOptions) -> Result<OpenedStore, StoreError>
     match &options.database {
         Database::Sqlite(path) => Ok(OpenedStore::Sqlite(SqliteStore::open(path).await?)),
         #[cfg(feature = "postgres")]
-        Database::Postgres(url) => Ok(OpenedStore::Postgres(
-            keel_postgres::PgStore::builder(url.clone())
+        Database::Postgres(url) => {
+            let store = keel_postgres::PgStore::builder(url.clone())
                 .schema(options.pg_schema.clone())
                 .max_connections(options.pg_max_connections)
                 .connect()
-                .await?,
-        )),
+                .await?;
+            for warning in store.durability_warnings().await? {
+                tracing::warn!("PostgreSQL durability: {warning}");
+            }
+            Ok(OpenedStore::Postgres(store))
+        }
         #[cfg(not(feature = "postgres"))]
         Database::Postgres(url) => {
             Err(StoreError::other(parse_database(url).err().unwrap_or_else(

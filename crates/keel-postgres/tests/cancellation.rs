@@ -158,3 +158,29 @@ async fn sessions_carry_an_idle_in_transaction_timeout() {
         .expect("show");
     assert_eq!(timeout, "1min");
 }
+
+/// The test server runs with `fsync = off` and `synchronous_commit = on`
+/// (scripts/services.sh): the store names exactly the setting that breaks
+/// durability, and a session that turns off synchronous commits is named
+/// too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_names_the_settings_that_lose_acknowledged_commits() {
+    let Some((store, _lease)) = one_connection_store().await else {
+        return;
+    };
+    let warnings = store.durability_warnings().await.expect("read settings");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].starts_with("fsync = off"), "{warnings:?}");
+
+    sqlx::query("SET synchronous_commit = off")
+        .execute(store.pool())
+        .await
+        .expect("set");
+    let warnings = store.durability_warnings().await.expect("read settings");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("synchronous_commit = off")),
+        "{warnings:?}"
+    );
+}

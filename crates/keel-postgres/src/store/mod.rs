@@ -173,6 +173,37 @@ impl PgStore {
         self.pool.num_idle() + unopened as usize
     }
 
+    /// What this server is configured with that breaks Keel's "nothing
+    /// acknowledged is lost", one sentence each (empty when nothing is).
+    ///
+    /// The relay marks a row published, and the idempotency layer answers
+    /// from a stored response, once PostgreSQL acknowledged the commit; with
+    /// `synchronous_commit` below `on` (`off`, `local` on a standby setup)
+    /// or `fsync = off`, a server crash can lose commits it acknowledged.
+    /// `keel serve` logs these at start.
+    pub async fn durability_warnings(&self) -> Result<Vec<String>, StoreError> {
+        let (commit, fsync): (String, String) = sqlx::query_as(
+            "SELECT current_setting('synchronous_commit'), current_setting('fsync')",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db_error)?;
+        let mut warnings = Vec::new();
+        if !matches!(commit.as_str(), "on" | "remote_write" | "remote_apply") {
+            warnings.push(format!(
+                "synchronous_commit = {commit}: a server crash can lose commits it acknowledged; \
+                 set it to on"
+            ));
+        }
+        if fsync != "on" {
+            warnings.push(format!(
+                "fsync = {fsync}: a machine crash can lose or corrupt committed data; \
+                 set it to on outside tests"
+            ));
+        }
+        Ok(warnings)
+    }
+
     /// The schema holding Keel's tables.
     pub fn schema(&self) -> &str {
         &self.schema
