@@ -9,7 +9,6 @@
 
 #![cfg(all(feature = "postgres", feature = "nats"))]
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::process::Stdio;
 use std::time::Duration;
@@ -17,7 +16,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use hdrhistogram::Histogram;
 use keel::demo::report::{self, Invariants};
-use keel::demo::workload::{Accepted, WorkloadResult, order_for};
+use keel::demo::workload::{History, Outcome, WorkloadResult, order_for, read_answer};
 use keel::metrics_report::Totals;
 use keel_postgres::PgStore;
 use keel_testkit::services::{self, Service};
@@ -145,12 +144,9 @@ impl Server {
     }
 }
 
-/// One submission's answer: the order id, its total, and whether it was a
-/// replay; `None` if it was never accepted.
-type Answer = Option<(String, i64, bool)>;
-
-/// Submits until accepted (see [`Answer`]).
-async fn submit(http: &reqwest::Client, base_url: &str, key: &str, body: &[u8]) -> Answer {
+/// Submits until accepted or refused, recording every call in `history`
+/// as ok, failed or unknown.
+async fn submit(http: &reqwest::Client, base_url: &str, key: &str, body: &[u8], history: &History) {
     for attempt in 0..300u64 {
         let sent = http
             .post(format!("{base_url}/orders"))
@@ -159,27 +155,25 @@ async fn submit(http: &reqwest::Client, base_url: &str, key: &str, body: &[u8]) 
             .body(body.to_vec())
             .send()
             .await;
-        if let Ok(response) = sent {
-            let status = response.status().as_u16();
-            let replayed = response
-                .headers()
-                .get("idempotent-replayed")
-                .is_some_and(|v| v == "true");
-            if status == 201 {
-                if let Ok(order) = response.json::<serde_json::Value>().await {
-                    let id = order["id"].as_str().unwrap_or_default().to_owned();
-                    let total = order["totalCents"].as_i64().unwrap_or_default();
-                    return Some((id, total, replayed));
-                }
-            } else if (400..500).contains(&status) && status != 409 {
-                panic!("key {key}: refused with {status}");
+        let outcome = match sent {
+            Ok(response) => read_answer(response).await,
+            Err(e) => Outcome::Unknown { why: e.to_string() },
+        };
+        let done = match &outcome {
+            Outcome::Ok { .. } => true,
+            Outcome::Failed { status } if *status != 409 => {
+                panic!("key {key}: refused with {status}")
             }
+            Outcome::Failed { .. } | Outcome::Unknown { .. } => false,
+        };
+        history.record(key, outcome);
+        if done {
+            return;
         }
         // A duplicate in flight (409), a 5xx or no connection (a server
         // restarting): the same key again, as a client would.
         tokio::time::sleep(Duration::from_millis(40 * (attempt.min(10) + 1))).await;
     }
-    None
 }
 
 /// Sends `ORDERS` orders, alternating between the servers; every 5th is
@@ -187,6 +181,7 @@ async fn submit(http: &reqwest::Client, base_url: &str, key: &str, body: &[u8]) 
 /// at once. Returns what the clients saw, as the demo's check wants it.
 async fn workload(servers: &[&Server], seed: u64) -> WorkloadResult {
     let http = reqwest::Client::new();
+    let history = History::default();
     let urls: Vec<String> = servers.iter().map(|s| s.base_url.clone()).collect();
     let mut rng = fastrand::Rng::with_seed(seed);
     let jobs: Vec<(u64, String, Vec<u8>)> = (0..ORDERS)
@@ -199,68 +194,41 @@ async fn workload(servers: &[&Server], seed: u64) -> WorkloadResult {
             )
         })
         .collect();
-    let answers: Vec<(String, Vec<Answer>)> = futures_util::stream::iter(jobs)
+    let duplicates: u64 = futures_util::stream::iter(jobs)
         .map(|(n, key, body)| {
-            let http = http.clone();
+            let (http, history) = (http.clone(), &history);
             let first = urls[(n % 2) as usize].clone();
             let other = urls[((n + 1) % 2) as usize].clone();
             async move {
-                let mut answers = if n % 10 == 9 {
-                    let (a, b) = tokio::join!(
-                        submit(&http, &first, &key, &body),
-                        submit(&http, &other, &key, &body)
+                let mut duplicates = 0;
+                if n % 10 == 9 {
+                    tokio::join!(
+                        submit(&http, &first, &key, &body, history),
+                        submit(&http, &other, &key, &body, history)
                     );
-                    vec![a, b]
+                    duplicates += 1;
                 } else {
-                    vec![submit(&http, &first, &key, &body).await]
-                };
-                if n % 5 == 4 {
-                    answers.push(submit(&http, &other, &key, &body).await);
+                    submit(&http, &first, &key, &body, history).await;
                 }
-                (key, answers)
+                if n % 5 == 4 {
+                    submit(&http, &other, &key, &body, history).await;
+                    duplicates += 1;
+                }
+                duplicates
             }
         })
         .buffer_unordered(16)
-        .collect()
+        .fold(0, |total, d| async move { total + d })
         .await;
-    let mut result = WorkloadResult {
-        accepted: Vec::new(),
-        conflicting_keys: Vec::new(),
-        duplicates_sent: 0,
-        duplicates_absorbed: 0,
-        rejected: 0,
-        failed: Vec::new(),
-        in_flight_conflicts: 0,
-        latency_us: Histogram::new(3).unwrap(),
-    };
-    for (key, answers) in answers {
-        result.duplicates_sent += answers.len() as u64 - 1;
-        let mut ids: HashMap<String, i64> = HashMap::new();
-        let mut originals = 0;
-        for answer in answers {
-            match answer {
-                Some((id, total, replayed)) => {
-                    if replayed {
-                        result.duplicates_absorbed += 1;
-                    } else {
-                        originals += 1;
-                    }
-                    ids.insert(id, total);
-                }
-                None => result.failed.push(key.clone()),
-            }
-        }
-        if ids.len() > 1 || originals > 1 {
-            result.conflicting_keys.push(key.clone());
-        }
-        if let Some((order_id, total_cents)) = ids.into_iter().next() {
-            result.accepted.push(Accepted {
-                key,
-                order_id,
-                total_cents,
-            });
-        }
-    }
+    let mut result = history.summarize(Histogram::new(3).unwrap());
+    result.duplicates_sent = duplicates;
+    eprintln!(
+        "client calls: {} ok, {} failed, {} unknown ({} keys with an unknown call)",
+        result.calls.ok,
+        result.calls.failed,
+        result.calls.unknown,
+        result.unknown_keys.len()
+    );
     result
 }
 
@@ -270,14 +238,18 @@ async fn verdict(store: &PgStore, result: &WorkloadResult) -> (Invariants, usize
     let settled = keel::demo::wait_quiescent(store, Duration::from_secs(120), || {}).await;
     assert!(settled, "not every order settled within 120 s");
     let (audit, dead, money, invariants) = report::check(store, result).await.unwrap();
+    let unsettled = report::unsettled_sagas(store, &audit).await.unwrap();
     assert!(
-        invariants.ok,
+        invariants.ok && unsettled.is_empty(),
         "invariants: {invariants:#?}\nmoney: {money:?}\ndead letters: {dead:?}\n\
+         sagas neither completed nor compensated:\n{}\n\
          sagas that ended without all their actions' effects:\n{}",
-        unsettled_sagas(store).await
+        unsettled.join("\n"),
+        sagas_missing_effects(store).await
     );
     assert_eq!(invariants.lost, 0);
     assert_eq!(invariants.duplicated, 0);
+    assert_eq!(invariants.unexpected, 0);
     assert!(money.conserved(), "{money:?}");
     assert_eq!(audit.orders.len() as u64, ORDERS);
     // Every event applied once, or (after repeated failures during an
@@ -303,7 +275,7 @@ type SagaRow = (String, i64, i64, i64, Option<String>, Vec<String>);
 
 /// For a failed verdict: every saga that ended completed without all four
 /// actions' effects, with its record and the effects that do exist.
-async fn unsettled_sagas(store: &PgStore) -> String {
+async fn sagas_missing_effects(store: &PgStore) -> String {
     let rows: Vec<SagaRow> = sqlx::query_as(
         "SELECT s.id, s.step, s.attempts, s.version, s.last_error,
                 COALESCE(array_agg(e.step || CASE WHEN e.compensation THEN ' (undo)' ELSE '' END
@@ -333,7 +305,11 @@ async fn two_servers_share_the_work_and_do_nothing_twice() {
     let b = cluster.serve("b").await;
     let result = workload(&[&a, &b], 11).await;
     assert!(result.failed.is_empty(), "failed keys: {:?}", result.failed);
-    assert!(result.conflicting_keys.is_empty());
+    assert!(
+        result.conflicting_keys.is_empty(),
+        "keys answered with two orders or two fresh answers: {:?}",
+        result.conflicting_keys
+    );
     assert_eq!(result.accepted.len() as u64, ORDERS);
     assert!(result.duplicates_absorbed >= ORDERS / 5);
 
@@ -404,9 +380,17 @@ async fn outage_mid_run(outage: fn(Service) -> Result<(), services::ServiceError
     };
     let (result, ()) = tokio::join!(run, faults);
     assert!(result.failed.is_empty(), "failed keys: {:?}", result.failed);
-    assert!(result.conflicting_keys.is_empty());
+    assert!(
+        result.conflicting_keys.is_empty(),
+        "keys answered with two orders or two fresh answers: {:?}",
+        result.conflicting_keys
+    );
     assert_eq!(result.accepted.len() as u64, ORDERS);
     let store = cluster.store().await;
-    let (_, dead) = verdict(&store, &result).await;
-    eprintln!("after {what} both servers: {dead} dead letters, 0 lost, 0 duplicated");
+    let (invariants, dead) = verdict(&store, &result).await;
+    eprintln!(
+        "after {what} both servers: {dead} dead letters, 0 lost, 0 duplicated, 0 unexpected, \
+         {} recovered",
+        invariants.recovered
+    );
 }

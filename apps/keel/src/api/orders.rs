@@ -156,22 +156,30 @@ fn created(order: Order) -> Response {
 /// The id of the `orders.placed` event of the request's Idempotency-Key:
 /// the same for every run of the same request, unique per caller and key.
 fn placed_event_id(headers: &HeaderMap) -> Option<String> {
-    use sha2::{Digest, Sha256};
-    use std::fmt::Write;
     let key = headers.get("idempotency-key")?;
     let caller = headers
         .get(header::AUTHORIZATION)
         .map_or(&b""[..], |v| v.as_bytes());
+    Some(placed_event_id_for(caller, key.as_bytes()))
+}
+
+/// The `orders.placed` event id of an order placed by `caller` (its
+/// `Authorization` header, empty without one) under Idempotency-Key `key`.
+/// An invariant checker maps the orders it finds back to the calls that
+/// could have placed them with it.
+pub fn placed_event_id_for(caller: &[u8], key: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    use std::fmt::Write;
     let digest = Sha256::new()
         .chain_update(caller)
         .chain_update([0])
-        .chain_update(key.as_bytes())
+        .chain_update(key)
         .finalize();
     let mut id = String::from("order-placed-");
     for byte in &digest[..16] {
         let _ = write!(id, "{byte:02x}");
     }
-    Some(id)
+    id
 }
 
 async fn insert<S: ShopStore>(

@@ -148,7 +148,7 @@ impl Harness {
         crash: &Crash,
         system: &mut Option<Incarnation>,
         load: &tokio::task::JoinHandle<impl Send>,
-        poison: &mut Vec<tokio::task::JoinHandle<Option<Accepted>>>,
+        poison: &mut Vec<(String, tokio::task::JoinHandle<Option<Accepted>>)>,
     ) -> anyhow::Result<CrashOutcome> {
         self.reach(crash.after_orders, load).await;
         let armed_at_orders = self.accepted();
@@ -156,7 +156,8 @@ impl Harness {
         fail::cfg(crash.failpoint.as_str(), "1*return").map_err(anyhow::Error::msg)?;
         if crash.failpoint == DEAD_LETTER_FAILPOINT {
             let key = format!("chaos-{}-poison-{i}", self.schedule.seed);
-            poison.push(tokio::spawn(submit_poison(self.base_url.clone(), key)));
+            let submitted = tokio::spawn(submit_poison(self.base_url.clone(), key.clone()));
+            poison.push((key, submitted));
         }
         let store = system.as_ref().map(|s| s.handle.store.clone());
         let fired = watch::wait_fired(&crash.failpoint, before, FIRE_TIMEOUT, async || {
@@ -294,10 +295,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<ChaosReport> {
     let outcomes = outcomes?;
 
     let mut result = load.await??;
-    for p in poison {
-        match p.await? {
+    for (key, submitted) in poison {
+        result.sent_keys.push(key.clone());
+        match submitted.await? {
             Some(accepted) => result.accepted.push(accepted),
-            None => result.failed.push("a poison order".into()),
+            None => result.failed.push(key),
         }
     }
     let system = system.ok_or_else(|| anyhow::anyhow!("the system is not running"))?;

@@ -7,6 +7,7 @@
 //! own (the invariants judge this run's rows only); the schema is dropped
 //! afterwards, the streams age out with their retention.
 
+pub mod history;
 pub mod report;
 pub mod workload;
 

@@ -15,6 +15,7 @@ use keel_testkit::ledger::Ledger;
 use serde::Serialize;
 
 use super::workload::WorkloadResult;
+use crate::api::orders::placed_event_id_for;
 use crate::shop::ShopStore;
 use crate::shop::db::Audit;
 use crate::shop::fulfilment::GROUP;
@@ -53,6 +54,15 @@ pub struct Invariants {
     pub lost: u64,
     /// Orders, events or effects that happened twice (must be 0).
     pub duplicated: u64,
+    /// Orders in the database that no client call could have placed (must
+    /// be 0).
+    pub unexpected: u64,
+    /// Orders whose calls were not all known to succeed (a lost answer, a
+    /// `5xx`, a restart) and that exist once: what retries under the same
+    /// key resolved. Not a violation; a measure of how much was at stake.
+    pub recovered: u64,
+    /// Every client call, as ok, failed or unknown.
+    pub calls: crate::demo::history::OutcomeCounts,
     /// Whether money is conserved.
     pub money_conserved: bool,
     /// Every violation, one line each, with ids.
@@ -92,6 +102,9 @@ pub struct Report {
     pub sagas_stuck: u64,
     /// Sagas in any other state at the end (running, compensating, cancelled).
     pub sagas_other: u64,
+    /// Each saga neither completed nor compensated: its record and last
+    /// error.
+    pub unsettled_sagas: Vec<String>,
     /// Dead letters.
     pub dead_letters: u64,
     /// Circuit breaker state changes, all dependencies.
@@ -185,6 +198,7 @@ pub async fn assemble<S: ShopStore>(
         ..Report::default()
     };
     count_sagas(&mut report, &audit);
+    report.unsettled_sagas = unsettled_sagas(store, &audit).await?;
     if !settled {
         report.invariants.ok = false;
     }
@@ -265,20 +279,9 @@ pub async fn check<S: ShopStore>(
         duplicated += 1;
         violations.push(format!("key {key} placed more than one order"));
     }
-    let accepted_ids: HashSet<&str> = workload
-        .accepted
-        .iter()
-        .map(|a| a.order_id.as_str())
-        .collect();
-    for order in &audit.orders {
-        if !accepted_ids.contains(order.id.as_str()) {
-            duplicated += 1;
-            violations.push(format!(
-                "order {} exists but no client was told about it",
-                order.id
-            ));
-        }
-    }
+    let judged = judge_orders(&audit, workload, &mut violations);
+    duplicated += judged.duplicated;
+    let (unexpected, recovered) = (judged.unexpected, judged.recovered);
 
     let money = money(&audit, &mut violations);
     if !money.conserved() {
@@ -287,15 +290,73 @@ pub async fn check<S: ShopStore>(
             money.captured_cents, money.refunded_cents, money.completed_orders_cents
         ));
     }
-    let ok = violations.is_empty() && lost == 0 && duplicated == 0 && money.conserved();
+    let ok = violations.is_empty()
+        && lost == 0
+        && duplicated == 0
+        && unexpected == 0
+        && money.conserved();
     let invariants = Invariants {
         lost,
         duplicated,
+        unexpected,
+        recovered,
+        calls: workload.calls,
         money_conserved: money.conserved(),
         violations,
         ok,
     };
     Ok((audit, dead_events, money, invariants))
+}
+
+/// What [`judge_orders`] found.
+#[derive(Debug, Default)]
+struct Judged {
+    duplicated: u64,
+    unexpected: u64,
+    recovered: u64,
+}
+
+/// Judges every order in the database against the calls that could have
+/// placed it (its event id names the key it was placed under), as Jepsen's
+/// total-queue checker does: an order no call could have placed is
+/// unexpected; a second order for a key whose client was told about
+/// another is duplicated; one whose key had a call of unknown outcome is
+/// recovered.
+fn judge_orders(audit: &Audit, workload: &WorkloadResult, violations: &mut Vec<String>) -> Judged {
+    let key_of: HashMap<String, &str> = workload
+        .sent_keys
+        .iter()
+        .map(|k| (placed_event_id_for(b"", k.as_bytes()), k.as_str()))
+        .collect();
+    let told: HashMap<&str, &str> = workload
+        .accepted
+        .iter()
+        .map(|a| (a.key.as_str(), a.order_id.as_str()))
+        .collect();
+    let unknown: HashSet<&str> = workload.unknown_keys.iter().map(String::as_str).collect();
+    let mut judged = Judged::default();
+    for order in &audit.orders {
+        let Some(key) = key_of.get(&order.event_id) else {
+            judged.unexpected += 1;
+            violations.push(format!(
+                "unexpected: order {} (event {}) was placed by no call of this workload",
+                order.id, order.event_id
+            ));
+            continue;
+        };
+        match told.get(key) {
+            Some(id) if *id != order.id => {
+                judged.duplicated += 1;
+                violations.push(format!(
+                    "duplicated: key {key} placed order {} besides {id}, the one it was told about",
+                    order.id
+                ));
+            }
+            _ if unknown.contains(key) => judged.recovered += 1,
+            _ => {}
+        }
+    }
+    judged
 }
 
 fn money(audit: &Audit, violations: &mut Vec<String>) -> Money {
@@ -334,6 +395,36 @@ fn money(audit: &Audit, violations: &mut Vec<String>) -> Money {
         .map(|o| o.total_cents)
         .sum();
     m
+}
+
+/// Every saga that is neither completed nor compensated, with its record
+/// and last error, one line each: what an operator (or a failed verdict)
+/// needs to see first.
+pub async fn unsettled_sagas<S: ShopStore>(
+    store: &S,
+    audit: &Audit,
+) -> Result<Vec<String>, keel_messaging::StoreError> {
+    let mut lines = Vec::new();
+    for (id, status) in &audit.sagas {
+        if matches!(
+            SagaStatus::parse(status),
+            Some(SagaStatus::Completed | SagaStatus::Compensated)
+        ) {
+            continue;
+        }
+        let line = match store.saga_get(id).await? {
+            Some(r) => format!(
+                "saga {id}: {status} at step {} after {} attempts (version {}), last error: {}",
+                r.step,
+                r.attempts,
+                r.version,
+                r.last_error.as_deref().unwrap_or("none")
+            ),
+            None => format!("saga {id}: {status}, record gone"),
+        };
+        lines.push(line);
+    }
+    Ok(lines)
 }
 
 /// Fills the saga counts of `report` from the audit.
@@ -405,6 +496,19 @@ impl Report {
             ),
             ("elapsed", format!("{:.1} s", self.elapsed_s)),
             (
+                "client calls ok / failed / unknown",
+                format!(
+                    "{} / {} / {}",
+                    self.invariants.calls.ok,
+                    self.invariants.calls.failed,
+                    self.invariants.calls.unknown
+                ),
+            ),
+            (
+                "unknown outcomes recovered by a retry",
+                self.invariants.recovered.to_string(),
+            ),
+            (
                 "money captured − refunded",
                 format!(
                     "{} − {} = {} cents",
@@ -434,6 +538,14 @@ impl Report {
                     "{} ({})",
                     verdict(self.invariants.duplicated == 0),
                     self.invariants.duplicated
+                ),
+            ),
+            (
+                "unexpected = 0",
+                format!(
+                    "{} ({})",
+                    verdict(self.invariants.unexpected == 0),
+                    self.invariants.unexpected
                 ),
             ),
             (
@@ -473,6 +585,9 @@ impl Report {
         );
         for v in self.invariants.violations.iter().take(20) {
             let _ = writeln!(out, "  - {v}");
+        }
+        for saga in &self.unsettled_sagas {
+            let _ = writeln!(out, "  - {saga}");
         }
         out
     }

@@ -3,9 +3,10 @@
 //! Idempotency-Key (once after the first answer, as a client whose
 //! response was lost would; once concurrently, as a double click would).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use super::history::{History, Outcome, OutcomeCounts};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -67,14 +68,21 @@ pub struct Progress {
 pub struct WorkloadResult {
     /// One entry per key that was accepted.
     pub accepted: Vec<Accepted>,
-    /// Keys whose submissions got different order ids (must be none).
+    /// Keys whose calls got two order ids, or two fresh (not replayed)
+    /// answers (must be none).
     pub conflicting_keys: Vec<String>,
+    /// Every key sent.
+    pub sent_keys: Vec<String>,
+    /// Keys with at least one call whose outcome the client could not know.
+    pub unknown_keys: Vec<String>,
+    /// Every call, counted as ok, failed or unknown.
+    pub calls: OutcomeCounts,
     /// Duplicate submissions sent.
     pub duplicates_sent: u64,
     /// Duplicate submissions answered with the first response
     /// (`Idempotent-Replayed: true`).
     pub duplicates_absorbed: u64,
-    /// Submissions refused with a 4xx other than 409 (must be none).
+    /// Calls refused with a 4xx other than 409 (must be none).
     pub rejected: u64,
     /// Keys never accepted after every retry.
     pub failed: Vec<String>,
@@ -82,6 +90,25 @@ pub struct WorkloadResult {
     pub in_flight_conflicts: u64,
     /// Request latency in microseconds (every submission).
     pub latency_us: Histogram<u64>,
+}
+
+impl WorkloadResult {
+    /// Nothing seen yet.
+    pub fn empty(latency_us: Histogram<u64>) -> Self {
+        Self {
+            accepted: Vec::new(),
+            conflicting_keys: Vec::new(),
+            sent_keys: Vec::new(),
+            unknown_keys: Vec::new(),
+            calls: OutcomeCounts::default(),
+            duplicates_sent: 0,
+            duplicates_absorbed: 0,
+            rejected: 0,
+            failed: Vec::new(),
+            in_flight_conflicts: 0,
+            latency_us,
+        }
+    }
 }
 
 /// The order for the `n`-th key: 50 customers, everyday skus, and a few
@@ -110,74 +137,81 @@ pub fn order_for(n: u64, rng: &mut fastrand::Rng) -> NewOrder {
     }
 }
 
-enum Answer {
-    Accepted {
-        order_id: String,
-        total: i64,
-        replayed: bool,
-    },
-    Rejected,
-    Failed,
-}
-
 struct Shared {
     client: reqwest::Client,
     url: String,
     latency: Mutex<Histogram<u64>>,
-    in_flight: AtomicU64,
+    history: History,
     progress: Arc<Progress>,
 }
 
-async fn submit(shared: &Shared, key: &str, body: &[u8]) -> Answer {
+/// Sends one order until it is accepted or refused, recording every call.
+async fn submit(shared: &Shared, key: &str, body: &[u8]) {
     for attempt in 0..200u32 {
         let started = keel_core::clock::now();
-        let sent = shared
-            .client
-            .post(&shared.url)
-            .header("idempotency-key", key)
-            .header("content-type", "application/json")
-            .body(body.to_vec())
-            .send()
-            .await;
+        let outcome = call(shared, key, body).await;
         let took = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         let _ = shared.latency.lock().record(took.max(1));
-        let response = match sent {
-            Ok(r) => r,
-            Err(_) => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
+        let done = match &outcome {
+            Outcome::Ok { replayed, .. } => {
+                shared.progress.answered.fetch_add(1, Ordering::Relaxed);
+                if !replayed {
+                    shared.progress.accepted.fetch_add(1, Ordering::Relaxed);
+                }
+                true
             }
+            Outcome::Failed { status } if *status != 409 => {
+                shared.progress.answered.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            // 409 (a duplicate in flight) and unknown outcomes: the same key
+            // again, as a client would.
+            Outcome::Failed { .. } | Outcome::Unknown { .. } => false,
         };
-        let status = response.status();
-        let replayed = response
-            .headers()
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true");
-        if status.as_u16() == 201 {
-            let Ok(order) = response.json::<serde_json::Value>().await else {
-                continue;
-            };
-            shared.progress.answered.fetch_add(1, Ordering::Relaxed);
-            if !replayed {
-                shared.progress.accepted.fetch_add(1, Ordering::Relaxed);
-            }
-            return Answer::Accepted {
-                order_id: order["id"].as_str().unwrap_or_default().to_owned(),
-                total: order["totalCents"].as_i64().unwrap_or_default(),
-                replayed,
-            };
+        shared.history.record(key, outcome);
+        if done {
+            return;
         }
-        if status.as_u16() == 409 {
-            shared.in_flight.fetch_add(1, Ordering::Relaxed);
-        } else if status.is_client_error() {
-            shared.progress.answered.fetch_add(1, Ordering::Relaxed);
-            return Answer::Rejected;
-        }
-        // 409 (a duplicate in flight) and 5xx: retry with the same key.
         let pause = 20 * u64::from(attempt.min(10) + 1);
         tokio::time::sleep(Duration::from_millis(pause)).await;
     }
-    Answer::Failed
+}
+
+async fn call(shared: &Shared, key: &str, body: &[u8]) -> Outcome {
+    let sent = shared
+        .client
+        .post(&shared.url)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_vec())
+        .send()
+        .await;
+    match sent {
+        Ok(response) => read_answer(response).await,
+        Err(e) => Outcome::Unknown { why: e.to_string() },
+    }
+}
+
+/// What an answer to `POST /orders` says happened.
+pub async fn read_answer(response: reqwest::Response) -> Outcome {
+    let status = response.status().as_u16();
+    let replayed = response
+        .headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true");
+    if status != 201 {
+        return Outcome::of_status(status);
+    }
+    match response.json::<serde_json::Value>().await {
+        Ok(order) => Outcome::Ok {
+            order_id: order["id"].as_str().unwrap_or_default().to_owned(),
+            total_cents: order["totalCents"].as_i64().unwrap_or_default(),
+            replayed,
+        },
+        Err(e) => Outcome::Unknown {
+            why: format!("201 with an unreadable body: {e}"),
+        },
+    }
 }
 
 /// Sends the workload to `base_url` and reports what it saw.
@@ -195,7 +229,7 @@ pub async fn run(
             .unwrap_or_default(),
         url: format!("{base_url}/orders"),
         latency: Mutex::new(latency),
-        in_flight: AtomicU64::new(0),
+        history: History::default(),
         progress: Arc::clone(&progress),
     });
     let mut rng = fastrand::Rng::with_seed(config.seed);
@@ -208,73 +242,30 @@ pub async fn run(
         .collect();
     let retry_every = config.retry_every;
     let concurrent_every = config.concurrent_every;
-    let answers: Vec<(String, Vec<Answer>)> = futures_util::stream::iter(jobs)
+    let sent = futures_util::stream::iter(jobs)
         .map(|(n, key, body)| {
             let shared = Arc::clone(&shared);
             async move {
                 let twice = concurrent_every > 0 && n % concurrent_every == concurrent_every - 1;
-                let mut answers = if twice {
-                    let (a, b) =
-                        tokio::join!(submit(&shared, &key, &body), submit(&shared, &key, &body));
-                    vec![a, b]
+                let mut sent = 1;
+                if twice {
+                    tokio::join!(submit(&shared, &key, &body), submit(&shared, &key, &body));
+                    sent += 1;
                 } else {
-                    vec![submit(&shared, &key, &body).await]
-                };
-                if retry_every > 0 && n % retry_every == retry_every - 1 {
-                    answers.push(submit(&shared, &key, &body).await);
+                    submit(&shared, &key, &body).await;
                 }
-                (key, answers)
+                if retry_every > 0 && n % retry_every == retry_every - 1 {
+                    submit(&shared, &key, &body).await;
+                    sent += 1;
+                }
+                sent - 1
             }
         })
         .buffer_unordered(config.concurrency.max(1))
-        .collect()
+        .fold(0u64, |total, duplicates| async move { total + duplicates })
         .await;
-    Ok(summarize(answers, &shared))
-}
-
-fn summarize(answers: Vec<(String, Vec<Answer>)>, shared: &Shared) -> WorkloadResult {
-    let mut result = WorkloadResult {
-        accepted: Vec::new(),
-        conflicting_keys: Vec::new(),
-        duplicates_sent: 0,
-        duplicates_absorbed: 0,
-        rejected: 0,
-        failed: Vec::new(),
-        in_flight_conflicts: shared.in_flight.load(Ordering::Relaxed),
-        latency_us: shared.latency.lock().clone(),
-    };
-    for (key, answers) in answers {
-        result.duplicates_sent += answers.len() as u64 - 1;
-        let mut ids: HashMap<String, i64> = HashMap::new();
-        let mut first_original = 0;
-        for answer in answers {
-            match answer {
-                Answer::Accepted {
-                    order_id,
-                    total,
-                    replayed,
-                } => {
-                    if replayed {
-                        result.duplicates_absorbed += 1;
-                    } else {
-                        first_original += 1;
-                    }
-                    ids.insert(order_id, total);
-                }
-                Answer::Rejected => result.rejected += 1,
-                Answer::Failed => result.failed.push(key.clone()),
-            }
-        }
-        if ids.len() > 1 || first_original > 1 {
-            result.conflicting_keys.push(key.clone());
-        }
-        if let Some((order_id, total_cents)) = ids.into_iter().next() {
-            result.accepted.push(Accepted {
-                key,
-                order_id,
-                total_cents,
-            });
-        }
-    }
-    result
+    let latency = shared.latency.lock().clone();
+    let mut result = shared.history.summarize(latency);
+    result.duplicates_sent = sent;
+    Ok(result)
 }
