@@ -7,6 +7,13 @@
 //! that answer, [`Classify`] is how a type gives it, and [`classify`] finds it
 //! in any error by walking its chain of causes.
 //!
+//! An error nobody classified is [`ErrorClass::Unclassified`]: it counts as
+//! a failure for breakers (what is not known to be the caller's fault is held
+//! against the dependency, as Resilience4j and Polly count every exception),
+//! and it is not retried (what is not known to be safe is not repeated).
+//! [`ErrorClass::Permanent`] is only for what someone marked as the caller's
+//! own fault: a 4xx, a validation error, a missing row.
+//!
 //! A policy that refuses or stops a call says why with [`Rejected`]; a policy's
 //! result is a [`PolicyError`]: either the operation's own error, untouched, or
 //! a refusal.
@@ -33,7 +40,9 @@ pub enum ErrorClass {
     /// A transient failure that never took effect: trying again may succeed
     /// (connection refused, 503, a dependency's `Retry-After`).
     Retryable,
-    /// Trying again will fail the same way (bad input, 4xx, not found).
+    /// The caller's own fault, as its producer said: trying again will fail
+    /// the same way, and the dependency is healthy (bad input, a 4xx, not
+    /// found). Not retried, not held against the dependency.
     Permanent,
     /// A resilience policy refused to run the call (circuit open, bulkhead
     /// full, rate limited, deadline too close). The dependency was not called.
@@ -41,14 +50,25 @@ pub enum ErrorClass {
     /// The call may or may not have taken effect (a timeout after the request
     /// was sent, a connection reset mid-response). Only retry idempotent calls.
     OutcomeUnknown,
+    /// Nobody said what this error is: [`classify`] found no [`Classified`],
+    /// [`Rejected`] or recognised [`std::io::Error`] among its causes. It is
+    /// not retried (it is not known to be safe), and it counts against the
+    /// dependency's health (it is not known to be the caller's fault): a
+    /// breaker in front of a dependency that fails in a way nobody foresaw
+    /// must still open. Wrap the error in [`Classified`] to say better.
+    Unclassified,
 }
 
 impl ErrorClass {
     /// Whether a failure of this class should count against a dependency's
-    /// health (breakers, outlier detection). Refusals and permanent errors
-    /// are the caller's business, not the dependency's.
+    /// health (breakers, outlier detection): retryable, of unknown outcome,
+    /// or unclassified. Refusals and permanent errors are the caller's
+    /// business, not the dependency's.
     pub fn is_dependency_failure(self) -> bool {
-        matches!(self, Self::Retryable | Self::OutcomeUnknown)
+        matches!(
+            self,
+            Self::Retryable | Self::OutcomeUnknown | Self::Unclassified
+        )
     }
 }
 
@@ -66,7 +86,7 @@ pub trait Classify {
 
 impl Classify for std::io::Error {
     fn class(&self) -> ErrorClass {
-        classify_io(self)
+        classify(self)
     }
 }
 
@@ -86,24 +106,37 @@ impl Classify for std::convert::Infallible {
     }
 }
 
-fn classify_io(err: &std::io::Error) -> ErrorClass {
+/// The class of an I/O error's kind, if the kind says it. `Other` and kinds
+/// not listed say nothing: [`classify`] then looks at the error it wraps.
+fn classify_io(err: &std::io::Error) -> Option<ErrorClass> {
     use std::io::ErrorKind::*;
     match err.kind() {
         // The request never reached the other side.
         ConnectionRefused | AddrNotAvailable | NotConnected | HostUnreachable
-        | NetworkUnreachable | Interrupted | WouldBlock => ErrorClass::Retryable,
+        | NetworkUnreachable | Interrupted | WouldBlock => Some(ErrorClass::Retryable),
         // The request may have been processed before the connection failed.
         ConnectionReset | ConnectionAborted | BrokenPipe | TimedOut | UnexpectedEof => {
-            ErrorClass::OutcomeUnknown
+            Some(ErrorClass::OutcomeUnknown)
         }
-        _ => ErrorClass::Permanent,
+        // The caller asked for something that does not exist, is not allowed
+        // or is malformed: asking again gets the same answer.
+        NotFound | PermissionDenied | AlreadyExists | InvalidInput | InvalidData | Unsupported => {
+            Some(ErrorClass::Permanent)
+        }
+        _ => None,
     }
 }
 
 /// The class of any error, found by walking its causes: the first cause that
-/// is a [`Rejected`], a [`Classified`] or an [`std::io::Error`] decides. An error Keel cannot recognise is
-/// [`ErrorClass::Permanent`]: what is not known to be safe is not retried.
-/// Wrap such errors in [`Classified`] to say otherwise.
+/// is a [`Rejected`], a [`Classified`] or an [`std::io::Error`] of a known
+/// kind decides (an I/O error of kind `Other` is looked through, to the error
+/// it wraps).
+///
+/// An error nobody classified is [`ErrorClass::Unclassified`]: not retried,
+/// because it is not known to be safe, and counted as a failure by breakers,
+/// because it is not known to be the caller's fault. Wrap such errors in
+/// [`Classified`] to say otherwise (`Classified::permanent` for the caller's
+/// own mistakes).
 ///
 /// ```
 /// use keel_core::{error::classify, Classified, ErrorClass};
@@ -111,6 +144,7 @@ fn classify_io(err: &std::io::Error) -> ErrorClass {
 /// assert_eq!(classify(&err), ErrorClass::Retryable);
 /// let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
 /// assert_eq!(classify(&io), ErrorClass::Retryable);
+/// assert_eq!(classify(&std::fmt::Error), ErrorClass::Unclassified);
 /// ```
 pub fn classify(err: &(dyn StdError + 'static)) -> ErrorClass {
     for cause in causes(err) {
@@ -121,10 +155,17 @@ pub fn classify(err: &(dyn StdError + 'static)) -> ErrorClass {
             return c.class;
         }
         if let Some(io) = cause.downcast_ref::<std::io::Error>() {
-            return classify_io(io);
+            if let Some(class) = classify_io(io) {
+                return class;
+            }
+            // `io::Error::other(e)` hides `e` from `source()` (which skips to
+            // `e`'s own source): look at it directly.
+            if let Some(inner) = io.get_ref() {
+                return classify(inner);
+            }
         }
     }
-    ErrorClass::Permanent
+    ErrorClass::Unclassified
 }
 
 /// Iterates over an error and its chain of [`source`](StdError::source)s,
@@ -488,9 +529,41 @@ mod tests {
         assert_eq!(report(&err), "outer: connection reset");
     }
 
+    #[derive(Debug, thiserror::Error)]
+    #[error("something nobody foresaw")]
+    struct Unforeseen;
+
     #[test]
-    fn unknown_errors_are_not_retried() {
-        assert_eq!(classify(&std::fmt::Error), ErrorClass::Permanent);
+    fn errors_nobody_classified_are_unclassified_and_count_against_the_dependency() {
+        assert_eq!(classify(&std::fmt::Error), ErrorClass::Unclassified);
+        let boxed: BoxError = Box::new(Unforeseen);
+        assert_eq!(boxed.class(), ErrorClass::Unclassified);
+        assert!(ErrorClass::Unclassified.is_dependency_failure());
+        // The caller's own fault, said so, is not held against the dependency.
+        let invalid = Classified::permanent(Unforeseen);
+        assert_eq!(classify(&invalid), ErrorClass::Permanent);
+        assert!(!ErrorClass::Permanent.is_dependency_failure());
+    }
+
+    #[test]
+    fn io_errors_say_what_their_kind_says_and_look_through_other() {
+        use std::io::{Error, ErrorKind};
+        assert_eq!(
+            Error::from(ErrorKind::NotFound).class(),
+            ErrorClass::Permanent
+        );
+        assert_eq!(
+            Error::from(ErrorKind::InvalidData).class(),
+            ErrorClass::Permanent
+        );
+        // `Other` says nothing: the wrapped error decides, or nobody did.
+        assert_eq!(Error::other(Unforeseen).class(), ErrorClass::Unclassified);
+        assert_eq!(
+            Error::other(Classified::retryable(Unforeseen)).class(),
+            ErrorClass::Retryable
+        );
+        let wrapped = Outer(Error::other(Classified::permanent(Unforeseen)));
+        assert_eq!(classify(&wrapped), ErrorClass::Permanent);
     }
 
     #[test]

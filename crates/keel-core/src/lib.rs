@@ -4,8 +4,10 @@
 //! need to agree on a few things, and this crate is where they are defined once:
 //!
 //! - [`error`]: what kind of failure an error is ([`ErrorClass`]: retryable,
-//!   permanent, rejected by a policy, or of unknown outcome), the refusals a
-//!   policy can answer with ([`Rejected`]), and walking an error's causes.
+//!   permanent, rejected by a policy, of unknown outcome, or unclassified:
+//!   an error nobody classified counts as a failure for breakers and is not
+//!   retried), the refusals a policy can answer with ([`Rejected`]), and
+//!   walking an error's causes.
 //! - [`deadline`]: the current request's [`Deadline`], carried in a task-local
 //!   and across the wire as `X-Request-Deadline-Unix-Ms` or gRPC's `grpc-timeout`.
 //! - [`trace`]: W3C `traceparent` parsing and formatting.

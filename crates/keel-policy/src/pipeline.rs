@@ -68,7 +68,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::ConfigError;
-use crate::breaker::{CircuitBreaker, CircuitBreakerConfig, CircuitBreakerLayer};
+use crate::breaker::{Answered, CircuitBreaker, CircuitBreakerConfig, CircuitBreakerLayer};
 use crate::bulkhead::{Bulkhead, BulkheadConfig, BulkheadLayer};
 use crate::fallback::{Fallback, FallbackConfig};
 use crate::rate_limit::{RateLimitConfig, RateLimitLayer, RateLimiter};
@@ -113,8 +113,9 @@ where
 }
 
 /// The tower layer of a [`Pipeline`] (see [`Pipeline::layer`]): the same
-/// policies, outermost first, each present only if the pipeline has it.
-pub type PipelineLayer = Stack<
+/// policies, outermost first, each present only if the pipeline has it. `C`
+/// is how the breaker judges responses ([`Pipeline::layer_classifying`]).
+pub type PipelineLayer<C = Answered> = Stack<
     BoxErrorLayer,
     Stack<
         Optional<RateLimitLayer>,
@@ -123,7 +124,7 @@ pub type PipelineLayer = Stack<
             Stack<
                 Optional<TimeoutLayer>,
                 Stack<
-                    Optional<CircuitBreakerLayer>,
+                    Optional<CircuitBreakerLayer<C>>,
                     Stack<Optional<RetryLayer>, Stack<Optional<TimeoutLayer>, Identity>>,
                 >,
             >,
@@ -409,14 +410,29 @@ impl Pipeline {
     /// excepted: add a [`FallbackLayer`](crate::fallback::FallbackLayer)
     /// outside it, since its response is service-specific). Requests must be
     /// `Clone` for retries.
+    ///
+    /// Errors are judged by their class; every response counts as a success.
+    /// For a service that answers failures as responses (HTTP's `5xx`), use
+    /// [`layer_classifying`](Self::layer_classifying).
     pub fn layer(&self) -> PipelineLayer {
+        self.layer_classifying(Answered)
+    }
+
+    /// Like [`layer`](Self::layer), with the breaker judging responses by
+    /// `classify` (a [`ClassifyResponse`](crate::breaker::ClassifyResponse):
+    /// `HttpStatus` with feature `http`, or a closure), so that a dependency
+    /// answering `500` trips it. Such responses are not retried: the retry
+    /// decides by errors only.
+    pub fn layer_classifying<C: Clone>(&self, classify: C) -> PipelineLayer<C> {
         ServiceBuilder::new()
             .layer(option_layer(
                 self.total_timeout.as_ref().map(Timeout::layer),
             ))
             .layer(option_layer(self.retry.as_ref().map(Retry::layer)))
             .layer(option_layer(
-                self.breaker.as_ref().map(CircuitBreaker::layer),
+                self.breaker
+                    .as_ref()
+                    .map(|b| b.layer().classify_response(classify)),
             ))
             .layer(option_layer(
                 self.attempt_timeout.as_ref().map(Timeout::layer),

@@ -660,7 +660,7 @@ mod tower_service {
         assert_eq!(b.state(), State::Closed, "the one call made was the probe");
     }
 
-    trait LayerExt {
+    pub(super) trait LayerExt {
         fn layer_service<S>(&self, inner: S) -> keel_policy::breaker::CircuitBreakerService<S>;
     }
 
@@ -1288,6 +1288,190 @@ mod model {
         fn count_breaker_matches_the_reference_model(p in params(), ops in proptest::collection::vec(op(), 1..300)) {
             let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
             rt.block_on(run(p, ops))?;
+        }
+    }
+}
+
+/// The rule: an error nobody classified is a failure, an error marked as the
+/// caller's own fault is an answer, and failures answered as responses count
+/// when the layer is told how to read them.
+mod what_counts {
+    use super::tower_service::LayerExt;
+    use super::*;
+    use keel_core::Classified;
+    use tower::{Service, ServiceExt, service_fn};
+
+    /// An error type Keel has never heard of: no `Classify`, no `Classified`.
+    #[derive(Debug, thiserror::Error)]
+    #[error("the dependency did something nobody foresaw")]
+    struct Unforeseen;
+
+    /// A tower service that counts its calls and fails with `error()`.
+    fn failing_with<E>(
+        calls: &Arc<AtomicUsize>,
+        error: impl Fn() -> E + Clone,
+    ) -> impl Service<(), Response = u32, Error = BoxError, Future: Send> + Clone
+    where
+        E: Into<BoxError>,
+    {
+        let calls = calls.clone();
+        service_fn(move |()| {
+            calls.fetch_add(1, SeqCst);
+            let err: BoxError = error().into();
+            async move { Err::<u32, _>(err) }
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unclassified_error_opens_the_tower_breaker_and_stops_the_calls() {
+        let b = breaker().minimum_calls(5).build().unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let mut svc = b.layer().layer_service(failing_with(&calls, || Unforeseen));
+        for _ in 0..5 {
+            let err = svc.ready().await.unwrap().call(()).await.unwrap_err();
+            assert!(err.is::<Unforeseen>(), "the error passes untouched: {err}");
+        }
+        assert_eq!(b.state(), State::Open, "five failures out of five calls");
+        assert_eq!(b.metrics().failed_calls, 5);
+        for _ in 0..20 {
+            let err = svc.ready().await.unwrap().call(()).await.unwrap_err();
+            assert_eq!(
+                err.downcast_ref::<Rejected>().map(Rejected::kind),
+                Some("circuit_open")
+            );
+        }
+        assert_eq!(
+            calls.load(SeqCst),
+            5,
+            "an open breaker no longer lets calls reach the dependency"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unclassified_error_opens_the_plain_breaker_and_stops_the_calls() {
+        let b = breaker().minimum_calls(5).build().unwrap();
+        let calls = AtomicUsize::new(0);
+        for _ in 0..25 {
+            let _ = b
+                .call(|| async {
+                    calls.fetch_add(1, SeqCst);
+                    Err::<u32, BoxError>(Box::new(Unforeseen))
+                })
+                .await;
+        }
+        assert_eq!(b.state(), State::Open);
+        assert_eq!(calls.load(SeqCst), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_permanent_error_does_not_trip_the_breaker_an_unclassified_one_does() {
+        let b = breaker().minimum_calls(5).build().unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let mut own_fault = b
+            .layer()
+            .layer_service(failing_with(&calls, || Classified::permanent(Unforeseen)));
+        for _ in 0..20 {
+            let err = own_fault.ready().await.unwrap().call(()).await.unwrap_err();
+            assert!(err.is::<Classified>());
+        }
+        assert_eq!(
+            b.state(),
+            State::Closed,
+            "the caller's own fault is an answer"
+        );
+        let m = b.metrics();
+        assert_eq!((m.buffered_calls, m.failed_calls), (20, 0));
+        assert_eq!(calls.load(SeqCst), 20);
+
+        // The same underlying error, unmarked: now it is held against the
+        // dependency (the window's 20 answers need 20 failures for 50%).
+        let mut unmarked = b.layer().layer_service(failing_with(&calls, || Unforeseen));
+        for _ in 0..20 {
+            let _ = unmarked.ready().await.unwrap().call(()).await;
+        }
+        assert_eq!(b.state(), State::Open);
+        let _ = unmarked.ready().await.unwrap().call(()).await;
+        assert_eq!(calls.load(SeqCst), 40, "the call after opening was refused");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_closure_can_judge_responses() {
+        let b = breaker().minimum_calls(3).build().unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let inner = service_fn(move |()| {
+            counted.fetch_add(1, SeqCst);
+            async { Ok::<_, Infallible>("busy") }
+        });
+        let layer = b.layer().classify_response(|body: &&str| match *body {
+            "busy" => Outcome::Failure,
+            _ => Outcome::Success,
+        });
+        let mut svc = tower::Layer::layer(&layer, inner);
+        for _ in 0..10 {
+            let _ = svc.ready().await.unwrap().call(()).await;
+        }
+        assert_eq!(b.state(), State::Open);
+        assert_eq!(calls.load(SeqCst), 3);
+    }
+
+    #[cfg(feature = "http")]
+    mod http_responses {
+        use super::*;
+
+        /// A dependency answering every request with `status`, counting calls.
+        fn answering(
+            calls: &Arc<AtomicUsize>,
+            status: u16,
+        ) -> impl Service<(), Response = http::Response<()>, Error = Infallible> + Clone {
+            let calls = calls.clone();
+            service_fn(move |()| {
+                calls.fetch_add(1, SeqCst);
+                let response = http::Response::builder().status(status).body(()).unwrap();
+                async move { Ok(response) }
+            })
+        }
+
+        async fn open_on(status: u16) {
+            let b = breaker().minimum_calls(5).build().unwrap();
+            let calls = Arc::new(AtomicUsize::new(0));
+            let mut svc = tower::Layer::layer(&b.http_layer(), answering(&calls, status));
+            for _ in 0..5 {
+                let response = svc.ready().await.unwrap().call(()).await.unwrap();
+                assert_eq!(response.status(), status, "the response is still returned");
+            }
+            assert_eq!(b.state(), State::Open, "{status} is a failure");
+            for _ in 0..20 {
+                let err = svc.ready().await.unwrap().call(()).await.unwrap_err();
+                assert!(err.is::<Rejected>(), "{err}");
+            }
+            assert_eq!(calls.load(SeqCst), 5, "{status}: the calls stopped");
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn server_errors_open_the_breaker_and_stop_the_calls() {
+            open_on(500).await;
+            open_on(503).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn too_many_requests_opens_the_breaker_and_stops_the_calls() {
+            open_on(429).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn client_errors_are_answers_and_never_open_it() {
+            for status in [404, 422, 400, 200] {
+                let b = breaker().minimum_calls(5).build().unwrap();
+                let calls = Arc::new(AtomicUsize::new(0));
+                let mut svc = tower::Layer::layer(&b.http_layer(), answering(&calls, status));
+                for _ in 0..50 {
+                    svc.ready().await.unwrap().call(()).await.unwrap();
+                }
+                assert_eq!(b.state(), State::Closed, "{status}");
+                assert_eq!(b.metrics().failed_calls, 0, "{status}");
+                assert_eq!(calls.load(SeqCst), 50, "{status}");
+            }
         }
     }
 }

@@ -259,3 +259,110 @@ async fn the_tower_layer_applies_the_same_policies() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
+
+/// An error type Keel has never heard of: no `Classify`, no `Classified`.
+#[derive(Debug, thiserror::Error)]
+#[error("the dependency did something nobody foresaw")]
+struct Unforeseen;
+
+#[tokio::test(start_paused = true)]
+async fn an_unclassified_error_is_tried_once_and_trips_the_breaker() {
+    let payments = Pipeline::builder("payments")
+        .retry(no_jitter_retry(3))
+        .breaker(breaker(4))
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+
+    // The plain API.
+    for n in 1..=4 {
+        let result = payments
+            .call(|| async {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err::<u32, keel_core::BoxError>(Box::new(Unforeseen))
+            })
+            .await;
+        let err = result.unwrap_err().into_inner().expect("the error itself");
+        assert!(err.is::<Unforeseen>());
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            n,
+            "one attempt per call: no retry"
+        );
+    }
+    assert_eq!(payments.breaker().unwrap().state(), State::Open);
+
+    // The tower form shares the breaker: refused at once, the dependency is
+    // no longer called.
+    let counted = calls.clone();
+    let mut service = payments.layer().layer(service_fn(move |_: ()| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Err::<u32, keel_core::BoxError>(Box::new(Unforeseen)) }
+    }));
+    for _ in 0..10 {
+        let err = service.ready().await.unwrap().call(()).await.unwrap_err();
+        assert!(err.is::<Rejected>(), "{err}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn through_the_tower_layer_an_unclassified_error_is_tried_once_and_trips_the_breaker() {
+    let payments = Pipeline::builder("payments")
+        .retry(no_jitter_retry(3))
+        .breaker(breaker(4))
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let mut service = payments.layer().layer(service_fn(move |_: ()| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Err::<u32, keel_core::BoxError>(Box::new(Unforeseen)) }
+    }));
+    for n in 1..=4 {
+        let err = service.ready().await.unwrap().call(()).await.unwrap_err();
+        assert!(err.is::<Unforeseen>(), "{err}");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            n,
+            "one attempt per call: no retry"
+        );
+    }
+    for _ in 0..10 {
+        let err = service.ready().await.unwrap().call(()).await.unwrap_err();
+        assert!(err.is::<Rejected>(), "{err}");
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        4,
+        "the open breaker stopped the calls"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_tower_layer_can_count_http_server_errors() {
+    use keel_policy::breaker::HttpStatus;
+
+    let payments = Pipeline::builder("payments")
+        .retry(no_jitter_retry(3))
+        .breaker(breaker(4))
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let mut service = payments
+        .layer_classifying(HttpStatus)
+        .layer(service_fn(move |_: ()| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let response = http::Response::builder().status(502).body(()).unwrap();
+            async move { Ok::<_, keel_core::BoxError>(response) }
+        }));
+    for _ in 0..4 {
+        let response = service.ready().await.unwrap().call(()).await.unwrap();
+        assert_eq!(response.status(), 502);
+    }
+    assert_eq!(payments.breaker().unwrap().state(), State::Open);
+    let err = service.ready().await.unwrap().call(()).await.unwrap_err();
+    assert!(err.is::<Rejected>(), "{err}");
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}

@@ -128,6 +128,88 @@ async fn permanent_errors_are_never_retried() {
     assert_eq!(dep.count(), 1);
 }
 
+/// An error type Keel has never heard of: no `Classify`, no `Classified`.
+#[derive(Debug, thiserror::Error)]
+#[error("the dependency did something nobody foresaw")]
+struct Unforeseen;
+
+#[tokio::test(start_paused = true)]
+async fn errors_nobody_classified_are_never_retried() {
+    let retry = Retry::builder("dep")
+        .max_attempts(10)
+        .retry_outcome_unknown(true)
+        .build()
+        .unwrap();
+    let calls = AtomicU32::new(0);
+    let result = retry
+        .call(|| async {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Err::<u32, BoxError>(Box::new(Unforeseen))
+        })
+        .await;
+    let err = result.unwrap_err().into_inner().expect("the error itself");
+    assert!(err.is::<Unforeseen>());
+    assert_eq!(err.class(), ErrorClass::Unclassified);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "not known to be safe: not repeated, even for an idempotent call"
+    );
+
+    // The tower form reads the same class from the boxed error.
+    let tower_calls = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&tower_calls);
+    let inner = tower::service_fn(move |_: ()| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Err::<u32, BoxError>(Box::new(Unforeseen)) }
+    });
+    let err = retry.layer().layer(inner).oneshot(()).await.unwrap_err();
+    assert!(err.is::<Unforeseen>());
+    assert_eq!(tower_calls.load(Ordering::SeqCst), 1);
+}
+
+#[cfg(feature = "http")]
+#[tokio::test(start_paused = true)]
+async fn http_responses_are_retried_by_status_with_http_verdict() {
+    use keel_policy::retry::http_verdict;
+
+    let retried = |status: u16, idempotent: bool| async move {
+        let retry = Retry::builder("dep")
+            .max_attempts(3)
+            .backoff(exact(MS * 10, 1.0))
+            .retry_outcome_unknown(idempotent)
+            .retry_on_result(http_verdict::<()>)
+            .build()
+            .unwrap();
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = Arc::clone(&calls);
+        let started = clock::now();
+        let inner = tower::service_fn(move |_: ()| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let response = http::Response::builder()
+                .status(status)
+                .header("retry-after", "1")
+                .body(())
+                .unwrap();
+            async move { Ok::<_, BoxError>(response) }
+        });
+        let response = retry.layer().layer(inner).oneshot(()).await.unwrap();
+        assert_eq!(response.status(), status, "the last response is returned");
+        (calls.load(Ordering::SeqCst), clock::now() - started)
+    };
+    // Not processed: retried, no sooner than Retry-After.
+    assert_eq!(retried(503, false).await, (3, Duration::from_secs(2)));
+    assert_eq!(retried(429, false).await, (3, Duration::from_secs(2)));
+    // May have been processed: only an idempotent call is repeated.
+    assert_eq!(retried(500, false).await.0, 1);
+    assert_eq!(retried(500, true).await.0, 3);
+    assert_eq!(retried(504, false).await.0, 1);
+    // The caller's own fault, or a success: never repeated.
+    assert_eq!(retried(404, true).await.0, 1);
+    assert_eq!(retried(422, true).await.0, 1);
+    assert_eq!(retried(200, true).await.0, 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn refusals_of_other_policies_are_not_retried() {
     let retry = Retry::builder("dep").max_attempts(10).build().unwrap();

@@ -481,7 +481,13 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             Ok(Ok(data)) => (Outcome::Done(data), "ok"),
             Ok(Err(e)) => (
                 Outcome::Failed {
-                    class: classify(e.as_ref()),
+                    class: match classify(e.as_ref()) {
+                        // A step error nobody classified is not known to be
+                        // safe to repeat: as documented on `Step`, it is
+                        // treated as permanent (not retried, compensated).
+                        keel_core::ErrorClass::Unclassified => keel_core::ErrorClass::Permanent,
+                        class => class,
+                    },
                     error: report(e.as_ref()),
                 },
                 "error",

@@ -15,7 +15,8 @@
 //!
 //! A call that is cancelled (for example by an outer timeout), takes at
 //! least `timeout`, or fails with a dependency failure or a refusal (any
-//! error not classified [`Permanent`](keel_core::ErrorClass::Permanent)).
+//! error not classified [`Permanent`](keel_core::ErrorClass::Permanent),
+//! errors nobody classified included).
 //! Permanent errors say nothing about load: the slot is freed, no sample
 //! is taken. Drops never raise the limit, so steady timeouts drive it to
 //! `min_limit` and keep it there, rather than letting it run away to
@@ -415,6 +416,10 @@ mod tests {
         );
         assert_eq!(
             outcome_of(Some(ErrorClass::Rejected)),
+            Some(Outcome::Dropped)
+        );
+        assert_eq!(
+            outcome_of(Some(ErrorClass::Unclassified)),
             Some(Outcome::Dropped)
         );
     }

@@ -8,32 +8,34 @@ use keel_core::error::classify;
 use keel_core::{BoxError, Rejected};
 use pin_project_lite::pin_project;
 
+use super::classify::{Answered, ClassifyResponse};
 use super::{Outcome, OwnedPermit};
 
 pin_project! {
     /// The response future of [`CircuitBreakerService`](super::CircuitBreakerService).
     #[derive(Debug)]
-    pub struct ResponseFuture<F> {
+    pub struct ResponseFuture<F, C = Answered> {
         #[pin]
-        kind: Kind<F>,
+        kind: Kind<F, C>,
     }
 }
 
 pin_project! {
     #[project = KindProj]
     #[derive(Debug)]
-    enum Kind<F> {
-        Called { #[pin] future: F, permit: Option<OwnedPermit> },
+    enum Kind<F, C> {
+        Called { #[pin] future: F, permit: Option<OwnedPermit>, classify: C },
         Rejected { rejected: Rejected },
     }
 }
 
-impl<F> ResponseFuture<F> {
-    pub(super) fn called(future: F, permit: OwnedPermit) -> Self {
+impl<F, C> ResponseFuture<F, C> {
+    pub(super) fn called(future: F, permit: OwnedPermit, classify: C) -> Self {
         Self {
             kind: Kind::Called {
                 future,
                 permit: Some(permit),
+                classify,
             },
         }
     }
@@ -45,20 +47,25 @@ impl<F> ResponseFuture<F> {
     }
 }
 
-impl<F, T, E> Future for ResponseFuture<F>
+impl<F, C, T, E> Future for ResponseFuture<F, C>
 where
     F: Future<Output = Result<T, E>>,
     E: Into<BoxError>,
+    C: ClassifyResponse<T>,
 {
     type Output = Result<T, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Called { future, permit } => {
+            KindProj::Called {
+                future,
+                permit,
+                classify: response_outcome,
+            } => {
                 let result = ready!(future.poll(cx)).map_err(Into::into);
                 if let Some(permit) = permit.take() {
                     let outcome = match &result {
-                        Ok(_) => Outcome::Success,
+                        Ok(response) => response_outcome.classify(response),
                         Err(err) => Outcome::from_class(classify(err.as_ref())),
                     };
                     permit.record(outcome);

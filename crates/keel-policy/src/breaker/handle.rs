@@ -102,9 +102,10 @@ impl CircuitBreaker {
     }
 
     /// Runs `f` if the breaker allows, and records its result: dependency
-    /// failures ([`ErrorClass::is_dependency_failure`](keel_core::ErrorClass::is_dependency_failure))
-    /// count against the dependency, permanent errors count as answers, and
-    /// refusals from inner policies are not recorded.
+    /// failures ([`ErrorClass::is_dependency_failure`](keel_core::ErrorClass::is_dependency_failure):
+    /// retryable, of unknown outcome, or unclassified) count against the
+    /// dependency, permanent errors count as answers, and refusals from inner
+    /// policies are not recorded.
     pub async fn call<T, E, F, Fut>(&self, f: F) -> Result<T, PolicyError<E>>
     where
         E: Classify,
@@ -169,8 +170,18 @@ impl CircuitBreaker {
         self.inner.force(State::Closed, "reset");
     }
 
-    /// A tower layer that puts this breaker in front of a service.
+    /// A tower layer that puts this breaker in front of a service. Errors
+    /// count by their class; every response counts as a success (judge
+    /// responses with [`CircuitBreakerLayer::classify_response`]).
     pub fn layer(&self) -> CircuitBreakerLayer {
         CircuitBreakerLayer::new(self.clone())
+    }
+
+    /// A tower layer for an HTTP client service (`http::Response`): errors
+    /// count by their class, and `5xx` and `429` responses count as
+    /// failures ([`HttpStatus`](super::HttpStatus)).
+    #[cfg(feature = "http")]
+    pub fn http_layer(&self) -> CircuitBreakerLayer<super::HttpStatus> {
+        self.layer().classify_response(super::HttpStatus)
     }
 }

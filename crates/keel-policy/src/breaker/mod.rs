@@ -25,11 +25,29 @@
 //!
 //! # What counts
 //!
-//! An error whose [class](keel_core::Classify) is a dependency failure
-//! (retryable, or of unknown outcome such as a timeout) is a failure. A
-//! permanent error is a success: the dependency answered, the request was
-//! wrong. A refusal by an inner policy is not recorded at all: the dependency
-//! was never asked. [`CircuitBreaker::call_with`] decides per result instead.
+//! By the error's [class](keel_core::ErrorClass) ([`Outcome::from_class`]):
+//!
+//! | result | outcome |
+//! |---|---|
+//! | `Retryable` error (connection refused, `503`) | failure |
+//! | `OutcomeUnknown` error (a timeout, a reset mid-response) | failure |
+//! | `Unclassified` error: nobody said what it is | **failure** |
+//! | `Permanent` error: marked as the caller's own fault (`4xx`, validation) | success: the dependency answered, the request was wrong |
+//! | `Rejected`: an inner policy refused (bulkhead full) | not recorded: the dependency was never asked |
+//! | `Ok` response | success, unless the layer's [`ClassifyResponse`] says otherwise |
+//!
+//! An error nobody classified counts as a failure, as Resilience4j and Polly
+//! count every exception: a dependency failing in a way nobody foresaw must
+//! still trip the breaker, and only the caller can know that an error is its
+//! own fault (say so with [`Classified::permanent`](keel_core::Classified::permanent)).
+//!
+//! A tower service answering HTTP returns a `500` as `Ok(response)`, which
+//! no error class sees: give the layer a [`ClassifyResponse`] with
+//! [`CircuitBreakerLayer::classify_response`]. `HttpStatus` (feature `http`,
+//! or `CircuitBreaker::http_layer`) counts `5xx` and `429` as failures and
+//! every other status, `404` and `422` included, as a success; a closure
+//! `Fn(&Response) -> Outcome` decides anything else. [`CircuitBreaker::call_with`]
+//! decides per result in the plain async API.
 //!
 //! # Why the open duration doubles, with jitter
 //!
@@ -97,6 +115,7 @@
 //! # });
 //! ```
 
+mod classify;
 mod config;
 mod future;
 mod handle;
@@ -111,6 +130,9 @@ mod window;
 #[cfg(test)]
 mod tests;
 
+#[cfg(feature = "http")]
+pub use classify::HttpStatus;
+pub use classify::{Answered, ClassifyResponse};
 pub use config::{
     CircuitBreakerBuilder, CircuitBreakerConfig, MAX_WINDOW_CALLS, MAX_WINDOW_SECONDS,
     SlidingWindow,

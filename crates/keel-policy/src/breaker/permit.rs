@@ -12,8 +12,8 @@ pub enum Outcome {
     /// The dependency answered (including with a permanent error such as
     /// "not found": that is the caller's problem, not the dependency's).
     Success,
-    /// The dependency failed (a retryable error, or one whose outcome is
-    /// unknown, such as a timeout).
+    /// The dependency failed (a retryable error, one whose outcome is
+    /// unknown, such as a timeout, or one nobody classified).
     Failure,
     /// The result says nothing about the dependency (an inner policy refused
     /// the call before it reached it): not recorded.
@@ -21,7 +21,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// The outcome of an error of class `class`.
+    /// The outcome of an error of class `class`: a failure if it is a
+    /// [dependency failure](ErrorClass::is_dependency_failure) (retryable,
+    /// of unknown outcome, or unclassified), not recorded if it is a
+    /// refusal, a success if it is permanent (the caller's own fault).
     pub fn from_class(class: ErrorClass) -> Self {
         if class.is_dependency_failure() {
             Self::Failure

@@ -231,6 +231,10 @@ fn outcomes_follow_the_error_class() {
         Outcome::Failure
     );
     assert_eq!(Outcome::from_class(ErrorClass::Permanent), Outcome::Success);
+    assert_eq!(
+        Outcome::from_class(ErrorClass::Unclassified),
+        Outcome::Failure
+    );
     assert_eq!(Outcome::from_class(ErrorClass::Rejected), Outcome::Ignored);
     assert_eq!(Outcome::of(&Ok::<(), std::io::Error>(())), Outcome::Success);
 }

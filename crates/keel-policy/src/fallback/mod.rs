@@ -7,8 +7,10 @@
 //! popular items instead. Which failures qualify is decided by
 //! [`ErrorClass`], never by error type:
 //!
-//! - handled by default: [`ErrorClass::Rejected`], [`ErrorClass::Retryable`]
-//!   and [`ErrorClass::OutcomeUnknown`] (timeouts) — the dependency could not
+//! - handled by default: [`ErrorClass::Rejected`], [`ErrorClass::Retryable`],
+//!   [`ErrorClass::OutcomeUnknown`] (timeouts) and
+//!   [`ErrorClass::Unclassified`] (an error nobody classified, which breakers
+//!   also count as the dependency's failure) — the dependency could not
 //!   answer;
 //! - not handled by default: [`ErrorClass::Permanent`]. A `404` or a
 //!   validation error is the *right* answer; replacing it with cached data
@@ -61,10 +63,11 @@ use keel_core::PolicyError;
 
 /// The classes handled unless configured otherwise: everything except
 /// [`ErrorClass::Permanent`].
-pub const DEFAULT_CLASSES: [ErrorClass; 3] = [
+pub const DEFAULT_CLASSES: [ErrorClass; 4] = [
     ErrorClass::Rejected,
     ErrorClass::Retryable,
     ErrorClass::OutcomeUnknown,
+    ErrorClass::Unclassified,
 ];
 
 /// The configuration of a [`Fallback`], as read from a file.
@@ -217,8 +220,14 @@ impl Fallback {
     }
 }
 
-const CLASSES: usize = 4;
-const LABELS: [&str; CLASSES] = ["retryable", "permanent", "rejected", "outcome_unknown"];
+const CLASSES: usize = 5;
+const LABELS: [&str; CLASSES] = [
+    "retryable",
+    "permanent",
+    "rejected",
+    "outcome_unknown",
+    "unclassified",
+];
 
 fn index(class: ErrorClass) -> Option<usize> {
     match class {
@@ -226,6 +235,7 @@ fn index(class: ErrorClass) -> Option<usize> {
         ErrorClass::Permanent => Some(1),
         ErrorClass::Rejected => Some(2),
         ErrorClass::OutcomeUnknown => Some(3),
+        ErrorClass::Unclassified => Some(4),
         _ => None,
     }
 }
@@ -263,6 +273,7 @@ mod tests {
         assert!(set.contains(ErrorClass::Rejected));
         assert!(set.contains(ErrorClass::Retryable));
         assert!(set.contains(ErrorClass::OutcomeUnknown));
+        assert!(set.contains(ErrorClass::Unclassified));
         assert!(!set.contains(ErrorClass::Permanent));
     }
 

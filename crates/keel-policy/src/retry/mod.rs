@@ -11,9 +11,11 @@
 //!   repeated only if the operation is marked idempotent with
 //!   [`retry_outcome_unknown`](RetryBuilder::retry_outcome_unknown), because
 //!   the first attempt may have taken effect and a second would do it twice
-//!   (charge a card twice). Predicates on the error and on successful
-//!   results ([`retry_if`](RetryBuilder::retry_if),
-//!   [`retry_on_result`](RetryBuilder::retry_on_result)) override this;
+//!   (charge a card twice). An error nobody classified (`Unclassified`) is
+//!   not repeated: it is not known to be safe. Predicates on the error and on
+//!   successful results ([`retry_if`](RetryBuilder::retry_if),
+//!   [`retry_on_result`](RetryBuilder::retry_on_result); `http_verdict`
+//!   for HTTP responses, feature `http`) override this;
 //! - attempts are left ([`max_attempts`](RetryBuilder::max_attempts) counts
 //!   the first one; default 3);
 //! - a `Retry-After` the dependency sent ([`Classify::retry_after`](keel_core::Classify::retry_after))
@@ -85,6 +87,8 @@ pub use budget::{RetryBudget, RetryBudgetBuilder, RetryBudgetConfig};
 pub use config::{OnRetry, RetryBuilder, RetryConfig, RetryEvent};
 pub use jitter::Jitter;
 pub use layer::{ResponseFuture, RetryLayer, RetryService};
+#[cfg(feature = "http")]
+pub use policy::http_verdict;
 pub use policy::{ByClass, RetryIf, RetryOnResult, RetryPolicy, Verdict};
 
 use std::fmt;

@@ -4,8 +4,13 @@
 //! The default, [`ByClass`], needs no configuration: it retries
 //! [`Retryable`](ErrorClass::Retryable) errors and asks the [`Retry`](super::Retry)
 //! about [`OutcomeUnknown`](ErrorClass::OutcomeUnknown) ones, which only an
-//! idempotent operation may repeat. Refusals of other policies and permanent
-//! errors are never retried.
+//! idempotent operation may repeat. Refusals of other policies, permanent
+//! errors and errors nobody classified ([`Unclassified`](ErrorClass::Unclassified):
+//! not known to be safe) are never retried.
+//!
+//! A tower service answering HTTP returns a `503` as `Ok(response)`, which
+//! no error class sees: add `http_verdict` (feature `http`) with
+//! [`retry_on_result`](super::RetryBuilder::retry_on_result) to retry those.
 
 use std::fmt;
 use std::time::Duration;
@@ -40,6 +45,8 @@ impl Verdict {
             ErrorClass::OutcomeUnknown => Self::RetryIfIdempotent {
                 after: error.retry_after(),
             },
+            // Permanent, Rejected, Unclassified: the same failure again, a
+            // refusal to respect, or not known to be safe to repeat.
             _ => Self::Accept,
         }
     }
@@ -58,6 +65,49 @@ impl From<bool> for Verdict {
         } else {
             Self::Accept
         }
+    }
+}
+
+/// The verdict on an HTTP response, for
+/// [`retry_on_result`](super::RetryBuilder::retry_on_result):
+///
+/// - `429 Too Many Requests` and `503 Service Unavailable`: the server did
+///   not process the request; retry, no sooner than its `Retry-After`
+///   (delay-seconds form; an HTTP-date is not read here);
+/// - any other `5xx` (`500`, `502`, `504`): the server, or the one behind a
+///   gateway, may have acted before failing; retry only an idempotent call
+///   ([`Verdict::RetryIfIdempotent`]);
+/// - everything else, `4xx` included: accept (the caller's own fault, or a
+///   success).
+///
+/// ```
+/// use keel_policy::retry::{Retry, Verdict, http_verdict};
+///
+/// let retry = Retry::builder("search")
+///     .retry_on_result(http_verdict::<String>)
+///     .build()
+///     .unwrap();
+/// let busy = http::Response::builder().status(503).header("retry-after", "2").body(String::new()).unwrap();
+/// assert_eq!(http_verdict(&busy), Verdict::retry_after(std::time::Duration::from_secs(2)));
+/// # let _ = retry;
+/// ```
+#[cfg(feature = "http")]
+pub fn http_verdict<B>(response: &http::Response<B>) -> Verdict {
+    use http::StatusCode;
+    let after = || {
+        response
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs)
+    };
+    match response.status() {
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
+            Verdict::Retry { after: after() }
+        }
+        status if status.is_server_error() => Verdict::RetryIfIdempotent { after: after() },
+        _ => Verdict::Accept,
     }
 }
 
