@@ -271,7 +271,10 @@ impl Classify for BrokerError {
         match self {
             Self::Unavailable(_) => ErrorClass::Retryable,
             Self::OutcomeUnknown(_) => ErrorClass::OutcomeUnknown,
-            Self::LeaseLost | Self::Invalid(_) | Self::Other(_) => ErrorClass::Permanent,
+            Self::LeaseLost | Self::Invalid(_) => ErrorClass::Permanent,
+            // Nobody said what kind of failure it is: it counts against the
+            // dependency (breakers) and is not retried.
+            Self::Other(_) => ErrorClass::Unclassified,
         }
     }
 }

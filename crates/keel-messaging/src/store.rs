@@ -57,7 +57,10 @@ impl Classify for StoreError {
         match self {
             Self::Unavailable(_) => ErrorClass::Retryable,
             Self::OutcomeUnknown(_) => ErrorClass::OutcomeUnknown,
-            Self::Conflict(_) | Self::NotFound(_) | Self::Other(_) => ErrorClass::Permanent,
+            Self::Conflict(_) | Self::NotFound(_) => ErrorClass::Permanent,
+            // Nobody said what kind of failure it is: it counts against the
+            // dependency (breakers) and is not retried.
+            Self::Other(_) => ErrorClass::Unclassified,
         }
     }
 }

@@ -70,7 +70,11 @@ mod tests {
             ErrorClass::Retryable
         );
         let other = db_error("receive", sqlx::Error::Protocol("bad".into()));
-        assert_eq!(other.class(), ErrorClass::Permanent);
+        assert_eq!(
+            other.class(),
+            ErrorClass::Unclassified,
+            "a failure, never retried"
+        );
         assert!(other.to_string().contains("receive failed"), "{other}");
     }
 
