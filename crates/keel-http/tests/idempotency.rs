@@ -662,6 +662,8 @@ struct RestartingStore {
     inner: SqliteStore,
     failures: Arc<AtomicUsize>,
     settles: Arc<AtomicUsize>,
+    /// How long storing a response takes (a slow database).
+    complete_delay: Duration,
 }
 
 impl RestartingStore {
@@ -726,6 +728,7 @@ impl IdempotencyStore for RestartingStore {
         key: &str,
         response: &StoredResponse,
     ) -> Result<(), StoreError> {
+        tokio::time::sleep(self.complete_delay).await;
         self.settle()?;
         self.inner
             .idempotency_complete(principal, key, response)
@@ -746,6 +749,7 @@ async fn restarting_store(failures: usize) -> (RestartingStore, TempDir) {
         inner: store,
         failures: Arc::new(AtomicUsize::new(failures)),
         settles: Arc::new(AtomicUsize::new(0)),
+        complete_delay: Duration::ZERO,
     };
     (store, dir)
 }
@@ -764,6 +768,32 @@ async fn answer_after_in_flight(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A client that hangs up while its response is being stored (here: the
+/// request's future is dropped 50 ms into a 200 ms write) does not cut the
+/// write: the key completes, and the retry replays instead of meeting `409`
+/// until the lock passes, or running the handler again.
+#[tokio::test]
+async fn a_hang_up_while_the_response_is_stored_still_completes_the_key() {
+    let (mut store, _dir) = restarting_store(0).await;
+    store.complete_delay = Duration::from_millis(200);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(store.clone()));
+
+    let cut = tokio::time::timeout(
+        Duration::from_millis(50),
+        send(&app, post_req(Some("hung-up"), "{}")),
+    )
+    .await;
+    assert!(cut.is_err(), "the client hung up during the store write");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, headers, _) = send(&app, post_req(Some("hung-up"), "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true", "the stored answer");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
 
 #[tokio::test]

@@ -321,14 +321,21 @@ struct InFlight<S: IdempotencyStore> {
 
 impl<S: IdempotencyStore> InFlight<S> {
     async fn complete(&mut self, response: &StoredResponse) {
-        if let Some(pending) = self.pending.take() {
-            pending.settle(Settle::Complete(response.clone())).await;
-        }
+        self.settle(Settle::Complete(response.clone())).await;
     }
 
     async fn release(&mut self, why: &'static str) {
+        self.settle(Settle::Release(why)).await;
+    }
+
+    /// Settles in a task of its own: a client that hangs up while the
+    /// response is being stored must not cut the write in half, or the key
+    /// would stay locked with its effect done and no answer to replay.
+    async fn settle(&mut self, settle: Settle) {
         if let Some(pending) = self.pending.take() {
-            pending.settle(Settle::Release(why)).await;
+            if let Err(err) = tokio::spawn(pending.settle(settle)).await {
+                tracing::error!(error = %err, "settling an idempotency key panicked");
+            }
         }
     }
 }

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The fault runs RELIABILITY.md records, by hand (CI runs the short ones as
+# tests). Each run is judged by Keel's own checker; nothing is retried.
+#
+#   scripts/reliability.sh chaos FIRST LAST [ORDERS]
+#       `keel chaos` on SQLite for every seed FIRST..LAST (default 200
+#       orders, 4 crashes each), one line per seed, then the totals.
+#   scripts/reliability.sh scale-out-crash RUNS
+#       the scale-out crash test (two keel serve processes; PostgreSQL
+#       immediate shutdown and nats-server SIGKILL mid-run) RUNS times in a
+#       row, under scripts/services.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+chaos() {
+  local first="$1" last="$2" orders="${3:-200}"
+  cargo build -q -p keel --bin keel
+  local runs=0 failed=0 lost=0 dup=0 unexpected=0 stuck=0 recovered=0 unknown=0
+  for seed in $(seq "$first" "$last"); do
+    local json
+    json="$(target/debug/keel chaos --seed "$seed" --orders "$orders" --crashes 4 --json 2>/dev/null | tail -n 1)" || true
+    local line
+    line="$(python3 -c '
+import json, sys
+try:
+    r = json.loads(sys.argv[1])
+except Exception:
+    print("error"); sys.exit()
+d = r["demo"]; i = d["invariants"]
+print(r["ok"], i["lost"], i["duplicated"], i["unexpected"], d["sagas_stuck"] + d["sagas_other"],
+      i["recovered"], i["calls"]["unknown"], r["crashes_fired"], len(r["crashes"]))
+' "$json")"
+    runs=$((runs + 1))
+    if [ "$line" = error ]; then
+      failed=$((failed + 1)); echo "seed $seed: no report (the run failed)"; continue
+    fi
+    read -r ok l d u s rec unk fired crashes <<<"$line"
+    [ "$ok" = True ] || failed=$((failed + 1))
+    lost=$((lost + l)); dup=$((dup + d)); unexpected=$((unexpected + u)); stuck=$((stuck + s))
+    recovered=$((recovered + rec)); unknown=$((unknown + unk))
+    echo "seed $seed: ok=$ok lost=$l duplicated=$d unexpected=$u stuck=$s recovered=$rec unknown_calls=$unk crashes=$fired/$crashes"
+  done
+  echo "chaos: $runs runs, $failed failed, lost $lost, duplicated $dup, unexpected $unexpected, stuck $stuck, recovered $recovered, unknown calls $unknown"
+}
+
+scale_out_crash() {
+  local runs="$1" passed=0
+  cargo nextest run -p keel --all-features --test scale_out --no-run
+  for i in $(seq 1 "$runs"); do
+    local log rc=0
+    log="$(mktemp)"
+    scripts/services.sh run cargo nextest run -p keel --all-features --test scale_out \
+      --no-capture crashing_postgres_and_nats_mid_run >"$log" 2>&1 || rc=$?
+    grep -E "client calls|after crashing|panicked" "$log" || true
+    if [ "$rc" = 0 ]; then passed=$((passed + 1)); else cp "$log" "target/scale-out-crash-$i.log"; fi
+    rm -f "$log"
+    echo "run $i: exit $rc, $passed passed so far"
+  done
+  echo "scale-out crash: $runs runs, $passed passed"
+}
+
+case "${1:-}" in
+  chaos) shift; chaos "$@" ;;
+  scale-out-crash) shift; scale_out_crash "$@" ;;
+  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS" >&2; exit 2 ;;
+esac
