@@ -145,9 +145,13 @@ mod tests {
     }
 
     #[test]
-    fn a_row_that_does_not_decode_is_permanent() {
+    fn an_unexpected_database_answer_is_unclassified_never_retried() {
         let err = db_error(sqlx::Error::RowNotFound);
-        assert_eq!(err.class(), ErrorClass::Permanent);
+        assert_eq!(err.class(), ErrorClass::Unclassified);
+        assert!(
+            err.class().is_dependency_failure(),
+            "it counts against the database"
+        );
         assert!(!is_conflict_store_error(&err));
     }
 }
