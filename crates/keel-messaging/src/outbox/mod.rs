@@ -85,7 +85,9 @@ pub struct Outbox<S> {
 
 /// The configured broker's [`Broker::validate`], kept by the outbox.
 #[derive(Clone)]
-struct BrokerCheck(Arc<dyn Fn(&Message) -> Result<(), BrokerError> + Send + Sync>);
+struct BrokerCheck(Arc<CheckFn>);
+
+type CheckFn = dyn Fn(&Message) -> Result<(), BrokerError> + Send + Sync;
 
 impl std::fmt::Debug for BrokerCheck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
