@@ -23,7 +23,8 @@
 //! claims are serialized (each is one statement over a partial index, so
 //! the lock is held for a millisecond), while appends, marks and releases
 //! never touch that lock. A claim is one call of the function
-//! `keel_outbox_claim` (migration 1501), which takes the lock and then
+//! `keel_outbox_claim` (migration 1501; 1502 makes it skip parked rows and
+//! the later rows of their keys), which takes the lock and then
 //! leases with a fresh snapshot: one round trip, not four.
 //!
 //! # Late commits
@@ -70,7 +71,7 @@ SELECT pg_notify($7, '') FROM (SELECT COUNT(*) FROM inserted) AS done";
 
 /// Leases up to `$5` unpublished rows to relay `$2` until `$3`, lowest id
 /// first, given the time `$4`, under the schema's claim lock `$1`: one
-/// statement and one round trip (migration 1501 has the function, and the
+/// statement and one round trip (migration 1502 has the function, and the
 /// SQL).
 const CLAIM_SQL: &str = "SELECT * FROM keel_outbox_claim($1, $2, $3, $4, $5)";
 
