@@ -1,7 +1,8 @@
 //! The `keel` binary: `keel demo` runs the reference shop on the embedded
 //! defaults and checks its invariants; `keel serve` runs it as a server;
-//! `keel chaos` runs the demo under seeded faults; `keel dlq`, `keel saga`
-//! and `keel webhooks` are the operator commands against a running server.
+//! `keel chaos` runs the demo under seeded faults; `keel dlq`, `keel outbox`,
+//! `keel saga` and `keel webhooks` are the operator commands against a
+//! running server.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -40,6 +41,14 @@ enum Command {
         client: ops::AdminClientArgs,
         #[command(subcommand)]
         command: ops::DlqCommand,
+    },
+    /// Parked outbox rows (events the broker refused) on a running server:
+    /// list, show, replay, discard.
+    Outbox {
+        #[command(flatten)]
+        client: ops::AdminClientArgs,
+        #[command(subcommand)]
+        command: ops::OutboxCommand,
     },
     /// Sagas on a running server: list, retry, cancel.
     Saga {
@@ -159,6 +168,9 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve::run(args).await.map(|()| true),
             Command::Chaos(args) => chaos_command(args).await,
             Command::Dlq { client, command } => ops::run_dlq(&client, command).await.map(|()| true),
+            Command::Outbox { client, command } => {
+                ops::run_outbox(&client, command).await.map(|()| true)
+            }
             Command::Saga { client, command } => {
                 ops::run_saga(&client, command).await.map(|()| true)
             }

@@ -1,4 +1,5 @@
-//! `keel dlq`, `keel saga` and `keel webhooks`: the operator console's
+//! `keel dlq`, `keel outbox`, `keel saga` and `keel webhooks`: the operator
+//! console's
 //! actions as commands, talking to a running server's admin API.
 //!
 //! Every console button has a command here, so an incident can be handled
@@ -10,7 +11,7 @@
 use std::fmt::Write as _;
 
 use anyhow::Context as _;
-use keel_http::admin::{ActionJson, DeadLetterJson, DeliveryJson, Listing, SagaJson};
+use keel_http::admin::{ActionJson, DeadLetterJson, DeliveryJson, Listing, ParkedJson, SagaJson};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -62,6 +63,44 @@ pub enum DlqCommand {
     /// Throw a pending dead letter away.
     Discard {
         /// The dead letter's id.
+        id: String,
+    },
+}
+
+/// `keel outbox`: parked outbox rows, events the broker refused for good.
+/// Each holds back the later events of its key until it is replayed or
+/// discarded.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum OutboxCommand {
+    /// List parked outbox rows, oldest first.
+    Parked {
+        /// Only this topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// At most this many (1-1000, default 100).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Print the API's JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one parked row with the broker's refusal and its payload.
+    Show {
+        /// The outbox row id.
+        id: String,
+        /// Print the API's JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish a parked row again (after fixing what the broker refused),
+    /// before the later events of its key.
+    Replay {
+        /// The outbox row id.
+        id: String,
+    },
+    /// Throw a parked row away for good; its key's later events flow.
+    Discard {
+        /// The outbox row id.
         id: String,
     },
 }
@@ -159,6 +198,34 @@ pub async fn run_dlq(args: &AdminClientArgs, cmd: DlqCommand) -> anyhow::Result<
         DlqCommand::Discard { id } => {
             let body = client.post(&["dead-letters", &id, "discard"]).await?;
             print(false, body, |a: ActionJson| action_line(&a, "dead letter"))
+        }
+    }
+}
+
+/// Runs a `keel outbox` command.
+pub async fn run_outbox(args: &AdminClientArgs, cmd: OutboxCommand) -> anyhow::Result<()> {
+    let client = AdminClient::new(args)?;
+    match cmd {
+        OutboxCommand::Parked { topic, limit, json } => {
+            let query = [("topic", topic), ("limit", limit.map(|n| n.to_string()))];
+            let body = client.get(&["outbox", "parked"], &query).await?;
+            print(json, body, |l: Listing<ParkedJson>| parked_table(&l.items))
+        }
+        OutboxCommand::Show { id, json } => {
+            let body = client.get(&["outbox", "parked", &id], &[]).await?;
+            print(json, body, |p: ParkedJson| parked_detail(&p))
+        }
+        OutboxCommand::Replay { id } => {
+            let body = client.post(&["outbox", "parked", &id, "replay"]).await?;
+            print(false, body, |a: ActionJson| {
+                action_line(&a, "parked outbox row")
+            })
+        }
+        OutboxCommand::Discard { id } => {
+            let body = client.post(&["outbox", "parked", &id, "discard"]).await?;
+            print(false, body, |a: ActionJson| {
+                action_line(&a, "parked outbox row")
+            })
         }
     }
 }
@@ -455,6 +522,58 @@ pub fn dead_letter_detail(l: &DeadLetterJson) -> String {
     out
 }
 
+/// `keel outbox parked`.
+pub fn parked_table(rows: &[ParkedJson]) -> String {
+    if rows.is_empty() {
+        return "no parked outbox rows\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|p| {
+            vec![
+                p.id.to_string(),
+                p.topic.clone(),
+                cut(&p.key),
+                p.attempts.to_string(),
+                p.held_back.to_string(),
+                time(&p.parked_at),
+                cut(&p.last_error),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ID",
+            "TOPIC",
+            "KEY",
+            "ATTEMPTS",
+            "HELD BACK",
+            "PARKED AT",
+            "REFUSAL",
+        ],
+        &rows,
+    )
+}
+
+/// `keel outbox show`.
+pub fn parked_detail(p: &ParkedJson) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "parked outbox row {}", p.id);
+    let _ = writeln!(out, "  topic:     {} (key {:?})", p.topic, p.key);
+    let _ = writeln!(out, "  event:     {}", p.event_id);
+    let _ = writeln!(out, "  written:   {}", time(&p.created_at));
+    let _ = writeln!(out, "  parked:    {}", time(&p.parked_at));
+    let _ = writeln!(out, "  attempts:  {}", p.attempts);
+    let _ = writeln!(
+        out,
+        "  held back: {} later event(s) of its key",
+        p.held_back
+    );
+    let _ = writeln!(out, "  refusal:   {}", p.last_error);
+    let _ = writeln!(out, "  payload:\n    {}", p.payload);
+    out
+}
+
 /// `keel saga list`.
 pub fn saga_table(sagas: &[SagaJson]) -> String {
     if sagas.is_empty() {
@@ -669,6 +788,55 @@ mod tests {
         assert_eq!(
             action_line(&a, "dead letter"),
             "Replayed dead letter billing:evt-1\n"
+        );
+    }
+
+    #[test]
+    fn parked_rows_print_their_key_refusal_and_what_waits_behind_them() {
+        let p = ParkedJson {
+            id: 42,
+            event_id: "evt-7".into(),
+            topic: "orders".into(),
+            key: "order\n7".into(),
+            attempts: 1,
+            last_error: "broker refused the request: key contains a line break".into(),
+            created_at: at(),
+            parked_at: at(),
+            held_back: 2,
+            headers: Default::default(),
+            payload: "{}".into(),
+            payload_truncated: false,
+        };
+        let out = parked_table(std::slice::from_ref(&p));
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 2, "a key with a line break stays on one line");
+        assert!(lines[0].starts_with("ID  TOPIC   KEY"), "{}", lines[0]);
+        assert!(
+            lines[1].starts_with("42  orders  order 7  1         2          2026-11-29 12:00:00"),
+            "{}",
+            lines[1]
+        );
+        assert_eq!(parked_table(&[]), "no parked outbox rows\n");
+        let detail = parked_detail(&p);
+        assert!(detail.contains("(key \"order\\n7\")"), "{detail}");
+        assert!(detail.contains("held back: 2 later event(s)"));
+        let a = ActionJson {
+            action: "replayed".into(),
+            id: "42".into(),
+            affected: 1,
+        };
+        assert_eq!(
+            action_line(&a, "parked outbox row"),
+            "Replayed parked outbox row 42\n"
+        );
+        let client = AdminClient::new(&AdminClientArgs {
+            server: "http://127.0.0.1:8080".into(),
+            token: None,
+        })
+        .unwrap();
+        assert_eq!(
+            client.url(&["outbox", "parked", "42", "discard"]).as_str(),
+            "http://127.0.0.1:8080/admin/api/outbox/parked/42/discard"
         );
     }
 

@@ -704,3 +704,162 @@ async fn without_an_orchestrator_sagas_are_listed_and_actions_are_501() {
         .unwrap();
     assert_eq!(retry.status(), StatusCode::NOT_IMPLEMENTED);
 }
+
+// ------------------------------------------------ parked outbox rows --
+
+/// Appends events for `keys` (in one transaction) and parks the rows of
+/// `poison`, as a relay does when the broker refuses them; returns the
+/// row ids of every event, in order.
+async fn park_outbox_rows(store: &SqliteStore, keys: &[&str], poison: &str) -> Vec<i64> {
+    use keel_messaging::store::OutboxRecord;
+    let records: Vec<OutboxRecord> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let message = Message::new(format!("evt-{i}"), "orders", *key, "{}");
+            OutboxRecord {
+                event_id: message.id,
+                topic: message.topic,
+                partition_key: message.key,
+                headers: message.headers,
+                payload: message.payload,
+            }
+        })
+        .collect();
+    let mut tx = store.begin().await.unwrap();
+    store.outbox_append(&mut tx, &records).await.unwrap();
+    store.commit(tx).await.unwrap();
+    let claimed = store
+        .outbox_claim("relay-1", 100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut first_poison = true;
+    for row in &claimed {
+        if row.record.partition_key == poison && first_poison {
+            first_poison = false;
+            store
+                .outbox_park(
+                    row.id,
+                    "broker refused the request: key contains a line break",
+                )
+                .await
+                .unwrap();
+        } else {
+            store.outbox_release(&[row.id]).await.unwrap();
+        }
+    }
+    claimed.iter().map(|r| r.id).collect()
+}
+
+#[tokio::test]
+async fn parked_outbox_rows_are_listed_inspected_replayed_and_discarded() {
+    let w = world().await;
+    let ids = park_outbox_rows(&w.store, &["A", "bad\nkey", "B", "bad\nkey"], "bad\nkey").await;
+    let parked = ids[1];
+
+    for (method, path) in [
+        (Method::GET, "/admin/api/outbox/parked".to_owned()),
+        (Method::GET, format!("/admin/api/outbox/parked/{parked}")),
+        (
+            Method::POST,
+            format!("/admin/api/outbox/parked/{parked}/replay"),
+        ),
+        (
+            Method::POST,
+            format!("/admin/api/outbox/parked/{parked}/discard"),
+        ),
+    ] {
+        let reply = w.call_with(method, &path, None).await;
+        assert_problem(&reply, StatusCode::UNAUTHORIZED, "admin token");
+    }
+
+    let list = w.call(Method::GET, "/admin/api/outbox/parked").await;
+    assert_eq!(list.status, StatusCode::OK, "{}", list.body);
+    assert_eq!(list.body["count"], 1);
+    let row = &list.body["items"][0];
+    assert_eq!(row["id"], parked);
+    assert_eq!(row["event_id"], "evt-1");
+    assert_eq!(row["key"], "bad\nkey");
+    assert_eq!(row["attempts"], 1);
+    assert_eq!(row["held_back"], 1, "the later event of its key waits");
+    assert!(row["last_error"].as_str().unwrap().contains("line break"));
+    let other_topic = w
+        .call(Method::GET, "/admin/api/outbox/parked?topic=payments")
+        .await;
+    assert_eq!(other_topic.body["count"], 0);
+    let one = w
+        .call(Method::GET, &format!("/admin/api/outbox/parked/{parked}"))
+        .await;
+    assert_eq!(one.body["payload"], "{}");
+
+    let summary = w.call(Method::GET, "/admin/api/summary").await;
+    assert_eq!(summary.body["outbox"]["parked"], 1);
+    assert_eq!(summary.body["outbox"]["unpublished"], 3);
+
+    let replay = w
+        .call(
+            Method::POST,
+            &format!("/admin/api/outbox/parked/{parked}/replay"),
+        )
+        .await;
+    assert_eq!(replay.status, StatusCode::OK, "{}", replay.body);
+    assert_eq!(replay.body["action"], "replayed");
+    let claimed = w
+        .store
+        .outbox_claim("relay-2", 100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let events: Vec<&str> = claimed.iter().map(|r| r.record.event_id.as_str()).collect();
+    assert_eq!(
+        events,
+        ["evt-0", "evt-1", "evt-2", "evt-3"],
+        "the replayed row is claimable again, before its key's next event"
+    );
+    assert_eq!(claimed[1].attempts, 0, "its attempts start again");
+    let again = w
+        .call(
+            Method::POST,
+            &format!("/admin/api/outbox/parked/{parked}/replay"),
+        )
+        .await;
+    assert_problem(&again, StatusCode::NOT_FOUND, "no parked outbox row");
+
+    // The broker refuses it again; this time the operator discards it.
+    w.store
+        .outbox_release(&claimed.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .unwrap();
+    assert!(w.store.outbox_park(parked, "refused again").await.unwrap());
+    let discard = w
+        .call(
+            Method::POST,
+            &format!("/admin/api/outbox/parked/{parked}/discard"),
+        )
+        .await;
+    assert_eq!(discard.status, StatusCode::OK, "{}", discard.body);
+    assert_eq!(discard.body["action"], "discarded");
+    let gone = w
+        .call(Method::GET, &format!("/admin/api/outbox/parked/{parked}"))
+        .await;
+    assert_problem(&gone, StatusCode::NOT_FOUND, "no parked outbox row");
+    let claimed = w
+        .store
+        .outbox_claim("relay-2", 100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let events: Vec<&str> = claimed.iter().map(|r| r.record.event_id.as_str()).collect();
+    assert_eq!(
+        events,
+        ["evt-0", "evt-2", "evt-3"],
+        "discarded for good; its key flows"
+    );
+
+    let bad = w
+        .call(Method::POST, "/admin/api/outbox/parked/seven/replay")
+        .await;
+    assert_problem(&bad, StatusCode::BAD_REQUEST, "whole numbers");
+    let bad_limit = w
+        .call(Method::GET, "/admin/api/outbox/parked?limit=0")
+        .await;
+    assert_problem(&bad_limit, StatusCode::BAD_REQUEST, "limit");
+}

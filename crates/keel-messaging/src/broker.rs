@@ -195,7 +195,25 @@ pub trait Broker: Send + Sync + 'static {
     /// Publishes messages in order. Returns once the broker has durably
     /// accepted all of them; a message id already seen on its topic is
     /// accepted and dropped.
+    ///
+    /// A message the broker can never accept is [`BrokerError::Invalid`],
+    /// and no message *after* it in `messages` may have been stored (the
+    /// ones before it may have been): the outbox relay then republishes the
+    /// batch row by row, parks the refused row and holds back its key, so a
+    /// later message of that key never overtakes it.
     async fn publish(&self, messages: &[Message]) -> Result<(), BrokerError>;
+
+    /// Whether this broker could ever accept `message`: the checks
+    /// [`publish`](Self::publish) makes before sending anything (names,
+    /// keys and headers it can carry, its size limit), without I/O.
+    /// [`BrokerError::Invalid`] says what is wrong. The outbox asks at
+    /// append time, so an event that could never leave is refused in the
+    /// business transaction instead of being parked later. The default
+    /// accepts everything.
+    fn validate(&self, message: &Message) -> Result<(), BrokerError> {
+        let _ = message;
+        Ok(())
+    }
 
     /// Opens (creating if needed) a consumer group's subscription.
     async fn subscribe(

@@ -122,15 +122,57 @@ pub struct PendingOutbox {
     pub record: OutboxRecord,
     /// When the business transaction wrote it.
     pub created_at: DateTime<Utc>,
+    /// Failed publish attempts so far (0 the first time it is claimed).
+    pub attempts: u32,
 }
 
 /// The relay's view of the outbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct OutboxStats {
-    /// Rows not yet published.
+    /// Rows waiting to be published (parked rows not included; the rows
+    /// held back behind a parked row are).
     pub unpublished: u64,
-    /// Age of the oldest unpublished row: the relay lag.
+    /// Age of the oldest of those rows: the relay lag.
     pub oldest_unpublished_age: Option<Duration>,
+    /// Rows parked because the broker refused them for good.
+    #[serde(default)]
+    pub parked: u64,
+}
+
+/// An outbox row the broker refused for good (`BrokerError::Invalid`),
+/// parked by the relay: it is not published, and neither is any later row
+/// of its partition key, until an operator replays it
+/// ([`OutboxStore::outbox_unpark`]) or discards it
+/// ([`OutboxStore::outbox_discard`]). Rows of other keys flow on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedOutbox {
+    /// The row id.
+    pub id: i64,
+    /// The event.
+    pub record: OutboxRecord,
+    /// When the business transaction wrote it.
+    pub created_at: DateTime<Utc>,
+    /// When the relay parked it.
+    pub parked_at: DateTime<Utc>,
+    /// Failed publish attempts, the refusal included.
+    pub attempts: u32,
+    /// Why the broker refused it.
+    pub last_error: String,
+    /// Unpublished rows of the same key waiting behind it.
+    pub held_back: u64,
+}
+
+/// Which parked outbox rows to list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParkedFilter {
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// At most this many (default 100).
+    pub limit: Option<usize>,
+}
+
+fn parking_unsupported(what: &str) -> StoreError {
+    StoreError::Other(format!("this store does not support {what} (parked outbox rows)").into())
 }
 
 /// The transactional outbox table.
@@ -147,7 +189,9 @@ pub trait OutboxStore: Store {
     /// Claims up to `limit` unpublished rows, lowest id first, for `lease`:
     /// other relays skip them until the lease ends. A row whose partition key
     /// has an earlier unpublished row claimed by another relay is not
-    /// returned, so per-key order survives several relays. Never skips a
+    /// returned, so per-key order survives several relays. A parked row is
+    /// never returned, nor is any later row of its key (see
+    /// [`outbox_park`](Self::outbox_park)). Never skips a
     /// row because a higher id committed first. Rows already leased by
     /// `relay` itself are returned again (lease renewed), so a restarted
     /// relay with the same name resumes at once.
@@ -167,8 +211,54 @@ pub trait OutboxStore: Store {
     /// Deletes up to `batch` rows published before `before`; returns how many.
     async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
 
-    /// Unpublished count and relay lag.
+    /// Unpublished count and relay lag, and the parked count.
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError>;
+
+    /// Gives claimed rows back after a failed publish that may succeed
+    /// later (the broker was unreachable, the outcome is unknown): each
+    /// row's attempt count goes up by one and `error` is kept as its last
+    /// error. The default releases them without counting.
+    async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {
+        let _ = error;
+        self.outbox_release(ids).await
+    }
+
+    /// Parks an unpublished row the broker refused for good: it is
+    /// released, its attempt count goes up by one, `error` is kept, and it
+    /// is never claimed again, nor is any later row of its partition key,
+    /// until it is unparked or discarded. `false` if there is no such
+    /// unpublished, unparked row.
+    async fn outbox_park(&self, id: i64, error: &str) -> Result<bool, StoreError> {
+        let _ = (id, error);
+        Err(parking_unsupported("parking"))
+    }
+
+    /// Parked rows, lowest id first.
+    async fn outbox_parked(&self, filter: &ParkedFilter) -> Result<Vec<ParkedOutbox>, StoreError> {
+        let _ = filter;
+        Err(parking_unsupported("listing"))
+    }
+
+    /// One parked row.
+    async fn outbox_parked_get(&self, id: i64) -> Result<Option<ParkedOutbox>, StoreError> {
+        let _ = id;
+        Err(parking_unsupported("reading"))
+    }
+
+    /// Replays a parked row: it is claimable again with no attempts and no
+    /// error, and, keeping its id, it is still published before the later
+    /// rows of its key. `false` if the row is not parked.
+    async fn outbox_unpark(&self, id: i64) -> Result<bool, StoreError> {
+        let _ = id;
+        Err(parking_unsupported("replaying"))
+    }
+
+    /// Deletes a parked row for good, which frees the later rows of its
+    /// key. `false` if the row is not parked.
+    async fn outbox_discard(&self, id: i64) -> Result<bool, StoreError> {
+        let _ = id;
+        Err(parking_unsupported("discarding"))
+    }
 }
 
 /// The idempotent consumer's table of processed events.

@@ -173,6 +173,24 @@ fn to_publish(message: &Message) -> Result<PublishMessage, BrokerError> {
         .headers(headers))
 }
 
+/// The size NATS counts against `max_payload`: the payload and the header
+/// block (`NATS/1.0\r\n`, a `name: value\r\n` line per header, `\r\n`),
+/// with the message id and key headers this crate adds.
+fn wire_size(message: &Message) -> usize {
+    let line = |name: &str, value: &str| name.len() + 2 + value.len() + 2;
+    let headers: usize = message
+        .headers
+        .iter()
+        .map(|(name, value)| line(name, value))
+        .sum();
+    message.payload.len()
+        + 10
+        + headers
+        + line(MESSAGE_ID_HEADER, &message.id)
+        + line(KEY_HEADER, &message.key)
+        + 2
+}
+
 fn header_name(name: &str) -> Result<HeaderName, BrokerError> {
     HeaderName::from_str(name)
         .map_err(|e| BrokerError::Invalid(format!("header name {name:?}: {e}")))
@@ -197,10 +215,10 @@ impl Broker for NatsBroker {
         let prefix = &self.inner.options.stream_prefix;
         let mut prepared = Vec::with_capacity(messages.len());
         let mut streams = HashSet::new();
+        // Every message is checked before any is sent, so a refused one
+        // never has a later one stored after it.
         for message in messages {
-            if message.id.is_empty() {
-                return Err(BrokerError::Invalid("a message id is empty".into()));
-            }
+            self.validate(message)?;
             let names = TopicNames::new(prefix, &message.topic)?;
             prepared.push((names.subject(&message.key), to_publish(message)?));
             if streams.insert(names.stream.clone()) {
@@ -228,6 +246,29 @@ impl Broker for NatsBroker {
             if ack.duplicate {
                 metrics::counter!("keel_broker_publish_duplicates_total").increment(1);
             }
+        }
+        Ok(())
+    }
+
+    /// What JetStream can never take: an empty message id, a topic that
+    /// does not fit a stream name, a header name it cannot carry (or one
+    /// reserved for the broker), a line break in a header value or the key
+    /// (both travel as headers), and a message (headers included) over the
+    /// server's `max_payload`.
+    fn validate(&self, message: &Message) -> Result<(), BrokerError> {
+        if message.id.is_empty() {
+            return Err(BrokerError::Invalid("a message id is empty".into()));
+        }
+        TopicNames::new(&self.inner.options.stream_prefix, &message.topic)?;
+        to_publish(message)?;
+        let max_payload = self.inner.client.max_payload();
+        let size = wire_size(message);
+        if max_payload > 0 && size > max_payload {
+            return Err(BrokerError::Invalid(format!(
+                "message {} is {size} bytes with its headers, over the NATS server's \
+                 max_payload of {max_payload}; put the payload in a claim check",
+                message.id
+            )));
         }
         Ok(())
     }

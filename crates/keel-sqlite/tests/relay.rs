@@ -13,9 +13,9 @@ use keel_messaging::broker::{
 };
 use keel_messaging::consumer::{Consumer, Group};
 use keel_messaging::envelope::{Envelope, Event, EventMeta};
-use keel_messaging::outbox::{Outbox, OutboxRelay, RelayError};
+use keel_messaging::outbox::{Outbox, OutboxError, OutboxRelay, RelayError};
 use keel_messaging::store::{OutboxStore, Store};
-use keel_sqlite::broker::SqliteBroker;
+use keel_sqlite::broker::{SqliteBroker, SqliteBrokerOptions};
 use keel_sqlite::store::SqliteStore;
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
@@ -393,6 +393,163 @@ async fn rows_behind_a_dead_relays_claim_are_not_skipped_and_keep_key_order() {
         .map(|m| m.id)
         .collect();
     assert_eq!(order, [b1.id, a1.id, a2.id]);
+}
+
+/// An order with a note: a way to make one event too large for the broker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct OrderNoted {
+    order_id: String,
+    note: String,
+}
+
+impl Event for OrderNoted {
+    const TYPE: &'static str = "shop.order.noted.v1";
+    fn subject(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+/// The broker's limit in the poison-row tests: a normal event fits, a
+/// 64 KiB note does not.
+const SMALL_BROKER_LIMIT: usize = 16 * 1024;
+
+async fn note_in(outbox: &Outbox<SqliteStore>, tx: &mut Tx, order: &str, note: String) -> Envelope {
+    let noted = OrderNoted {
+        order_id: order.into(),
+        note,
+    };
+    outbox
+        .append_event(tx, TOPIC, "/services/orders", &noted, EventMeta::new(1))
+        .await
+        .unwrap()
+}
+
+/// Issue 11 on the real embedded broker: one event the broker refuses for
+/// good (over its size limit) sits in the middle of 20 good ones and
+/// before a later event of its own key. The broker finds out only when it
+/// publishes (the tap does not forward `validate`), so the relay has to
+/// find the row by publishing row by row. Every good event is published,
+/// the poison row is parked after one attempt, its key's later event waits
+/// behind it, nothing is retried in a loop, and discarding it frees the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_poison_row_is_parked_and_every_other_row_is_published() {
+    let f = fixture().await;
+    let small = Arc::new(
+        SqliteBroker::open_with(
+            f._dir.path().join("small-broker.db"),
+            SqliteBrokerOptions::new().max_message_bytes(SMALL_BROKER_LIMIT),
+        )
+        .await
+        .unwrap(),
+    );
+    let tap = Arc::new(Tap::default());
+    let broker = Arc::new(TappedBroker {
+        inner: Arc::clone(&small),
+        tap: Arc::clone(&tap),
+        fresh_ids: false,
+    });
+    let mut good = Vec::new();
+    for i in 0..10 {
+        good.push(f.place_order(&format!("A-{i}"), i).await.id);
+    }
+    let mut tx = f.store.begin().await.unwrap();
+    let poison = note_in(&f.outbox, &mut tx, "P-1", "x".repeat(64 * 1024)).await;
+    f.outbox.commit(tx).await.unwrap();
+    let mut tx = f.store.begin().await.unwrap();
+    let behind = note_in(&f.outbox, &mut tx, "P-1", "small".into()).await;
+    f.outbox.commit(tx).await.unwrap();
+    for i in 10..20 {
+        good.push(f.place_order(&format!("A-{i}"), i).await.id);
+    }
+
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&broker))
+        .build()
+        .unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 20, "all 20 good events");
+    for _ in 0..3 {
+        assert_eq!(relay.run_once().await.unwrap(), 0, "nothing retried");
+    }
+    let poison_calls = tap.calls.read().unwrap().get(&poison.id).copied();
+    assert_eq!(
+        poison_calls,
+        Some(2),
+        "refused in the batch and once alone, then never again"
+    );
+    assert_eq!(
+        tap.calls.read().unwrap().get(&behind.id).copied(),
+        Some(1),
+        "the later event of its key went only in the refused batch, never alone"
+    );
+
+    let published: Vec<_> = drain_topic(&small, "audit")
+        .await
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(published, good, "every good event, once, in order");
+    let stats = f.store.outbox_stats().await.unwrap();
+    assert_eq!(stats.parked, 1);
+    assert_eq!(stats.unpublished, 1, "only its own key waits behind it");
+    let parked = f.store.outbox_parked(&Default::default()).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].record.event_id, poison.id);
+    assert_eq!(parked[0].attempts, 1);
+    assert_eq!(parked[0].held_back, 1);
+    assert!(
+        parked[0].last_error.contains("claim check"),
+        "{}",
+        parked[0].last_error
+    );
+
+    assert!(f.store.outbox_discard(parked[0].id).await.unwrap());
+    assert_eq!(relay.run_once().await.unwrap(), 1);
+    let rest: Vec<_> = drain_topic(&small, "audit")
+        .await
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(rest, [behind.id], "the key flows again");
+}
+
+/// With the broker's rules, `Outbox::append` refuses an event the broker
+/// could never take, with a typed error, and writes nothing of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_refuses_an_event_over_the_brokers_limit() {
+    let f = fixture().await;
+    let small = Arc::new(
+        SqliteBroker::open_with(
+            f._dir.path().join("small-broker.db"),
+            SqliteBrokerOptions::new().max_message_bytes(SMALL_BROKER_LIMIT),
+        )
+        .await
+        .unwrap(),
+    );
+    let outbox = Outbox::new(f.store.clone()).with_broker(small);
+    let mut tx = f.store.begin().await.unwrap();
+    let noted = OrderNoted {
+        order_id: "P-1".into(),
+        note: "x".repeat(64 * 1024),
+    };
+    let err = outbox
+        .append_event(
+            &mut tx,
+            TOPIC,
+            "/services/orders",
+            &noted,
+            EventMeta::new(1),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            OutboxError::Unpublishable { key, reason: BrokerError::Invalid(_), .. } if key == "P-1"
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("claim check"), "{err}");
+    outbox.commit(tx).await.unwrap();
+    assert_eq!(f.unpublished().await, 0, "nothing was written");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

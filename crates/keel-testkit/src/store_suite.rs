@@ -118,6 +118,11 @@ macro_rules! store_conformance_tests {
                 prune_deletes_in_bounded_batches,
                 duplicate_event_id_is_a_conflict,
                 late_commit_of_lower_id_is_not_skipped,
+                parked_row_holds_back_only_its_key,
+                unparked_row_is_claimed_first_in_its_key,
+                discarded_row_frees_its_key,
+                failed_release_counts_attempts,
+                parked_list_filters_by_topic_and_limit,
             }
             inbox {
                 records_once_per_event_and_handler,

@@ -105,6 +105,12 @@ impl Broker for FaultyBroker {
         }))
     }
 
+    /// The inner broker's rules: faults are injected into I/O, not into
+    /// what the broker could ever accept.
+    fn validate(&self, message: &Message) -> Result<(), BrokerError> {
+        self.inner.validate(message)
+    }
+
     async fn ping(&self) -> Result<(), BrokerError> {
         self.inner.ping().await
     }

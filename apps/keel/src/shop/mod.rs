@@ -238,7 +238,9 @@ impl System {
             .build()
             .map_err(config_err)?;
 
-        let outbox = Outbox::new(store.clone());
+        // The broker's rules at append: an event it could never take is
+        // refused in the request, not parked by the relay later.
+        let outbox = Outbox::new(store.clone()).with_broker(Arc::clone(&broker));
         let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
             .name(config.relay_name.clone())
             .poll_interval(config.poll_interval)

@@ -1,7 +1,8 @@
 //! The admin API: JSON over HTTP for the operator's levers — dead letters,
 //! sagas, webhook deliveries, circuit breakers and lag — behind a token.
 //!
-//! Keel's messaging crate already has the operations ([`DeadLetters`],
+//! Keel's messaging crate already has the operations ([`DeadLetters`], the
+//! outbox's parked rows,
 //! [`SagaOrchestrator`], the webhook log); this module puts them on the
 //! network so that the operator console and the `keel` CLI are two views
 //! of one API, and every error an operator can cause (an unknown id, a
@@ -15,6 +16,10 @@
 //! GET  /admin/api/dead-letters/{id}                with the error history
 //! POST /admin/api/dead-letters/{id}/replay         back to its topic via the outbox
 //! POST /admin/api/dead-letters/{id}/discard
+//! GET  /admin/api/outbox/parked?topic=&limit=      rows the broker refused for good
+//! GET  /admin/api/outbox/parked/{id}
+//! POST /admin/api/outbox/parked/{id}/replay        published again, before its key
+//! POST /admin/api/outbox/parked/{id}/discard       deleted; frees its key
 //! GET  /admin/api/sagas?status=&idle_secs=&limit=
 //! GET  /admin/api/sagas/{id}
 //! POST /admin/api/sagas/{id}/retry                 a stuck saga, now
@@ -66,9 +71,9 @@ pub use error::AdminError;
 pub use gauges::{BrokerLag, FnGauges, Gauge, GaugeSource};
 pub use model::{
     ActionJson, AttemptJson, BreakerJson, DeadLetterJson, DeliveryAttemptJson, DeliveryJson,
-    LagJson, Listing, OutboxLagJson, PAYLOAD_PREVIEW, SagaJson, SummaryJson,
+    LagJson, Listing, OutboxLagJson, PAYLOAD_PREVIEW, ParkedJson, SagaJson, SummaryJson,
 };
-pub use query::{DEFAULT_LIMIT, DeadLetterQuery, DeliveryQuery, MAX_LIMIT, SagaQuery};
+pub use query::{DEFAULT_LIMIT, DeadLetterQuery, DeliveryQuery, MAX_LIMIT, ParkedQuery, SagaQuery};
 
 /// The path prefix of every admin API route.
 pub const API_PREFIX: &str = "/admin/api";
@@ -148,7 +153,8 @@ where
             .unwrap_or_else(|| Outbox::new(self.store.clone()));
         Admin {
             inner: Arc::new(Inner {
-                dead_letters: DeadLetters::with_outbox(outbox),
+                dead_letters: DeadLetters::with_outbox(outbox.clone()),
+                outbox,
                 endpoints: Endpoints::new(self.store.clone(), SsrfGuard::default()),
                 store: self.store,
                 token: self.token,
@@ -164,6 +170,7 @@ struct Inner<S> {
     store: S,
     token: AdminToken,
     dead_letters: DeadLetters<S>,
+    outbox: Outbox<S>,
     endpoints: Endpoints<S>,
     sagas: Option<SagaOrchestrator<S>>,
     breakers: Option<BreakerRegistry>,
@@ -288,6 +295,49 @@ where
             .await?
             .into_iter()
             .collect())
+    }
+
+    /// Parked outbox rows matching `query`, lowest id first, payloads cut.
+    pub async fn parked_outbox(&self, query: &ParkedQuery) -> Result<Vec<ParkedJson>, AdminError> {
+        let filter = query.filter()?;
+        let rows = self.inner.store.outbox_parked(&filter).await?;
+        Ok(rows.iter().map(|r| ParkedJson::new(r, true)).collect())
+    }
+
+    /// One parked outbox row with its whole payload.
+    pub async fn parked_outbox_row(&self, id: &str) -> Result<ParkedJson, AdminError> {
+        let number = outbox_id(id)?;
+        let row = self
+            .inner
+            .store
+            .outbox_parked_get(number)
+            .await?
+            .ok_or_else(|| not_parked(number))?;
+        Ok(ParkedJson::new(&row, false))
+    }
+
+    /// Replays a parked outbox row: the relay publishes it again (woken
+    /// now), still before the later events of its key. Replay after fixing
+    /// what the broker refused (its limit, say), or it is parked again.
+    pub async fn replay_parked(&self, id: &str) -> Result<ActionJson, AdminError> {
+        let number = outbox_id(id)?;
+        if !self.inner.store.outbox_unpark(number).await? {
+            return Err(not_parked(number));
+        }
+        self.inner.outbox.notify();
+        tracing::info!(id = number, "parked outbox row replayed by an operator");
+        Ok(action("replayed", id, 1))
+    }
+
+    /// Discards a parked outbox row for good, freeing its key.
+    pub async fn discard_parked(&self, id: &str) -> Result<ActionJson, AdminError> {
+        let number = outbox_id(id)?;
+        if !self.inner.store.outbox_discard(number).await? {
+            return Err(not_parked(number));
+        }
+        self.inner.outbox.notify();
+        tracing::warn!(id = number, "parked outbox row discarded by an operator");
+        Ok(action("discarded", id, 1))
     }
 
     /// Sagas matching `query`, oldest update first.
@@ -462,6 +512,20 @@ fn action(action: &str, id: &str, affected: u64) -> ActionJson {
         id: id.to_owned(),
         affected,
     }
+}
+
+fn outbox_id(id: &str) -> Result<i64, AdminError> {
+    id.parse().map_err(|_| {
+        AdminError::bad_request(format!(
+            "`{id}` is not an outbox row id: outbox row ids are whole numbers"
+        ))
+    })
+}
+
+fn not_parked(id: i64) -> AdminError {
+    AdminError::NotFound(format!(
+        "no parked outbox row with id {id} (it may have been replayed, discarded or published)"
+    ))
 }
 
 fn delivery_id(id: &str) -> Result<i64, AdminError> {

@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use keel_messaging::saga::SagaView;
 use keel_messaging::store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeliveryAttempt, DeliveryStatus, OutboxStats,
-    SagaStatus, WebhookDelivery,
+    ParkedOutbox, SagaStatus, WebhookDelivery,
 };
 use keel_policy::breaker::BreakerSnapshot;
 use serde::{Deserialize, Serialize};
@@ -308,10 +308,13 @@ impl From<&BreakerSnapshot> for BreakerJson {
 /// The outbox's backlog.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutboxLagJson {
-    /// Rows not yet published.
+    /// Rows waiting to be published (parked rows not included).
     pub unpublished: u64,
-    /// Age of the oldest unpublished row, in milliseconds.
+    /// Age of the oldest of those rows, in milliseconds.
     pub oldest_unpublished_age_ms: Option<u64>,
+    /// Rows parked because the broker refused them for good.
+    #[serde(default)]
+    pub parked: u64,
 }
 
 impl From<OutboxStats> for OutboxLagJson {
@@ -319,6 +322,61 @@ impl From<OutboxStats> for OutboxLagJson {
         Self {
             unpublished: s.unpublished,
             oldest_unpublished_age_ms: s.oldest_unpublished_age.map(millis),
+            parked: s.parked,
+        }
+    }
+}
+
+/// A parked outbox row as the admin API shows it: an event the broker
+/// refused for good, holding back the later events of its key until it is
+/// replayed or discarded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParkedJson {
+    /// The outbox row id (what replay and discard take).
+    pub id: i64,
+    /// The event id (the message id).
+    pub event_id: String,
+    /// The topic it is for.
+    pub topic: String,
+    /// Its partition key.
+    pub key: String,
+    /// Failed publish attempts, the refusal included.
+    pub attempts: u32,
+    /// Why the broker refused it.
+    pub last_error: String,
+    /// When the business transaction wrote it.
+    pub created_at: DateTime<Utc>,
+    /// When the relay parked it.
+    pub parked_at: DateTime<Utc>,
+    /// Later events of its key waiting behind it.
+    pub held_back: u64,
+    /// The message headers.
+    pub headers: BTreeMap<String, String>,
+    /// The payload as text (lossy UTF-8); cut to [`PAYLOAD_PREVIEW`] bytes
+    /// in listings (see `payload_truncated`).
+    pub payload: String,
+    /// Whether `payload` was cut.
+    #[serde(default)]
+    pub payload_truncated: bool,
+}
+
+impl ParkedJson {
+    /// The view of `row`; with `preview`, the payload is cut.
+    pub fn new(row: &ParkedOutbox, preview: bool) -> Self {
+        let (payload, payload_truncated) = payload_text(&row.record.payload, preview);
+        Self {
+            id: row.id,
+            event_id: row.record.event_id.clone(),
+            topic: row.record.topic.clone(),
+            key: row.record.partition_key.clone(),
+            attempts: row.attempts,
+            last_error: row.last_error.clone(),
+            created_at: row.created_at,
+            parked_at: row.parked_at,
+            held_back: row.held_back,
+            headers: row.record.headers.clone(),
+            payload,
+            payload_truncated,
         }
     }
 }
@@ -348,7 +406,8 @@ pub struct SummaryJson {
 /// What an action did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ActionJson {
-    /// The action (`replayed`, `discarded`, `retried`, `cancelled`, `resent`).
+    /// The action (`replayed`, `discarded`, `retried`, `cancelled`,
+    /// `resent`).
     pub action: String,
     /// The id acted on (or the filter, for bulk replays).
     pub id: String,

@@ -4,7 +4,8 @@
 
 use chrono::{TimeDelta, Utc};
 use keel_messaging::store::{
-    DeadLetterFilter, DeadLetterStatus, DeliveryFilter, DeliveryStatus, SagaFilter, SagaStatus,
+    DeadLetterFilter, DeadLetterStatus, DeliveryFilter, DeliveryStatus, ParkedFilter, SagaFilter,
+    SagaStatus,
 };
 use serde::{Deserialize, Serialize};
 
@@ -62,6 +63,26 @@ impl DeadLetterQuery {
         } else {
             parts.join(",")
         }
+    }
+}
+
+/// `GET /admin/api/outbox/parked` filters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParkedQuery {
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// At most this many (default [`DEFAULT_LIMIT`], at most [`MAX_LIMIT`]).
+    pub limit: Option<String>,
+}
+
+impl ParkedQuery {
+    /// The store filter, or a `400` saying what is wrong.
+    pub fn filter(&self) -> Result<ParkedFilter, AdminError> {
+        Ok(ParkedFilter {
+            topic: non_empty(&self.topic),
+            limit: Some(limit(self.limit.as_deref())?),
+        })
     }
 }
 

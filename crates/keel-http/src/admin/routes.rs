@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use super::model::Listing;
 use super::{
     ActionJson, Admin, AdminError, BreakerJson, DeadLetterJson, DeadLetterQuery, DeliveryJson,
-    DeliveryQuery, LagJson, SagaJson, SagaQuery, SummaryJson,
+    DeliveryQuery, LagJson, ParkedJson, ParkedQuery, SagaJson, SagaQuery, SummaryJson,
 };
 
 type Reply<T> = Result<Json<T>, AdminError>;
@@ -36,6 +36,16 @@ where
             .route("/admin/api/dead-letters/{id}", get(dead_letter::<S>))
             .route("/admin/api/dead-letters/{id}/replay", post(replay::<S>))
             .route("/admin/api/dead-letters/{id}/discard", post(discard::<S>))
+            .route("/admin/api/outbox/parked", get(parked::<S>))
+            .route("/admin/api/outbox/parked/{id}", get(parked_row::<S>))
+            .route(
+                "/admin/api/outbox/parked/{id}/replay",
+                post(replay_parked::<S>),
+            )
+            .route(
+                "/admin/api/outbox/parked/{id}/discard",
+                post(discard_parked::<S>),
+            )
             .route("/admin/api/sagas", get(sagas::<S>))
             .route("/admin/api/sagas/{id}", get(saga::<S>))
             .route("/admin/api/sagas/{id}/retry", post(retry::<S>))
@@ -97,6 +107,34 @@ async fn discard<S: MessagingStore + WebhookStore>(
     Path(id): Path<String>,
 ) -> Reply<ActionJson> {
     Ok(Json(admin.discard_dead_letter(&id).await?))
+}
+
+async fn parked<S: MessagingStore + WebhookStore>(
+    State(admin): State<Admin<S>>,
+    q: Result<Query<ParkedQuery>, QueryRejection>,
+) -> Reply<Listing<ParkedJson>> {
+    Ok(Json(admin.parked_outbox(&query(q)?).await?.into()))
+}
+
+async fn parked_row<S: MessagingStore + WebhookStore>(
+    State(admin): State<Admin<S>>,
+    Path(id): Path<String>,
+) -> Reply<ParkedJson> {
+    Ok(Json(admin.parked_outbox_row(&id).await?))
+}
+
+async fn replay_parked<S: MessagingStore + WebhookStore>(
+    State(admin): State<Admin<S>>,
+    Path(id): Path<String>,
+) -> Reply<ActionJson> {
+    Ok(Json(admin.replay_parked(&id).await?))
+}
+
+async fn discard_parked<S: MessagingStore + WebhookStore>(
+    State(admin): State<Admin<S>>,
+    Path(id): Path<String>,
+) -> Reply<ActionJson> {
+    Ok(Json(admin.discard_parked(&id).await?))
 }
 
 async fn sagas<S: MessagingStore + WebhookStore>(

@@ -5,7 +5,8 @@
 //! part of the server: no front-end build, no external assets, no framework
 //! — plain HTML forms that work without JavaScript, and twenty lines of
 //! script that open an `EventSource` on `/console/events` and swap in each
-//! section (sagas, dead letters, webhook deliveries, breakers, lag) when
+//! section (sagas, dead letters, parked outbox rows, webhook deliveries,
+//! breakers, lag) when
 //! its content changes (checked every second by default).
 //!
 //! Every button is a form POSTing to a console route that calls the same
@@ -16,7 +17,7 @@
 //! console's own origin (see [`crate::admin::same_origin`]).
 //!
 //! Elements carry stable attributes for tests and scripts:
-//! `data-saga-id`, `data-dead-letter-id`, `data-delivery-id`,
+//! `data-saga-id`, `data-dead-letter-id`, `data-parked-id`, `data-delivery-id`,
 //! `data-status`, `data-action="retry|cancel|replay|discard|resend"`.
 //!
 //! ```no_run
@@ -53,8 +54,8 @@ use sha2::{Digest, Sha256};
 pub use html::escape;
 
 use crate::admin::{
-    ActionJson, Admin, AdminAuthLayer, AdminError, DeadLetterQuery, DeliveryQuery, SESSION_COOKIE,
-    SagaQuery, same_origin,
+    ActionJson, Admin, AdminAuthLayer, AdminError, DeadLetterQuery, DeliveryQuery, ParkedQuery,
+    SESSION_COOKIE, SagaQuery, same_origin,
 };
 
 /// How often the live stream looks for changes by default: every second.
@@ -145,6 +146,14 @@ where
                 post(discard_letter::<S>),
             )
             .route(
+                "/console/outbox/parked/{id}/replay",
+                post(replay_parked::<S>),
+            )
+            .route(
+                "/console/outbox/parked/{id}/discard",
+                post(discard_parked::<S>),
+            )
+            .route(
                 "/console/webhook-deliveries/{id}/resend",
                 post(resend_delivery::<S>),
             )
@@ -176,6 +185,13 @@ where
         let letters = render::or_error(admin.dead_letters(&letters).await, |l| {
             render::dead_letters(&l)
         });
+        let parked = ParkedQuery {
+            limit: Some(rows.clone()),
+            ..ParkedQuery::default()
+        };
+        let parked = render::or_error(admin.parked_outbox(&parked).await, |p| {
+            render::parked_outbox(&p)
+        });
         let deliveries = DeliveryQuery {
             limit: Some(rows),
             ..DeliveryQuery::default()
@@ -185,7 +201,7 @@ where
         });
         let breakers = render::breakers(&admin.breakers());
         let lag = render::or_error(admin.lag().await, |l| render::lag(&l));
-        let html = [summary, sagas, letters, deliveries, breakers, lag];
+        let html = [summary, sagas, letters, parked, deliveries, breakers, lag];
         render::SECTIONS.into_iter().zip(html).collect()
     }
 
@@ -343,6 +359,32 @@ async fn discard_letter<S: MessagingStore + WebhookStore>(
             .discard_dead_letter(&id)
             .await
             .map(|a| done(&a, "dead letter")),
+    )
+}
+
+async fn replay_parked<S: MessagingStore + WebhookStore>(
+    State(console): State<Console<S>>,
+    Path(id): Path<String>,
+) -> Redirect {
+    back(
+        console
+            .admin
+            .replay_parked(&id)
+            .await
+            .map(|a| done(&a, "parked outbox row")),
+    )
+}
+
+async fn discard_parked<S: MessagingStore + WebhookStore>(
+    State(console): State<Console<S>>,
+    Path(id): Path<String>,
+) -> Redirect {
+    back(
+        console
+            .admin
+            .discard_parked(&id)
+            .await
+            .map(|a| done(&a, "parked outbox row")),
     )
 }
 

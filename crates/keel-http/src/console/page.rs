@@ -61,6 +61,7 @@ fn heading(id: &str) -> &'static str {
         "summary" => "At a glance",
         "sagas" => "Sagas (running, compensating, stuck)",
         "dead-letters" => "Dead letters",
+        "parked-outbox" => "Parked outbox rows (refused by the broker)",
         "webhook-deliveries" => "Webhook deliveries",
         "breakers" => "Circuit breakers",
         "lag" => "Outbox and consumer lag",

@@ -13,14 +13,16 @@ use keel_messaging::store::{DeadLetterStatus, DeliveryStatus, SagaStatus};
 
 use super::html::{action_button, encode_segment, escape};
 use crate::admin::{
-    AdminError, BreakerJson, DeadLetterJson, DeliveryJson, LagJson, SagaJson, SummaryJson,
+    AdminError, BreakerJson, DeadLetterJson, DeliveryJson, LagJson, ParkedJson, SagaJson,
+    SummaryJson,
 };
 
 /// The section ids, in page order.
-pub(crate) const SECTIONS: [&str; 6] = [
+pub(crate) const SECTIONS: [&str; 7] = [
     "summary",
     "sagas",
     "dead-letters",
+    "parked-outbox",
     "webhook-deliveries",
     "breakers",
     "lag",
@@ -74,6 +76,13 @@ pub(crate) fn summary(s: &SummaryJson) -> String {
         "pending dead letters",
         dead.to_string(),
         dead > 0,
+    );
+    tile(
+        &mut out,
+        "parked-outbox",
+        "parked outbox rows",
+        s.outbox.parked.to_string(),
+        s.outbox.parked > 0,
     );
     tile(
         &mut out,
@@ -231,6 +240,54 @@ pub(crate) fn dead_letters(letters: &[DeadLetterJson]) -> String {
     out
 }
 
+pub(crate) fn parked_outbox(rows: &[ParkedJson]) -> String {
+    if rows.is_empty() {
+        return "<p class=\"empty\">No parked outbox rows: the broker accepted every event.</p>"
+            .to_owned();
+    }
+    let mut out = String::from(
+        "<table><thead><tr><th>row</th><th>topic / key</th><th>event</th><th>attempts</th>\
+         <th>broker's refusal</th><th>waiting behind it</th><th>parked since</th><th></th>\
+         </tr></thead><tbody>",
+    );
+    for r in rows {
+        let id = r.id.to_string();
+        let path = format!("/console/outbox/parked/{id}");
+        let mut actions = action_button(
+            &format!("{path}/replay"),
+            "replay",
+            "Replay",
+            &[("parked-id", &id)],
+            None,
+        );
+        actions.push_str(&action_button(
+            &format!("{path}/discard"),
+            "discard",
+            "Discard",
+            &[("parked-id", &id)],
+            Some("Throw this event away for good? It will never be published."),
+        ));
+        let _ = write!(
+            out,
+            "<tr data-parked-id=\"{id}\"><td>{id}</td>\
+             <td>{topic} / <code>{key}</code></td><td><code>{event}</code></td>\
+             <td>{attempts}</td><td class=\"err\"><details><summary>{error}</summary>\
+             <pre class=\"payload\">{payload}</pre></details></td><td>{held}</td><td>{parked}</td>\
+             <td class=\"actions\">{actions}</td></tr>",
+            topic = escape(&r.topic),
+            key = escape(&r.key),
+            event = escape(&r.event_id),
+            attempts = r.attempts,
+            error = escape(&r.last_error),
+            payload = escape(&r.payload),
+            held = r.held_back,
+            parked = since(&r.parked_at),
+        );
+    }
+    out.push_str("</tbody></table>");
+    out
+}
+
 pub(crate) fn deliveries(deliveries: &[DeliveryJson]) -> String {
     if deliveries.is_empty() {
         return "<p class=\"empty\">No webhook deliveries yet.</p>".to_owned();
@@ -328,8 +385,9 @@ pub(crate) fn lag(lag: &LagJson) -> String {
     let mut out = format!(
         "<table><thead><tr><th>gauge</th><th>labels</th><th>value</th></tr></thead><tbody>\
          <tr data-gauge=\"outbox_unpublished\"><td>outbox unpublished</td><td></td><td>{}</td></tr>\
-         <tr data-gauge=\"outbox_oldest_age\"><td>outbox oldest unpublished</td><td></td><td>{oldest}</td></tr>",
-        lag.outbox.unpublished
+         <tr data-gauge=\"outbox_oldest_age\"><td>outbox oldest unpublished</td><td></td><td>{oldest}</td></tr>\
+         <tr data-gauge=\"outbox_parked\"><td>outbox parked</td><td></td><td>{}</td></tr>",
+        lag.outbox.unpublished, lag.outbox.parked
     );
     for g in &lag.gauges {
         let labels: Vec<String> = g

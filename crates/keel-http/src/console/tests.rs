@@ -211,3 +211,64 @@ async fn without_a_token_there_is_no_login_but_still_no_cross_site_post() {
     let (status, _, _) = send(&app, cross).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
 }
+
+/// A parked outbox row is shown with its refusal and the rows behind it,
+/// and its Replay button unparks it (same origin only).
+#[tokio::test]
+async fn a_parked_outbox_row_is_shown_and_replayed_from_the_console() {
+    use keel_messaging::store::{OutboxRecord, OutboxStore, Store};
+    let (_dir, store, app) = app(AdminToken::new(TOKEN).unwrap()).await;
+    let message = Message::new("evt-poison", "orders", "bad\nkey", "{}");
+    let record = OutboxRecord {
+        event_id: message.id,
+        topic: message.topic,
+        partition_key: message.key,
+        headers: message.headers,
+        payload: message.payload,
+    };
+    let mut tx = store.begin().await.unwrap();
+    store.outbox_append(&mut tx, &[record]).await.unwrap();
+    store.commit(tx).await.unwrap();
+    let claimed = store
+        .outbox_claim("relay", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let id = claimed[0].id;
+    store
+        .outbox_park(id, "broker refused the request: <b>line break</b>")
+        .await
+        .unwrap();
+
+    let page = Request::get("/console")
+        .header(header::COOKIE, cookie())
+        .body(Body::empty())
+        .unwrap();
+    let (_, _, html) = send(&app, page).await;
+    assert!(html.contains(&format!("data-parked-id=\"{id}\"")), "{html}");
+    assert!(html.contains(&format!("/console/outbox/parked/{id}/replay")));
+    assert!(html.contains("&lt;b&gt;line break&lt;/b&gt;"), "escaped");
+    assert!(html.contains("data-summary=\"parked-outbox\">1<"));
+
+    let replay = |origin: &str| {
+        Request::post(format!("/console/outbox/parked/{id}/replay"))
+            .header(header::COOKIE, cookie())
+            .header(header::HOST, HOST)
+            .header(header::ORIGIN, origin)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let (status, _, _) = send(&app, replay("http://evil.example")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(store.outbox_parked_get(id).await.unwrap().is_some());
+    let (status, location, _) = send(&app, replay(ORIGIN)).await;
+    assert_eq!(status, StatusCode::SEE_OTHER);
+    let location = location.unwrap();
+    assert!(
+        location.starts_with(&format!(
+            "/console?notice=Replayed%20parked%20outbox%20row%20{id}"
+        )),
+        "{location}"
+    );
+    assert!(store.outbox_parked_get(id).await.unwrap().is_none());
+    assert_eq!(store.outbox_stats().await.unwrap().unpublished, 1);
+}

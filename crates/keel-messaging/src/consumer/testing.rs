@@ -17,7 +17,8 @@ use crate::broker::{
 };
 use crate::store::{
     AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus, DeadLetterStore, InboxStore,
-    OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, Store, StoreError,
+    OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox, PendingOutbox, Store,
+    StoreError,
 };
 
 // ---------------------------------------------------------------- store --
@@ -29,6 +30,30 @@ struct Row {
     created_at: DateTime<Utc>,
     published_at: Option<DateTime<Utc>>,
     claim: Option<(String, Instant)>,
+    attempts: u32,
+    last_error: Option<String>,
+    parked_at: Option<DateTime<Utc>>,
+}
+
+impl Row {
+    fn parked(&self, rows: &[Row]) -> ParkedOutbox {
+        ParkedOutbox {
+            id: self.id,
+            record: self.record.clone(),
+            created_at: self.created_at,
+            parked_at: self.parked_at.unwrap_or(self.created_at),
+            attempts: self.attempts,
+            last_error: self.last_error.clone().unwrap_or_default(),
+            held_back: rows
+                .iter()
+                .filter(|r| {
+                    r.published_at.is_none()
+                        && r.id > self.id
+                        && r.record.partition_key == self.record.partition_key
+                })
+                .count() as u64,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -69,8 +94,18 @@ impl MemStore {
             .lock()
             .outbox
             .iter()
-            .filter(|r| r.published_at.is_none())
+            .filter(|r| r.published_at.is_none() && r.parked_at.is_none())
             .count()
+    }
+
+    /// Each outbox row's failed attempts, by event id.
+    pub(crate) fn attempts(&self, event_id: &str) -> Option<u32> {
+        self.state
+            .lock()
+            .outbox
+            .iter()
+            .find(|r| r.record.event_id == event_id)
+            .map(|r| r.attempts)
     }
 
     pub(crate) fn outbox_len(&self) -> usize {
@@ -133,6 +168,9 @@ impl Store for MemStore {
                 created_at: Utc::now(),
                 published_at: None,
                 claim: None,
+                attempts: 0,
+                last_error: None,
+                parked_at: None,
             });
         }
         Ok(())
@@ -174,7 +212,7 @@ impl OutboxStore for MemStore {
                 .claim
                 .as_ref()
                 .is_some_and(|(who, until)| who != relay && *until > now);
-            if held_by_other {
+            if held_by_other || row.parked_at.is_some() {
                 blocked.insert(key);
                 continue;
             }
@@ -186,6 +224,7 @@ impl OutboxStore for MemStore {
                 id: row.id,
                 record: row.record.clone(),
                 created_at: row.created_at,
+                attempts: row.attempts,
             });
         }
         Ok(out)
@@ -227,14 +266,87 @@ impl OutboxStore for MemStore {
         let pending: Vec<_> = s
             .outbox
             .iter()
-            .filter(|r| r.published_at.is_none())
+            .filter(|r| r.published_at.is_none() && r.parked_at.is_none())
             .collect();
         Ok(OutboxStats {
             unpublished: pending.len() as u64,
             oldest_unpublished_age: pending
                 .first()
                 .and_then(|r| (Utc::now() - r.created_at).to_std().ok()),
+            parked: s.outbox.iter().filter(|r| r.parked_at.is_some()).count() as u64,
         })
+    }
+
+    async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {
+        let mut s = self.state.lock();
+        for row in s
+            .outbox
+            .iter_mut()
+            .filter(|r| ids.contains(&r.id) && r.published_at.is_none())
+        {
+            row.claim = None;
+            row.attempts += 1;
+            row.last_error = Some(error.to_owned());
+        }
+        Ok(())
+    }
+
+    async fn outbox_park(&self, id: i64, error: &str) -> Result<bool, StoreError> {
+        let mut s = self.state.lock();
+        let Some(row) = s
+            .outbox
+            .iter_mut()
+            .find(|r| r.id == id && r.published_at.is_none() && r.parked_at.is_none())
+        else {
+            return Ok(false);
+        };
+        row.claim = None;
+        row.attempts += 1;
+        row.last_error = Some(error.to_owned());
+        row.parked_at = Some(Utc::now());
+        Ok(true)
+    }
+
+    async fn outbox_parked(&self, filter: &ParkedFilter) -> Result<Vec<ParkedOutbox>, StoreError> {
+        let s = self.state.lock();
+        Ok(s.outbox
+            .iter()
+            .filter(|r| r.parked_at.is_some() && r.published_at.is_none())
+            .filter(|r| filter.topic.as_ref().is_none_or(|t| *t == r.record.topic))
+            .take(filter.limit.unwrap_or(100))
+            .map(|r| r.parked(&s.outbox))
+            .collect())
+    }
+
+    async fn outbox_parked_get(&self, id: i64) -> Result<Option<ParkedOutbox>, StoreError> {
+        let s = self.state.lock();
+        Ok(s.outbox
+            .iter()
+            .find(|r| r.id == id && r.parked_at.is_some() && r.published_at.is_none())
+            .map(|r| r.parked(&s.outbox)))
+    }
+
+    async fn outbox_unpark(&self, id: i64) -> Result<bool, StoreError> {
+        let mut s = self.state.lock();
+        let Some(row) = s
+            .outbox
+            .iter_mut()
+            .find(|r| r.id == id && r.parked_at.is_some() && r.published_at.is_none())
+        else {
+            return Ok(false);
+        };
+        row.parked_at = None;
+        row.attempts = 0;
+        row.last_error = None;
+        Ok(true)
+    }
+
+    async fn outbox_discard(&self, id: i64) -> Result<bool, StoreError> {
+        let mut s = self.state.lock();
+        let before = s.outbox.len();
+        s.outbox
+            .retain(|r| !(r.id == id && r.parked_at.is_some() && r.published_at.is_none()));
+        Ok(s.outbox.len() < before)
     }
 }
 
@@ -383,6 +495,7 @@ struct BrokerState {
     seen: HashSet<(String, String)>,
     groups: HashMap<(String, String), (Duration, Vec<Entry>)>,
     publish_calls: HashMap<String, u32>,
+    batches: u32,
     next_token: u64,
 }
 
@@ -391,9 +504,44 @@ struct BrokerState {
 pub(crate) struct MemBroker {
     state: Arc<Mutex<BrokerState>>,
     fail_publishes: Arc<AtomicU32>,
+    refuse: Arc<Mutex<Refusals>>,
+}
+
+/// What a [`MemBroker`] refuses for good.
+#[derive(Debug, Default)]
+struct Refusals {
+    /// In `publish`: a batch holding one of these keys is refused whole
+    /// (nothing after the refused message is stored).
+    keys_on_publish: HashSet<String>,
+    /// In `validate` (and so in `publish` too).
+    keys_on_validate: HashSet<String>,
 }
 
 impl MemBroker {
+    /// Every message with `key` is refused by `publish` (not by
+    /// `validate`) with `Invalid`, like a broker that finds out only when
+    /// it tries; the messages before it in the batch are stored.
+    pub(crate) fn refuse_key_on_publish(&self, key: &str) {
+        self.refuse.lock().keys_on_publish.insert(key.to_owned());
+    }
+
+    /// Every message with `key` is refused by `validate` with `Invalid`.
+    pub(crate) fn refuse_key_on_validate(&self, key: &str) {
+        self.refuse.lock().keys_on_validate.insert(key.to_owned());
+    }
+
+    /// Refuses nothing any more.
+    pub(crate) fn allow_all(&self) {
+        let mut refuse = self.refuse.lock();
+        refuse.keys_on_publish.clear();
+        refuse.keys_on_validate.clear();
+    }
+
+    /// How many publish calls were made, batches and single rows alike.
+    pub(crate) fn publish_batches(&self) -> u32 {
+        self.state.lock().batches
+    }
+
     /// The next `n` publish calls fail with `Unavailable`.
     pub(crate) fn fail_next_publishes(&self, n: u32) {
         self.fail_publishes.store(n, Ordering::SeqCst);
@@ -451,11 +599,26 @@ impl Broker for MemBroker {
             return Err(BrokerError::Unavailable("injected publish failure".into()));
         }
         let mut s = self.state.lock();
+        s.batches += 1;
         for m in messages {
+            self.validate(m)?;
+            if self.refuse.lock().keys_on_publish.contains(&m.key) {
+                return Err(BrokerError::Invalid(format!("key {:?} refused", m.key)));
+            }
             *s.publish_calls.entry(m.id.clone()).or_default() += 1;
             if s.seen.insert((m.topic.clone(), m.id.clone())) {
                 s.logs.entry(m.topic.clone()).or_default().push(m.clone());
             }
+        }
+        Ok(())
+    }
+
+    fn validate(&self, message: &Message) -> Result<(), BrokerError> {
+        if self.refuse.lock().keys_on_validate.contains(&message.key) {
+            return Err(BrokerError::Invalid(format!(
+                "key {:?} can never be published",
+                message.key
+            )));
         }
         Ok(())
     }

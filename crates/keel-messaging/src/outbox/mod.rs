@@ -62,7 +62,7 @@ use std::sync::Arc;
 use keel_core::{Classify, ErrorClass};
 use tokio::sync::Notify;
 
-use crate::broker::{Headers, header};
+use crate::broker::{Broker, BrokerError, Headers, Message, header};
 use crate::envelope::{DEFAULT_MAX_SIZE, Envelope, EnvelopeError, Event, EventMeta};
 use crate::store::{OutboxRecord, OutboxStore, StoreError};
 
@@ -80,6 +80,19 @@ pub struct Outbox<S> {
     store: S,
     max_size: usize,
     wake: Arc<Notify>,
+    broker_check: Option<BrokerCheck>,
+}
+
+/// The configured broker's [`Broker::validate`], kept by the outbox.
+#[derive(Clone)]
+struct BrokerCheck(Arc<CheckFn>);
+
+type CheckFn = dyn Fn(&Message) -> Result<(), BrokerError> + Send + Sync;
+
+impl std::fmt::Debug for BrokerCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BrokerCheck")
+    }
 }
 
 impl<S: OutboxStore> Outbox<S> {
@@ -90,7 +103,19 @@ impl<S: OutboxStore> Outbox<S> {
             store,
             max_size: DEFAULT_MAX_SIZE,
             wake: Arc::new(Notify::new()),
+            broker_check: None,
         }
+    }
+
+    /// Refuses, at append time, every event `broker` could never accept
+    /// (its [`Broker::validate`]: a key or header it cannot carry, a
+    /// message over its size limit) with [`OutboxError::Unpublishable`],
+    /// before anything is written. Without it such an event commits, and
+    /// the relay parks it when the broker refuses it, holding back its key
+    /// until an operator acts.
+    pub fn with_broker<B: Broker + ?Sized>(mut self, broker: Arc<B>) -> Self {
+        self.broker_check = Some(BrokerCheck(Arc::new(move |m: &Message| broker.validate(m))));
+        self
     }
 
     /// Sets the largest encoded envelope accepted, in bytes. Larger events
@@ -178,18 +203,28 @@ impl<S: OutboxStore> Outbox<S> {
 
     /// The outbox row for `envelope` on `topic`: the envelope id as event
     /// id, the subject as partition key, and the `event-id`, `traceparent`,
-    /// `ce-type` and `content-type` headers. Refuses an invalid envelope and
-    /// one over the size limit.
+    /// `ce-type` and `content-type` headers. Refuses an invalid envelope,
+    /// one over the size limit, and one the broker given to
+    /// [`with_broker`](Self::with_broker) could never accept.
     pub fn record(&self, topic: &str, envelope: &Envelope) -> Result<OutboxRecord, OutboxError> {
         envelope.validate()?;
         let payload = envelope.to_json_limited(self.max_size)?;
-        Ok(OutboxRecord {
+        let record = OutboxRecord {
             event_id: envelope.id.clone(),
             topic: topic.to_owned(),
             partition_key: envelope.partition_key().to_owned(),
             headers: headers_for(envelope),
             payload: payload.into(),
-        })
+        };
+        if let Some(BrokerCheck(check)) = &self.broker_check {
+            check(&record.to_message()).map_err(|reason| OutboxError::Unpublishable {
+                event_id: record.event_id.clone(),
+                topic: record.topic.clone(),
+                key: record.partition_key.clone(),
+                reason,
+            })?;
+        }
+        Ok(record)
     }
 
     pub(crate) fn waker(&self) -> Arc<Notify> {
@@ -219,6 +254,27 @@ pub enum OutboxError {
     /// check for a large payload). The transaction is still usable.
     #[error("event refused by the outbox: {0}")]
     Envelope(#[from] EnvelopeError),
+    /// The configured broker could never publish this event (see
+    /// [`Outbox::with_broker`]): nothing was written, and the transaction
+    /// is still usable. Fix the event: a key or header without line breaks
+    /// or characters the broker cannot carry, or a smaller payload (a claim
+    /// check for a large one).
+    #[error(
+        "event {event_id} (topic {topic:?}, key {key:?}) was not written: the broker could \
+         never publish it ({reason}); fix its key, headers or size (put a large payload in a \
+         claim check)"
+    )]
+    Unpublishable {
+        /// The event id.
+        event_id: String,
+        /// The topic it was for.
+        topic: String,
+        /// Its partition key.
+        key: String,
+        /// What the broker refuses.
+        #[source]
+        reason: BrokerError,
+    },
     /// The store failed; the business transaction should be rolled back and
     /// retried if the error is transient.
     #[error("outbox write failed: {0}")]
@@ -228,7 +284,7 @@ pub enum OutboxError {
 impl Classify for OutboxError {
     fn class(&self) -> ErrorClass {
         match self {
-            Self::Envelope(_) => ErrorClass::Permanent,
+            Self::Envelope(_) | Self::Unpublishable { .. } => ErrorClass::Permanent,
             Self::Store(e) => e.class(),
         }
     }

@@ -8,6 +8,13 @@
 //!    the message id, the subject as the key and the trace context;
 //! 3. **mark** them published.
 //!
+//! A row the broker refuses for good ([`BrokerError::Invalid`]: a key it
+//! cannot carry, a payload over its limit) is **parked** instead of failing
+//! the batch: the other rows are published, later rows of its key wait
+//! behind it, and an operator replays or discards it (see
+//! [`OutboxRelay::run_once`]). Other failures release the claims with each
+//! row's attempt counted, and are retried after a backoff.
+//!
 //! A crash between 2 and 3 republishes the batch when the lease runs out:
 //! at-least-once, which is why the event id travels on the message (the
 //! broker drops a repeated message id, and consumers dedupe on `event-id`).
@@ -28,7 +35,7 @@
 //! `relay-after-publish` and `relay-after-mark`. The round then returns
 //! [`RelayError::Crashed`] without cleaning up, exactly like a dead process.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::num::NonZeroUsize;
 use std::pin::pin;
@@ -241,8 +248,8 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         let mut next_prune = clock::now();
         tracing::info!(relay = %self.options.name, "outbox relay started");
         loop {
-            let wait = match self.run_once().await {
-                Ok(n) if n == self.options.batch_size.get() => {
+            let wait = match self.round().await {
+                Ok(round) if round.claimed == self.options.batch_size.get() => {
                     failures = 0;
                     Duration::ZERO
                 }
@@ -286,9 +293,29 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
 
     /// One round: claims a batch, publishes it in id order, marks it
     /// published. Returns how many rows it published (0 when there was
-    /// nothing to do). On a broker failure the claims are released so the
-    /// batch is retried at once by whichever relay claims it next.
+    /// nothing to do). A row the broker refuses for good is parked and the
+    /// rest of the batch is still published (see *Parking*); on any other
+    /// broker failure the claims are released, each row's
+    /// attempt counted, so the batch is retried by whichever relay claims
+    /// it next.
+    ///
+    /// # Parking
+    ///
+    /// A row the broker can never accept ([`BrokerError::Invalid`], from
+    /// [`Broker::validate`] before publishing or from the publish itself)
+    /// would otherwise be reclaimed and refused forever, and everything
+    /// behind it with it. It is parked instead, with its error: it is not
+    /// published, later rows of its partition key wait behind it (so none
+    /// overtakes it), and other keys flow on. A batch the broker refused as
+    /// a whole is republished row by row to find the refused row. Only
+    /// `Invalid` parks: every other failure (unreachable, outcome unknown,
+    /// an unexpected error) may pass, so it is retried, with the row's
+    /// attempts counted.
     pub async fn run_once(&self) -> Result<usize, RelayError> {
+        self.round().await.map(|round| round.published)
+    }
+
+    async fn round(&self) -> Result<Round, RelayError> {
         let started = clock::now();
         let mut rows = self
             .store
@@ -301,31 +328,137 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         fail::fail_point!("relay-after-claim", |_| Err(RelayError::Crashed(
             "relay-after-claim"
         )));
+        let mut round = Round {
+            claimed: rows.len(),
+            ..Round::default()
+        };
         if rows.is_empty() {
-            return Ok(0);
+            return Ok(round);
         }
         // Publish in id order whatever order the store returned them in.
         rows.sort_unstable_by_key(|r| r.id);
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        let messages: Vec<_> = rows.iter().map(|r| r.record.to_message()).collect();
-        if let Err(err) = self.broker.publish(&messages).await {
-            self.release(&ids).await;
-            return Err(err.into());
+        let mut batch = Batch::default();
+        for row in rows {
+            if batch.is_blocked(&row) {
+                batch.held.push(row.id);
+                continue;
+            }
+            let message = row.record.to_message();
+            match self.broker.validate(&message) {
+                Ok(()) => batch.send.push((row, message)),
+                Err(refusal) => {
+                    self.park(&row, &refusal).await?;
+                    batch.block(&row);
+                    round.parked += 1;
+                }
+            }
         }
+        let messages: Vec<_> = batch.send.iter().map(|(_, m)| m.clone()).collect();
+        let outcome = if messages.is_empty() {
+            Ok(())
+        } else {
+            self.broker.publish(&messages).await
+        };
+        let published = match outcome {
+            Ok(()) => batch.send.drain(..).map(|(row, _)| row).collect(),
+            Err(BrokerError::Invalid(reason)) => {
+                tracing::info!(relay = %self.options.name, %reason, rows = messages.len(),
+                    "the broker refused a row of the batch; publishing it row by row");
+                self.one_by_one(&mut batch, &mut round).await?
+            }
+            Err(err) => {
+                let ids: Vec<i64> = batch.send.iter().map(|(row, _)| row.id).collect();
+                self.release_failed(&ids, &err).await;
+                self.release(&batch.held).await;
+                return Err(err.into());
+            }
+        };
         fail::fail_point!("relay-after-publish", |_| Err(RelayError::Crashed(
             "relay-after-publish"
         )));
+        let ids: Vec<i64> = published.iter().map(|r| r.id).collect();
         self.store.outbox_mark_published(&ids).await?;
         fail::fail_point!("relay-after-mark", |_| Err(RelayError::Crashed(
             "relay-after-mark"
         )));
-        record_published(&rows, started);
-        tracing::debug!(relay = %self.options.name, rows = rows.len(),
-            first_id = ids.first(), last_id = ids.last(), "outbox batch published");
-        Ok(rows.len())
+        self.release(&batch.held).await;
+        round.published = published.len();
+        record_published(&published, started);
+        tracing::debug!(relay = %self.options.name, rows = published.len(),
+            parked = round.parked, first_id = ids.first(), last_id = ids.last(),
+            "outbox batch published");
+        if let Some(err) = batch.failed {
+            return Err(err.into());
+        }
+        Ok(round)
+    }
+
+    /// Publishes the batch's rows one at a time after the broker refused
+    /// the whole: parks each refused row and holds back the later rows of
+    /// its key; stops at the first failure that is not a refusal (leaving
+    /// it in `batch.failed`). Returns the rows published.
+    async fn one_by_one(
+        &self,
+        batch: &mut Batch,
+        round: &mut Round,
+    ) -> Result<Vec<PendingOutbox>, RelayError> {
+        let mut published = Vec::new();
+        let send = std::mem::take(&mut batch.send);
+        let mut rest = send.into_iter();
+        for (row, message) in rest.by_ref() {
+            if batch.is_blocked(&row) {
+                batch.held.push(row.id);
+                continue;
+            }
+            match self.broker.publish(std::slice::from_ref(&message)).await {
+                Ok(()) => published.push(row),
+                Err(refusal @ BrokerError::Invalid(_)) => {
+                    self.park(&row, &refusal).await?;
+                    batch.block(&row);
+                    round.parked += 1;
+                }
+                Err(err) => {
+                    self.release_failed(&[row.id], &err).await;
+                    batch.failed = Some(err);
+                    break;
+                }
+            }
+        }
+        batch.held.extend(rest.map(|(row, _)| row.id));
+        Ok(published)
+    }
+
+    async fn park(&self, row: &PendingOutbox, refusal: &BrokerError) -> Result<(), RelayError> {
+        let error = refusal.to_string();
+        self.store.outbox_park(row.id, &error).await?;
+        metrics::counter!("keel_outbox_parked_total", "topic" => row.record.topic.clone())
+            .increment(1);
+        tracing::error!(relay = %self.options.name, id = row.id,
+            event_id = %row.record.event_id, topic = %row.record.topic,
+            key = %row.record.partition_key, attempts = row.attempts + 1, %error,
+            "the broker refused an outbox row for good; parked it (its key waits behind it) \
+             until an operator replays or discards it");
+        Ok(())
+    }
+
+    async fn release_failed(&self, ids: &[i64], err: &BrokerError) {
+        if ids.is_empty() {
+            return;
+        }
+        if let Err(store_err) = self
+            .store
+            .outbox_release_failed(ids, &err.to_string())
+            .await
+        {
+            tracing::warn!(relay = %self.options.name, error = %store_err,
+                "could not release outbox claims; they are retried when the lease ends");
+        }
     }
 
     async fn release(&self, ids: &[i64]) {
+        if ids.is_empty() {
+            return;
+        }
         if let Err(err) = self.store.outbox_release(ids).await {
             tracing::warn!(relay = %self.options.name, error = %err,
                 "could not release outbox claims; they are retried when the lease ends");
@@ -375,6 +508,7 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         match self.store.outbox_stats().await {
             Ok(stats) => {
                 metrics::gauge!("keel_outbox_unpublished").set(stats.unpublished as f64);
+                metrics::gauge!("keel_outbox_parked").set(stats.parked as f64);
                 let lag = stats.oldest_unpublished_age.unwrap_or_default();
                 metrics::gauge!("keel_outbox_lag_seconds").set(lag.as_secs_f64());
             }
@@ -383,7 +517,39 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
     }
 }
 
+/// What a round did.
+#[derive(Debug, Default, Clone, Copy)]
+struct Round {
+    claimed: usize,
+    published: usize,
+    parked: usize,
+}
+
+/// A claimed batch on its way out: the rows to send, the rows held back
+/// behind a parked (or failed) row of their key, and the failure that
+/// ended a row-by-row publish.
+#[derive(Default)]
+struct Batch {
+    send: Vec<(PendingOutbox, crate::broker::Message)>,
+    held: Vec<i64>,
+    blocked: HashSet<String>,
+    failed: Option<BrokerError>,
+}
+
+impl Batch {
+    fn is_blocked(&self, row: &PendingOutbox) -> bool {
+        self.blocked.contains(&row.record.partition_key)
+    }
+
+    fn block(&mut self, row: &PendingOutbox) {
+        self.blocked.insert(row.record.partition_key.clone());
+    }
+}
+
 fn record_published(rows: &[PendingOutbox], started: Instant) {
+    if rows.is_empty() {
+        return;
+    }
     let mut per_topic: BTreeMap<&str, u64> = BTreeMap::new();
     for row in rows {
         *per_topic.entry(row.record.topic.as_str()).or_default() += 1;

@@ -124,6 +124,191 @@ async fn a_broker_failure_releases_the_claim_and_the_next_round_publishes() {
     assert_eq!(broker.log(TOPIC)[0].id, envs[0].id);
 }
 
+fn ids(envs: &[Envelope]) -> Vec<String> {
+    envs.iter().map(|e| e.id.clone()).collect()
+}
+
+fn published(broker: &MemBroker) -> Vec<String> {
+    broker.log(TOPIC).into_iter().map(|m| m.id).collect()
+}
+
+/// Issue 11: one row the broker refuses for good used to fail the whole
+/// batch, every round, forever. Now it is parked, every other row is
+/// published, and only the later rows of its own key wait behind it.
+#[tokio::test(start_paused = true)]
+async fn a_row_the_broker_refuses_is_parked_and_every_other_row_is_published() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    broker.refuse_key_on_publish("POISON");
+    let outbox = Outbox::new(store.clone());
+    let envs = place(&outbox, &["A", "POISON", "B", "POISON", "C"]).await;
+    let relay = relay(&outbox, &broker).build().unwrap();
+
+    assert_eq!(relay.run_once().await.unwrap(), 3, "A, B and C go out");
+    assert_eq!(
+        published(&broker),
+        [envs[0].id.clone(), envs[2].id.clone(), envs[4].id.clone()]
+    );
+    for _ in 0..3 {
+        assert_eq!(relay.run_once().await.unwrap(), 0, "no retry loop");
+    }
+    let stats = store.outbox_stats().await.unwrap();
+    assert_eq!(stats.parked, 1, "the refused row is parked");
+    assert_eq!(
+        stats.unpublished, 1,
+        "the later row of its key waits behind it"
+    );
+    let parked = store
+        .outbox_parked(&crate::store::ParkedFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].record.event_id, envs[1].id);
+    assert_eq!(parked[0].attempts, 1);
+    assert_eq!(parked[0].held_back, 1);
+    assert!(
+        parked[0].last_error.contains("refused"),
+        "{}",
+        parked[0].last_error
+    );
+    assert_eq!(
+        store.attempts(&envs[3].id),
+        Some(0),
+        "held back, not failed"
+    );
+}
+
+/// A row the broker's `validate` refuses is parked without being sent,
+/// and the rest of the batch goes out in one publish.
+#[tokio::test(start_paused = true)]
+async fn a_row_refused_by_validate_is_parked_before_the_batch_is_sent() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    broker.refuse_key_on_validate("bad\nkey");
+    let outbox = Outbox::new(store.clone());
+    let envs = place(&outbox, &["A", "bad\nkey", "B", "bad\nkey"]).await;
+    let relay = relay(&outbox, &broker).build().unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 2);
+    assert_eq!(
+        broker.publish_batches(),
+        1,
+        "one batch, no row-by-row retry"
+    );
+    assert_eq!(published(&broker), [envs[0].id.clone(), envs[2].id.clone()]);
+    assert_eq!(store.outbox_stats().await.unwrap().parked, 1);
+}
+
+/// Replaying a parked row publishes it, and then the rows of its key that
+/// waited behind it, in their order.
+#[tokio::test(start_paused = true)]
+async fn a_replayed_row_is_published_before_the_rows_of_its_key() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    broker.refuse_key_on_publish("K");
+    let outbox = Outbox::new(store.clone());
+    let envs = place(&outbox, &["K", "K", "X"]).await;
+    let relay = relay(&outbox, &broker).build().unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 1, "only X");
+    let parked = store.outbox_parked(&Default::default()).await.unwrap();
+    assert_eq!(parked.len(), 1);
+
+    // The operator fixed the broker side, then replays.
+    broker.allow_all();
+    assert!(store.outbox_unpark(parked[0].id).await.unwrap());
+    assert!(
+        !store.outbox_unpark(parked[0].id).await.unwrap(),
+        "only once"
+    );
+    assert_eq!(relay.run_once().await.unwrap(), 2);
+    assert_eq!(
+        published(&broker),
+        [envs[2].id.clone(), envs[0].id.clone(), envs[1].id.clone()],
+        "the replayed row first, then the one behind it"
+    );
+    let stats = store.outbox_stats().await.unwrap();
+    assert_eq!((stats.unpublished, stats.parked), (0, 0));
+}
+
+/// Discarding a parked row drops it for good and frees its key.
+#[tokio::test(start_paused = true)]
+async fn a_discarded_row_frees_its_key() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    broker.refuse_key_on_validate("K");
+    let outbox = Outbox::new(store.clone());
+    let envs = place(&outbox, &["K"]).await;
+    let relay = relay(&outbox, &broker).build().unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 0);
+    broker.allow_all();
+    let later = place(&outbox, &["K"]).await;
+    assert_eq!(
+        relay.run_once().await.unwrap(),
+        0,
+        "held behind the parked row"
+    );
+    let parked = store.outbox_parked(&Default::default()).await.unwrap();
+    assert!(store.outbox_discard(parked[0].id).await.unwrap());
+    assert_eq!(relay.run_once().await.unwrap(), 1);
+    assert_eq!(published(&broker), ids(&later));
+    assert!(!published(&broker).contains(&envs[0].id), "never published");
+    assert_eq!(store.outbox_stats().await.unwrap().parked, 0);
+}
+
+/// A failure that may pass is retried, never parked, and each row counts
+/// its attempts.
+#[tokio::test(start_paused = true)]
+async fn transient_failures_count_attempts_and_never_park() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    let outbox = Outbox::new(store.clone());
+    let envs = place(&outbox, &["A", "B"]).await;
+    let relay = relay(&outbox, &broker).build().unwrap();
+    broker.fail_next_publishes(3);
+    for _ in 0..3 {
+        assert!(matches!(relay.run_once().await, Err(RelayError::Broker(_))));
+    }
+    assert_eq!(store.attempts(&envs[0].id), Some(3));
+    assert_eq!(store.attempts(&envs[1].id), Some(3));
+    assert_eq!(store.outbox_stats().await.unwrap().parked, 0);
+    assert_eq!(relay.run_once().await.unwrap(), 2);
+    assert_eq!(published(&broker), ids(&envs));
+}
+
+/// With the broker's rules, `append` refuses an event the broker could
+/// never publish with a typed error, before anything is written.
+#[tokio::test(start_paused = true)]
+async fn append_refuses_what_the_broker_can_never_accept() {
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    broker.refuse_key_on_validate("bad\nkey");
+    let outbox = Outbox::new(store.clone()).with_broker(Arc::new(broker.clone()));
+    let mut tx = store.begin().await.unwrap();
+    let bad = event("bad\nkey");
+    let err = outbox.append(&mut tx, TOPIC, &bad).await.unwrap_err();
+    let OutboxError::Unpublishable {
+        event_id,
+        key,
+        reason,
+        ..
+    } = &err
+    else {
+        panic!("expected Unpublishable, got {err:?}");
+    };
+    assert_eq!(event_id, &bad.id);
+    assert_eq!(key, "bad\nkey");
+    assert!(matches!(reason, BrokerError::Invalid(_)));
+    assert_eq!(err.class(), ErrorClass::Permanent);
+    assert!(err.to_string().contains("fix its key"), "{err}");
+    let err = outbox
+        .append_all(&mut tx, TOPIC, &[event("A"), bad.clone()])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OutboxError::Unpublishable { .. }));
+    // The transaction is still usable; the good event commits alone.
+    outbox.append(&mut tx, TOPIC, &event("A")).await.unwrap();
+    outbox.commit(tx).await.unwrap();
+    assert_eq!(store.outbox_len(), 1, "nothing of the refused event");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_row_behind_a_claimed_one_is_not_skipped() {
     let _serial = serial();

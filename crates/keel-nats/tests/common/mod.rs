@@ -78,6 +78,10 @@ impl Broker for TestBroker {
         self.broker.subscribe(options).await
     }
 
+    fn validate(&self, message: &Message) -> Result<(), BrokerError> {
+        self.broker.validate(message)
+    }
+
     async fn ping(&self) -> Result<(), BrokerError> {
         self.broker.ping().await
     }

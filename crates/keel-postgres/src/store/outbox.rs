@@ -23,7 +23,8 @@
 //! claims are serialized (each is one statement over a partial index, so
 //! the lock is held for a millisecond), while appends, marks and releases
 //! never touch that lock. A claim is one call of the function
-//! `keel_outbox_claim` (migration 1501), which takes the lock and then
+//! `keel_outbox_claim` (migration 1501; 1502 makes it skip parked rows and
+//! the later rows of their keys), which takes the lock and then
 //! leases with a fresh snapshot: one round trip, not four.
 //!
 //! # Late commits
@@ -47,7 +48,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
-use keel_messaging::store::{OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, Store};
+use keel_messaging::store::{
+    OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox, PendingOutbox, Store,
+};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
@@ -68,7 +71,7 @@ SELECT pg_notify($7, '') FROM (SELECT COUNT(*) FROM inserted) AS done";
 
 /// Leases up to `$5` unpublished rows to relay `$2` until `$3`, lowest id
 /// first, given the time `$4`, under the schema's claim lock `$1`: one
-/// statement and one round trip (migration 1501 has the function, and the
+/// statement and one round trip (migration 1502 has the function, and the
 /// SQL).
 const CLAIM_SQL: &str = "SELECT * FROM keel_outbox_claim($1, $2, $3, $4, $5)";
 
@@ -85,8 +88,38 @@ DELETE FROM keel_outbox WHERE id IN (
   SELECT id FROM keel_outbox WHERE published_at < $1
    ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)";
 
-const STATS_SQL: &str =
-    "SELECT COUNT(*), MIN(created_at) FROM keel_outbox WHERE published_at IS NULL";
+const STATS_SQL: &str = "\
+SELECT COUNT(*) FILTER (WHERE parked_at IS NULL), MIN(created_at) FILTER (WHERE parked_at IS NULL),
+       COUNT(*) FILTER (WHERE parked_at IS NOT NULL)
+  FROM keel_outbox WHERE published_at IS NULL";
+
+const RELEASE_FAILED_SQL: &str = "\
+UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1,
+       last_error = $2
+ WHERE id = ANY($1) AND published_at IS NULL";
+
+const PARK_SQL: &str = "\
+UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1,
+       last_error = $2, parked_at = $3
+ WHERE id = $1 AND published_at IS NULL AND parked_at IS NULL";
+
+const UNPARK_SQL: &str = "\
+UPDATE keel_outbox SET parked_at = NULL, attempts = 0, last_error = NULL
+ WHERE id = $1 AND published_at IS NULL AND parked_at IS NOT NULL";
+
+const DISCARD_SQL: &str =
+    "DELETE FROM keel_outbox WHERE id = $1 AND published_at IS NULL AND parked_at IS NOT NULL";
+
+const PARKED_SQL: &str = "\
+SELECT o.id, o.event_id, o.topic, o.partition_key, o.headers::text AS headers, o.payload,
+       o.created_at, o.attempts, o.parked_at, o.last_error,
+       (SELECT COUNT(*) FROM keel_outbox e
+         WHERE e.partition_key = o.partition_key AND e.published_at IS NULL
+           AND e.id > o.id) AS held_back
+  FROM keel_outbox o
+ WHERE o.parked_at IS NOT NULL AND o.published_at IS NULL
+   AND ($1::text IS NULL OR o.topic = $1) AND ($2::bigint IS NULL OR o.id = $2)
+ ORDER BY o.id LIMIT $3";
 
 #[async_trait]
 impl OutboxStore for PgStore {
@@ -208,11 +241,89 @@ impl OutboxStore for PgStore {
             .map_err(db_error)?;
         let unpublished: i64 = row.try_get(0).map_err(db_error)?;
         let oldest: Option<DateTime<Utc>> = row.try_get(1).map_err(db_error)?;
+        let parked: i64 = row.try_get(2).map_err(db_error)?;
         let age = oldest.map(|created| (Utc::now() - created).to_std().unwrap_or_default());
         Ok(OutboxStats {
             unpublished: to_u64("outbox count", unpublished)?,
             oldest_unpublished_age: age,
+            parked: to_u64("parked count", parked)?,
         })
+    }
+
+    async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        retry("outbox_release_failed", || async {
+            sqlx::query(RELEASE_FAILED_SQL)
+                .bind(ids)
+                .bind(error)
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn outbox_park(&self, id: i64, error: &str) -> Result<bool, StoreError> {
+        let done = retry("outbox_park", || async {
+            sqlx::query(PARK_SQL)
+                .bind(id)
+                .bind(error)
+                .bind(now())
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)
+        })
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn outbox_parked(&self, filter: &ParkedFilter) -> Result<Vec<ParkedOutbox>, StoreError> {
+        let rows = sqlx::query(PARKED_SQL)
+            .bind(filter.topic.as_deref())
+            .bind(None::<i64>)
+            .bind(sql_limit(filter.limit.unwrap_or(100)))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_error)?;
+        rows.iter().map(parked_from_row).collect()
+    }
+
+    async fn outbox_parked_get(&self, id: i64) -> Result<Option<ParkedOutbox>, StoreError> {
+        let row = sqlx::query(PARKED_SQL)
+            .bind(None::<&str>)
+            .bind(Some(id))
+            .bind(1_i64)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        row.as_ref().map(parked_from_row).transpose()
+    }
+
+    async fn outbox_unpark(&self, id: i64) -> Result<bool, StoreError> {
+        let done = retry("outbox_unpark", || async {
+            sqlx::query(UNPARK_SQL)
+                .bind(id)
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)
+        })
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn outbox_discard(&self, id: i64) -> Result<bool, StoreError> {
+        let done = retry("outbox_discard", || async {
+            sqlx::query(DISCARD_SQL)
+                .bind(id)
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)
+        })
+        .await?;
+        Ok(done.rows_affected() > 0)
     }
 }
 
@@ -229,5 +340,25 @@ fn pending_from_row(row: &PgRow) -> Result<PendingOutbox, StoreError> {
             payload: Bytes::from(payload),
         },
         created_at: row.try_get("created_at").map_err(db_error)?,
+        attempts: attempts_from(row)?,
+    })
+}
+
+fn attempts_from(row: &PgRow) -> Result<u32, StoreError> {
+    let attempts: i32 = row.try_get("attempts").map_err(db_error)?;
+    Ok(u32::try_from(attempts).unwrap_or(0))
+}
+
+fn parked_from_row(row: &PgRow) -> Result<ParkedOutbox, StoreError> {
+    let pending = pending_from_row(row)?;
+    let last_error: Option<String> = row.try_get("last_error").map_err(db_error)?;
+    Ok(ParkedOutbox {
+        id: pending.id,
+        record: pending.record,
+        created_at: pending.created_at,
+        parked_at: row.try_get("parked_at").map_err(db_error)?,
+        attempts: pending.attempts,
+        last_error: last_error.unwrap_or_default(),
+        held_back: to_u64("held back", row.try_get("held_back").map_err(db_error)?)?,
     })
 }

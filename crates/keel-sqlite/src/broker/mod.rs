@@ -298,23 +298,9 @@ impl Broker for SqliteBroker {
         if messages.is_empty() {
             return Ok(());
         }
-        let limit = self.inner.options.max_message_bytes;
         let mut topics = HashMap::new();
         for message in messages {
-            check_name("topic", &message.topic)?;
-            let size = message.payload.len()
-                + message
-                    .headers
-                    .iter()
-                    .map(|(k, v)| k.len() + v.len())
-                    .sum::<usize>();
-            if size > limit {
-                return Err(BrokerError::Invalid(format!(
-                    "message {} is {size} bytes, over the broker's limit of {limit}; \
-                     put the payload in a claim check",
-                    message.id
-                )));
-            }
+            self.validate(message)?;
             if !topics.contains_key(message.topic.as_str()) {
                 let topic = self.inner.db.topic(&message.topic).await?;
                 topics.insert(message.topic.as_str(), topic);
@@ -338,6 +324,28 @@ impl Broker for SqliteBroker {
             duplicates,
             "published to the sqlite broker"
         );
+        Ok(())
+    }
+
+    /// A message needs a topic name and must fit the broker's
+    /// [`max_message_bytes`](SqliteBrokerOptions::max_message_bytes)
+    /// (payload plus headers).
+    fn validate(&self, message: &Message) -> Result<(), BrokerError> {
+        check_name("topic", &message.topic)?;
+        let limit = self.inner.options.max_message_bytes;
+        let size = message.payload.len()
+            + message
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>();
+        if size > limit {
+            return Err(BrokerError::Invalid(format!(
+                "message {} is {size} bytes, over the broker's limit of {limit}; \
+                 put the payload in a claim check",
+                message.id
+            )));
+        }
         Ok(())
     }
 

@@ -17,7 +17,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
-use keel_messaging::store::{OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, Store};
+use keel_messaging::store::{
+    OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox, PendingOutbox, Store,
+};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
@@ -44,25 +46,26 @@ static APPEND_SQL: LazyLock<Vec<String>> = LazyLock::new(|| {
 });
 
 /// Leases up to `?4` unpublished rows to relay `?1` until `?2`, lowest id
-/// first, given the time `?3`. A row is claimable when nobody holds a live
-/// lease on it but us, and no earlier unpublished row of its key is leased
-/// by another relay (which would publish it first only by luck).
+/// first, given the time `?3`. A row is claimable when it is not parked,
+/// nobody holds a live lease on it but us, and no earlier unpublished row
+/// of its key is parked or leased by another relay (which would publish it
+/// first only by luck).
 pub(super) const CLAIM_SQL: &str = "\
 UPDATE keel_outbox SET claimed_by = ?1, claimed_until = ?2
  WHERE id IN (
    SELECT o.id FROM keel_outbox o
     WHERE o.published_at IS NULL
+      AND o.parked_at IS NULL
       AND (o.claimed_until IS NULL OR o.claimed_until <= ?3 OR o.claimed_by = ?1)
       AND NOT EXISTS (
         SELECT 1 FROM keel_outbox e
          WHERE e.partition_key = o.partition_key
            AND e.published_at IS NULL
            AND e.id < o.id
-           AND e.claimed_until > ?3
-           AND e.claimed_by <> ?1)
+           AND (e.parked_at IS NOT NULL OR (e.claimed_until > ?3 AND e.claimed_by <> ?1)))
     ORDER BY o.id
     LIMIT ?4)
-RETURNING id, event_id, topic, partition_key, headers, payload, created_at";
+RETURNING id, event_id, topic, partition_key, headers, payload, created_at, attempts";
 
 const MARK_SQL: &str = "\
 UPDATE keel_outbox SET published_at = ?1, claimed_by = NULL, claimed_until = NULL
@@ -76,8 +79,34 @@ pub(super) const PRUNE_SQL: &str = "\
 DELETE FROM keel_outbox WHERE id IN (
   SELECT id FROM keel_outbox WHERE published_at < ?1 ORDER BY published_at LIMIT ?2)";
 
-pub(super) const STATS_SQL: &str =
-    "SELECT COUNT(*), MIN(created_at) FROM keel_outbox WHERE published_at IS NULL";
+pub(super) const STATS_SQL: &str = "\
+SELECT COALESCE(SUM(parked_at IS NULL), 0), MIN(CASE WHEN parked_at IS NULL THEN created_at END),
+       COALESCE(SUM(parked_at IS NOT NULL), 0)
+  FROM keel_outbox WHERE published_at IS NULL";
+
+const RELEASE_FAILED_SQL: &str = "\
+UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1,
+       last_error = ?2
+ WHERE id IN (SELECT value FROM json_each(?1)) AND published_at IS NULL";
+
+const PARK_SQL: &str = "\
+UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1,
+       last_error = ?2, parked_at = ?3
+ WHERE id = ?1 AND published_at IS NULL AND parked_at IS NULL";
+
+const UNPARK_SQL: &str = "\
+UPDATE keel_outbox SET parked_at = NULL, attempts = 0, last_error = NULL
+ WHERE id = ?1 AND published_at IS NULL AND parked_at IS NOT NULL";
+
+const DISCARD_SQL: &str =
+    "DELETE FROM keel_outbox WHERE id = ?1 AND published_at IS NULL AND parked_at IS NOT NULL";
+
+/// A parked row with the count of unpublished rows of its key behind it.
+const PARKED_COLUMNS: &str = "\
+o.id, o.event_id, o.topic, o.partition_key, o.headers, o.payload, o.created_at, o.attempts,
+o.parked_at, o.last_error,
+(SELECT COUNT(*) FROM keel_outbox e
+  WHERE e.partition_key = o.partition_key AND e.published_at IS NULL AND e.id > o.id) AS held_back";
 
 #[async_trait]
 impl OutboxStore for SqliteStore {
@@ -182,6 +211,7 @@ impl OutboxStore for SqliteStore {
             .map_err(db_error)?;
         let unpublished: i64 = row.try_get(0).map_err(db_error)?;
         let oldest: Option<i64> = row.try_get(1).map_err(db_error)?;
+        let parked: i64 = row.try_get(2).map_err(db_error)?;
         let age = oldest.map(|created| {
             let ms = now_ms().saturating_sub(created).max(0);
             Duration::from_millis(u64::try_from(ms).unwrap_or(0))
@@ -189,7 +219,79 @@ impl OutboxStore for SqliteStore {
         Ok(OutboxStats {
             unpublished: to_u64("outbox count", unpublished)?,
             oldest_unpublished_age: age,
+            parked: to_u64("parked count", parked)?,
         })
+    }
+
+    async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(RELEASE_FAILED_SQL)
+            .bind(ids_to_json(ids)?)
+            .bind(error)
+            .execute(&self.writer)
+            .await
+            .map_err(db_error)?;
+        Ok(())
+    }
+
+    async fn outbox_park(&self, id: i64, error: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query(PARK_SQL)
+            .bind(id)
+            .bind(error)
+            .bind(now_ms())
+            .execute(&self.writer)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn outbox_parked(&self, filter: &ParkedFilter) -> Result<Vec<ParkedOutbox>, StoreError> {
+        let sql = format!(
+            "SELECT {PARKED_COLUMNS} FROM keel_outbox o \
+             WHERE o.parked_at IS NOT NULL AND o.published_at IS NULL \
+               AND (?1 IS NULL OR o.topic = ?1) \
+             ORDER BY o.id LIMIT ?2"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(filter.topic.as_deref())
+            .bind(sql_limit(filter.limit.unwrap_or(100)))
+            .fetch_all(&self.reader)
+            .await
+            .map_err(db_error)?;
+        rows.iter().map(parked_from_row).collect()
+    }
+
+    async fn outbox_parked_get(&self, id: i64) -> Result<Option<ParkedOutbox>, StoreError> {
+        let sql = format!(
+            "SELECT {PARKED_COLUMNS} FROM keel_outbox o \
+             WHERE o.id = ?1 AND o.parked_at IS NOT NULL AND o.published_at IS NULL"
+        );
+        let row = sqlx::query(&sql)
+            .bind(id)
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(db_error)?;
+        row.as_ref().map(parked_from_row).transpose()
+    }
+
+    async fn outbox_unpark(&self, id: i64) -> Result<bool, StoreError> {
+        let done = sqlx::query(UNPARK_SQL)
+            .bind(id)
+            .execute(&self.writer)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn outbox_discard(&self, id: i64) -> Result<bool, StoreError> {
+        let done = sqlx::query(DISCARD_SQL)
+            .bind(id)
+            .execute(&self.writer)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() > 0)
     }
 }
 
@@ -206,5 +308,25 @@ fn pending_from_row(row: &SqliteRow) -> Result<PendingOutbox, StoreError> {
             payload: Bytes::from(payload),
         },
         created_at: from_ms(row.try_get("created_at").map_err(db_error)?)?,
+        attempts: attempts_from(row)?,
+    })
+}
+
+fn attempts_from(row: &SqliteRow) -> Result<u32, StoreError> {
+    let attempts: i64 = row.try_get("attempts").map_err(db_error)?;
+    Ok(u32::try_from(attempts).unwrap_or(u32::MAX))
+}
+
+fn parked_from_row(row: &SqliteRow) -> Result<ParkedOutbox, StoreError> {
+    let pending = pending_from_row(row)?;
+    let last_error: Option<String> = row.try_get("last_error").map_err(db_error)?;
+    Ok(ParkedOutbox {
+        id: pending.id,
+        record: pending.record,
+        created_at: pending.created_at,
+        parked_at: from_ms(row.try_get("parked_at").map_err(db_error)?)?,
+        attempts: pending.attempts,
+        last_error: last_error.unwrap_or_default(),
+        held_back: to_u64("held back", row.try_get("held_back").map_err(db_error)?)?,
     })
 }
