@@ -17,8 +17,9 @@ chaos() {
   cargo build -q -p keel --bin keel
   local runs=0 failed=0 lost=0 dup=0 unexpected=0 stuck=0 recovered=0 unknown=0
   for seed in $(seq "$first" "$last"); do
-    local json
-    json="$(target/debug/keel chaos --seed "$seed" --orders "$orders" --crashes 4 --json 2>/dev/null | tail -n 1)" || true
+    local json out="target/chaos-seed-$seed.log"
+    target/debug/keel chaos --seed "$seed" --orders "$orders" --crashes 4 --json >"$out" 2>&1 || true
+    json="$(tail -n 1 "$out")"
     local line
     line="$(python3 -c '
 import json, sys
@@ -35,7 +36,9 @@ print(r["ok"], i["lost"], i["duplicated"], i["unexpected"], d["sagas_stuck"] + d
       failed=$((failed + 1)); echo "seed $seed: no report (the run failed)"; continue
     fi
     read -r ok l d u s rec unk fired crashes <<<"$line"
-    [ "$ok" = True ] || failed=$((failed + 1))
+    # A failed run keeps its whole report (the verdict lists every violation
+    # and every saga left unsettled, with its record and last error).
+    if [ "$ok" = True ]; then rm -f "$out"; else failed=$((failed + 1)); fi
     lost=$((lost + l)); dup=$((dup + d)); unexpected=$((unexpected + u)); stuck=$((stuck + s))
     recovered=$((recovered + rec)); unknown=$((unknown + unk))
     echo "seed $seed: ok=$ok lost=$l duplicated=$d unexpected=$u stuck=$s recovered=$rec unknown_calls=$unk crashes=$fired/$crashes"
