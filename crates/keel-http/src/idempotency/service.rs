@@ -332,10 +332,10 @@ impl<S: IdempotencyStore> InFlight<S> {
     /// response is being stored must not cut the write in half, or the key
     /// would stay locked with its effect done and no answer to replay.
     async fn settle(&mut self, settle: Settle) {
-        if let Some(pending) = self.pending.take() {
-            if let Err(err) = tokio::spawn(pending.settle(settle)).await {
-                tracing::error!(error = %err, "settling an idempotency key panicked");
-            }
+        if let Some(pending) = self.pending.take()
+            && let Err(err) = tokio::spawn(pending.settle(settle)).await
+        {
+            tracing::error!(error = %err, "settling an idempotency key panicked");
         }
     }
 }
