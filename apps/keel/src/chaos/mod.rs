@@ -38,7 +38,7 @@ use schedule::{
     BROKER_ABORT_PERCENT, BROKER_DELAY, BROKER_DELAY_PERCENT, BrokerOutage, Crash,
     DEAD_LETTER_FAILPOINT, Schedule,
 };
-use system::{Incarnation, submit_poison};
+use system::{Incarnation, submit_poison, submit_tail};
 
 pub use report::{ChaosReport, CrashOutcome};
 pub use watch::init_tracing;
@@ -46,6 +46,10 @@ pub use watch::init_tracing;
 /// How long an armed failpoint may take to fire before the run gives up on
 /// it (and reports it as not fired).
 const FIRE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Orders sent after the workload ended, at most, for failpoints armed
+/// when nothing was left to trip over.
+const TAIL_ORDERS: usize = 48;
 
 /// Where the system's state lives; `keel chaos` restarts it there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize)]
@@ -148,7 +152,7 @@ impl Harness {
         crash: &Crash,
         system: &mut Option<Incarnation>,
         load: &tokio::task::JoinHandle<impl Send>,
-        poison: &mut Vec<(String, tokio::task::JoinHandle<Option<Accepted>>)>,
+        extra: &mut Vec<(String, tokio::task::JoinHandle<Option<Accepted>>)>,
     ) -> anyhow::Result<CrashOutcome> {
         self.reach(crash.after_orders, load).await;
         let armed_at_orders = self.accepted();
@@ -157,16 +161,32 @@ impl Harness {
         if crash.failpoint == DEAD_LETTER_FAILPOINT {
             let key = format!("chaos-{}-poison-{i}", self.schedule.seed);
             let submitted = tokio::spawn(submit_poison(self.base_url.clone(), key.clone()));
-            poison.push((key, submitted));
+            extra.push((key, submitted));
         }
         let store = system.as_ref().map(|s| s.handle.store.clone());
+        let mut tail = 0;
         let fired = watch::wait_fired(&crash.failpoint, before, FIRE_TIMEOUT, async || {
-            // Nothing left to trip over: the workload is done and settled.
             let settled = match &store {
                 Some(store) => matches!(quiescent(store).await, Ok(true)),
                 None => true,
             };
-            load.is_finished() && settled
+            if !(load.is_finished() && settled) {
+                return false;
+            }
+            // The workload outran the schedule (a dead letter takes its
+            // redeliveries): give the failpoint more of the work it fires on
+            // instead of reporting it never fired.
+            if tail >= TAIL_ORDERS {
+                return true;
+            }
+            for _ in 0..4 {
+                let key = format!("chaos-{}-tail-{i}-{tail}", self.schedule.seed);
+                let n = tail as u64;
+                let submitted = tokio::spawn(submit_tail(self.base_url.clone(), key.clone(), n));
+                extra.push((key, submitted));
+                tail += 1;
+            }
+            false
         })
         .await;
         fail::remove(&crash.failpoint);
@@ -279,13 +299,13 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<ChaosReport> {
             .map(|c| c.failpoint.clone())
             .collect(),
     );
-    let mut poison = Vec::new();
+    let mut extra = Vec::new();
     let crashes = async {
         let mut outcomes = Vec::new();
         for (i, crash) in harness.schedule.crashes.iter().enumerate() {
             outcomes.push(
                 harness
-                    .crash(i, crash, &mut system, &load, &mut poison)
+                    .crash(i, crash, &mut system, &load, &mut extra)
                     .await?,
             );
         }
@@ -295,7 +315,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<ChaosReport> {
     let outcomes = outcomes?;
 
     let mut result = load.await??;
-    for (key, submitted) in poison {
+    for (key, submitted) in extra {
         result.sent_keys.push(key.clone());
         match submitted.await? {
             Some(accepted) => result.accepted.push(accepted),

@@ -115,16 +115,41 @@ pub(super) async fn submit_poison(base_url: String, key: String) -> Option<Accep
         currency: "USD".into(),
         items: vec![Item::new("tea", 1, 450)],
     };
+    submit_extra(base_url, key, order, Some("dead-letter")).await
+}
+
+/// Submits one order after the workload ended, so that a failpoint armed
+/// late has work to fire on; every other one asks for a sku that runs out,
+/// so compensations happen too.
+pub(super) async fn submit_tail(base_url: String, key: String, n: u64) -> Option<Accepted> {
+    let mut items = vec![Item::new("tea", 1, 450)];
+    if n % 2 == 1 {
+        items.push(Item::new("rare-teapot", 1, 8_900));
+    }
+    let order = NewOrder {
+        customer_id: format!("cust-tail-{}", n % 5),
+        currency: "USD".into(),
+        items,
+    };
+    submit_extra(base_url, key, order, None).await
+}
+
+async fn submit_extra(
+    base_url: String,
+    key: String,
+    order: NewOrder,
+    fault: Option<&str>,
+) -> Option<Accepted> {
     let client = reqwest::Client::new();
     for _ in 0..400 {
-        let sent = client
+        let mut request = client
             .post(format!("{base_url}/orders"))
             .header("idempotency-key", &key)
-            .header(DemoFault::HEADER, "dead-letter")
-            .json(&order)
-            .send()
-            .await;
-        if let Ok(response) = sent {
+            .json(&order);
+        if let Some(fault) = fault {
+            request = request.header(DemoFault::HEADER, fault);
+        }
+        if let Ok(response) = request.send().await {
             if response.status().as_u16() == 201 {
                 let body: serde_json::Value = response.json().await.ok()?;
                 return Some(Accepted {
