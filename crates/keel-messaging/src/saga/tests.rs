@@ -310,10 +310,14 @@ fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
 
 /// Seed 000's saga.
 fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
-    seed_saga_with(svc, Duration::from_millis(1))
+    seed_saga_with(svc, Duration::from_millis(1), DEFAULT_FORWARD_BUDGET)
 }
 
-fn seed_saga_with(svc: &Arc<Services>, first_backoff: Duration) -> SagaDefinition<Order> {
+fn seed_saga_with(
+    svc: &Arc<Services>,
+    first_backoff: Duration,
+    forward_budget: Duration,
+) -> SagaDefinition<Order> {
     SagaDefinition::builder("order_fulfilment")
         .step(compensable(svc, "capture_payment"))
         .step(compensable(svc, "reserve_stock"))
@@ -326,6 +330,7 @@ fn seed_saga_with(svc: &Arc<Services>, first_backoff: Duration) -> SagaDefinitio
                 .unwrap(),
         )
         .stuck_after(3)
+        .forward_budget(forward_budget)
         .build()
         .unwrap()
 }
@@ -460,19 +465,43 @@ async fn transient_failures_are_retried_with_the_same_key() {
 }
 
 #[tokio::test]
-async fn after_the_pivot_it_retries_forward_then_sticks_until_an_operator_retries() {
+async fn after_the_pivot_it_retries_forward_past_any_count_then_sticks_until_an_operator_retries() {
+    // Forward recovery is bounded by time, not by `stuck_after` (3 here).
     let w = world();
+    w.svc.set("send_receipt", Behaviour::FailTimes(5));
+    w.start("A-4a").await;
+    assert_eq!(w.settle("A-4a").await.status, SagaStatus::Completed);
+    let receipts = |id: &str| {
+        let key = format!("{id}:send_receipt");
+        w.svc.calls().iter().filter(|k| **k == key).count()
+    };
+    assert_eq!(receipts("A-4a"), 6, "the same key, until it worked");
+
+    // With its budget spent, it is stuck for an operator.
+    let def = seed_saga_with(&w.svc, Duration::from_millis(1), Duration::ZERO);
+    let w = World {
+        orch: orchestrator(&w.store, &def),
+        def,
+        ..w
+    };
     w.svc.set("send_receipt", Behaviour::FailTimes(100));
     w.start("A-4").await;
     let stuck = w.settle("A-4").await;
     assert_eq!((stuck.status, stuck.step), (SagaStatus::Stuck, 3));
+    assert!(
+        stuck
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("gave up going forward")
+    );
     assert_eq!(
         w.svc
             .calls()
             .iter()
             .filter(|k| *k == "A-4:send_receipt")
             .count(),
-        3
+        1
     );
     let views = w
         .orch
@@ -527,7 +556,7 @@ async fn a_step_that_times_out_counts_as_failed_and_may_have_happened_so_is_undo
 async fn cancel_before_the_pivot_compensates_and_ends_cancelled() {
     let w = world();
     // A long backoff, so the saga is waiting when the operator cancels.
-    let def = seed_saga_with(&w.svc, Duration::from_secs(60));
+    let def = seed_saga_with(&w.svc, Duration::from_secs(60), DEFAULT_FORWARD_BUDGET);
     let w = World {
         orch: orchestrator(&w.store, &def),
         def,
@@ -600,21 +629,32 @@ async fn unknown_kinds_and_ids_are_clear_errors() {
 #[tokio::test]
 async fn a_crash_at_any_save_resumes_where_it_stopped() {
     for failing in [false, true] {
+        // Where the pivot refuses, a crash that leaves its attempt claimed
+        // but unanswered means the shipment may exist: the saga can only go
+        // forward, and with no budget for that it is stuck at once.
+        let world = || {
+            let w = world();
+            if !failing {
+                return w;
+            }
+            w.svc.set("schedule_shipment", Behaviour::Refuse);
+            let def = seed_saga_with(&w.svc, Duration::from_millis(1), Duration::ZERO);
+            World {
+                orch: orchestrator(&w.store, &def),
+                def,
+                ..w
+            }
+        };
         let total = {
             let w = world();
-            if failing {
-                w.svc.set("schedule_shipment", Behaviour::Refuse);
-            }
             w.start("probe").await;
             w.settle("probe").await;
             w.store.saves()
         };
+        let mut pivot_maybe_sent = 0;
         for crash_at in 1..=total {
             for applied in [false, true] {
                 let w = world();
-                if failing {
-                    w.svc.set("schedule_shipment", Behaviour::Refuse);
-                }
                 w.start("A-7").await;
                 w.store.crash_at_save(crash_at, applied);
                 let crashed = loop {
@@ -630,7 +670,13 @@ async fn a_crash_at_any_save_resumes_where_it_stopped() {
                 w.store.expire_waits();
                 let w = World { orch, ..w };
                 let done = w.settle("A-7").await;
-                let expected = if failing {
+                let context = format!("failing={failing} crash_at={crash_at} applied={applied}");
+                let expected = if failing && done.status == SagaStatus::Stuck {
+                    pivot_maybe_sent += 1;
+                    assert_eq!(done.step, 2, "{context}");
+                    assert!(done.outcome_unknown, "{context}");
+                    (SagaStatus::Stuck, vec!["capture_payment", "reserve_stock"])
+                } else if failing {
                     (
                         SagaStatus::Compensated,
                         vec![
@@ -651,7 +697,6 @@ async fn a_crash_at_any_save_resumes_where_it_stopped() {
                         ],
                     )
                 };
-                let context = format!("failing={failing} crash_at={crash_at} applied={applied}");
                 assert_eq!(done.status, expected.0, "{context}");
                 assert_eq!(w.svc.effects(), keys("A-7", &expected.1), "{context}");
                 let calls = w.svc.calls();
@@ -661,6 +706,9 @@ async fn a_crash_at_any_save_resumes_where_it_stopped() {
                 }
             }
         }
+        // The pivot's claim written and the process gone, or its outcome
+        // not written: the two crashes after which it may have been sent.
+        assert_eq!(pivot_maybe_sent, if failing { 2 } else { 0 });
     }
 }
 
