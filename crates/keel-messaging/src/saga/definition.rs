@@ -199,7 +199,10 @@ impl<D: SagaData> Step<D> {
     /// called for an action that never took effect (a timed-out action is
     /// compensated because it *may* have), and it must leave a tombstone
     /// under the action's key ([`StepContext::action_key`]) so that the
-    /// dependency refuses the action if it arrives after its undo.
+    /// dependency refuses the action if it arrives after its undo. It
+    /// cannot count on what the action recorded with
+    /// [`StepContext::update`]: an action that may have happened never
+    /// reported, so find what to undo by the action's key.
     pub fn compensate_with<F, Fut, E>(mut self, compensation: F) -> Self
     where
         F: Fn(StepContext<D>) -> Fut + Send + Sync + 'static,
