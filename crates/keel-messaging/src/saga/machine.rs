@@ -24,7 +24,7 @@
 //!   step, and a maybe-applied pivot only goes forward.
 //! - `first_attempt_at`: when the first attempt at the current call was
 //!   claimed. Forward recovery (at or past the pivot) retries with the same
-//!   key until [`Shape::forward_budget`] has passed since then, and only
+//!   key until the definition's forward budget has passed since then, and only
 //!   then parks the saga as stuck; it never compensates past the pivot.
 //! - `next_attempt_at`: when the saga is due; while a call runs it is the
 //!   claim's lease (step timeout plus grace), so other orchestrators leave

@@ -42,7 +42,9 @@
 //! - **A dashboard of in-flight sagas by state and age**
 //!   ([`SagaOrchestrator::list`], [`SagaOrchestrator::counts`]) and
 //!   **manual retry and cancel** ([`SagaOrchestrator::retry`],
-//!   [`SagaOrchestrator::cancel`]; cancel is refused past the pivot).
+//!   [`SagaOrchestrator::cancel`]; cancel is refused past the pivot), and
+//!   [`SagaOrchestrator::confirm_not_applied`] for an operator who checked
+//!   that a stuck step's action of unknown outcome did not happen.
 //!
 //! Every saga ends `completed`, fully `compensated` (or `cancelled`), or
 //! `stuck` with the reason in `last_error`. Metrics: `keel_saga_total{saga,
