@@ -717,6 +717,7 @@ mod tests {
             step: 0,
             step_name: Some("capture_payment".into()),
             attempts: 2,
+            outcome_unknown: false,
             last_error: Some("x".repeat(100)),
             created_at: at(),
             updated_at: at(),

@@ -468,8 +468,18 @@ pub struct SagaRecord {
     pub step: u32,
     /// The saga's data, shared by its steps.
     pub data: serde_json::Value,
-    /// Failed attempts at the current step.
+    /// Attempts started at the current call (a policy's refusal gives its
+    /// attempt back).
     pub attempts: u32,
+    /// Whether an attempt at the current step's action may have taken
+    /// effect (it timed out, lost its reply, or the orchestrator stopped
+    /// during it). Persisted, so a restart remembers it: compensation then
+    /// includes the step, and a pivot that may have happened only goes
+    /// forward.
+    pub outcome_unknown: bool,
+    /// When the first attempt at the current call was made; forward
+    /// recovery's time budget counts from it. `None` before any attempt.
+    pub first_attempt_at: Option<DateTime<Utc>>,
     /// The last error, for the operator.
     pub last_error: Option<String>,
     /// Not before this time is the saga worked on again (backoff).

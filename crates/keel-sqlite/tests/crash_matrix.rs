@@ -447,6 +447,7 @@ fn saga_definition(services: &Arc<Services>) -> SagaDefinition<Fulfilment> {
         .step(step(STEPS[3]))
         .backoff(fast)
         .stuck_after(10)
+        .forward_budget(Duration::from_millis(300))
         .build()
         .expect("saga definition")
 }
@@ -457,6 +458,7 @@ fn saga_definition(services: &Arc<Services>) -> SagaDefinition<Fulfilment> {
 struct Process {
     store: SqliteStore,
     broker: Arc<SqliteBroker>,
+    orchestrator: SagaOrchestrator<SqliteStore>,
 }
 
 fn fast_backoff() -> Backoff {
@@ -547,9 +549,39 @@ async fn boot(world: &Arc<World>) -> Process {
         .build()
         .expect("consumer");
     tokio::spawn(consumer.run(std::future::pending()));
-    tokio::spawn(async move { orchestrator.run(std::future::pending()).await });
+    let running = orchestrator.clone();
+    tokio::spawn(async move { running.run(std::future::pending()).await });
 
-    Process { store, broker }
+    Process {
+        store,
+        broker,
+        orchestrator,
+    }
+}
+
+/// The operator. A crash during an attempt at the pivot leaves it "maybe
+/// sent": the saga only goes forward, and when the carrier keeps refusing,
+/// it is parked stuck after its forward budget. The operator looks the
+/// shipment up (the harness knows the carrier refused every request for
+/// this order, so none exists) and says so; the saga then compensates.
+async fn operate(world: &World, p: &Process) {
+    let filter = SagaFilter {
+        status: Some(SagaStatus::Stuck),
+        ..SagaFilter::default()
+    };
+    let Ok(stuck) = p.orchestrator.list(&filter).await else {
+        return;
+    };
+    for view in stuck {
+        let saga = &view.record;
+        let at_pivot = view.step_name.as_deref() == Some(PIVOT);
+        assert!(
+            at_pivot && saga.outcome_unknown && world.plan.refuse.contains(&saga.id),
+            "only a refused pivot that may have been sent may be stuck: {saga:?}"
+        );
+        // Racing another process's operator is fine: one of them wins.
+        let _ = p.orchestrator.confirm_not_applied(&saga.id).await;
+    }
 }
 
 /// Works through the plan from the cursor. An item interrupted by a crash
@@ -723,6 +755,7 @@ fn run_process(world: &Arc<World>, kill_after: Option<Duration>) -> Ending {
             if kill_after.is_some_and(|after| started.elapsed() >= after) {
                 return Ending::Killed;
             }
+            operate(world, &process).await;
             if quiescent(world, &process).await {
                 return Ending::Quiet;
             }

@@ -145,6 +145,8 @@ macro_rules! store_conformance_tests {
                 due_returns_unfinished_due_sagas_oldest_first,
                 list_filters_by_status_and_age,
                 counts_by_status,
+                unknown_outcome_and_first_attempt_round_trip,
+                an_unknown_outcome_survives_an_orchestrator_restart,
             }
             fence {
                 tokens_strictly_increase,

@@ -11,7 +11,13 @@
 //! levels) and `shop_effects`, the ledger of every effect a dependency
 //! applied (captures, refunds, reservations, releases, shipments,
 //! receipts), unique per idempotency key: that uniqueness is what makes a
-//! retried capture charge once.
+//! retried capture charge once. `shop_tombstones` holds the action keys a
+//! compensation undid (a refund the capture's key, a release the
+//! reservation's), written in the compensation's transaction even when
+//! there was nothing to undo: an action that arrives later under a
+//! tombstoned key is refused, so a request held up in the network cannot
+//! charge after its refund. A saga's dependencies must all do this; see
+//! `StepContext::action_key`.
 
 use async_trait::async_trait;
 use chrono::Utc;
@@ -40,6 +46,20 @@ pub enum Reservation {
     Reserved,
     /// Not enough of this sku: nothing was reserved.
     OutOfStock(String),
+    /// The key was released (tombstoned) before this request arrived: a
+    /// late request, refused so it cannot land after its undo.
+    Undone,
+}
+
+/// The outcome of a capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capture {
+    /// Charged now (`true`), or already by an earlier call with the same
+    /// key (`false`).
+    Charged(bool),
+    /// The key was refunded (tombstoned) before this request arrived: a
+    /// late request, refused so it cannot charge after its refund.
+    Undone,
 }
 
 /// One effect a dependency applied, in the order they committed.
@@ -132,19 +152,29 @@ pub trait ShopDb: Store {
     /// Stocks the skus not stocked yet; never resets a level, so a restart
     /// keeps what orders reserved.
     async fn seed_stock(&self, stock: &[(String, i64)]) -> Result<(), StoreError>;
-    /// Records a capture under `key`; `false` if the key was already used.
-    async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<bool, StoreError>;
-    /// Refunds the order's capture, if there was one, under `key`.
-    async fn refund(&self, key: &str, order_id: &str) -> Result<bool, StoreError>;
-    /// Reserves the items under `key`, all or nothing.
+    /// Records a capture under `key`, unless a refund tombstoned the key.
+    async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<Capture, StoreError>;
+    /// Refunds the order's capture, if there was one, under `key`, and
+    /// tombstones the capture's key `action_key` in the same transaction
+    /// (also when there was nothing to refund: the capture may be late).
+    async fn refund(&self, key: &str, order_id: &str, action_key: &str)
+    -> Result<bool, StoreError>;
+    /// Reserves the items under `key`, all or nothing, unless a release
+    /// tombstoned the key.
     async fn reserve(
         &self,
         key: &str,
         order_id: &str,
         items: &[Item],
     ) -> Result<Reservation, StoreError>;
-    /// Releases the order's reservation, if there was one, under `key`.
-    async fn release(&self, key: &str, order_id: &str) -> Result<bool, StoreError>;
+    /// Releases the order's reservation, if there was one, under `key`, and
+    /// tombstones the reservation's key `action_key`.
+    async fn release(
+        &self,
+        key: &str,
+        order_id: &str,
+        action_key: &str,
+    ) -> Result<bool, StoreError>;
     /// Records a plain effect (shipment, receipt) under `key`.
     async fn record_effect(
         &self,
@@ -189,6 +219,10 @@ CREATE TABLE IF NOT EXISTS shop_effects (
     detail       TEXT    NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS shop_effects_order ON shop_effects (order_id, step);
+CREATE TABLE IF NOT EXISTS shop_tombstones (
+    idem_key  TEXT PRIMARY KEY,
+    undone_by TEXT NOT NULL
+);
 ";
 
 fn db(err: sqlx::Error) -> StoreError {
@@ -237,6 +271,33 @@ async fn insert_effect(
 
 async fn key_used(conn: &mut sqlx::SqliteConnection, key: &str) -> Result<bool, StoreError> {
     let row = sqlx::query("SELECT 1 FROM shop_effects WHERE idem_key = ?")
+        .bind(key)
+        .fetch_optional(conn)
+        .await
+        .map_err(db)?;
+    Ok(row.is_some())
+}
+
+/// Tombstones `action_key` (undone by `key`); idempotent.
+async fn tombstone(
+    conn: &mut sqlx::SqliteConnection,
+    action_key: &str,
+    key: &str,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO shop_tombstones (idem_key, undone_by) VALUES (?, ?)
+         ON CONFLICT (idem_key) DO NOTHING",
+    )
+    .bind(action_key)
+    .bind(key)
+    .execute(conn)
+    .await
+    .map_err(db)?;
+    Ok(())
+}
+
+async fn tombstoned(conn: &mut sqlx::SqliteConnection, key: &str) -> Result<bool, StoreError> {
+    let row = sqlx::query("SELECT 1 FROM shop_tombstones WHERE idem_key = ?")
         .bind(key)
         .fetch_optional(conn)
         .await
@@ -437,13 +498,27 @@ impl ShopDb for SqliteStore {
         self.commit(tx).await
     }
 
-    async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<bool, StoreError> {
-        let mut conn = self.pool().acquire().await.map_err(db)?;
-        insert_effect(&mut conn, key, order_id, "capture_payment", false, amount).await
+    async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<Capture, StoreError> {
+        // One transaction (the store's single writer serializes it with a
+        // refund), so the tombstone check and the charge are one step.
+        let mut tx = self.begin().await?;
+        if tombstoned(&mut tx, key).await? {
+            self.rollback(tx).await?;
+            return Ok(Capture::Undone);
+        }
+        let new = insert_effect(&mut tx, key, order_id, "capture_payment", false, amount).await?;
+        self.commit(tx).await?;
+        Ok(Capture::Charged(new))
     }
 
-    async fn refund(&self, key: &str, order_id: &str) -> Result<bool, StoreError> {
+    async fn refund(
+        &self,
+        key: &str,
+        order_id: &str,
+        action_key: &str,
+    ) -> Result<bool, StoreError> {
         let mut tx = self.begin().await?;
+        tombstone(&mut tx, action_key, key).await?;
         let refunded = match action_amount(&mut tx, order_id, "capture_payment").await? {
             Some(amount) => {
                 insert_effect(&mut tx, key, order_id, "capture_payment", true, -amount).await?
@@ -464,6 +539,10 @@ impl ShopDb for SqliteStore {
         if key_used(&mut tx, key).await? {
             self.rollback(tx).await?;
             return Ok(Reservation::Reserved);
+        }
+        if tombstoned(&mut tx, key).await? {
+            self.rollback(tx).await?;
+            return Ok(Reservation::Undone);
         }
         let mut wanted: std::collections::BTreeMap<&str, i64> = Default::default();
         for item in items {
@@ -496,8 +575,14 @@ impl ShopDb for SqliteStore {
         Ok(Reservation::Reserved)
     }
 
-    async fn release(&self, key: &str, order_id: &str) -> Result<bool, StoreError> {
+    async fn release(
+        &self,
+        key: &str,
+        order_id: &str,
+        action_key: &str,
+    ) -> Result<bool, StoreError> {
         let mut tx = self.begin().await?;
+        tombstone(&mut tx, action_key, key).await?;
         let row = sqlx::query(
             "SELECT detail FROM shop_effects WHERE order_id = ? AND step = 'reserve_stock' AND compensation = 0",
         )
@@ -506,11 +591,12 @@ impl ShopDb for SqliteStore {
         .await
         .map_err(db)?;
         let Some(row) = row else {
-            self.rollback(tx).await?;
+            // Nothing to release, but the tombstone stands.
+            self.commit(tx).await?;
             return Ok(false);
         };
         if !insert_effect(&mut tx, key, order_id, "reserve_stock", true, 0).await? {
-            self.rollback(tx).await?;
+            self.commit(tx).await?;
             return Ok(false);
         }
         let detail: String = row.try_get(0).map_err(db)?;
@@ -651,9 +737,19 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(r, Reservation::Reserved);
-        assert!(store.release("o1:undo:reserve_stock", "o1").await.unwrap());
-        assert!(!store.release("o1:undo:reserve_stock", "o1").await.unwrap());
-        assert!(!store.release("o2:undo:reserve_stock", "o2").await.unwrap());
+        let release = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                let (key, action) = (
+                    format!("{o}:undo:reserve_stock"),
+                    format!("{o}:reserve_stock"),
+                );
+                store.release(&key, o, &action).await.unwrap()
+            }
+        };
+        assert!(release("o1").await);
+        assert!(!release("o1").await);
+        assert!(!release("o2").await);
         let r = store
             .reserve("o4:reserve_stock", "o4", &[item("tea", 3)])
             .await
@@ -664,24 +760,76 @@ mod tests {
     #[tokio::test]
     async fn a_capture_is_charged_once_and_refunded_once() {
         let store = store().await;
-        assert!(
-            store
-                .capture("o1:capture_payment", "o1", 500)
-                .await
-                .unwrap()
-        );
-        assert!(
-            !store
-                .capture("o1:capture_payment", "o1", 500)
-                .await
-                .unwrap()
-        );
-        assert!(store.refund("o1:undo:capture_payment", "o1").await.unwrap());
-        assert!(!store.refund("o1:undo:capture_payment", "o1").await.unwrap());
-        assert!(!store.refund("o2:undo:capture_payment", "o2").await.unwrap());
+        let capture = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .capture(&format!("{o}:capture_payment"), o, 500)
+                    .await
+                    .unwrap()
+            }
+        };
+        let refund = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                let (key, action) = (
+                    format!("{o}:undo:capture_payment"),
+                    format!("{o}:capture_payment"),
+                );
+                store.refund(&key, o, &action).await.unwrap()
+            }
+        };
+        assert_eq!(capture("o1").await, Capture::Charged(true));
+        assert_eq!(capture("o1").await, Capture::Charged(false));
+        assert!(refund("o1").await);
+        assert!(!refund("o1").await);
+        assert!(!refund("o2").await);
         let audit = store.audit().await.unwrap();
         let money: i64 = audit.effects.iter().map(|e| e.amount_cents).sum();
         assert_eq!(money, 0);
         assert_eq!(audit.effects.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_late_action_after_its_compensation_is_refused_by_the_tombstone() {
+        let store = store().await;
+        // The capture's request is held up; the saga gives up and refunds:
+        // nothing to refund, but the capture's key is tombstoned.
+        assert!(
+            !store
+                .refund("o1:undo:capture_payment", "o1", "o1:capture_payment")
+                .await
+                .unwrap()
+        );
+        assert_eq!(
+            store
+                .capture("o1:capture_payment", "o1", 500)
+                .await
+                .unwrap(),
+            Capture::Undone,
+            "the late capture is refused"
+        );
+        // The same for a reservation released before it arrived.
+        assert!(
+            !store
+                .release("o1:undo:reserve_stock", "o1", "o1:reserve_stock")
+                .await
+                .unwrap()
+        );
+        assert_eq!(
+            store
+                .reserve("o1:reserve_stock", "o1", &[item("tea", 4)])
+                .await
+                .unwrap(),
+            Reservation::Undone
+        );
+        let audit = store.audit().await.unwrap();
+        assert!(audit.effects.is_empty(), "{:?}", audit.effects);
+        // Stock untouched: another order can take all ten.
+        let r = store
+            .reserve("o2:reserve_stock", "o2", &[item("tea", 10)])
+            .await
+            .unwrap();
+        assert_eq!(r, Reservation::Reserved);
     }
 }

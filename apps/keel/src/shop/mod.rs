@@ -195,6 +195,8 @@ pub struct SystemHandle<S: ShopStore> {
     /// Orders settled by the projection so far.
     pub settled: Arc<AtomicU64>,
     stop: watch::Sender<bool>,
+    /// Stops the dependencies, after the workers that call them.
+    stop_dependencies: watch::Sender<bool>,
     tasks: JoinSet<()>,
 }
 
@@ -219,12 +221,17 @@ impl System {
         store.migrate_shop().await?;
         store.seed_stock(&config.stock).await?;
         let (stop, stopped) = watch::channel(false);
+        // The dependencies stop on a signal of their own, sent only once
+        // the orchestrator has stopped: its calls in flight (and their
+        // retries) must still find them, or a saga records failures that
+        // are only our own shutdown.
+        let (stop_dependencies, dependencies_stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
 
         let urls = services::start_dependencies(
             store.clone(),
             config.payments_faults.clone(),
-            stopped.clone(),
+            dependencies_stopped,
         )
         .await?;
         let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
@@ -368,6 +375,7 @@ impl System {
             drain,
             settled,
             stop,
+            stop_dependencies,
             tasks,
         })
     }
@@ -396,7 +404,8 @@ pub struct Components<S: ShopStore> {
 impl<S: ShopStore> SystemHandle<S> {
     /// Stops gracefully: the server drains (in-flight requests finish),
     /// then the relay, consumer, orchestrator, projection and webhook
-    /// worker finish their current round and stop.
+    /// worker finish their current round and stop, and only then the
+    /// dependencies the orchestrator calls.
     pub async fn shutdown(mut self) {
         self.drain.trigger();
         self.drain.wait_for(keel_http::health::Phase::Closing).await;
@@ -413,5 +422,6 @@ impl<S: ShopStore> SystemHandle<S> {
                 }
             }
         }
+        let _ = self.stop_dependencies.send(true);
     }
 }

@@ -9,8 +9,12 @@
 //! index, then finds the key used and reserves nothing), stock only moves
 //! through conditional `UPDATE`s, and the projection claims the orders it
 //! settles with `FOR UPDATE SKIP LOCKED`, so one settled order is announced
-//! once however many projections run. Ids are compared with the `C`
-//! collation, so keyset pages sort exactly as on SQLite.
+//! once however many projections run. An action and the compensation that
+//! tombstones its key take the same transaction-scoped advisory lock on
+//! that key first, so a late action either lands before the undo (and is
+//! undone) or sees the tombstone (and is refused), never slips between.
+//! Ids are compared with the `C` collation, so keyset pages sort exactly as
+//! on SQLite.
 
 use std::collections::BTreeMap;
 
@@ -21,7 +25,7 @@ use keel_postgres::PgStore;
 use sqlx::Row;
 use sqlx::postgres::{PgConnection, PgRow};
 
-use super::db::{Audit, AuditOrder, Effect, Reservation, Settled, ShopDb};
+use super::db::{Audit, AuditOrder, Capture, Effect, Reservation, Settled, ShopDb};
 use super::model::{DemoFault, Item, Order, OrderStatus};
 
 /// The shop's tables. `CREATE ... IF NOT EXISTS` alone races between
@@ -59,6 +63,10 @@ CREATE TABLE IF NOT EXISTS shop_effects (
     detail       TEXT    NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS shop_effects_order ON shop_effects (order_id, step);
+CREATE TABLE IF NOT EXISTS shop_tombstones (
+    idem_key  TEXT PRIMARY KEY,
+    undone_by TEXT NOT NULL
+);
 "#;
 
 /// The advisory lock key serializing `migrate_shop` across processes
@@ -138,6 +146,43 @@ async fn insert_effect(
     .await
     .map_err(db)?;
     Ok(done.rows_affected() == 1)
+}
+
+/// Serializes an action with the compensation that may tombstone its key
+/// (until the end of the transaction).
+async fn lock_key(conn: &mut PgConnection, action_key: &str) -> Result<(), StoreError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('keel-shop-key:' || $1))")
+        .bind(action_key)
+        .execute(conn)
+        .await
+        .map_err(db)?;
+    Ok(())
+}
+
+/// Tombstones `action_key` (undone by `key`), under its lock; idempotent.
+async fn tombstone(conn: &mut PgConnection, action_key: &str, key: &str) -> Result<(), StoreError> {
+    lock_key(conn, action_key).await?;
+    sqlx::query(
+        "INSERT INTO shop_tombstones (idem_key, undone_by) VALUES ($1, $2)
+         ON CONFLICT (idem_key) DO NOTHING",
+    )
+    .bind(action_key)
+    .bind(key)
+    .execute(conn)
+    .await
+    .map_err(db)?;
+    Ok(())
+}
+
+/// Whether `key` is tombstoned; takes its lock first.
+async fn tombstoned(conn: &mut PgConnection, key: &str) -> Result<bool, StoreError> {
+    lock_key(conn, key).await?;
+    let row = sqlx::query("SELECT 1 FROM shop_tombstones WHERE idem_key = $1")
+        .bind(key)
+        .fetch_optional(conn)
+        .await
+        .map_err(db)?;
+    Ok(row.is_some())
 }
 
 /// The effect of `step`'s action for `order_id`, if it happened: its amount.
@@ -357,22 +402,26 @@ impl ShopDb for PgStore {
         self.commit_resolved(tx).await
     }
 
-    async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<bool, StoreError> {
-        let mut conn = self.pool().acquire().await.map_err(db)?;
-        insert_effect(
-            &mut conn,
-            key,
-            order_id,
-            "capture_payment",
-            false,
-            amount,
-            "",
-        )
-        .await
+    async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<Capture, StoreError> {
+        let mut tx = self.begin().await?;
+        if tombstoned(&mut tx, key).await? {
+            self.rollback(tx).await?;
+            return Ok(Capture::Undone);
+        }
+        let new =
+            insert_effect(&mut tx, key, order_id, "capture_payment", false, amount, "").await?;
+        self.commit_resolved(tx).await?;
+        Ok(Capture::Charged(new))
     }
 
-    async fn refund(&self, key: &str, order_id: &str) -> Result<bool, StoreError> {
+    async fn refund(
+        &self,
+        key: &str,
+        order_id: &str,
+        action_key: &str,
+    ) -> Result<bool, StoreError> {
         let mut tx = self.begin().await?;
+        tombstone(&mut tx, action_key, key).await?;
         let refunded = match action_amount(&mut tx, order_id, "capture_payment").await? {
             Some(amount) => {
                 insert_effect(&mut tx, key, order_id, "capture_payment", true, -amount, "").await?
@@ -392,6 +441,10 @@ impl ShopDb for PgStore {
         let wanted = wanted(items);
         let detail = serde_json::to_string(&wanted).map_err(StoreError::other)?;
         let mut tx = self.begin().await?;
+        if tombstoned(&mut tx, key).await? {
+            self.rollback(tx).await?;
+            return Ok(Reservation::Undone);
+        }
         // The key first: a concurrent call with the same key waits here
         // until this one commits (then reserves nothing) or rolls back.
         if !insert_effect(&mut tx, key, order_id, "reserve_stock", false, 0, &detail).await? {
@@ -416,8 +469,14 @@ impl ShopDb for PgStore {
         Ok(Reservation::Reserved)
     }
 
-    async fn release(&self, key: &str, order_id: &str) -> Result<bool, StoreError> {
+    async fn release(
+        &self,
+        key: &str,
+        order_id: &str,
+        action_key: &str,
+    ) -> Result<bool, StoreError> {
         let mut tx = self.begin().await?;
+        tombstone(&mut tx, action_key, key).await?;
         let row = sqlx::query(
             "SELECT detail FROM shop_effects
              WHERE order_id = $1 AND step = 'reserve_stock' AND NOT compensation",
@@ -427,11 +486,12 @@ impl ShopDb for PgStore {
         .await
         .map_err(db)?;
         let Some(row) = row else {
-            self.rollback(tx).await?;
+            // Nothing to release, but the tombstone stands.
+            self.commit_resolved(tx).await?;
             return Ok(false);
         };
         if !insert_effect(&mut tx, key, order_id, "reserve_stock", true, 0, "").await? {
-            self.rollback(tx).await?;
+            self.commit_resolved(tx).await?;
             return Ok(false);
         }
         let detail: String = row.try_get(0).map_err(db)?;
@@ -577,9 +637,19 @@ mod tests {
             .unwrap();
         assert_eq!(r, Reservation::OutOfStock("rare".into()));
         assert_eq!(available(&store, "tea").await, 7);
-        assert!(store.release("o1:undo:reserve_stock", "o1").await.unwrap());
-        assert!(!store.release("o1:undo:reserve_stock", "o1").await.unwrap());
-        assert!(!store.release("o2:undo:reserve_stock", "o2").await.unwrap());
+        let release = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                let (key, action) = (
+                    format!("{o}:undo:reserve_stock"),
+                    format!("{o}:reserve_stock"),
+                );
+                store.release(&key, o, &action).await.unwrap()
+            }
+        };
+        assert!(release("o1").await);
+        assert!(!release("o1").await);
+        assert!(!release("o2").await);
         assert_eq!(available(&store, "tea").await, 10);
         // Seeding again (a second process starting) keeps the levels.
         store
@@ -607,7 +677,7 @@ mod tests {
         for call in calls {
             let (reserved, captured) = call.await.unwrap();
             assert_eq!(reserved, Reservation::Reserved);
-            captures += usize::from(captured);
+            captures += usize::from(captured == Capture::Charged(true));
         }
         assert_eq!(captures, 1);
         assert_eq!(available(&store, "tea").await, 7);
@@ -634,23 +704,81 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_capture_is_charged_once_and_refunded_once_and_audited() {
+    async fn a_late_action_racing_its_compensation_is_refunded_or_refused_never_left_standing() {
         let Some(store) = store().await else { return };
-        assert!(
-            store
-                .capture("o1:capture_payment", "o1", 500)
+        for n in 0..16 {
+            let o = format!("late{n}");
+            let (s1, s2) = (store.clone(), store.clone());
+            let (o1, o2) = (o.clone(), o.clone());
+            let capture = tokio::spawn(async move {
+                s1.capture(&format!("{o1}:capture_payment"), &o1, 500)
+                    .await
+                    .unwrap()
+            });
+            let refund = tokio::spawn(async move {
+                let (key, action) = (
+                    format!("{o2}:undo:capture_payment"),
+                    format!("{o2}:capture_payment"),
+                );
+                s2.refund(&key, &o2, &action).await.unwrap()
+            });
+            let (captured, refunded) = (capture.await.unwrap(), refund.await.unwrap());
+            match captured {
+                Capture::Charged(true) => assert!(refunded, "{o}: charged after its refund"),
+                Capture::Undone => assert!(!refunded, "{o}: refunded a charge that never was"),
+                Capture::Charged(false) => panic!("{o}: first capture seen as a repeat"),
+            }
+            // Once refunded, the key stays refused.
+            let again = store
+                .capture(&format!("{o}:capture_payment"), &o, 500)
                 .await
-                .unwrap()
-        );
+                .unwrap();
+            assert_ne!(again, Capture::Charged(true), "{o}");
+        }
+        let audit = store.audit().await.unwrap();
+        let money: i64 = audit.effects.iter().map(|e| e.amount_cents).sum();
+        assert_eq!(money, 0, "no charge left without its refund");
+        // A late reservation after its release is refused too.
         assert!(
             !store
-                .capture("o1:capture_payment", "o1", 500)
+                .release("o9:undo:reserve_stock", "o9", "o9:reserve_stock")
                 .await
                 .unwrap()
         );
-        assert!(store.refund("o1:undo:capture_payment", "o1").await.unwrap());
-        assert!(!store.refund("o1:undo:capture_payment", "o1").await.unwrap());
-        assert!(!store.refund("o2:undo:capture_payment", "o2").await.unwrap());
+        let r = store
+            .reserve("o9:reserve_stock", "o9", &[item("tea", 1)])
+            .await
+            .unwrap();
+        assert_eq!(r, Reservation::Undone);
+    }
+
+    #[tokio::test]
+    async fn a_capture_is_charged_once_and_refunded_once_and_audited() {
+        let Some(store) = store().await else { return };
+        let capture = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .capture(&format!("{o}:capture_payment"), o, 500)
+                    .await
+                    .unwrap()
+            }
+        };
+        let refund = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                let (key, action) = (
+                    format!("{o}:undo:capture_payment"),
+                    format!("{o}:capture_payment"),
+                );
+                store.refund(&key, o, &action).await.unwrap()
+            }
+        };
+        assert_eq!(capture("o1").await, Capture::Charged(true));
+        assert_eq!(capture("o1").await, Capture::Charged(false));
+        assert!(refund("o1").await);
+        assert!(!refund("o1").await);
+        assert!(!refund("o2").await);
         let audit = store.audit().await.unwrap();
         let money: i64 = audit.effects.iter().map(|e| e.amount_cents).sum();
         assert_eq!(money, 0);

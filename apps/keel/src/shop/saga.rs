@@ -7,7 +7,10 @@
 //! carries the step's derived idempotency key (`saga_id:step`, or
 //! `saga_id:undo:step` for a compensation), so a repeated call is deduped
 //! by the service. Out of stock is permanent and makes the saga refund;
-//! after the pivot it only retries forward.
+//! once the shipment may have been scheduled it only retries forward. A
+//! refund or a release sends the key of the action it undoes
+//! (`actionKey`), which the service tombstones so a late capture or
+//! reservation is refused.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -35,11 +38,13 @@ pub const STEPS: [&str; 4] = [
     "schedule_shipment",
     "send_receipt",
 ];
-/// Attempts at a compensation or a post-pivot step before the saga is
-/// stuck.
+/// Attempts at a compensation before the saga is stuck (a policy's refusal
+/// is not an attempt).
 pub const STUCK_AFTER: u32 = 8;
-/// Attempts at a step before the pivot before the saga compensates: enough
-/// to outlast an open breaker.
+/// Attempts at a step up to and including the pivot before the saga
+/// compensates (refusals by an open breaker do not count). Once the pivot
+/// may have happened, and after it, the saga retries forward for the
+/// definition's forward budget instead (keel's default, 10 minutes).
 pub const MAX_ATTEMPTS: u32 = 10;
 
 /// What the saga carries from step to step.
@@ -156,8 +161,14 @@ impl Dependencies {
     }
 }
 
+/// The call's error with its class. A policy's refusal keeps the
+/// [`Rejected`](keel_core::Rejected) itself as the cause, so the saga finds its `Retry-After`
+/// (and does not count it as an attempt: the call never left).
 fn classified(err: HttpCallError) -> Classified {
-    Classified::new(err.class(), err)
+    match err.rejected() {
+        Some(rejected) => Classified::new(err.class(), rejected.clone()),
+        None => Classified::new(err.class(), err),
+    }
 }
 
 async fn call(
@@ -218,7 +229,7 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
                     ));
                 }
             }
-            let body = serde_json::json!({"orderId": data.order_id});
+            let body = serde_json::json!({"orderId": data.order_id, "actionKey": ctx.action_key()});
             call(
                 &d.payments,
                 format!("{}/refunds", d.urls.payments),
@@ -250,7 +261,8 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
     let reserve = reserve.compensate_with(move |ctx: Ctx| {
         let d = d.clone();
         async move {
-            let body = serde_json::json!({"orderId": ctx.data().order_id});
+            let body =
+                serde_json::json!({"orderId": ctx.data().order_id, "actionKey": ctx.action_key()});
             call(
                 &d.inventory,
                 format!("{}/releases", d.urls.inventory),
@@ -292,7 +304,7 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
     SagaDefinition::builder(SAGA)
         .step(capture.timeout(timeout).max_attempts(MAX_ATTEMPTS))
         .step(reserve.timeout(timeout).max_attempts(MAX_ATTEMPTS))
-        .pivot(ship.timeout(timeout))
+        .pivot(ship.timeout(timeout).max_attempts(MAX_ATTEMPTS))
         .step(receipt.timeout(timeout))
         .backoff(backoff)
         .stuck_after(STUCK_AFTER)

@@ -5,7 +5,9 @@
 //! but are called over HTTP through the policy pipeline, exactly as remote
 //! services would be. Each dedupes by the `Idempotency-Key` it receives:
 //! the effect is a row in `shop_effects`, unique per key, so a retried
-//! capture charges once. Payments can be made flaky on a schedule
+//! capture charges once. A refund or a release names the key of the action
+//! it undoes and tombstones it: that action, arriving late, is refused with
+//! `409` instead of landing after its undo. Payments can be made flaky on a schedule
 //! ([`PaymentsFaults`]): it fails with `503`, then answers too slowly, then
 //! recovers.
 
@@ -23,7 +25,7 @@ use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::db::{Reservation, ShopDb};
+use super::db::{Capture, Reservation, ShopDb};
 use super::model::Item;
 
 /// When the payments service misbehaves: from the `start_after`-th
@@ -122,9 +124,29 @@ struct OrderRef {
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Capture {
+struct CaptureRequest {
     order_id: String,
     amount_cents: i64,
+}
+
+/// A compensation: the order, and the idempotency key of the action it
+/// undoes, which it tombstones so that action is refused if it arrives
+/// late.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Undo {
+    order_id: String,
+    action_key: String,
+}
+
+/// `409`: the action's key was undone before the action arrived.
+fn undone(key: &str) -> Response {
+    Problem::new(
+        StatusCode::CONFLICT,
+        format!("`{key}` was compensated before this request arrived: refused"),
+    )
+    .with_type("urn:keel:shop:undone")
+    .into_response()
 }
 
 #[derive(Deserialize)]
@@ -182,7 +204,7 @@ async fn capture<S: ShopDb>(
         }
         Mode::Healthy => {}
     }
-    let (key, req) = match (key(&headers), parse::<Capture>(&body)) {
+    let (key, req) = match (key(&headers), parse::<CaptureRequest>(&body)) {
         (Ok(k), Ok(r)) => (k, r),
         (Err(e), _) | (_, Err(e)) => return e.into_response(),
     };
@@ -194,7 +216,8 @@ async fn capture<S: ShopDb>(
         .capture(&key, &req.order_id, req.amount_cents)
         .await
     {
-        Ok(new) => applied(new),
+        Ok(Capture::Charged(new)) => applied(new),
+        Ok(Capture::Undone) => undone(&key),
         Err(e) => unavailable(e),
     }
 }
@@ -204,11 +227,11 @@ async fn refund<S: ShopDb>(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let (key, req) = match (key(&headers), parse::<OrderRef>(&body)) {
+    let (key, req) = match (key(&headers), parse::<Undo>(&body)) {
         (Ok(k), Ok(r)) => (k, r),
         (Err(e), _) | (_, Err(e)) => return e.into_response(),
     };
-    match state.db.refund(&key, &req.order_id).await {
+    match state.db.refund(&key, &req.order_id, &req.action_key).await {
         Ok(new) => applied(new),
         Err(e) => unavailable(e),
     }
@@ -225,6 +248,7 @@ async fn reserve<S: ShopDb>(
     };
     match state.db.reserve(&key, &req.order_id, &req.items).await {
         Ok(Reservation::Reserved) => applied(true),
+        Ok(Reservation::Undone) => undone(&key),
         Ok(Reservation::OutOfStock(sku)) => {
             Problem::new(StatusCode::CONFLICT, format!("out of stock: {sku}"))
                 .with_type("urn:keel:shop:out-of-stock")
@@ -239,11 +263,11 @@ async fn release<S: ShopDb>(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let (key, req) = match (key(&headers), parse::<OrderRef>(&body)) {
+    let (key, req) = match (key(&headers), parse::<Undo>(&body)) {
         (Ok(k), Ok(r)) => (k, r),
         (Err(e), _) | (_, Err(e)) => return e.into_response(),
     };
-    match state.db.release(&key, &req.order_id).await {
+    match state.db.release(&key, &req.order_id, &req.action_key).await {
         Ok(new) => applied(new),
         Err(e) => unavailable(e),
     }

@@ -151,6 +151,11 @@ pub struct SagaJson {
     pub step_name: Option<String>,
     /// Failed attempts at the current step.
     pub attempts: u32,
+    /// Whether an attempt at the current step may have taken effect (it
+    /// timed out or lost its reply): check the dependency under the step's
+    /// key before telling the saga otherwise.
+    #[serde(default)]
+    pub outcome_unknown: bool,
     /// The last error.
     pub last_error: Option<String>,
     /// When it was started.
@@ -177,6 +182,7 @@ impl From<SagaView> for SagaJson {
             step: r.step,
             step_name: view.step_name,
             attempts: r.attempts,
+            outcome_unknown: r.outcome_unknown,
             last_error: r.last_error,
             created_at: r.created_at,
             updated_at: r.updated_at,

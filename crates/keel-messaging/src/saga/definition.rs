@@ -26,9 +26,25 @@ pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(30);
 /// compensates.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
-/// Attempts at a step after the pivot, or at a compensation, before the saga
-/// is marked stuck for an operator.
+/// Attempts at a compensation before the saga is marked stuck for an
+/// operator.
 pub const DEFAULT_STUCK_AFTER: u32 = 10;
+
+/// How long a saga retries forward (a step after the pivot, or a pivot that
+/// may have happened) with the same idempotency key before it is marked
+/// stuck for an operator. Counted from the step's first attempt.
+///
+/// Why a time and not a count: a brown-out of the dependency (an open
+/// breaker, a wave of 503s, slow answers) lasts a time, whatever the number
+/// of attempts it eats; and after the pivot there is no alternative to
+/// going forward, so the saga keeps trying for as long as an operator would
+/// reasonably wait before looking.
+pub const DEFAULT_FORWARD_BUDGET: Duration = Duration::from_secs(10 * 60);
+
+/// How long a saga waits after a policy refused its call (breaker open,
+/// bulkhead full, retry budget empty) when the refusal names no
+/// `Retry-After`. A refusal is not an attempt: the call never left.
+pub const DEFAULT_REFUSAL_WAIT: Duration = Duration::from_secs(1);
 
 /// The data a saga carries from step to step: serializable (it is persisted
 /// after every step) and cloneable.
@@ -79,6 +95,18 @@ impl<D: Clone> StepContext<D> {
         &self.idempotency_key
     }
 
+    /// The idempotency key of the step's *action* (`saga_id:step`), also in
+    /// a compensation: the key the compensation must leave a tombstone
+    /// under. An action whose reply was lost may still be on its way (a
+    /// retried request in a proxy, a queue): if it arrives after its undo,
+    /// the dependency must refuse it, or the refund lands before the charge
+    /// and the charge stays. So a compensation records "`action_key` is
+    /// undone" in the same transaction as its effect (even when there was
+    /// nothing to undo), and the action refuses a tombstoned key.
+    pub fn action_key(&self) -> String {
+        format!("{}:{}", self.saga_id, self.step)
+    }
+
     /// Which attempt at this call this is (1 the first time).
     pub fn attempt(&self) -> u32 {
         self.attempt
@@ -118,9 +146,19 @@ where
 ///
 /// Errors are classified with [`keel_core::error::classify`]: wrap them in
 /// [`Classified::retryable`] (did not take effect, try again) or
-/// [`Classified::outcome_unknown`] (may have taken effect); anything else is
-/// permanent. Both action and compensation must be idempotent under their
-/// key: each can run more than once.
+/// [`Classified::outcome_unknown`] (may have taken effect); a policy's
+/// [`Rejected`](keel_core::Rejected) refusal (breaker open, bulkhead full,
+/// budget empty) is not an attempt and waits its `Retry-After`; anything
+/// else (permanent, or unclassified) is not retried. Both action and
+/// compensation must be idempotent under their key: each can run more than
+/// once.
+///
+/// An attempt of unknown outcome is remembered on the saga record: the
+/// step is compensated if the saga turns back, even if later attempts fail
+/// in ways that say nothing was done, because the first may have been.
+/// The compensation must therefore tolerate an action that never happened,
+/// and leave a tombstone under [`StepContext::action_key`] so a late
+/// action is refused.
 pub struct Step<D> {
     name: Arc<str>,
     action: StepFn<D>,
@@ -159,7 +197,12 @@ impl<D: SagaData> Step<D> {
 
     /// The compensation that undoes this step. It must tolerate being
     /// called for an action that never took effect (a timed-out action is
-    /// compensated because it *may* have).
+    /// compensated because it *may* have), and it must leave a tombstone
+    /// under the action's key ([`StepContext::action_key`]) so that the
+    /// dependency refuses the action if it arrives after its undo. It
+    /// cannot count on what the action recorded with
+    /// [`StepContext::update`]: an action that may have happened never
+    /// reported, so find what to undo by the action's key.
     pub fn compensate_with<F, Fut, E>(mut self, compensation: F) -> Self
     where
         F: Fn(StepContext<D>) -> Fut + Send + Sync + 'static,
@@ -178,11 +221,11 @@ impl<D: SagaData> Step<D> {
         self
     }
 
-    /// Attempts before the saga gives up on this step (default 3). Up to
-    /// and including the pivot, giving up means compensating (or, for a
-    /// pivot whose last attempt has an unknown outcome, stuck); after the
-    /// pivot the saga's [`stuck_after`](SagaDefinitionBuilder::stuck_after)
-    /// applies instead.
+    /// Attempts before the saga gives up on this step and compensates
+    /// (default 3; refusals by a policy do not count). Only for a step that
+    /// can still turn back: once a pivot may have happened, and for every
+    /// step after it, the saga retries forward for its
+    /// [`forward_budget`](SagaDefinitionBuilder::forward_budget) instead.
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
@@ -196,7 +239,8 @@ impl<D: SagaData> Step<D> {
 /// shipment). Before it, a step that keeps failing makes the saga undo the
 /// completed steps in reverse order; after it, there is no way back, so the
 /// saga retries forward with backoff and is marked stuck for a human if it
-/// keeps failing. The pivot itself has no compensation.
+/// keeps failing. The pivot itself has no compensation: once an attempt at
+/// it may have happened (it timed out), it too only goes forward.
 pub struct SagaDefinition<D> {
     inner: Arc<DefinitionInner<D>>,
 }
@@ -233,6 +277,8 @@ pub struct SagaDefinitionBuilder<D> {
     problems: Vec<String>,
     backoff: Backoff,
     stuck_after: u32,
+    forward_budget: Duration,
+    refusal_wait: Duration,
 }
 
 impl<D> fmt::Debug for SagaDefinitionBuilder<D> {
@@ -254,6 +300,8 @@ impl<D: SagaData> SagaDefinition<D> {
             problems: Vec::new(),
             backoff: Backoff::default(),
             stuck_after: DEFAULT_STUCK_AFTER,
+            forward_budget: DEFAULT_FORWARD_BUDGET,
+            refusal_wait: DEFAULT_REFUSAL_WAIT,
         }
     }
 
@@ -310,10 +358,27 @@ impl<D: SagaData> SagaDefinitionBuilder<D> {
         self
     }
 
-    /// Attempts at a step after the pivot, or at a compensation, before the
-    /// saga is marked stuck (default 10).
+    /// Attempts at a compensation before the saga is marked stuck (default
+    /// 10; refusals by a policy do not count).
     pub fn stuck_after(mut self, attempts: u32) -> Self {
         self.stuck_after = attempts.max(1);
+        self
+    }
+
+    /// How long the saga retries forward, with the same idempotency key,
+    /// at a step after the pivot or at a pivot that may have happened,
+    /// before it is marked stuck for an operator (default
+    /// [`DEFAULT_FORWARD_BUDGET`], 10 minutes, from the step's first
+    /// attempt). It is never compensated past the pivot.
+    pub fn forward_budget(mut self, budget: Duration) -> Self {
+        self.forward_budget = budget;
+        self
+    }
+
+    /// How long to wait after a policy refused a call without naming a
+    /// `Retry-After` (default [`DEFAULT_REFUSAL_WAIT`], 1 s).
+    pub fn refusal_wait(mut self, wait: Duration) -> Self {
+        self.refusal_wait = wait;
         self
     }
 
@@ -363,6 +428,8 @@ impl<D: SagaData> SagaDefinitionBuilder<D> {
             pivot: self.pivot,
             stuck_after: self.stuck_after,
             backoff: self.backoff,
+            forward_budget: self.forward_budget,
+            refusal_wait: self.refusal_wait,
         };
         Ok(SagaDefinition {
             inner: Arc::new(DefinitionInner {

@@ -12,7 +12,20 @@
 //!   compensation (before the pivot) keeps failing; an operator decides.
 //! - `attempts`: attempts *started* at the current call. It is counted when
 //!   the call is claimed, before it runs, so an orchestrator that crashes on
-//!   every attempt (a poison step) still runs out of attempts.
+//!   every attempt (a poison step) still runs out of attempts. A refusal by
+//!   a policy (breaker open, bulkhead full, budget empty: the call never
+//!   left) gives its attempt back and waits the refusal's `Retry-After`.
+//! - `outcome_unknown`: the current step's action may have taken effect.
+//!   The claim sets it (whatever happens to this process now, the call may
+//!   land), and the outcome keeps it only if an earlier attempt was already
+//!   unknown or this one is: a timeout followed by 503s is still "maybe
+//!   applied". The direction is decided by everything that happened at the
+//!   step, not by its last attempt: compensation includes a maybe-applied
+//!   step, and a maybe-applied pivot only goes forward.
+//! - `first_attempt_at`: when the first attempt at the current call was
+//!   claimed. Forward recovery (at or past the pivot) retries with the same
+//!   key until the definition's forward budget has passed since then, and only
+//!   then parks the saga as stuck; it never compensates past the pivot.
 //! - `next_attempt_at`: when the saga is due; while a call runs it is the
 //!   claim's lease (step timeout plus grace), so other orchestrators leave
 //!   it alone, and a crashed one's saga becomes due again when it expires.
@@ -45,6 +58,12 @@ pub(crate) struct Shape {
     pub(crate) pivot: Option<usize>,
     pub(crate) stuck_after: u32,
     pub(crate) backoff: Backoff,
+    /// How long forward recovery retries a step at or past the pivot
+    /// before the saga is stuck.
+    pub(crate) forward_budget: Duration,
+    /// How long to wait after a policy's refusal that names no
+    /// `Retry-After`.
+    pub(crate) refusal_wait: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -60,22 +79,29 @@ impl Shape {
         self.steps.len()
     }
 
-    /// Whether step `i` comes after the pivot (no way back).
-    fn past_pivot(&self, i: usize) -> bool {
-        self.pivot.is_some_and(|p| i > p)
+    /// Whether the action of step `i` may only go forward: it comes after
+    /// the pivot, or it is the pivot and may have taken effect. There is no
+    /// way back from either: the shipment may exist.
+    fn forward_only(&self, i: usize, outcome_unknown: bool) -> bool {
+        self.pivot
+            .is_some_and(|p| i > p || (i == p && outcome_unknown))
     }
 
-    fn is_pivot(&self, i: usize) -> bool {
-        self.pivot == Some(i)
-    }
-
-    /// Attempts allowed at `call` before giving up.
+    /// Attempts allowed at `call` before giving up, for the calls bounded
+    /// by a count (forward recovery is bounded by time instead).
     fn attempt_limit(&self, call: Call) -> u32 {
         match call {
-            Call::Action(i) if self.past_pivot(i) => self.stuck_after,
             Call::Action(i) => self.steps[i].max_attempts,
             Call::Compensation(_) => self.stuck_after,
         }
+    }
+
+    /// Whether forward recovery of `record`'s current call has used its
+    /// time budget.
+    fn budget_spent(&self, record: &SagaRecord, now: DateTime<Utc>) -> bool {
+        record
+            .first_attempt_at
+            .is_some_and(|first| now >= first + delta(self.forward_budget))
     }
 
     /// The highest compensable step below `upper`.
@@ -138,11 +164,29 @@ pub(crate) enum Outcome {
     /// It failed.
     Failed {
         /// Retryable: did not take effect. OutcomeUnknown: may have
-        /// (timeouts, crashes). Permanent: will fail the same way again.
+        /// (timeouts, crashes). Rejected: a policy refused it, it never
+        /// left. Permanent (and anything unclassified): will fail the same
+        /// way again.
         class: ErrorClass,
         /// The error, for the operator.
         error: String,
+        /// When the refusing side asked to be tried again, if it did.
+        retry_after: Option<Duration>,
     },
+}
+
+/// A call claimed for a saga: the record saved before the call is made.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Claim {
+    /// The call to make.
+    pub(crate) call: Call,
+    /// The record as claimed: the attempt counted, the lease taken, and,
+    /// for an action, the step marked as maybe applied (from now on the
+    /// call may land, whatever happens to this process).
+    pub(crate) record: SagaRecord,
+    /// Whether the step may have taken effect *before* this attempt: what
+    /// the mark goes back to if this attempt is known not to have landed.
+    pub(crate) unknown_before: bool,
 }
 
 /// What to do with a saga now.
@@ -152,9 +196,9 @@ pub(crate) enum Plan {
     Idle,
     /// Save this record; no call is needed for the transition.
     Save(SagaRecord),
-    /// Save `claimed` (the attempt counted, the lease taken), then make
-    /// `call`, then save what [`decide`] says.
-    Call { call: Call, claimed: SagaRecord },
+    /// Save the claim's record, then make its call, then save what
+    /// [`decide`] says.
+    Call(Claim),
 }
 
 /// What to do with `record` at `now`.
@@ -187,13 +231,20 @@ pub(crate) fn plan(
                 let mut next = bump(record, now);
                 next.step = index_u32(j + 1);
                 next.attempts = 0;
+                next.first_attempt_at = None;
                 return Plan::Save(next);
             }
             Some(j) => Call::Compensation(j),
         },
         _ => return Plan::Idle,
     };
-    if record.attempts >= shape.attempt_limit(call) {
+    let forward = matches!(call, Call::Action(i) if shape.forward_only(i, record.outcome_unknown));
+    let given_up = if forward {
+        shape.budget_spent(record, now)
+    } else {
+        record.attempts >= shape.attempt_limit(call)
+    };
+    if given_up {
         // Every allowed attempt was started and none reported back: the
         // orchestrator crashed or lost its lease each time.
         let outcome = Outcome::Failed {
@@ -203,23 +254,38 @@ pub(crate) fn plan(
                  during each",
                 record.attempts
             ),
+            retry_after: None,
         };
-        return Plan::Save(decide(record, shape, call, outcome, now));
+        let unclaimed = Claim {
+            call,
+            record: record.clone(),
+            unknown_before: record.outcome_unknown,
+        };
+        return Plan::Save(decide(&unclaimed, shape, outcome, now));
     }
     let mut claimed = bump(record, now);
     claimed.attempts = record.attempts.saturating_add(1);
     claimed.next_attempt_at = now + delta(shape.step(call).timeout + lease_grace);
-    Plan::Call { call, claimed }
+    claimed.first_attempt_at.get_or_insert(now);
+    if let Call::Action(_) = call {
+        claimed.outcome_unknown = true;
+    }
+    Plan::Call(Claim {
+        call,
+        record: claimed,
+        unknown_before: record.outcome_unknown,
+    })
 }
 
-/// The record after `call`, claimed in `claimed`, ended with `outcome`.
+/// The record after `claim`'s call ended with `outcome`.
 pub(crate) fn decide(
-    claimed: &SagaRecord,
+    claim: &Claim,
     shape: &Shape,
-    call: Call,
     outcome: Outcome,
     now: DateTime<Utc>,
 ) -> SagaRecord {
+    let claimed = &claim.record;
+    let call = claim.call;
     let mut next = bump(claimed, now);
     next.next_attempt_at = now;
     let attempts = claimed.attempts;
@@ -229,36 +295,65 @@ pub(crate) fn decide(
             next.step = index_u32(i + 1);
             next.attempts = 0;
             next.last_error = None;
+            next.outcome_unknown = false;
+            next.first_attempt_at = None;
             if i + 1 >= shape.len() {
                 next.status = SagaStatus::Completed;
             }
         }
-        (Call::Action(i), Outcome::Failed { class, error }) => {
+        (
+            Call::Action(i),
+            Outcome::Failed {
+                class: ErrorClass::Rejected,
+                error,
+                retry_after,
+            },
+        ) => {
+            // The call never left: not an attempt, and nothing new may
+            // have happened.
             note_error(
                 &mut next,
-                format!("step `{}` attempt {attempts}: {error}", shape.steps[i].name),
+                format!(
+                    "step `{}` refused before it was sent (not counted as an attempt): {error}",
+                    shape.steps[i].name
+                ),
             );
-            let out_of_attempts = attempts >= shape.attempt_limit(call);
-            if shape.past_pivot(i) {
-                // No way back: retry forward until a human must look.
-                if out_of_attempts {
-                    park(&mut next, now);
-                } else {
-                    next.next_attempt_at = now + delta(shape.delay(attempts));
-                }
-            } else if !(out_of_attempts || class == ErrorClass::Permanent) {
-                next.next_attempt_at = now + delta(shape.delay(attempts));
-            } else if shape.is_pivot(i) && class == ErrorClass::OutcomeUnknown {
-                // The pivot may or may not have happened: neither direction
-                // is safe to take alone.
-                park(&mut next, now);
+            next.attempts = attempts.saturating_sub(1);
+            next.outcome_unknown = claim.unknown_before;
+            let wait = retry_after.unwrap_or(shape.refusal_wait);
+            if shape.forward_only(i, claim.unknown_before) {
+                retry_forward(&mut next, shape, wait, now);
             } else {
-                // A call of unknown outcome may have taken effect: undo it too.
-                let upper = if class == ErrorClass::OutcomeUnknown {
-                    i + 1
-                } else {
-                    i
-                };
+                next.next_attempt_at = now + delta(wait);
+            }
+        }
+        (Call::Action(i), Outcome::Failed { class, error, .. }) => {
+            let unknown = claim.unknown_before || class == ErrorClass::OutcomeUnknown;
+            let maybe = if unknown && !claim.unknown_before {
+                " (it may have taken effect)"
+            } else if unknown {
+                " (an earlier attempt may have taken effect)"
+            } else {
+                ""
+            };
+            note_error(
+                &mut next,
+                format!(
+                    "step `{}` attempt {attempts}{maybe}: {error}",
+                    shape.steps[i].name
+                ),
+            );
+            next.outcome_unknown = unknown;
+            if shape.forward_only(i, unknown) {
+                // No way back: retry forward with the same key until the
+                // budget is spent, then a human must look.
+                retry_forward(&mut next, shape, shape.delay(attempts), now);
+            } else if worth_retrying(class) && attempts < shape.attempt_limit(call) {
+                next.next_attempt_at = now + delta(shape.delay(attempts));
+            } else {
+                // Undo everything done, and this step too if any attempt
+                // at it may have taken effect.
+                let upper = if unknown { i + 1 } else { i };
                 enter_compensation(&mut next, shape, upper);
             }
         }
@@ -266,23 +361,59 @@ pub(crate) fn decide(
             next.data = data;
             enter_compensation(&mut next, shape, j);
         }
-        (Call::Compensation(j), Outcome::Failed { class, error }) => {
+        (
+            Call::Compensation(j),
+            Outcome::Failed {
+                class,
+                error,
+                retry_after,
+            },
+        ) => {
+            let refused = class == ErrorClass::Rejected;
+            let what = if refused {
+                "refused before it was sent (not counted as an attempt)".to_owned()
+            } else {
+                format!("attempt {attempts}")
+            };
             note_error(
                 &mut next,
-                format!(
-                    "compensation of `{}` attempt {attempts}: {error}",
-                    shape.steps[j].name
-                ),
+                format!("compensation of `{}` {what}: {error}", shape.steps[j].name),
             );
-            if attempts >= shape.attempt_limit(call) || class == ErrorClass::Permanent {
+            if refused {
+                next.attempts = attempts.saturating_sub(1);
+                next.next_attempt_at = now + delta(retry_after.unwrap_or(shape.refusal_wait));
+            } else if worth_retrying(class) && attempts < shape.attempt_limit(call) {
+                next.next_attempt_at = now + delta(shape.delay(attempts));
+            } else {
                 park(&mut next, now);
                 next.step = index_u32(j);
-            } else {
-                next.next_attempt_at = now + delta(shape.delay(attempts));
             }
         }
     }
     next
+}
+
+/// Forward recovery: the next attempt after `wait`, or stuck if it would
+/// start after the budget (counted from the call's first attempt) is spent.
+fn retry_forward(record: &mut SagaRecord, shape: &Shape, wait: Duration, now: DateTime<Utc>) {
+    let at = now + delta(wait);
+    if shape.budget_spent(record, at) {
+        let budget = shape.forward_budget;
+        record.last_error = Some(format!(
+            "{}; gave up going forward after its budget of {budget:?}: an operator must retry \
+             it (it cannot be compensated)",
+            record.last_error.as_deref().unwrap_or("no error")
+        ));
+        park(record, now);
+    } else {
+        record.next_attempt_at = at;
+    }
+}
+
+/// Whether a failure of `class` may go away by trying again. Permanent
+/// failures and anything nobody classified are not retried.
+fn worth_retrying(class: ErrorClass) -> bool {
+    matches!(class, ErrorClass::Retryable | ErrorClass::OutcomeUnknown)
 }
 
 /// An operator's retry of a stuck saga: attempts reset, due now, in the
@@ -301,12 +432,38 @@ pub(crate) fn retry(
     let mut next = bump(record, now);
     next.attempts = 0;
     next.next_attempt_at = now;
+    // A fresh budget for forward recovery.
+    next.first_attempt_at = None;
     if shape.pivot.is_some_and(|p| record.step as usize >= p) {
         next.status = SagaStatus::Running;
     } else {
         next.status = SagaStatus::Compensating;
         next.step = record.step.saturating_add(1);
     }
+    Ok(next)
+}
+
+/// An operator's word that the stuck step's action did *not* take effect
+/// (they looked it up at the dependency, under the step's key, and made
+/// sure it never will): the mark is cleared and the saga is due now, with
+/// fresh attempts, so the machine decides again knowing that. A pivot that
+/// keeps refusing then turns back and compensates.
+pub(crate) fn confirm_not_applied(
+    record: &SagaRecord,
+    now: DateTime<Utc>,
+) -> Result<SagaRecord, SagaError> {
+    if record.status != SagaStatus::Stuck {
+        return Err(SagaError::NotStuck {
+            id: record.id.clone(),
+            status: record.status,
+        });
+    }
+    let mut next = bump(record, now);
+    next.status = SagaStatus::Running;
+    next.outcome_unknown = false;
+    next.attempts = 0;
+    next.first_attempt_at = None;
+    next.next_attempt_at = now;
     Ok(next)
 }
 
@@ -318,7 +475,7 @@ pub(crate) fn cancel(
     now: DateTime<Utc>,
 ) -> Result<Option<SagaRecord>, SagaError> {
     let i = record.step as usize;
-    let past_pivot = |started: bool| shape.pivot.is_some_and(|p| i > p || (i == p && started));
+    let past_pivot = |maybe_applied: bool| shape.forward_only(i, maybe_applied);
     let mut next = bump(record, now);
     match record.status {
         s if s.is_terminal() => {
@@ -336,11 +493,12 @@ pub(crate) fn cancel(
             next.attempts = 0;
             next.next_attempt_at = now;
         }
-        _ if past_pivot(record.attempts > 0) => return Err(past_pivot_error(record, shape)),
+        _ if past_pivot(record.outcome_unknown) => return Err(past_pivot_error(record, shape)),
         _ => {
             // An attempt at step i may be running or may have taken
-            // effect: undo it too, but not before its lease ends.
-            let started = record.attempts > 0;
+            // effect: undo it too, but not before its lease (or backoff)
+            // ends.
+            let started = record.outcome_unknown;
             let upper = if started { i + 1 } else { i };
             let due = if started {
                 record.next_attempt_at.max(now)
@@ -393,6 +551,9 @@ fn note_error(record: &mut SagaRecord, error: String) {
 fn enter_compensation(record: &mut SagaRecord, shape: &Shape, upper: usize) {
     record.status = SagaStatus::Compensating;
     record.attempts = 0;
+    record.first_attempt_at = None;
+    // Folded into `upper`: the step is undone if it may have happened.
+    record.outcome_unknown = false;
     match shape.compensable_below(upper) {
         Some(j) => record.step = index_u32(j + 1),
         None => {

@@ -19,17 +19,32 @@
 //!   resumable.
 //! - **A pivot**: the point of no return. Before it, a step that keeps
 //!   failing (after its retries, or at once for a permanent error) makes
-//!   the saga compensate. After it, the saga retries forward with backoff
-//!   and is marked **stuck** after a limit, visibly, until an operator
-//!   retries it. A pivot whose outcome is unknown (it timed out every
-//!   time) is stuck too: neither direction is safe to take alone.
-//! - **A timeout per step**; a call that exceeds it counts as a failure of
-//!   unknown outcome, and a step of unknown outcome is compensated along
-//!   with the others, because it may have happened.
+//!   the saga compensate. Once the pivot succeeded, or an attempt at it
+//!   may have happened, the saga only goes forward: it retries with the
+//!   same key for a time budget ([`DEFAULT_FORWARD_BUDGET`]) and is then
+//!   marked **stuck**, visibly, until an operator retries it. It is never
+//!   compensated past the pivot.
+//! - **An unknown outcome is never forgotten.** A call that exceeds its
+//!   timeout (or loses its reply, or dies with the orchestrator) may have
+//!   happened: the saga record says so (`outcome_unknown`, persisted), the
+//!   call is retried with the same key, and if the saga turns back, the
+//!   step is compensated with the others, however the later attempts
+//!   failed. The direction is decided by everything that happened at a
+//!   step, not by its last attempt.
+//! - **A refusal is not an attempt.** A policy that refuses a call (breaker
+//!   open, bulkhead full, retry budget empty, rate limited) never let it
+//!   leave: the attempt is given back and the saga waits the refusal's
+//!   `Retry-After` ([`DEFAULT_REFUSAL_WAIT`] if it has none).
+//! - **Tombstones.** A compensation leaves a tombstone under the action's
+//!   key ([`StepContext::action_key`]) and the action refuses a tombstoned
+//!   key, so an action that arrives late (after its undo) cannot land.
+//!   That part is the dependency's: Keel cannot do it for you.
 //! - **A dashboard of in-flight sagas by state and age**
 //!   ([`SagaOrchestrator::list`], [`SagaOrchestrator::counts`]) and
 //!   **manual retry and cancel** ([`SagaOrchestrator::retry`],
-//!   [`SagaOrchestrator::cancel`]; cancel is refused past the pivot).
+//!   [`SagaOrchestrator::cancel`]; cancel is refused past the pivot), and
+//!   [`SagaOrchestrator::confirm_not_applied`] for an operator who checked
+//!   that a stuck step's action of unknown outcome did not happen.
 //!
 //! Every saga ends `completed`, fully `compensated` (or `cancelled`), or
 //! `stuck` with the reason in `last_error`. Metrics: `keel_saga_total{saga,
@@ -86,8 +101,8 @@ mod machine;
 mod orchestrator;
 
 pub use definition::{
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_STEP_TIMEOUT, DEFAULT_STUCK_AFTER, SagaData, SagaDefinition,
-    SagaDefinitionBuilder, Step, StepContext,
+    DEFAULT_FORWARD_BUDGET, DEFAULT_MAX_ATTEMPTS, DEFAULT_REFUSAL_WAIT, DEFAULT_STEP_TIMEOUT,
+    DEFAULT_STUCK_AFTER, SagaData, SagaDefinition, SagaDefinitionBuilder, Step, StepContext,
 };
 pub use error::SagaError;
 pub use keel_policy::retry::{Backoff, Jitter};

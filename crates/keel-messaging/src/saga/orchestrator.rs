@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use keel_core::Deadline;
-use keel_core::error::{classify, report};
+use keel_core::error::{classify, find_cause, report};
+use keel_core::{Deadline, Rejected};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -209,6 +209,8 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             step: 0,
             data: serde_json::to_value(data).map_err(SagaError::Data)?,
             attempts: 0,
+            outcome_unknown: false,
+            first_attempt_at: None,
             last_error: None,
             next_attempt_at: now,
             created_at: now,
@@ -345,6 +347,24 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         Ok(next)
     }
 
+    /// Tells a saga stuck in forward recovery that its step's action did
+    /// not take effect after all: an operator looked it up at the
+    /// dependency under the step's idempotency key (`saga_id:step`) and
+    /// made sure it never will (a tombstone, a cancelled request). The
+    /// "maybe applied" mark is cleared and the saga runs again with fresh
+    /// attempts; at the pivot it may now turn back and compensate.
+    ///
+    /// Only a stuck saga can be told this (so no attempt is in flight).
+    /// Getting it wrong undoes the steps before a pivot that happened: the
+    /// shipment leaves with the payment refunded.
+    pub async fn confirm_not_applied(&self, id: &str) -> Result<SagaRecord, SagaError> {
+        let record = self.load(id).await?;
+        let next = machine::confirm_not_applied(&record, Utc::now())?;
+        self.save_operator_change(&record, &next, "confirmed not applied")
+            .await?;
+        Ok(next)
+    }
+
     /// Cancels a saga that has not reached its pivot: what it did is
     /// compensated in reverse order, and it ends `cancelled`. A saga past
     /// its pivot is refused with [`SagaError::PastPivot`]. A call in flight
@@ -434,11 +454,12 @@ impl<S: SagaStore> SagaOrchestrator<S> {
                         }
                         record = next;
                     }
-                    Plan::Call { call, claimed } => {
-                        if !self.save(&record, &claimed).await? {
+                    Plan::Call(claim) => {
+                        if !self.save(&record, &claim.record).await? {
                             break;
                         }
-                        record = claimed;
+                        let call = claim.call;
+                        record = claim.record.clone();
                         crash_point("keel-saga-after-claim", &record.id)?;
                         let outcome = self.execute(saga.as_ref(), call, &record).await;
                         crash_point(
@@ -448,8 +469,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
                             },
                             &record.id,
                         )?;
-                        let next =
-                            machine::decide(&record, saga.shape(), call, outcome, Utc::now());
+                        let next = machine::decide(&claim, saga.shape(), outcome, Utc::now());
                         if !self.save(&record, &next).await? {
                             break;
                         }
@@ -479,23 +499,25 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let fut = Deadline::after(timeout).scope(saga.call(call, record, key));
         let (outcome, label) = match tokio::time::timeout(timeout, fut).await {
             Ok(Ok(data)) => (Outcome::Done(data), "ok"),
-            Ok(Err(e)) => (
-                Outcome::Failed {
-                    class: match classify(e.as_ref()) {
-                        // A step error nobody classified is not known to be
-                        // safe to repeat: as documented on `Step`, it is
-                        // treated as permanent (not retried, compensated).
-                        keel_core::ErrorClass::Unclassified => keel_core::ErrorClass::Permanent,
-                        class => class,
-                    },
+            Ok(Err(e)) => {
+                let class = classify(e.as_ref());
+                let label = if class == keel_core::ErrorClass::Rejected {
+                    "refused"
+                } else {
+                    "error"
+                };
+                let failed = Outcome::Failed {
+                    class,
                     error: report(e.as_ref()),
-                },
-                "error",
-            ),
+                    retry_after: find_cause::<Rejected>(e.as_ref()).and_then(Rejected::retry_after),
+                };
+                (failed, label)
+            }
             Err(_) => (
                 Outcome::Failed {
                     class: keel_core::ErrorClass::OutcomeUnknown,
                     error: format!("timed out after {timeout:?}"),
+                    retry_after: None,
                 },
                 "timeout",
             ),
@@ -505,7 +527,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let mut labels = labels.to_vec();
         labels.push(("outcome", label.to_owned()));
         metrics::counter!("keel_saga_calls_total", &labels).increment(1);
-        if let Outcome::Failed { error, class } = &outcome {
+        if let Outcome::Failed { error, class, .. } = &outcome {
             tracing::warn!(step = %step.name, call = call.kind(), ?class, %error, "saga call failed");
         }
         outcome

@@ -225,16 +225,49 @@ enum Behaviour {
     Hang,
 }
 
-/// Fake downstream services that dedupe on the idempotency key, and a
-/// ledger of what they were asked and what they did.
+/// One scripted answer of a fake service, taken before its behaviour.
+#[derive(Debug, Clone, Copy)]
+enum Reply {
+    /// Does the work, then the reply is lost: the caller times out.
+    ApplyThenHang,
+    /// The request is held up on its way (nothing done yet): the caller
+    /// times out.
+    Lost,
+    /// `503`: nothing done this time.
+    Unavailable,
+    /// `4xx`: nothing done, and it will not be.
+    Permanent,
+    /// The caller's breaker is open: the call never left.
+    BreakerOpen { retry_after: Duration },
+}
+
+/// Fake downstream services that dedupe on the idempotency key, refuse an
+/// action whose key a compensation tombstoned, and keep a ledger of what
+/// they were asked and what they did.
 #[derive(Default)]
 struct Services {
     behaviour: Mutex<HashMap<String, Behaviour>>,
+    scripts: Mutex<HashMap<String, std::collections::VecDeque<Reply>>>,
+    tombstones: Mutex<std::collections::HashSet<String>>,
     calls: Mutex<Vec<String>>,
     effects: Mutex<Vec<String>>,
 }
 
 impl Services {
+    /// The next answers for `step`, in order; then its behaviour applies.
+    fn script(&self, step: &str, replies: &[Reply]) {
+        self.scripts
+            .lock()
+            .insert(step.to_owned(), replies.iter().copied().collect());
+    }
+
+    /// A compensation: leaves a tombstone under `action_key` (whether or
+    /// not the action happened), then undoes under `key`.
+    async fn undo(&self, step: &str, key: &str, action_key: String) -> Result<(), BoxError> {
+        self.tombstones.lock().insert(action_key);
+        self.call(step, key).await
+    }
+
     fn set(&self, step: &str, b: Behaviour) {
         self.behaviour.lock().insert(step.to_owned(), b);
     }
@@ -245,6 +278,35 @@ impl Services {
 
     async fn call(&self, step: &str, key: &str) -> Result<(), BoxError> {
         self.calls.lock().push(key.to_owned());
+        if self.tombstones.lock().contains(key) {
+            return Err(Classified::permanent(format!("{key} was undone: refused")).into());
+        }
+        let reply = self
+            .scripts
+            .lock()
+            .get_mut(step)
+            .and_then(|s| s.pop_front());
+        match reply {
+            Some(Reply::ApplyThenHang) => {
+                self.apply(key);
+                std::future::pending::<()>().await;
+            }
+            Some(Reply::Lost) => std::future::pending::<()>().await,
+            Some(Reply::Unavailable) => {
+                return Err(Classified::retryable(format!("{step}: 503")).into());
+            }
+            Some(Reply::Permanent) => {
+                return Err(Classified::permanent(format!("{step}: 422")).into());
+            }
+            Some(Reply::BreakerOpen { retry_after }) => {
+                return Err(keel_core::Rejected::CircuitOpen {
+                    name: step.into(),
+                    retry_after,
+                }
+                .into());
+            }
+            None => {}
+        }
         let behaviour = self.behaviour.lock().get(step).copied();
         match behaviour {
             Some(Behaviour::Hang) => std::future::pending().await,
@@ -255,11 +317,15 @@ impl Services {
             }
             _ => {}
         }
+        self.apply(key);
+        Ok(())
+    }
+
+    fn apply(&self, key: &str) {
         let mut effects = self.effects.lock();
         if !effects.iter().any(|k| k == key) {
             effects.push(key.to_owned());
         }
-        Ok(())
     }
 
     fn calls(&self) -> Vec<String> {
@@ -298,22 +364,34 @@ fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
     step(svc, name).compensate_with(move |ctx: StepContext<Order>| {
         let svc = undo.clone();
         async move {
-            if name == "capture_payment" {
-                // The refund needs what the capture recorded.
-                assert!(ctx.data().payment_id.is_some(), "payment id persisted");
+            if name == "capture_payment" && ctx.data().payment_id.is_none() {
+                // A capture that never reported recorded nothing in the
+                // data: the refund goes by the capture's key.
+                assert_eq!(
+                    ctx.action_key(),
+                    format!("{}:capture_payment", ctx.saga_id())
+                );
             }
-            svc.call(&format!("undo_{name}"), ctx.idempotency_key())
-                .await
+            svc.undo(
+                &format!("undo_{name}"),
+                ctx.idempotency_key(),
+                ctx.action_key(),
+            )
+            .await
         }
     })
 }
 
 /// Seed 000's saga.
 fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
-    seed_saga_with(svc, Duration::from_millis(1))
+    seed_saga_with(svc, Duration::from_millis(1), DEFAULT_FORWARD_BUDGET)
 }
 
-fn seed_saga_with(svc: &Arc<Services>, first_backoff: Duration) -> SagaDefinition<Order> {
+fn seed_saga_with(
+    svc: &Arc<Services>,
+    first_backoff: Duration,
+    forward_budget: Duration,
+) -> SagaDefinition<Order> {
     SagaDefinition::builder("order_fulfilment")
         .step(compensable(svc, "capture_payment"))
         .step(compensable(svc, "reserve_stock"))
@@ -326,6 +404,7 @@ fn seed_saga_with(svc: &Arc<Services>, first_backoff: Duration) -> SagaDefinitio
                 .unwrap(),
         )
         .stuck_after(3)
+        .forward_budget(forward_budget)
         .build()
         .unwrap()
 }
@@ -391,6 +470,20 @@ impl World {
                 return record;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("saga {id} did not settle");
+    }
+
+    /// Drives the saga until it finishes or sticks, with every backoff,
+    /// lease and `Retry-After` passed at once (the clock is paused, so
+    /// step timeouts pass at once too).
+    async fn settle_now(&self, id: &str) -> SagaRecord {
+        for _ in 0..200 {
+            let record = self.orch.drive(id).await.unwrap();
+            if record.status.is_terminal() || record.status == SagaStatus::Stuck {
+                return record;
+            }
+            self.store.expire_waits();
         }
         panic!("saga {id} did not settle");
     }
@@ -460,19 +553,43 @@ async fn transient_failures_are_retried_with_the_same_key() {
 }
 
 #[tokio::test]
-async fn after_the_pivot_it_retries_forward_then_sticks_until_an_operator_retries() {
+async fn after_the_pivot_it_retries_forward_past_any_count_then_sticks_until_an_operator_retries() {
+    // Forward recovery is bounded by time, not by `stuck_after` (3 here).
     let w = world();
+    w.svc.set("send_receipt", Behaviour::FailTimes(5));
+    w.start("A-4a").await;
+    assert_eq!(w.settle("A-4a").await.status, SagaStatus::Completed);
+    let receipts = |id: &str| {
+        let key = format!("{id}:send_receipt");
+        w.svc.calls().iter().filter(|k| **k == key).count()
+    };
+    assert_eq!(receipts("A-4a"), 6, "the same key, until it worked");
+
+    // With its budget spent, it is stuck for an operator.
+    let def = seed_saga_with(&w.svc, Duration::from_millis(1), Duration::ZERO);
+    let w = World {
+        orch: orchestrator(&w.store, &def),
+        def,
+        ..w
+    };
     w.svc.set("send_receipt", Behaviour::FailTimes(100));
     w.start("A-4").await;
     let stuck = w.settle("A-4").await;
     assert_eq!((stuck.status, stuck.step), (SagaStatus::Stuck, 3));
+    assert!(
+        stuck
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("gave up going forward")
+    );
     assert_eq!(
         w.svc
             .calls()
             .iter()
             .filter(|k| *k == "A-4:send_receipt")
             .count(),
-        3
+        1
     );
     let views = w
         .orch
@@ -523,11 +640,160 @@ async fn a_step_that_times_out_counts_as_failed_and_may_have_happened_so_is_undo
     assert!(effects.contains(&"A-5:undo:capture_payment".to_owned()));
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_pivot_that_timed_out_after_shipping_then_met_two_breaker_refusals_completes() {
+    let w = world();
+    let open = Reply::BreakerOpen {
+        retry_after: Duration::from_secs(30),
+    };
+    w.svc
+        .script("schedule_shipment", &[Reply::ApplyThenHang, open, open]);
+    w.start("B-1").await;
+    let done = w.settle_now("B-1").await;
+    assert_eq!(done.status, SagaStatus::Completed, "{:?}", done.last_error);
+    assert_eq!(
+        w.svc.effects(),
+        keys(
+            "B-1",
+            &[
+                "capture_payment",
+                "reserve_stock",
+                "schedule_shipment",
+                "send_receipt"
+            ]
+        ),
+        "shipped once, nothing refunded or released"
+    );
+    let calls = w.svc.calls();
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|k| *k == "B-1:schedule_shipment")
+            .count(),
+        4,
+        "the same key each time: {calls:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refusal_waits_its_retry_after_and_does_not_use_an_attempt() {
+    let w = world();
+    let open = Reply::BreakerOpen {
+        retry_after: Duration::from_secs(30),
+    };
+    w.svc.script("capture_payment", &[open]);
+    w.start("B-2").await;
+    let before = Utc::now();
+    let waiting = w.orch.drive("B-2").await.unwrap();
+    assert_eq!((waiting.status, waiting.step), (SagaStatus::Running, 0));
+    assert_eq!(waiting.attempts, 0, "the call never left");
+    let wait = waiting.next_attempt_at - before;
+    assert!(
+        wait >= chrono::TimeDelta::seconds(29) && wait <= chrono::TimeDelta::seconds(31),
+        "waits the breaker's Retry-After: {wait:?}"
+    );
+    assert!(
+        waiting
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("refused before it was sent")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_step_with_three_attempts_survives_five_refusals_then_succeeds() {
+    let w = world();
+    let def = SagaDefinition::<Order>::builder("order_fulfilment")
+        .step(compensable(&w.svc, "capture_payment").max_attempts(3))
+        .pivot(step(&w.svc, "schedule_shipment"))
+        .build()
+        .unwrap();
+    let w = World {
+        orch: orchestrator(&w.store, &def),
+        def,
+        ..w
+    };
+    let open = Reply::BreakerOpen {
+        retry_after: Duration::ZERO,
+    };
+    w.svc.script("capture_payment", &[open; 5]);
+    w.start("B-3").await;
+    let done = w.settle_now("B-3").await;
+    assert_eq!(done.status, SagaStatus::Completed, "{:?}", done.last_error);
+    assert_eq!(
+        w.svc.effects(),
+        keys("B-3", &["capture_payment", "schedule_shipment"])
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_capture_that_committed_but_timed_out_then_failed_is_refunded() {
+    let w = world();
+    // Attempt 1 charges the card and its reply is lost; attempt 2 (the
+    // last of two) meets a 503. The last attempt says "not done"; the
+    // first may have charged.
+    w.svc.script(
+        "capture_payment",
+        &[Reply::ApplyThenHang, Reply::Unavailable],
+    );
+    w.start("B-4").await;
+    let done = w.settle_now("B-4").await;
+    assert_eq!(
+        done.status,
+        SagaStatus::Compensated,
+        "{:?}",
+        done.last_error
+    );
+    assert_eq!(
+        w.svc.effects(),
+        keys("B-4", &["capture_payment", "undo:capture_payment"]),
+        "refunded"
+    );
+
+    // And with a permanent error last.
+    w.svc
+        .script("capture_payment", &[Reply::ApplyThenHang, Reply::Permanent]);
+    w.start("B-5").await;
+    let done = w.settle_now("B-5").await;
+    assert_eq!(done.status, SagaStatus::Compensated);
+    assert!(
+        w.svc
+            .effects()
+            .contains(&"B-5:undo:capture_payment".to_owned())
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_action_that_arrives_after_its_compensation_is_refused_by_the_tombstone() {
+    let w = world();
+    // The capture request is held up in the network (nothing done yet),
+    // the next attempt meets a 503, and the saga gives up: the capture may
+    // have happened, so it is refunded. There is nothing to refund, but
+    // the refund tombstones the capture's key.
+    w.svc
+        .script("capture_payment", &[Reply::Lost, Reply::Unavailable]);
+    w.start("B-6").await;
+    let done = w.settle_now("B-6").await;
+    assert_eq!(
+        done.status,
+        SagaStatus::Compensated,
+        "{:?}",
+        done.last_error
+    );
+    assert_eq!(w.svc.effects(), keys("B-6", &["undo:capture_payment"]));
+    // The held-up request arrives after its undo: refused, so no charge
+    // is left standing without its refund.
+    let late = w.svc.call("capture_payment", "B-6:capture_payment").await;
+    assert!(late.unwrap_err().to_string().contains("was undone"));
+    assert_eq!(w.svc.effects(), keys("B-6", &["undo:capture_payment"]));
+}
+
 #[tokio::test]
 async fn cancel_before_the_pivot_compensates_and_ends_cancelled() {
     let w = world();
     // A long backoff, so the saga is waiting when the operator cancels.
-    let def = seed_saga_with(&w.svc, Duration::from_secs(60));
+    let def = seed_saga_with(&w.svc, Duration::from_secs(60), DEFAULT_FORWARD_BUDGET);
     let w = World {
         orch: orchestrator(&w.store, &def),
         def,
@@ -600,21 +866,32 @@ async fn unknown_kinds_and_ids_are_clear_errors() {
 #[tokio::test]
 async fn a_crash_at_any_save_resumes_where_it_stopped() {
     for failing in [false, true] {
+        // Where the pivot refuses, a crash that leaves its attempt claimed
+        // but unanswered means the shipment may exist: the saga can only go
+        // forward, and with no budget for that it is stuck at once.
+        let world = || {
+            let w = world();
+            if !failing {
+                return w;
+            }
+            w.svc.set("schedule_shipment", Behaviour::Refuse);
+            let def = seed_saga_with(&w.svc, Duration::from_millis(1), Duration::ZERO);
+            World {
+                orch: orchestrator(&w.store, &def),
+                def,
+                ..w
+            }
+        };
         let total = {
             let w = world();
-            if failing {
-                w.svc.set("schedule_shipment", Behaviour::Refuse);
-            }
             w.start("probe").await;
             w.settle("probe").await;
             w.store.saves()
         };
+        let mut pivot_maybe_sent = 0;
         for crash_at in 1..=total {
             for applied in [false, true] {
                 let w = world();
-                if failing {
-                    w.svc.set("schedule_shipment", Behaviour::Refuse);
-                }
                 w.start("A-7").await;
                 w.store.crash_at_save(crash_at, applied);
                 let crashed = loop {
@@ -630,7 +907,13 @@ async fn a_crash_at_any_save_resumes_where_it_stopped() {
                 w.store.expire_waits();
                 let w = World { orch, ..w };
                 let done = w.settle("A-7").await;
-                let expected = if failing {
+                let context = format!("failing={failing} crash_at={crash_at} applied={applied}");
+                let expected = if failing && done.status == SagaStatus::Stuck {
+                    pivot_maybe_sent += 1;
+                    assert_eq!(done.step, 2, "{context}");
+                    assert!(done.outcome_unknown, "{context}");
+                    (SagaStatus::Stuck, vec!["capture_payment", "reserve_stock"])
+                } else if failing {
                     (
                         SagaStatus::Compensated,
                         vec![
@@ -651,7 +934,6 @@ async fn a_crash_at_any_save_resumes_where_it_stopped() {
                         ],
                     )
                 };
-                let context = format!("failing={failing} crash_at={crash_at} applied={applied}");
                 assert_eq!(done.status, expected.0, "{context}");
                 assert_eq!(w.svc.effects(), keys("A-7", &expected.1), "{context}");
                 let calls = w.svc.calls();
@@ -661,6 +943,9 @@ async fn a_crash_at_any_save_resumes_where_it_stopped() {
                 }
             }
         }
+        // The pivot's claim written and the process gone, or its outcome
+        // not written: the two crashes after which it may have been sent.
+        assert_eq!(pivot_maybe_sent, if failing { 2 } else { 0 });
     }
 }
 

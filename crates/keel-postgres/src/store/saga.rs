@@ -21,14 +21,16 @@ use super::retry::retry;
 const DEFAULT_LIMIT: usize = 100;
 
 const COLUMNS: &str = "id, kind, status, step, data::text AS data, attempts, last_error, \
-                       next_attempt_at, created_at, updated_at, version";
+                       next_attempt_at, created_at, updated_at, version, \
+                       outcome_unknown, first_attempt_at";
 
 /// Inserts unless the id exists, and notifies only if it inserted.
 const INSERT_SQL: &str = "\
 WITH inserted AS (
   INSERT INTO keel_sagas (id, kind, status, step, data, attempts, last_error,
-                          next_attempt_at, created_at, updated_at, version)
-  VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11)
+                          next_attempt_at, created_at, updated_at, version,
+                          outcome_unknown, first_attempt_at)
+  VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11, $13, $14)
   ON CONFLICT (id) DO NOTHING
   RETURNING id)
 SELECT id, pg_notify($12, '') FROM inserted";
@@ -38,7 +40,8 @@ const SAVE_SQL: &str = "\
 WITH saved AS (
   UPDATE keel_sagas
      SET kind = $2, status = $3, step = $4, data = $5::jsonb, attempts = $6, last_error = $7,
-         next_attempt_at = $8, updated_at = $9, version = $11
+         next_attempt_at = $8, updated_at = $9, version = $11,
+         outcome_unknown = $13, first_attempt_at = $14
    WHERE id = $1 AND version = $10
   RETURNING id)
 SELECT id, pg_notify($12, '') FROM saved";
@@ -47,7 +50,8 @@ SELECT id, pg_notify($12, '') FROM saved";
 /// index's predicate.
 const DUE_SQL: &str = "\
 SELECT id, kind, status, step, data::text AS data, attempts, last_error,
-       next_attempt_at, created_at, updated_at, version
+       next_attempt_at, created_at, updated_at, version,
+       outcome_unknown, first_attempt_at
   FROM keel_sagas
  WHERE status IN ('running', 'compensating', 'stuck') AND next_attempt_at <= $1
  ORDER BY next_attempt_at, created_at, id
@@ -55,7 +59,8 @@ SELECT id, kind, status, step, data::text AS data, attempts, last_error,
 
 const LIST_SQL: &str = "\
 SELECT id, kind, status, step, data::text AS data, attempts, last_error,
-       next_attempt_at, created_at, updated_at, version
+       next_attempt_at, created_at, updated_at, version,
+       outcome_unknown, first_attempt_at
   FROM keel_sagas
  WHERE ($1::text IS NULL OR status = $1)
    AND ($2::timestamptz IS NULL OR updated_at < $2)
@@ -85,6 +90,8 @@ impl SagaStore for PgStore {
             .bind(saga.updated_at)
             .bind(saga.version)
             .bind(self.channels.sagas.as_str())
+            .bind(saga.outcome_unknown)
+            .bind(saga.first_attempt_at)
             .fetch_optional(&mut **tx)
             .await
             .map_err(db_error)?;
@@ -117,6 +124,8 @@ impl SagaStore for PgStore {
                 .bind(saga.version.saturating_sub(1))
                 .bind(saga.version)
                 .bind(self.channels.sagas.as_str())
+                .bind(saga.outcome_unknown)
+                .bind(saga.first_attempt_at)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(db_error)
@@ -198,5 +207,7 @@ fn saga_from_row(row: &PgRow) -> Result<SagaRecord, StoreError> {
         created_at: row.try_get("created_at").map_err(db_error)?,
         updated_at: row.try_get("updated_at").map_err(db_error)?,
         version: row.try_get("version").map_err(db_error)?,
+        outcome_unknown: row.try_get("outcome_unknown").map_err(db_error)?,
+        first_attempt_at: row.try_get("first_attempt_at").map_err(db_error)?,
     })
 }

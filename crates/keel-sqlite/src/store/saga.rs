@@ -19,19 +19,22 @@ use super::error::{corrupt, db_error, sql_limit, to_u64};
 const DEFAULT_LIMIT: usize = 100;
 
 const COLUMNS: &str = "id, kind, status, step, data, attempts, last_error, \
-                       next_attempt_at, created_at, updated_at, version";
+                       next_attempt_at, created_at, updated_at, version, \
+                       outcome_unknown, first_attempt_at";
 
 const INSERT_SQL: &str = "\
 INSERT INTO keel_sagas (id, kind, status, step, data, attempts, last_error,
-                        next_attempt_at, created_at, updated_at, version)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                        next_attempt_at, created_at, updated_at, version,
+                        outcome_unknown, first_attempt_at)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
 ON CONFLICT (id) DO NOTHING";
 
 /// Everything but `id` and `created_at`, if the stored version is `?10`.
 const SAVE_SQL: &str = "\
 UPDATE keel_sagas
    SET kind = ?2, status = ?3, step = ?4, data = ?5, attempts = ?6, last_error = ?7,
-       next_attempt_at = ?8, updated_at = ?9, version = ?11
+       next_attempt_at = ?8, updated_at = ?9, version = ?11,
+       outcome_unknown = ?12, first_attempt_at = ?13
  WHERE id = ?1 AND version = ?10";
 
 /// Not terminal and due. The `status IN (...)` term repeats the partial
@@ -40,7 +43,8 @@ UPDATE keel_sagas
 /// status index and sorts, which grows with the number of unfinished sagas).
 pub(super) const DUE_SQL: &str = "\
 SELECT id, kind, status, step, data, attempts, last_error,
-       next_attempt_at, created_at, updated_at, version
+       next_attempt_at, created_at, updated_at, version,
+       outcome_unknown, first_attempt_at
   FROM keel_sagas INDEXED BY keel_sagas_due
  WHERE status IN ('running', 'compensating', 'stuck') AND next_attempt_at <= ?1
  ORDER BY next_attempt_at, created_at, id
@@ -68,6 +72,8 @@ impl SagaStore for SqliteStore {
             .bind(to_ms(saga.created_at))
             .bind(to_ms(saga.updated_at))
             .bind(saga.version)
+            .bind(saga.outcome_unknown)
+            .bind(saga.first_attempt_at.map(to_ms))
             .execute(&mut **tx)
             .await
             .map_err(db_error)?;
@@ -98,6 +104,8 @@ impl SagaStore for SqliteStore {
             .bind(to_ms(saga.updated_at))
             .bind(saga.version.saturating_sub(1))
             .bind(saga.version)
+            .bind(saga.outcome_unknown)
+            .bind(saga.first_attempt_at.map(to_ms))
             .execute(&self.writer)
             .await
             .map_err(db_error)?;
@@ -200,5 +208,11 @@ fn saga_from_row(row: &SqliteRow) -> Result<SagaRecord, StoreError> {
         created_at: from_ms(row.try_get("created_at").map_err(db_error)?)?,
         updated_at: from_ms(row.try_get("updated_at").map_err(db_error)?)?,
         version: row.try_get("version").map_err(db_error)?,
+        outcome_unknown: row.try_get("outcome_unknown").map_err(db_error)?,
+        first_attempt_at: row
+            .try_get::<Option<i64>, _>("first_attempt_at")
+            .map_err(db_error)?
+            .map(from_ms)
+            .transpose()?,
     })
 }

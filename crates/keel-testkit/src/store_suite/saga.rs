@@ -2,8 +2,13 @@
 //! when due and by the operator.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
+use keel_core::Classified;
+use keel_messaging::saga::{Backoff, SagaDefinition, SagaOrchestrator, Step, StepContext};
 use keel_messaging::store::{SagaFilter, SagaRecord, SagaStatus};
 use keel_messaging::{MessagingStore, StoreError};
 
@@ -19,6 +24,8 @@ pub fn saga(id: &str, status: SagaStatus, at: DateTime<Utc>, due: DateTime<Utc>)
         step: 0,
         data: serde_json::json!({ "orderId": id, "totalMinor": 8210, "items": [{ "sku": "TT-01", "qty": 2 }] }),
         attempts: 0,
+        outcome_unknown: false,
+        first_attempt_at: None,
         last_error: None,
         next_attempt_at: due,
         created_at: at,
@@ -233,4 +240,154 @@ pub async fn counts_by_status<S: MessagingStore>(store: &S) {
         (SagaStatus::Completed, 1),
     ]);
     assert_eq!(counts, expected);
+}
+
+/// Whether an attempt may have taken effect, and when the first attempt
+/// was made, are stored whole and come back from every read (get, due,
+/// list): a restarted orchestrator must not forget them.
+pub async fn unknown_outcome_and_first_attempt_round_trip<S: MessagingStore>(store: &S) {
+    let t = now_ms();
+    let fresh = saga("saga-1", SagaStatus::Running, t, t);
+    assert!(insert_committed(store, &fresh).await);
+    let loaded = store
+        .saga_get("saga-1")
+        .await
+        .expect("get")
+        .expect("saga-1");
+    assert!(!loaded.outcome_unknown);
+    assert_eq!(loaded.first_attempt_at, None);
+
+    let mut unknown = loaded.clone();
+    unknown.version += 1;
+    unknown.attempts = 1;
+    unknown.outcome_unknown = true;
+    unknown.first_attempt_at = Some(t - TimeDelta::seconds(90));
+    unknown.last_error = Some("step `capture_payment` attempt 1: timed out".to_owned());
+    assert!(store.saga_save(&unknown).await.expect("save"));
+    assert_eq!(
+        store.saga_get("saga-1").await.expect("get").as_ref(),
+        Some(&unknown)
+    );
+    assert_eq!(store.saga_due(t, 10).await.expect("due"), [unknown.clone()]);
+    assert_eq!(
+        store.saga_list(&SagaFilter::default()).await.expect("list"),
+        [unknown.clone()]
+    );
+
+    let mut cleared = unknown.clone();
+    cleared.version += 1;
+    cleared.step = 1;
+    cleared.outcome_unknown = false;
+    cleared.first_attempt_at = None;
+    assert!(store.saga_save(&cleared).await.expect("save"));
+    assert_eq!(
+        store.saga_get("saga-1").await.expect("get").as_ref(),
+        Some(&cleared)
+    );
+
+    // A saga created as maybe applied (a copy, an import) keeps it too.
+    let mut imported = saga("saga-2", SagaStatus::Running, t, t);
+    imported.outcome_unknown = true;
+    imported.first_attempt_at = Some(t);
+    assert!(insert_committed(store, &imported).await);
+    assert_eq!(
+        store.saga_get("saga-2").await.expect("get").as_ref(),
+        Some(&imported)
+    );
+}
+
+/// A capture that took effect but whose reply was lost is remembered on the
+/// saga record: an orchestrator started afresh (no memory but the store)
+/// that then sees the capture fail for good still refunds it, under the
+/// compensation's key, naming the capture's key for its tombstone.
+pub async fn an_unknown_outcome_survives_an_orchestrator_restart<S: MessagingStore>(store: &S) {
+    type Data = serde_json::Value;
+    let charged = Arc::new(AtomicUsize::new(0));
+    let refunds: Arc<tokio::sync::Mutex<Vec<(String, String)>>> = Arc::default();
+    // `capture` is what the payments service does this time.
+    let definition = |capture: fn(&AtomicUsize) -> Result<(), Classified>| {
+        let charged = charged.clone();
+        let refunds = refunds.clone();
+        let capture = Step::new("capture_payment", move |_ctx: StepContext<Data>| {
+            let charged = charged.clone();
+            async move { capture(&charged) }
+        })
+        .compensate_with(move |ctx: StepContext<Data>| {
+            let refunds = refunds.clone();
+            async move {
+                let keys = (ctx.idempotency_key().to_owned(), ctx.action_key());
+                refunds.lock().await.push(keys);
+                Ok::<_, Classified>(())
+            }
+        });
+        SagaDefinition::<Data>::builder("order_fulfilment")
+            .step(capture)
+            .pivot(Step::new(
+                "schedule_shipment",
+                |_ctx: StepContext<Data>| async { Ok::<_, Classified>(()) },
+            ))
+            // Long enough that the first orchestrator stops waiting.
+            .backoff(
+                Backoff::exponential(Duration::from_secs(3600), 1.0, Duration::from_secs(3600))
+                    .expect("backoff"),
+            )
+            .build()
+            .expect("definition")
+    };
+    let orchestrator = |def: &SagaDefinition<Data>| {
+        SagaOrchestrator::builder(store.clone())
+            .saga(def)
+            .build()
+            .expect("orchestrator")
+    };
+
+    // The first process: the capture charges, then its reply is lost.
+    let first = definition(|charged| {
+        charged.fetch_add(1, Ordering::SeqCst);
+        Err(Classified::outcome_unknown(
+            "payments: reply lost after commit",
+        ))
+    });
+    let before = orchestrator(&first);
+    let mut tx = store.begin().await.expect("begin");
+    let data = serde_json::json!({ "orderId": "A-4471" });
+    assert!(
+        before
+            .start(&mut tx, &first, "A-4471", &data)
+            .await
+            .expect("start")
+    );
+    store.commit(tx).await.expect("commit");
+    let waiting = before.drive("A-4471").await.expect("drive");
+    assert_eq!((waiting.status, waiting.step), (SagaStatus::Running, 0));
+    assert!(waiting.outcome_unknown, "the lost reply is on the record");
+    assert_eq!(charged.load(Ordering::SeqCst), 1);
+    drop(before);
+
+    // Its backoff passes while no process runs.
+    let stored = store.saga_get("A-4471").await.expect("get").expect("saga");
+    assert!(stored.outcome_unknown, "persisted");
+    let mut due = stored.clone();
+    due.version += 1;
+    due.next_attempt_at = now_ms() - TimeDelta::milliseconds(1);
+    assert!(store.saga_save(&due).await.expect("save"));
+
+    // A fresh process: the capture now fails for good.
+    let second = definition(|_| Err(Classified::permanent("payments: card expired")));
+    let after = orchestrator(&second);
+    let done = after.drive("A-4471").await.expect("drive");
+    assert_eq!(
+        done.status,
+        SagaStatus::Compensated,
+        "{:?}",
+        done.last_error
+    );
+    assert_eq!(
+        *refunds.lock().await,
+        [(
+            "A-4471:undo:capture_payment".to_owned(),
+            "A-4471:capture_payment".to_owned()
+        )],
+        "the charge that may exist is refunded, and its key tombstoned"
+    );
 }

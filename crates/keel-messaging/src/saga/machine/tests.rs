@@ -30,8 +30,13 @@ fn seed_shape() -> Shape {
             .unwrap()
             .with_jitter(Jitter::None)
             .unwrap(),
+        forward_budget: FORWARD_BUDGET,
+        refusal_wait: Duration::from_secs(3),
     }
 }
+
+/// The seed shape's forward budget.
+const FORWARD_BUDGET: Duration = Duration::from_secs(30);
 
 fn t0() -> DateTime<Utc> {
     DateTime::parse_from_rfc3339("2026-09-16T10:31:02Z")
@@ -47,6 +52,8 @@ fn new_saga() -> SagaRecord {
         step: 0,
         data: json!({}),
         attempts: 0,
+        outcome_unknown: false,
+        first_attempt_at: None,
         last_error: None,
         next_attempt_at: t0(),
         created_at: t0(),
@@ -55,22 +62,22 @@ fn new_saga() -> SagaRecord {
     }
 }
 
-fn claim(record: &SagaRecord, shape: &Shape) -> (Call, SagaRecord) {
+fn claim(record: &SagaRecord, shape: &Shape) -> Claim {
     match plan(
         record,
         shape,
         record.next_attempt_at.max(record.updated_at),
         GRACE,
     ) {
-        Plan::Call { call, claimed } => (call, claimed),
+        Plan::Call(claim) => claim,
         other => panic!("expected a call, got {other:?}"),
     }
 }
 
 fn run(record: &SagaRecord, shape: &Shape, outcome: Outcome) -> (Call, SagaRecord) {
-    let (call, claimed) = claim(record, shape);
-    let now = claimed.updated_at;
-    (call, decide(&claimed, shape, call, outcome, now))
+    let claim = claim(record, shape);
+    let now = claim.record.updated_at;
+    (claim.call, decide(&claim, shape, outcome, now))
 }
 
 fn ok() -> Outcome {
@@ -81,6 +88,16 @@ fn failed(class: ErrorClass) -> Outcome {
     Outcome::Failed {
         class,
         error: "boom".into(),
+        retry_after: None,
+    }
+}
+
+/// A breaker's refusal: the call never left.
+fn refused(retry_after: Option<Duration>) -> Outcome {
+    Outcome::Failed {
+        class: ErrorClass::Rejected,
+        error: "circuit breaker `payments` is open".into(),
+        retry_after,
     }
 }
 
@@ -90,7 +107,8 @@ fn the_happy_path_runs_every_step_with_derived_keys_and_bumps_the_version_each_t
     let mut record = new_saga();
     let mut keys = Vec::new();
     while record.status == SagaStatus::Running {
-        let (call, claimed) = claim(&record, &shape);
+        let claim = claim(&record, &shape);
+        let (call, claimed) = (claim.call, claim.record.clone());
         assert_eq!(claimed.version, record.version + 1, "the claim is a save");
         assert_eq!(claimed.attempts, 1);
         assert_eq!(
@@ -99,7 +117,7 @@ fn the_happy_path_runs_every_step_with_derived_keys_and_bumps_the_version_each_t
             "leased for timeout + grace"
         );
         keys.push(call.idempotency_key(&record.id, &shape));
-        let next = decide(&claimed, &shape, call, ok(), claimed.updated_at);
+        let next = decide(&claim, &shape, ok(), claimed.updated_at);
         assert_eq!(
             next.version,
             claimed.version + 1,
@@ -173,7 +191,7 @@ fn a_permanent_error_compensates_at_once_and_an_unknown_outcome_is_undone_too() 
 }
 
 #[test]
-fn after_the_pivot_the_saga_retries_forward_with_backoff_then_is_stuck_until_retried() {
+fn after_the_pivot_the_saga_retries_forward_for_its_time_budget_then_is_stuck_until_retried() {
     let shape = seed_shape();
     let mut record = new_saga();
     for _ in 0..3 {
@@ -181,13 +199,27 @@ fn after_the_pivot_the_saga_retries_forward_with_backoff_then_is_stuck_until_ret
     }
     assert_eq!(record.step, 3);
     let mut delays = Vec::new();
-    for _ in 0..shape.stuck_after {
-        record = run(&record, &shape, failed(ErrorClass::Permanent)).1;
+    let mut calls = 0;
+    while record.status == SagaStatus::Running {
+        let (call, next) = run(&record, &shape, failed(ErrorClass::Permanent));
+        assert_eq!(call, Call::Action(3), "only forward, with the same step");
+        calls += 1;
+        record = next;
         delays.push((record.next_attempt_at - record.updated_at).num_seconds());
     }
-    assert_eq!(delays[..3], [1, 2, 4], "backoff");
     assert!(
-        delays[3] > 365 * 24 * 3600,
+        calls > shape.stuck_after as usize,
+        "a count does not bound forward recovery: {calls} calls"
+    );
+    assert_eq!(delays[..5], [1, 2, 4, 8, 10], "backoff");
+    let first = record.first_attempt_at.expect("the budget's start");
+    assert_eq!(
+        (record.updated_at - first).num_seconds(),
+        25,
+        "the next attempt, 10 s later, would start past the 30 s budget"
+    );
+    assert!(
+        *delays.last().unwrap() > 365 * 24 * 3600,
         "stuck: parked until an operator acts"
     );
     assert_eq!((record.status, record.step), (SagaStatus::Stuck, 3));
@@ -205,24 +237,219 @@ fn after_the_pivot_the_saga_retries_forward_with_backoff_then_is_stuck_until_ret
         (retried.status, retried.step, retried.attempts),
         (SagaStatus::Running, 3, 0)
     );
+    assert_eq!(retried.first_attempt_at, None, "a fresh budget");
     let (call, done) = run(&retried, &shape, ok());
     assert_eq!(call, Call::Action(3));
     assert_eq!(done.status, SagaStatus::Completed);
 }
 
 #[test]
-fn a_pivot_of_unknown_outcome_is_stuck_not_compensated() {
+fn a_pivot_that_may_have_happened_only_goes_forward_then_is_stuck_never_compensated() {
+    let shape = seed_shape();
+    let mut record = new_saga();
+    for _ in 0..2 {
+        record = run(&record, &shape, ok()).1;
+    }
+    record = run(&record, &shape, failed(ErrorClass::OutcomeUnknown)).1;
+    assert!(record.outcome_unknown, "remembered on the record");
+    // Later attempts that say nothing happened, or fail for good, do not
+    // make the first one not have happened.
+    for class in [
+        ErrorClass::Retryable,
+        ErrorClass::Permanent,
+        ErrorClass::Retryable,
+    ] {
+        let (call, next) = run(&record, &shape, failed(class));
+        assert_eq!(call, Call::Action(2));
+        record = next;
+        assert_eq!(record.status, SagaStatus::Running, "still forward");
+        assert!(record.outcome_unknown);
+    }
+    assert!(record.attempts > shape.steps[2].max_attempts);
+    while record.status == SagaStatus::Running {
+        record = run(&record, &shape, failed(ErrorClass::Retryable)).1;
+    }
+    assert_eq!((record.status, record.step), (SagaStatus::Stuck, 2));
+    assert!(matches!(
+        cancel(&record, &shape, t0()),
+        Err(SagaError::PastPivot { .. })
+    ));
+    let retried = retry(&record, &shape, t0()).unwrap();
+    assert_eq!((retried.status, retried.step), (SagaStatus::Running, 2));
+    assert!(
+        retried.outcome_unknown,
+        "an operator's retry keeps the mark"
+    );
+
+    // An operator who checked that no shipment exists says so: the pivot
+    // that refuses now turns back.
+    assert!(matches!(
+        confirm_not_applied(&retried, t0()),
+        Err(SagaError::NotStuck { .. })
+    ));
+    let confirmed = confirm_not_applied(&record, record.updated_at).unwrap();
+    assert_eq!(
+        (
+            confirmed.status,
+            confirmed.outcome_unknown,
+            confirmed.attempts
+        ),
+        (SagaStatus::Running, false, 0)
+    );
+    let (call, turned) = run(&confirmed, &shape, failed(ErrorClass::Permanent));
+    assert_eq!(call, Call::Action(2));
+    assert_eq!((turned.status, turned.step), (SagaStatus::Compensating, 2));
+}
+
+#[test]
+fn a_pivot_that_timed_out_then_met_two_breaker_refusals_completes_not_compensated() {
+    let shape = seed_shape();
+    let mut record = new_saga();
+    for _ in 0..2 {
+        record = run(&record, &shape, ok()).1;
+    }
+    // The shipment was scheduled, but the reply timed out.
+    record = run(&record, &shape, failed(ErrorClass::OutcomeUnknown)).1;
+    for _ in 0..2 {
+        let (call, next) = run(&record, &shape, refused(None));
+        assert_eq!(call, Call::Action(2));
+        record = next;
+        assert_eq!(record.status, SagaStatus::Running);
+    }
+    let (call, record) = run(&record, &shape, ok());
+    assert_eq!(call, Call::Action(2), "the same key again");
+    let (call, record) = run(&record, &shape, ok());
+    assert_eq!(call, Call::Action(3));
+    assert_eq!(record.status, SagaStatus::Completed);
+}
+
+#[test]
+fn a_capture_that_timed_out_then_failed_with_503s_and_for_good_is_still_refunded() {
+    let shape = seed_shape();
+    let mut record = new_saga();
+    // The capture committed, but its reply timed out; then 503s; then a
+    // permanent error. The last attempt says "nothing happened"; the first
+    // may have charged the card.
+    for class in [
+        ErrorClass::OutcomeUnknown,
+        ErrorClass::Retryable,
+        ErrorClass::Permanent,
+    ] {
+        let (call, next) = run(&record, &shape, failed(class));
+        assert_eq!(call, Call::Action(0));
+        record = next;
+    }
+    assert_eq!((record.status, record.step), (SagaStatus::Compensating, 1));
+    assert!(
+        !record.outcome_unknown,
+        "folded into the compensation range"
+    );
+    let (undo, record) = run(&record, &shape, ok());
+    assert_eq!(undo, Call::Compensation(0), "the capture is refunded");
+    assert_eq!(record.status, SagaStatus::Compensated);
+
+    // The same with 503s until the attempts run out.
+    let mut record = new_saga();
+    for class in [
+        ErrorClass::OutcomeUnknown,
+        ErrorClass::Retryable,
+        ErrorClass::Retryable,
+    ] {
+        record = run(&record, &shape, failed(class)).1;
+    }
+    assert_eq!((record.status, record.step), (SagaStatus::Compensating, 1));
+}
+
+#[test]
+fn an_attempt_the_orchestrator_died_during_is_remembered_as_maybe_applied() {
+    let shape = seed_shape();
+    let paid = run(&new_saga(), &shape, ok()).1;
+    // Claimed and saved, then the process dies: the claim marks the step.
+    let crashed = claim(&paid, &shape).record;
+    assert!(crashed.outcome_unknown);
+    let mut record = crashed;
+    record = run(&record, &shape, failed(ErrorClass::Retryable)).1;
+    assert!(record.outcome_unknown, "a 503 later does not clear it");
+    record = run(&record, &shape, failed(ErrorClass::Permanent)).1;
+    assert_eq!(
+        (record.status, record.step),
+        (SagaStatus::Compensating, 2),
+        "the reservation may exist: release it"
+    );
+}
+
+#[test]
+fn a_step_known_not_to_have_happened_is_not_compensated_and_a_pivot_that_surely_failed_turns_back()
+{
     let shape = seed_shape();
     let mut record = new_saga();
     for _ in 0..2 {
         record = run(&record, &shape, ok()).1;
     }
     for _ in 0..3 {
-        record = run(&record, &shape, failed(ErrorClass::OutcomeUnknown)).1;
+        let next = run(&record, &shape, failed(ErrorClass::Retryable)).1;
+        assert!(!next.outcome_unknown, "a 503 says nothing happened");
+        record = next;
     }
-    assert_eq!((record.status, record.step), (SagaStatus::Stuck, 2));
-    let retried = retry(&record, &shape, t0()).unwrap();
-    assert_eq!((retried.status, retried.step), (SagaStatus::Running, 2));
+    assert_eq!(
+        (record.status, record.step),
+        (SagaStatus::Compensating, 2),
+        "the pivot never happened: undo what came before it"
+    );
+}
+
+#[test]
+fn a_refusal_is_not_an_attempt_and_waits_its_retry_after() {
+    let shape = seed_shape();
+    let mut record = new_saga();
+    assert_eq!(shape.steps[0].max_attempts, 3);
+    for n in 0..5 {
+        let retry_after = if n % 2 == 0 {
+            Some(Duration::from_secs(7))
+        } else {
+            None
+        };
+        let (call, next) = run(&record, &shape, refused(retry_after));
+        assert_eq!(call, Call::Action(0));
+        assert_eq!(next.status, SagaStatus::Running);
+        assert_eq!(next.attempts, 0, "refusal {n} gave its attempt back");
+        assert!(!next.outcome_unknown, "the call never left");
+        let wait = (next.next_attempt_at - next.updated_at).num_seconds();
+        assert_eq!(
+            wait,
+            if n % 2 == 0 { 7 } else { 3 },
+            "Retry-After, or the default"
+        );
+        assert!(
+            next.last_error
+                .as_deref()
+                .unwrap()
+                .contains("refused before it was sent")
+        );
+        record = next;
+    }
+    let (_, record) = run(&record, &shape, ok());
+    assert_eq!(record.step, 1, "survived five refusals with three attempts");
+
+    // A refusal after an attempt of unknown outcome keeps the mark.
+    let (_, unknown) = run(&record, &shape, failed(ErrorClass::OutcomeUnknown));
+    let (_, refused_after) = run(&unknown, &shape, refused(None));
+    assert!(refused_after.outcome_unknown);
+    assert_eq!(refused_after.attempts, 1);
+
+    // A compensation's refusal is not an attempt either.
+    let mut undoing = run(&record, &shape, failed(ErrorClass::Permanent)).1;
+    assert_eq!(undoing.status, SagaStatus::Compensating);
+    for _ in 0..(shape.stuck_after + 2) {
+        undoing = run(&undoing, &shape, refused(None)).1;
+        assert_eq!(
+            (undoing.status, undoing.attempts),
+            (SagaStatus::Compensating, 0)
+        );
+    }
+    let (call, done) = run(&undoing, &shape, ok());
+    assert_eq!(call, Call::Compensation(0));
+    assert_eq!(done.status, SagaStatus::Compensated);
 }
 
 #[test]
@@ -257,7 +484,7 @@ fn a_step_that_crashes_the_orchestrator_every_time_runs_out_of_attempts() {
     let mut record = paid;
     for _ in 0..3 {
         // Claimed and saved, then the process dies: only the claim persists.
-        record = claim(&record, &shape).1;
+        record = claim(&record, &shape).record;
     }
     let now = record.next_attempt_at;
     let Plan::Save(next) = plan(&record, &shape, now, GRACE) else {
@@ -308,7 +535,7 @@ fn cancel_before_the_pivot_compensates_and_ends_cancelled() {
 fn cancel_during_an_attempt_undoes_that_step_too_but_only_after_its_lease() {
     let shape = seed_shape();
     let paid = run(&new_saga(), &shape, ok()).1;
-    let (_, claimed) = claim(&paid, &shape); // reserve_stock in flight
+    let claimed = claim(&paid, &shape).record; // reserve_stock in flight
     let record = cancel(&claimed, &shape, claimed.updated_at)
         .unwrap()
         .unwrap();
@@ -322,21 +549,27 @@ fn cancel_during_an_attempt_undoes_that_step_too_but_only_after_its_lease() {
         cancel(&at_pivot, &shape, t0()).is_ok(),
         "pivot not attempted yet"
     );
-    let (_, pivot_claimed) = claim(&at_pivot, &shape);
+    let pivot_claimed = claim(&at_pivot, &shape).record;
     let err = cancel(&pivot_claimed, &shape, t0()).unwrap_err();
     assert!(err.to_string().contains("schedule_shipment"), "{err}");
 }
 
 // ---------------------------------------------------------------------------
-// Property: whatever happens, every saga ends completed, fully compensated,
-// or visibly stuck, and the effects agree with its status.
+// Property: whatever happens, every saga ends completed or fully
+// compensated (an operator retries the stuck ones), no effect is left
+// un-undone, and nothing is undone that was never attempted.
 // ---------------------------------------------------------------------------
 
 #[derive(Debug, Clone, Copy)]
 enum Fate {
     Ok,
+    /// A 503: the service did nothing *this time* (an earlier attempt may
+    /// have done the work: the service's dedupe never got to answer).
     Retryable,
+    /// A 4xx, or an error nobody classified.
     Permanent,
+    /// A policy refused the call: it never left.
+    Refused,
     /// A timeout: the call may or may not have taken effect.
     Unknown {
         happened: bool,
@@ -357,7 +590,8 @@ fn fate() -> impl Strategy<Value = Fate> {
         6 => Just(Fate::Ok),
         2 => Just(Fate::Retryable),
         1 => Just(Fate::Permanent),
-        1 => any::<bool>().prop_map(|happened| Fate::Unknown { happened }),
+        1 => Just(Fate::Refused),
+        2 => any::<bool>().prop_map(|happened| Fate::Unknown { happened }),
         1 => any::<bool>().prop_map(|happened| Fate::Crash { happened }),
         1 => any::<bool>().prop_map(|happened| Fate::CancelDuring { happened }),
     ]
@@ -369,8 +603,12 @@ struct Ledger {
     done: BTreeSet<usize>,
     /// Compensations that took effect.
     undone: BTreeSet<usize>,
+    /// Actions attempted (the call may have left).
+    attempted: BTreeSet<usize>,
     /// Every call, in order.
     calls: Vec<Call>,
+    /// Operator retries of stuck sagas.
+    operator_retries: usize,
 }
 
 fn simulate(shape: &Shape, fates: &[Fate]) -> (SagaRecord, Ledger) {
@@ -380,33 +618,42 @@ fn simulate(shape: &Shape, fates: &[Fate]) -> (SagaRecord, Ledger) {
     let mut fates = fates.iter().copied();
     for _ in 0..10_000 {
         now = now.max(record.next_attempt_at);
-        let (call, claimed) = match plan(&record, shape, now, GRACE) {
+        let claim = match plan(&record, shape, now, GRACE) {
+            Plan::Idle if record.status == SagaStatus::Stuck => {
+                // An operator looks, and retries it.
+                ledger.operator_retries += 1;
+                record = retry(&record, shape, now).unwrap();
+                continue;
+            }
             Plan::Idle => return (record, ledger),
             Plan::Save(next) => {
                 assert_eq!(next.version, record.version + 1);
                 record = next;
                 continue;
             }
-            Plan::Call { call, claimed } => (call, claimed),
+            Plan::Call(claim) => claim,
         };
-        assert_eq!(claimed.version, record.version + 1);
+        assert_eq!(claim.record.version, record.version + 1);
+        let (call, claimed) = (claim.call, claim.record.clone());
         record = claimed.clone();
         ledger.calls.push(call);
         let fate = fates.next().unwrap_or(Fate::Ok);
-        // An idempotent service that already did the work under this key
-        // answers with the stored result.
-        let (already, happened) = match (call, fate) {
-            (Call::Action(i), _) if ledger.done.contains(&i) => (true, true),
-            (Call::Compensation(j), _) if ledger.undone.contains(&j) => (true, true),
-            (_, Fate::Ok) => (false, true),
-            (
-                _,
-                Fate::Unknown { happened }
-                | Fate::Crash { happened }
-                | Fate::CancelDuring { happened },
-            ) => (false, happened),
-            _ => (false, false),
+        // Whether this call's effect lands. A service that already did the
+        // work under this key does not do it again (the sets dedupe), but
+        // it may still be unreachable, slow, or refuse: the fate decides
+        // the answer whatever happened before.
+        let happened = match fate {
+            Fate::Ok => true,
+            Fate::Unknown { happened }
+            | Fate::Crash { happened }
+            | Fate::CancelDuring { happened } => happened,
+            Fate::Retryable | Fate::Permanent | Fate::Refused => false,
         };
+        if let Call::Action(i) = call
+            && !matches!(fate, Fate::Refused)
+        {
+            ledger.attempted.insert(i);
+        }
         if happened {
             match call {
                 Call::Action(i) => ledger.done.insert(i),
@@ -428,12 +675,12 @@ fn simulate(shape: &Shape, fates: &[Fate]) -> (SagaRecord, Ledger) {
                 }
             }
             Fate::Unknown { .. } => failed(ErrorClass::OutcomeUnknown),
-            _ if already => ok(),
             Fate::Ok => ok(),
             Fate::Retryable => failed(ErrorClass::Retryable),
             Fate::Permanent => failed(ErrorClass::Permanent),
+            Fate::Refused => refused(None),
         };
-        let next = decide(&claimed, shape, call, outcome, now);
+        let next = decide(&claim, shape, outcome, now);
         assert_eq!(next.version, claimed.version + 1);
         record = next;
         now += TimeDelta::milliseconds(1);
@@ -443,7 +690,7 @@ fn simulate(shape: &Shape, fates: &[Fate]) -> (SagaRecord, Ledger) {
 
 proptest! {
     #[test]
-    fn every_saga_ends_completed_compensated_or_visibly_stuck(
+    fn every_saga_ends_completed_or_fully_compensated_and_no_effect_is_left_undone(
         fates in proptest::collection::vec(fate(), 0..60)
     ) {
         let shape = seed_shape();
@@ -452,22 +699,23 @@ proptest! {
         match record.status {
             SagaStatus::Completed => {
                 prop_assert_eq!(ledger.done.len(), shape.steps.len());
-                prop_assert!(ledger.undone.is_empty());
+                prop_assert!(ledger.undone.is_empty(), "undone {:?}", ledger.undone);
             }
             SagaStatus::Compensated | SagaStatus::Cancelled => {
-                // Every compensable step that took effect was undone, and
-                // nothing at or past the pivot ever took effect.
+                // Every step that took effect was undone (none is at or
+                // past the pivot: there is no way back from those), and
+                // nothing was undone that was never attempted.
                 for i in &ledger.done {
                     prop_assert!(*i < pivot, "step {} done, yet compensated", i);
                     prop_assert!(ledger.undone.contains(i), "step {} not undone", i);
+                }
+                for j in &ledger.undone {
+                    prop_assert!(ledger.attempted.contains(j), "step {} undone, never attempted", j);
                 }
                 prop_assert_eq!(
                     record.status == SagaStatus::Cancelled,
                     cancel_requested(&record)
                 );
-            }
-            SagaStatus::Stuck => {
-                prop_assert!(record.last_error.is_some(), "a stuck saga says why");
             }
             other => prop_assert!(false, "saga left {:?}", other),
         }
