@@ -7,29 +7,17 @@
 //! The loss is the failpoint `keel-orders-commit-lost`; the shop runs in
 //! this process on SQLite and the embedded broker.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
-use keel::shop::{System, SystemConfig, SystemHandle};
-use keel_messaging::broker::Broker;
-use keel_sqlite::{SqliteBroker, SqliteStore};
+use keel::shop::SystemHandle;
+use keel_sqlite::SqliteStore;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 async fn start(dir: &std::path::Path) -> SystemHandle<SqliteStore> {
-    let store = SqliteStore::open(dir.join("keel.db"))
-        .await
-        .expect("open the store");
-    let broker: Arc<dyn Broker> = Arc::new(
-        SqliteBroker::open(dir.join("broker.db"))
-            .await
-            .expect("open the broker"),
-    );
-    System::start(store, broker, SystemConfig::default(), |_| {
-        Ok(axum::Router::new())
-    })
-    .await
-    .expect("start the shop")
+    common::start_embedded(dir).await
 }
 
 async fn place(http: &reqwest::Client, base_url: &str, key: &str) -> (StatusCode, Value) {

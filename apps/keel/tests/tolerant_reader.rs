@@ -3,33 +3,21 @@
 //! of the shop applies the event anyway (no dead letter) and carries the
 //! fields it does not know into the saga, unchanged.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
+use keel::shop::SystemHandle;
 use keel::shop::db::ShopDb;
 use keel::shop::model::{Item, Order, OrderStatus};
-use keel::shop::{System, SystemConfig, SystemHandle};
-use keel_messaging::broker::Broker;
 use keel_messaging::envelope::Envelope;
 use keel_messaging::store::Store;
 use keel_messaging::store::{DeadLetterFilter, SagaStatus};
-use keel_sqlite::{SqliteBroker, SqliteStore};
+use keel_sqlite::SqliteStore;
 use serde_json::json;
 
 async fn start(dir: &std::path::Path) -> SystemHandle<SqliteStore> {
-    let store = SqliteStore::open(dir.join("keel.db"))
-        .await
-        .expect("open the store");
-    let broker: Arc<dyn Broker> = Arc::new(
-        SqliteBroker::open(dir.join("broker.db"))
-            .await
-            .expect("open the broker"),
-    );
-    System::start(store, broker, SystemConfig::default(), |_| {
-        Ok(axum::Router::new())
-    })
-    .await
-    .expect("start the shop")
+    common::start_embedded(dir).await
 }
 
 /// What a v2 producer sends: every v1 field, plus `giftWrap` at the top and
