@@ -138,6 +138,13 @@ pub enum SagaCommand {
         /// The saga's id.
         id: String,
     },
+    /// Tell a stuck saga its step's action did not take effect (checked at
+    /// the dependency under the step's idempotency key): it runs again, and
+    /// a refused pivot then compensates.
+    ConfirmNotApplied {
+        /// The saga's id.
+        id: String,
+    },
 }
 
 /// `keel webhooks`: webhook deliveries.
@@ -254,6 +261,12 @@ pub async fn run_saga(args: &AdminClientArgs, cmd: SagaCommand) -> anyhow::Resul
         SagaCommand::Cancel { id } => {
             let body = client.post(&["sagas", &id, "cancel"]).await?;
             print(false, body, |s: SagaJson| saga_changed("Cancelled", &s))
+        }
+        SagaCommand::ConfirmNotApplied { id } => {
+            let body = client.post(&["sagas", &id, "confirm-not-applied"]).await?;
+            print(false, body, |s: SagaJson| {
+                saga_changed("Confirmed not applied", &s)
+            })
         }
     }
 }

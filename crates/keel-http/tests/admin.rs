@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use chrono::Utc;
 use http_body_util::BodyExt;
-use keel_core::BoxError;
+use keel_core::{BoxError, Classified};
 use keel_http::admin::{Admin, AdminToken, Gauge, SESSION_COOKIE};
 use keel_messaging::broker::Message;
 use keel_messaging::dead_letter::REPLAY_OF_HEADER;
@@ -45,6 +45,10 @@ struct Faults {
     reserve_refused: AtomicBool,
     refund_broken: AtomicBool,
     receipt_broken: AtomicBool,
+    /// The shipment request's answer is lost: it may have been scheduled.
+    shipment_unknown: AtomicBool,
+    /// The shipping service refuses the order for good.
+    shipment_refused: AtomicBool,
 }
 
 fn order_saga(faults: &Arc<Faults>) -> SagaDefinition<Order> {
@@ -79,7 +83,7 @@ fn order_saga(faults: &Arc<Faults>) -> SagaDefinition<Order> {
             step("reserve_stock", |f| &f.reserve_refused)
                 .compensate_with(|_ctx: StepContext<Order>| async { Ok::<(), BoxError>(()) }),
         )
-        .pivot(step("schedule_shipment", |_| &NEVER))
+        .pivot(shipment(faults))
         .step(step("send_receipt", |f| &f.receipt_broken))
         .backoff(
             Backoff::exponential(Duration::from_millis(1), 2.0, Duration::from_millis(4))
@@ -96,6 +100,30 @@ fn order_saga(faults: &Arc<Faults>) -> SagaDefinition<Order> {
 }
 
 static NEVER: AtomicBool = AtomicBool::new(false);
+
+/// The pivot: its answer may be lost (an unknown outcome) or a refusal.
+fn shipment(faults: &Arc<Faults>) -> Step<Order> {
+    let faults = faults.clone();
+    Step::new("schedule_shipment", move |_ctx: StepContext<Order>| {
+        let unknown = faults.shipment_unknown.load(Ordering::SeqCst);
+        let refused = faults.shipment_refused.load(Ordering::SeqCst);
+        async move {
+            if unknown {
+                return Err::<(), BoxError>(Box::new(Classified::outcome_unknown(
+                    "shipping: the connection dropped after the request was sent",
+                )));
+            }
+            if refused {
+                return Err(Box::new(Classified::permanent(
+                    "shipping: no carrier for the address",
+                )));
+            }
+            Ok(())
+        }
+    })
+    .timeout(Duration::from_secs(5))
+    .max_attempts(1)
+}
 
 struct World {
     _dir: TempDir,
@@ -572,6 +600,47 @@ async fn past_the_pivot_cancel_is_refused_and_retry_finishes_the_saga() {
     assert_problem(&bad, StatusCode::BAD_REQUEST, "sleeping");
     let bad = w.call(Method::GET, "/admin/api/sagas?idle_secs=-4").await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+/// A pivot whose answer was lost may have shipped: the saga only goes
+/// forward, so cancel is refused, and once its forward budget runs out it is
+/// stuck. An operator who checked that the shipment does not exist says so;
+/// the saga runs the pivot again, which now refuses, and compensates.
+#[tokio::test]
+async fn an_operator_confirms_a_maybe_applied_pivot_did_not_happen_and_it_compensates() {
+    let w = world().await;
+    w.faults.shipment_unknown.store(true, Ordering::SeqCst);
+    w.start("order-9").await;
+    assert_eq!(w.settle("order-9").await, SagaStatus::Stuck);
+    let saga = w.call(Method::GET, "/admin/api/sagas/order-9").await;
+    assert_eq!(saga.body["outcome_unknown"], true, "{}", saga.body);
+    let cancel = w
+        .call(Method::POST, "/admin/api/sagas/order-9/cancel")
+        .await;
+    assert_eq!(cancel.status, StatusCode::CONFLICT, "{}", cancel.body);
+
+    w.faults.shipment_unknown.store(false, Ordering::SeqCst);
+    w.faults.shipment_refused.store(true, Ordering::SeqCst);
+    let confirmed = w
+        .call(Method::POST, "/admin/api/sagas/order-9/confirm-not-applied")
+        .await;
+    assert_eq!(confirmed.status, StatusCode::OK, "{}", confirmed.body);
+    assert_eq!(
+        confirmed.body["outcome_unknown"], false,
+        "{}",
+        confirmed.body
+    );
+    assert_eq!(w.settle("order-9").await, SagaStatus::Compensated);
+
+    let again = w
+        .call(Method::POST, "/admin/api/sagas/order-9/confirm-not-applied")
+        .await;
+    assert_eq!(
+        again.status,
+        StatusCode::CONFLICT,
+        "only a stuck saga: {}",
+        again.body
+    );
 }
 
 #[tokio::test]

@@ -373,6 +373,17 @@ where
         Ok(self.saga_json(record).await)
     }
 
+    /// Tells a stuck saga that its step's action did not take effect (an
+    /// operator checked the dependency under the step's idempotency key and
+    /// made sure it never will), so it runs again and may compensate; see
+    /// [`SagaOrchestrator::confirm_not_applied`](keel_messaging::saga::SagaOrchestrator::confirm_not_applied).
+    pub async fn confirm_not_applied(&self, id: &str) -> Result<SagaJson, AdminError> {
+        let orchestrator = self.orchestrator()?;
+        let record = orchestrator.confirm_not_applied(id).await?;
+        orchestrator.notify();
+        Ok(self.saga_json(record).await)
+    }
+
     /// Cancels a saga before its pivot and wakes the orchestrator.
     pub async fn cancel_saga(&self, id: &str) -> Result<SagaJson, AdminError> {
         let orchestrator = self.orchestrator()?;

@@ -50,6 +50,10 @@ where
             .route("/admin/api/sagas/{id}", get(saga::<S>))
             .route("/admin/api/sagas/{id}/retry", post(retry::<S>))
             .route("/admin/api/sagas/{id}/cancel", post(cancel::<S>))
+            .route(
+                "/admin/api/sagas/{id}/confirm-not-applied",
+                post(confirm_not_applied::<S>),
+            )
             .route("/admin/api/webhook-deliveries", get(deliveries::<S>))
             .route("/admin/api/webhook-deliveries/{id}", get(delivery::<S>))
             .route(
@@ -156,6 +160,13 @@ async fn retry<S: MessagingStore + WebhookStore>(
     Path(id): Path<String>,
 ) -> Reply<SagaJson> {
     Ok(Json(admin.retry_saga(&id).await?))
+}
+
+async fn confirm_not_applied<S: MessagingStore + WebhookStore>(
+    State(admin): State<Admin<S>>,
+    Path(id): Path<String>,
+) -> Reply<SagaJson> {
+    Ok(Json(admin.confirm_not_applied(&id).await?))
 }
 
 async fn cancel<S: MessagingStore + WebhookStore>(
