@@ -133,26 +133,39 @@ async fn the_remaining_failpoints_are_survived_too() {
     assert_invariants(&report);
 }
 
-/// Seeded schedules, failpoints picked by the seed: each seed is another
+/// A seeded schedule, failpoints picked by the seed: each seed is another
 /// set of crash points, broker outages and payment faults. No retries: one
-/// failure is a bug, and its seed replays the schedule.
+/// failure is a bug, and its seed replays the schedule. One test per seed,
+/// so each has the whole time limit.
+async fn seeded(seed: u64) {
+    let report = run(ChaosArgs {
+        seed: Some(seed),
+        orders: 200,
+        crashes: 3,
+        settle_timeout: 60,
+        ..ChaosArgs::default()
+    })
+    .await;
+    eprintln!(
+        "seed {seed}: calls ok/failed/unknown {:?}, recovered {}",
+        report.demo.invariants.calls, report.demo.invariants.recovered
+    );
+    assert_invariants(&report);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn seeded_schedules_lose_duplicate_and_strand_nothing() {
-    for seed in [3, 5, 13] {
-        let report = run(ChaosArgs {
-            seed: Some(seed),
-            orders: 200,
-            crashes: 3,
-            settle_timeout: 60,
-            ..ChaosArgs::default()
-        })
-        .await;
-        eprintln!(
-            "seed {seed}: calls ok/failed/unknown {:?}, recovered {}",
-            report.demo.invariants.calls, report.demo.invariants.recovered
-        );
-        assert_invariants(&report);
-    }
+async fn seed_3_loses_duplicates_and_strands_nothing() {
+    seeded(3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_5_loses_duplicates_and_strands_nothing() {
+    seeded(5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_13_loses_duplicates_and_strands_nothing() {
+    seeded(13).await;
 }
 
 /// `keel chaos --seed 42` as the binary runs it (500 orders, 6 crashes at
