@@ -31,7 +31,7 @@ enum Command {
     /// Run the reference shop with a workload of orders and check the invariants.
     Demo(DemoArgs),
     /// Run the reference shop as a server (API, console, admin API).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the demo's workload while crashing and restarting the system on
     /// a seeded schedule of faults, then check the invariants.
     Chaos(ChaosArgs),
@@ -165,7 +165,7 @@ fn main() -> ExitCode {
     let outcome = runtime.block_on(async {
         match cli.command {
             Command::Demo(args) => demo_command(args).await,
-            Command::Serve(args) => serve::run(args).await.map(|()| true),
+            Command::Serve(args) => serve::run(*args).await.map(|()| true),
             Command::Chaos(args) => chaos_command(args).await,
             Command::Dlq { client, command } => ops::run_dlq(&client, command).await.map(|()| true),
             Command::Outbox { client, command } => {

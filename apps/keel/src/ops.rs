@@ -404,10 +404,41 @@ impl AdminClient {
     }
 
     async fn post(&self, segments: &[&str]) -> anyhow::Result<Value> {
-        self.send(self.http.post(self.url(segments))).await
+        let mut request = self.http.post(self.url(segments));
+        if self.token.is_none() {
+            // Without a token, a state-changing request needs a session and
+            // its CSRF token (a loopback server without an admin token).
+            let (cookie, csrf) = self.session().await?;
+            request = request
+                .header(reqwest::header::COOKIE, cookie)
+                .header(keel_http::admin::CSRF_HEADER, csrf);
+        }
+        self.send(request).await
     }
 
-    async fn send(&self, mut request: reqwest::RequestBuilder) -> anyhow::Result<Value> {
+    /// A session from `POST /admin/api/login`: its cookie and CSRF token.
+    async fn session(&self) -> anyhow::Result<(String, String)> {
+        let (headers, body) = self.exchange(self.http.post(self.url(&["login"]))).await?;
+        let cookie = headers
+            .get(reqwest::header::SET_COOKIE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next());
+        match (cookie, body["csrf"].as_str()) {
+            (Some(cookie), Some(csrf)) => Ok((cookie.to_owned(), csrf.to_owned())),
+            _ => anyhow::bail!("the server's login answer carried no session"),
+        }
+    }
+
+    async fn send(&self, request: reqwest::RequestBuilder) -> anyhow::Result<Value> {
+        Ok(self.exchange(request).await?.1)
+    }
+
+    /// Sends `request` (with the token, if any): the answer's headers and
+    /// JSON body, or the problem it carried.
+    async fn exchange(
+        &self,
+        mut request: reqwest::RequestBuilder,
+    ) -> anyhow::Result<(reqwest::header::HeaderMap, Value)> {
         if let Some(token) = &self.token {
             request = request.bearer_auth(token);
         }
@@ -416,6 +447,7 @@ impl AdminClient {
             .await
             .with_context(|| format!("could not reach the Keel server at {}", self.base))?;
         let status = response.status();
+        let headers = response.headers().clone();
         let body = response.text().await?;
         if !status.is_success() {
             return Err(AdminApiError {
@@ -424,7 +456,9 @@ impl AdminClient {
             }
             .into());
         }
-        serde_json::from_str(&body).context("the server answered with something that is not JSON")
+        let body = serde_json::from_str(&body)
+            .context("the server answered with something that is not JSON")?;
+        Ok((headers, body))
     }
 }
 

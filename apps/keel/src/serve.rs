@@ -11,12 +11,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
+use keel_http::access::{AllowedHosts, ApiKeyLayer, ApiKeys, FailureThrottle};
 use keel_http::admin::{Admin, AdminToken, BrokerLag};
 use keel_http::console::Console;
-use keel_http::health::{DEFAULT_POOL_EXHAUSTION_GRACE, Health};
+use keel_http::health::{
+    ConnectionLimits, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_POOL_EXHAUSTION_GRACE, Health,
+};
 use keel_http::jobs::{JobRequested, Jobs, JobsOptions};
 use keel_http::webhooks::WebhookReceiver;
+use keel_http::webhooks::sealing::SecretSealer;
 use keel_http::webhooks::signing::Secret;
 use keel_messaging::Outbox;
 use keel_messaging::broker::Broker;
@@ -61,9 +66,60 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
     /// The admin API and console token (at least 16 characters); required
-    /// unless listening on loopback.
+    /// unless listening on loopback. Prefer KEEL_ADMIN_TOKEN or
+    /// --admin-token-file: a flag's value is visible in `ps`.
     #[arg(long, env = "KEEL_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// A file holding the admin token (its first line).
+    #[arg(long, env = "KEEL_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// More `Host` names the admin API and console answer to (`name` or
+    /// `name:port`, comma-separated; `*` for any), besides localhost,
+    /// 127.0.0.1 and [::1].
+    #[arg(long, env = "KEEL_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// A tenant's API key for webhook management, `tenant:key` (repeat the
+    /// flag, or comma-separate in KEEL_API_KEYS).
+    #[arg(
+        long = "api-key",
+        env = "KEEL_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one `tenant:key` per line.
+    #[arg(long, env = "KEEL_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
+    /// Webhook endpoints one tenant may register [default: 10].
+    #[arg(long, env = "KEEL_MAX_ENDPOINTS_PER_TENANT")]
+    pub max_endpoints_per_tenant: Option<usize>,
+    /// The key webhook secrets are sealed with at rest: 32 bytes as base64
+    /// or hex (without it they are stored in plain text).
+    #[arg(long, env = "KEEL_SECRETS_KEY", hide_env_values = true)]
+    pub secrets_key: Option<String>,
+    /// A file holding the secrets key (its first line).
+    #[arg(long, env = "KEEL_SECRETS_KEY_FILE")]
+    pub secrets_key_file: Option<PathBuf>,
+    /// Serve /metrics and /debug/deep to anyone (default: behind the admin
+    /// credentials, like the admin API).
+    #[arg(long, env = "KEEL_PUBLIC_METRICS")]
+    pub public_metrics: bool,
+    /// The most connections open at once [default: 1024]; past it a new
+    /// one gets 503.
+    #[arg(long, env = "KEEL_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Seconds a request head may take to arrive (also bounds an idle
+    /// keep-alive connection) [default: 10].
+    #[arg(long, env = "KEEL_HEADER_READ_TIMEOUT_SECS")]
+    pub header_read_timeout_secs: Option<u64>,
+    /// Seconds a connection may move no byte before it is closed
+    /// [default: 60].
+    #[arg(long, env = "KEEL_IDLE_TIMEOUT_SECS")]
+    pub idle_timeout_secs: Option<u64>,
+    /// SSE streams, WebSockets and waiting long polls one client address
+    /// may hold [default: 16].
+    #[arg(long, env = "KEEL_MAX_STREAMS_PER_CLIENT")]
+    pub max_streams_per_client: Option<usize>,
     /// Honour `X-Keel-Demo-Fault` on `POST /orders` (for demos and tests).
     #[arg(long, env = "KEEL_DEMO_FAULTS")]
     pub demo_faults: bool,
@@ -96,6 +152,30 @@ pub struct ServeFile {
     pub stream_prefix: Option<String>,
     /// See [`ServeArgs::admin_token`].
     pub admin_token: Option<String>,
+    /// See [`ServeArgs::admin_token_file`].
+    pub admin_token_file: Option<PathBuf>,
+    /// See [`ServeArgs::allowed_hosts`].
+    pub allowed_hosts: Option<Vec<String>>,
+    /// See [`ServeArgs::api_keys`].
+    pub api_keys: Option<Vec<String>>,
+    /// See [`ServeArgs::api_keys_file`].
+    pub api_keys_file: Option<PathBuf>,
+    /// See [`ServeArgs::max_endpoints_per_tenant`].
+    pub max_endpoints_per_tenant: Option<usize>,
+    /// See [`ServeArgs::secrets_key`].
+    pub secrets_key: Option<String>,
+    /// See [`ServeArgs::secrets_key_file`].
+    pub secrets_key_file: Option<PathBuf>,
+    /// See [`ServeArgs::public_metrics`].
+    pub public_metrics: Option<bool>,
+    /// See [`ServeArgs::max_connections`].
+    pub max_connections: Option<usize>,
+    /// See [`ServeArgs::header_read_timeout_secs`].
+    pub header_read_timeout_secs: Option<u64>,
+    /// See [`ServeArgs::idle_timeout_secs`].
+    pub idle_timeout_secs: Option<u64>,
+    /// See [`ServeArgs::max_streams_per_client`].
+    pub max_streams_per_client: Option<usize>,
     /// See [`ServeArgs::demo_faults`].
     pub demo_faults: Option<bool>,
     /// See [`ServeArgs::allow_loopback_webhooks`].
@@ -123,6 +203,20 @@ pub struct ServeConfig {
     pub stream_prefix: String,
     /// The admin token (none: loopback only).
     pub admin_token: Option<String>,
+    /// The `Host` names the admin answers to.
+    pub allowed_hosts: AllowedHosts,
+    /// The tenants allowed to manage webhooks.
+    pub api_keys: ApiKeys,
+    /// Webhook endpoints per tenant.
+    pub max_endpoints_per_tenant: usize,
+    /// Seals webhook secrets at rest.
+    pub secrets: SecretSealer,
+    /// Metrics and `/debug/deep` without credentials.
+    pub public_metrics: bool,
+    /// Timeouts and the cap of every connection.
+    pub connection_limits: ConnectionLimits,
+    /// Long-lived connections per client address.
+    pub max_streams_per_client: usize,
     /// Demo faults on.
     pub demo_faults: bool,
     /// Loopback webhooks allowed.
@@ -230,9 +324,80 @@ impl ServeArgs {
             .clone()
             .or(file.stream_prefix)
             .unwrap_or_else(|| backend::DEFAULT_STREAM_PREFIX.to_owned());
-        let admin_token = self.admin_token.clone().or(file.admin_token);
+        let admin_token = match self.admin_token.clone().or(file.admin_token) {
+            Some(token) => Some(token),
+            None => self
+                .admin_token_file
+                .clone()
+                .or(file.admin_token_file)
+                .map(|path| first_line("admin-token-file", &path))
+                .transpose()?,
+        };
         AdminToken::require_for(listen, admin_token.clone())
             .map_err(|e| invalid("admin-token", e.to_string()))?;
+        let hosts = pick(self.allowed_hosts.clone(), file.allowed_hosts);
+        let allowed_hosts = AllowedHosts::loopback()
+            .with(&hosts)
+            .map_err(|e| invalid("allowed-hosts", e.to_string()))?;
+        let mut keys = pick(self.api_keys.clone(), file.api_keys);
+        if let Some(path) = self.api_keys_file.clone().or(file.api_keys_file) {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| invalid("api-keys-file", format!("{}: {e}", path.display())))?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(str::to_owned),
+            );
+        }
+        let api_keys = ApiKeys::parse(&keys).map_err(|e| invalid("api-key", e.to_string()))?;
+        let secrets_key = match self.secrets_key.clone().or(file.secrets_key) {
+            Some(key) => Some(key),
+            None => self
+                .secrets_key_file
+                .clone()
+                .or(file.secrets_key_file)
+                .map(|path| first_line("secrets-key-file", &path))
+                .transpose()?,
+        };
+        let secrets = match secrets_key {
+            Some(key) => {
+                SecretSealer::parse(&key).map_err(|e| invalid("secrets-key", e.to_string()))?
+            }
+            None => SecretSealer::plaintext(),
+        };
+        let secs = |flag: Option<u64>, file: Option<u64>, default: Duration| {
+            flag.or(file).map_or(default, Duration::from_secs)
+        };
+        let connection_limits = ConnectionLimits::new()
+            .max_connections(
+                self.max_connections
+                    .or(file.max_connections)
+                    .unwrap_or(DEFAULT_MAX_CONNECTIONS),
+            )
+            .header_read_timeout(secs(
+                self.header_read_timeout_secs,
+                file.header_read_timeout_secs,
+                DEFAULT_HEADER_READ_TIMEOUT,
+            ))
+            .idle_timeout(secs(
+                self.idle_timeout_secs,
+                file.idle_timeout_secs,
+                DEFAULT_IDLE_TIMEOUT,
+            ))
+            .validate()
+            .map_err(|e| invalid("connection limits", e.to_string()))?;
+        let max_streams_per_client = self
+            .max_streams_per_client
+            .or(file.max_streams_per_client)
+            .unwrap_or(keel_http::realtime::DEFAULT_MAX_PER_CLIENT);
+        if max_streams_per_client == 0 {
+            return Err(invalid("max-streams-per-client", "must be at least 1"));
+        }
+        let max_endpoints_per_tenant = self
+            .max_endpoints_per_tenant
+            .or(file.max_endpoints_per_tenant)
+            .unwrap_or(webhooks::DEFAULT_MAX_ENDPOINTS_PER_TENANT);
         let inbound_webhook_secret = self
             .inbound_webhook_secret
             .clone()
@@ -251,6 +416,13 @@ impl ServeArgs {
             pg_schema,
             stream_prefix,
             admin_token,
+            allowed_hosts,
+            api_keys,
+            max_endpoints_per_tenant,
+            secrets,
+            public_metrics: self.public_metrics || file.public_metrics.unwrap_or(false),
+            connection_limits,
+            max_streams_per_client,
             demo_faults: self.demo_faults || file.demo_faults.unwrap_or(false),
             allow_loopback_webhooks: self.allow_loopback_webhooks
                 || file.allow_loopback_webhooks.unwrap_or(false),
@@ -260,20 +432,47 @@ impl ServeArgs {
     }
 }
 
-/// The admin API and the console, behind the admin token. Mounted by
-/// `keel serve`; the chaos run and tests can mount it too.
-pub fn admin_routes<S: ShopStore>(c: &Components<S>, token: AdminToken) -> Router {
+/// The flag's values if any were given, else the file's.
+fn pick(flags: Vec<String>, file: Option<Vec<String>>) -> Vec<String> {
+    if flags.is_empty() {
+        file.unwrap_or_default()
+    } else {
+        flags
+    }
+}
+
+/// The first line of a secret's file, trimmed.
+fn first_line(setting: &'static str, path: &std::path::Path) -> Result<String, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| invalid(setting, format!("{}: {e}", path.display())))?;
+    let line = text.lines().next().unwrap_or_default().trim().to_owned();
+    if line.is_empty() {
+        return Err(invalid(setting, format!("{} is empty", path.display())));
+    }
+    Ok(line)
+}
+
+/// The admin API and the console, behind the admin token and answering
+/// only `hosts`. Mounted by `keel serve`; the chaos run and tests can mount
+/// it too.
+pub fn admin_routes<S: ShopStore>(
+    c: &Components<S>,
+    token: AdminToken,
+    hosts: AllowedHosts,
+) -> (Admin<S>, Router) {
     let lag = BrokerLag::new(Arc::clone(&c.broker))
         .group(fulfilment::TOPIC, fulfilment::GROUP)
         .group(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP);
     let admin = Admin::builder(c.store.clone())
         .token(token)
+        .allowed_hosts(hosts)
         .outbox(Outbox::new(c.store.clone()))
         .sagas(c.orchestrator.clone())
         .breakers(c.breakers.clone())
         .gauges(lag)
         .build();
-    admin.router().merge(Console::new(admin).router())
+    let router = admin.router().merge(Console::new(admin.clone()).router());
+    (admin, router)
 }
 
 /// The routes `keel serve` adds to the public API: reports and jobs,
@@ -292,17 +491,25 @@ pub fn serve_routes<S: ShopStore>(
     let webhook_api = WebhookApi {
         endpoints: c.endpoints.clone(),
         receiver: WebhookReceiver::new([secret]),
+        max_per_tenant: config.max_endpoints_per_tenant,
+        creating: Arc::default(),
     };
+    let management = ApiKeyLayer::new(config.api_keys.clone(), FailureThrottle::default());
     let webhook_routes = Router::new()
         .route(
             "/webhook-endpoints",
             post(webhooks::create_endpoint::<S>).get(webhooks::list_endpoints::<S>),
         )
         .route(
+            "/webhook-endpoints/{id}",
+            delete(webhooks::delete_endpoint::<S>),
+        )
+        .route(
             "/webhook-endpoints/{id}/deliveries",
             get(webhooks::list_deliveries::<S>),
         )
         .route("/deliveries/{id}/resend", post(webhooks::resend::<S>))
+        .route_layer(management)
         .route("/webhooks/inbound/{source}", post(webhooks::inbound::<S>))
         .with_state(webhook_api);
     let http = reqwest::Client::new();
@@ -331,6 +538,14 @@ pub fn serve_routes<S: ShopStore>(
         .map_err(|e| StartError::Config(e.to_string()))?;
     let token = AdminToken::require_for(config.listen, config.admin_token.clone())
         .map_err(|e| StartError::Config(e.to_string()))?;
+    let (admin, admin_routes) = admin_routes(c, token, config.allowed_hosts.clone());
+    let mut operations = Router::new().merge(health.deep_router()).route(
+        "/metrics",
+        get(|| async { crate::metrics_report::render() }),
+    );
+    if !config.public_metrics {
+        operations = operations.route_layer(admin.auth_layer());
+    }
     Ok(Router::new()
         .route("/reports", jobs.create_route())
         .merge(jobs.routes())
@@ -339,11 +554,8 @@ pub fn serve_routes<S: ShopStore>(
             get(crate::api::reports::get_report).with_state(reports),
         )
         .merge(webhook_routes)
-        .merge(health.router())
-        .route(
-            "/metrics",
-            get(|| async { crate::metrics_report::render() }),
-        )
+        .merge(health.probes_router())
+        .merge(operations)
         .route(
             "/openapi.json",
             get(|| async {
@@ -353,7 +565,7 @@ pub fn serve_routes<S: ShopStore>(
                 )
             }),
         )
-        .merge(admin_routes(c, token)))
+        .merge(admin_routes))
 }
 
 impl ServeConfig {
@@ -396,15 +608,46 @@ impl OnStore for Serve {
     }
 }
 
+/// Says loudly what is open to whom, once, at start.
+fn warn_about_exposure(config: &ServeConfig) {
+    if config.admin_token.is_none() {
+        tracing::warn!(
+            "THE ADMIN API AND CONSOLE HAVE NO TOKEN: anyone who can open a connection to {} \
+             from this machine can read them; state-changing requests still need a session \
+             and its CSRF token. Set KEEL_ADMIN_TOKEN (or --admin-token-file) before \
+             exposing this server to other users",
+            config.listen
+        );
+    }
+    tracing::info!(hosts = %config.allowed_hosts.describe(), "the admin API answers these Host names");
+    if config.api_keys.is_empty() {
+        tracing::warn!(
+            "no API key is configured (--api-key tenant:key): webhook endpoints cannot be managed"
+        );
+    }
+    if !config.secrets.is_sealing() {
+        tracing::warn!(
+            "webhook secrets are stored in plain text: set KEEL_SECRETS_KEY to seal them at rest"
+        );
+    }
+    if config.public_metrics {
+        tracing::warn!("/metrics and /debug/deep are served to anyone (--public-metrics)");
+    }
+}
+
 async fn serve_on<S: ShopStore>(
     config: ServeConfig,
     store: S,
     broker: Arc<dyn Broker>,
 ) -> anyhow::Result<()> {
+    warn_about_exposure(&config);
     let system = SystemConfig {
         listen: config.listen,
         demo_faults: config.demo_faults,
         allow_loopback_webhooks: config.allow_loopback_webhooks,
+        secrets: config.secrets.clone(),
+        connection_limits: config.connection_limits.clone(),
+        streams_per_client: config.max_streams_per_client,
         cursor_key: config
             .cursor_key
             .clone()
@@ -419,7 +662,7 @@ async fn serve_on<S: ShopStore>(
         },
         ..SystemConfig::default()
     };
-    let reports: Reports = Arc::default();
+    let reports = Reports::default();
     let jobs = Jobs::new(Outbox::new(store.clone()), JobsOptions::new("report"))
         .map_err(|e| anyhow::anyhow!("jobs: {e}"))?;
     let worker = Consumer::builder(store.clone(), Arc::clone(&broker))
@@ -428,7 +671,7 @@ async fn serve_on<S: ShopStore>(
                 <JobRequested as keel_messaging::Event>::TYPE,
                 ReportWorker {
                     jobs: jobs.clone(),
-                    reports: Arc::clone(&reports),
+                    reports: reports.clone(),
                 },
             ),
         )
@@ -548,5 +791,50 @@ mod tests {
         let mut a = args();
         a.cursor_key = Some("short".into());
         assert!(a.resolve().is_err());
+    }
+
+    #[test]
+    fn security_settings_are_checked_and_secrets_come_from_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let token_file = dir.path().join("token");
+        std::fs::write(&token_file, "a-token-from-a-file-0123\n").unwrap();
+        let mut a = args();
+        a.listen = Some("192.0.2.1:8080".into());
+        a.admin_token_file = Some(token_file);
+        let config = a.resolve().unwrap();
+        assert_eq!(
+            config.admin_token.as_deref(),
+            Some("a-token-from-a-file-0123")
+        );
+        let refused = |change: fn(&mut ServeArgs), setting: &str| {
+            let mut a = args();
+            change(&mut a);
+            let err = a.resolve().unwrap_err().to_string();
+            assert!(err.contains(setting), "{setting}: {err}");
+        };
+        refused(|a| a.api_keys = vec!["acme".into()], "api-key");
+        refused(|a| a.api_keys = vec!["acme:short".into()], "api-key");
+        refused(|a| a.secrets_key = Some("not-a-key".into()), "secrets-key");
+        refused(
+            |a| a.allowed_hosts = vec!["bad host".into()],
+            "allowed-hosts",
+        );
+        refused(|a| a.max_connections = Some(0), "max_connections");
+        refused(
+            |a| a.max_streams_per_client = Some(0),
+            "max-streams-per-client",
+        );
+        refused(
+            |a| a.admin_token_file = Some("/nonexistent/token".into()),
+            "admin-token-file",
+        );
+        let mut a = args();
+        a.api_keys = vec!["acme:acme-key-0123456789".into()];
+        a.allowed_hosts = vec!["shop.example:8443".into()];
+        let config = a.resolve().unwrap();
+        assert_eq!(config.api_keys.tenants().count(), 1);
+        assert!(config.allowed_hosts.allows("shop.example:8443"));
+        assert!(!config.secrets.is_sealing());
+        assert!(!config.public_metrics);
     }
 }

@@ -3,52 +3,18 @@
 //! faults end in a dead letter and a stuck saga that operators can fix, and
 //! the OpenAPI document lists every route.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-struct Server {
-    child: Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
+mod common;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::{ACME_KEY, Server, eventually, serve};
 
-fn serve(extra: &[&str]) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite:{}", dir.path().join("shop.db").display());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--database-url", &db])
-        .args(extra)
-        .env_remove("KEEL_ADMIN_TOKEN")
-        .env("KEEL_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("keel serve starts");
-    let stdout = child.stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("keel: listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
-    Server {
-        child,
-        url,
-        _dir: dir,
-    }
-}
+/// The admin token of the tests that use the admin API.
+const ADMIN_TOKEN: &str = "serve-test-admin-token-0123";
 
 fn order(customer: &str) -> Value {
     json!({"customerId": customer, "currency": "USD", "items": [{"sku": "tea", "qty": 2, "unitPriceCents": 450}]})
@@ -154,7 +120,12 @@ async fn bad_input_is_refused_with_problem_json() {
             "unknown endpoint",
         ),
     ] {
-        let r = http.get(format!("{}{path}", s.url)).send().await.unwrap();
+        let r = http
+            .get(format!("{}{path}", s.url))
+            .bearer_auth(ACME_KEY)
+            .send()
+            .await
+            .unwrap();
         assert_problem(r, status, what).await;
     }
     for (id, status, what) in [
@@ -163,6 +134,7 @@ async fn bad_input_is_refused_with_problem_json() {
     ] {
         let r = http
             .post(format!("{}/deliveries/{id}/resend", s.url))
+            .bearer_auth(ACME_KEY)
             .send()
             .await
             .unwrap();
@@ -170,6 +142,7 @@ async fn bad_input_is_refused_with_problem_json() {
     }
     let r = http
         .post(format!("{}/webhook-endpoints", s.url))
+        .bearer_auth(ACME_KEY)
         .json(&json!({"url": "http://169.254.169.254/latest"}))
         .send()
         .await
@@ -262,7 +235,7 @@ async fn a_retry_after_a_crash_before_the_key_was_recorded_places_nothing_twice(
 
     // What the crash and the lock's expiry leave: the order, and no key.
     let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(s._dir.path().join("shop.db"))
+        .filename(&s.db)
         .busy_timeout(Duration::from_secs(10));
     let mut db = <sqlx::SqliteConnection as sqlx::Connection>::connect_with(&options)
         .await
@@ -427,6 +400,7 @@ async fn status_of_declared_body(s: &Server, len: usize) -> u16 {
 
 async fn admin(http: &reqwest::Client, s: &Server, path: &str) -> Value {
     http.get(format!("{}/admin/api{path}", s.url))
+        .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
         .unwrap()
@@ -447,23 +421,9 @@ async fn status_of(http: &reqwest::Client, s: &Server, id: &str) -> String {
     o["status"].as_str().unwrap_or_default().to_owned()
 }
 
-async fn eventually<F, Fut>(mut check: F, what: &str)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..300 {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
 #[tokio::test]
 async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() {
-    let s = serve(&["--demo-faults"]);
+    let s = serve(&["--demo-faults", "--admin-token", ADMIN_TOKEN]);
     let http = reqwest::Client::new();
     let faulty = |fault: &'static str, key: &'static str| {
         http.post(format!("{}/orders", s.url))
@@ -486,19 +446,15 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
         .unwrap();
     let (dl_id, st_id) = (dl["id"].as_str().unwrap(), st["id"].as_str().unwrap());
 
-    eventually(
-        || async {
-            admin(&http, &s, "/dead-letters").await["items"]
-                .as_array()
-                .is_some_and(|a| a.len() == 1)
-        },
-        "a dead letter",
-    )
+    eventually("a dead letter", || async {
+        admin(&http, &s, "/dead-letters").await["items"]
+            .as_array()
+            .is_some_and(|a| a.len() == 1)
+    })
     .await;
-    eventually(
-        || async { status_of(&http, &s, st_id).await == "stuck" },
-        "a stuck saga",
-    )
+    eventually("a stuck saga", || async {
+        status_of(&http, &s, st_id).await == "stuck"
+    })
     .await;
     assert_eq!(status_of(&http, &s, dl_id).await, "pending");
 
@@ -510,26 +466,26 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
             s.url,
             letter["id"].as_str().unwrap()
         ))
+        .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
         .unwrap();
     assert!(r.status().is_success());
     let r = http
         .post(format!("{}/admin/api/sagas/{st_id}/retry", s.url))
+        .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
         .unwrap();
     assert!(r.status().is_success());
 
-    eventually(
-        || async { status_of(&http, &s, dl_id).await == "completed" },
-        "the replayed order to complete",
-    )
+    eventually("the replayed order to complete", || async {
+        status_of(&http, &s, dl_id).await == "completed"
+    })
     .await;
-    eventually(
-        || async { status_of(&http, &s, st_id).await == "compensated" },
-        "the retried saga to compensate",
-    )
+    eventually("the retried saga to compensate", || async {
+        status_of(&http, &s, st_id).await == "compensated"
+    })
     .await;
 
     // Both orders finished, so the shop's consumer groups are caught up.
@@ -567,6 +523,7 @@ async fn openapi_describes_every_route() {
         ("/ws", "get"),
         ("/webhook-endpoints", "post"),
         ("/webhook-endpoints", "get"),
+        ("/webhook-endpoints/{id}", "delete"),
         ("/webhook-endpoints/{id}/deliveries", "get"),
         ("/deliveries/{id}/resend", "post"),
         ("/webhooks/inbound/{source}", "post"),

@@ -21,6 +21,7 @@
 //!   webhook deliveries, breakers and lag;
 //! - `console`: the operator console, server-rendered HTML live over SSE.
 
+pub mod access;
 pub mod problem;
 
 #[cfg(feature = "admin")]

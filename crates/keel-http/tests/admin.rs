@@ -16,7 +16,7 @@ use axum::http::{Method, Request, StatusCode, header};
 use chrono::Utc;
 use http_body_util::BodyExt;
 use keel_core::{BoxError, Classified};
-use keel_http::admin::{Admin, AdminToken, Gauge, SESSION_COOKIE};
+use keel_http::admin::{Admin, AdminToken, CSRF_HEADER, Gauge, SESSION_COOKIE};
 use keel_messaging::broker::Message;
 use keel_messaging::dead_letter::REPLAY_OF_HEADER;
 use keel_messaging::saga::{Backoff, Jitter, SagaDefinition, SagaOrchestrator, Step, StepContext};
@@ -131,6 +131,7 @@ struct World {
     faults: Arc<Faults>,
     saga: SagaDefinition<Order>,
     orchestrator: SagaOrchestrator<SqliteStore>,
+    admin: Admin<SqliteStore>,
     app: Router,
 }
 
@@ -166,6 +167,7 @@ async fn world() -> World {
         saga,
         orchestrator,
         app: admin.router(),
+        admin,
     }
 }
 
@@ -182,7 +184,10 @@ impl World {
     }
 
     async fn call_with(&self, method: Method, path: &str, auth: Option<&str>) -> Reply {
-        let mut request = Request::builder().method(method).uri(path);
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::HOST, "127.0.0.1:8080");
         if let Some(auth) = auth {
             request = request.header(header::AUTHORIZATION, auth);
         }
@@ -277,6 +282,7 @@ impl World {
             last_success_at: None,
             created_at: now,
             updated_at: now,
+            tenant: String::new(),
         };
         self.store.webhook_endpoint_create(&endpoint).await.unwrap();
         let mut tx = self.store.begin().await.unwrap();
@@ -342,6 +348,7 @@ async fn without_the_token_every_route_is_401_and_a_wrong_one_too() {
         assert_eq!(wrong.status, StatusCode::UNAUTHORIZED, "{path}");
     }
     let forged = Request::get("/admin/api/summary")
+        .header(header::HOST, "127.0.0.1:8080")
         .header(header::COOKIE, format!("{SESSION_COOKIE}=forged"))
         .body(Body::empty())
         .unwrap();
@@ -350,13 +357,12 @@ async fn without_the_token_every_route_is_401_and_a_wrong_one_too() {
 }
 
 #[tokio::test]
-async fn the_session_cookie_works_but_not_for_a_cross_site_post() {
+async fn a_session_reads_but_changes_nothing_without_its_csrf_token_or_from_another_site() {
     let w = world().await;
-    let cookie = format!(
-        "{SESSION_COOKIE}={}",
-        AdminToken::new(TOKEN).unwrap().session_value().unwrap()
-    );
+    let (session, value) = w.admin.access().sessions().issue();
+    let cookie = format!("{SESSION_COOKIE}={value}");
     let get = Request::get("/admin/api/summary")
+        .header(header::HOST, "127.0.0.1:8080")
         .header(header::COOKIE, &cookie)
         .body(Body::empty())
         .unwrap();
@@ -365,21 +371,78 @@ async fn the_session_cookie_works_but_not_for_a_cross_site_post() {
         StatusCode::OK
     );
     w.letter("billing:1", "orders", &["boom"]).await;
-    let post = Request::post("/admin/api/dead-letters/billing:1/discard")
-        .header(header::COOKIE, &cookie)
-        .header(header::HOST, "127.0.0.1:8080")
-        .header(header::ORIGIN, "http://evil.example")
-        .body(Body::empty())
+    let discard = |origin: &str, csrf: Option<&str>| {
+        let mut post = Request::post("/admin/api/dead-letters/billing:1/discard")
+            .header(header::COOKIE, &cookie)
+            .header(header::HOST, "127.0.0.1:8080")
+            .header(header::ORIGIN, origin);
+        if let Some(csrf) = csrf {
+            post = post.header(CSRF_HEADER, csrf);
+        }
+        w.app.clone().oneshot(post.body(Body::empty()).unwrap())
+    };
+    let cross_site = discard("http://evil.example", Some(&session.csrf))
+        .await
         .unwrap();
-    assert_eq!(
-        w.app.clone().oneshot(post).await.unwrap().status(),
-        StatusCode::FORBIDDEN
-    );
+    assert_eq!(cross_site.status(), StatusCode::FORBIDDEN);
+    let no_csrf = discard("http://127.0.0.1:8080", None).await.unwrap();
+    assert_eq!(no_csrf.status(), StatusCode::FORBIDDEN);
+    let wrong_csrf = discard("http://127.0.0.1:8080", Some("0123"))
+        .await
+        .unwrap();
+    assert_eq!(wrong_csrf.status(), StatusCode::FORBIDDEN);
     let letter = w.store.dead_letter_get("billing:1").await.unwrap().unwrap();
     assert_eq!(
         letter.status,
         DeadLetterStatus::Pending,
         "nothing was discarded"
+    );
+    let meant = discard("http://127.0.0.1:8080", Some(&session.csrf))
+        .await
+        .unwrap();
+    assert_eq!(meant.status(), StatusCode::OK);
+    w.admin.access().sessions().revoke(&session);
+    let get = Request::get("/admin/api/summary")
+        .header(header::HOST, "127.0.0.1:8080")
+        .header(header::COOKIE, &cookie)
+        .body(Body::empty())
+        .unwrap();
+    let after_logout = w.app.clone().oneshot(get).await.unwrap();
+    assert_eq!(after_logout.status(), StatusCode::UNAUTHORIZED, "revoked");
+}
+
+#[tokio::test]
+async fn an_unknown_host_is_refused_even_with_the_token() {
+    let w = world().await;
+    let request = Request::get("/admin/api/summary")
+        .header(header::HOST, "rebind.evil.example:8080")
+        .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+        .body(Body::empty())
+        .unwrap();
+    let response = w.app.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::FORBIDDEN);
+    assert_eq!(response.headers()[header::CACHE_CONTROL], "no-store");
+    assert_eq!(response.headers()[header::X_FRAME_OPTIONS], "DENY");
+}
+
+#[tokio::test]
+async fn wrong_bearer_tokens_are_throttled() {
+    let w = world().await;
+    for _ in 0..keel_http::access::DEFAULT_MAX_FAILURES {
+        let reply = w
+            .call_with(
+                Method::GET,
+                "/admin/api/summary",
+                Some("Bearer guess-guess-guess-guess"),
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    }
+    let reply = w.call(Method::GET, "/admin/api/summary").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "even the right token waits once the address has guessed too often"
     );
 }
 
@@ -734,6 +797,7 @@ async fn broker_lag_reports_each_groups_unfinished_messages() {
     let response = app
         .oneshot(
             Request::get("/admin/api/lag")
+                .header(header::HOST, "127.0.0.1:8080")
                 .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
                 .body(Body::empty())
                 .unwrap(),
@@ -760,11 +824,16 @@ async fn broker_lag_reports_each_groups_unfinished_messages() {
 async fn without_an_orchestrator_sagas_are_listed_and_actions_are_501() {
     let w = world().await;
     w.start("order-9").await;
-    let bare = Admin::builder(w.store.clone()).build().router();
+    let bare = Admin::builder(w.store.clone())
+        .token(AdminToken::new(TOKEN).unwrap())
+        .build()
+        .router();
     let call = |method: Method, path: &str| {
         let request = Request::builder()
             .method(method)
             .uri(path)
+            .header(header::HOST, "127.0.0.1:8080")
+            .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
             .body(Body::empty())
             .unwrap();
         bare.clone().oneshot(request)

@@ -315,6 +315,15 @@ impl WsClient {
     /// A round trip (an invalid `resume`, answered with an error): once it
     /// is back, the server's loop runs and its cursor is set, so what is
     /// published next is live.
+    /// Whether the server keeps the connection open for a moment rather
+    /// than closing it at once.
+    async fn stays_open(&mut self) -> bool {
+        match tokio::time::timeout(Duration::from_millis(300), self.frame()).await {
+            Err(_) => true,
+            Ok(frame) => !matches!(frame, Incoming::Close(..) | Incoming::Eof),
+        }
+    }
+
     async fn round_trip(&mut self) {
         self.send_json(json!({ "type": "resume", "after": -1 }))
             .await;
@@ -430,6 +439,34 @@ async fn an_unauthenticated_client_is_closed_with_1008() {
         client.next().await,
         Incoming::Close(1008, "authentication required".into())
     );
+}
+
+#[tokio::test]
+async fn past_the_connection_cap_a_socket_is_closed_with_1013_until_one_leaves() {
+    let f = fixture(options().max_connections(1, 1)).await;
+    let mut first = open(&f, "/ws").await;
+    first.round_trip().await;
+    let (mut second, _) = WsClient::connect(f.addr, "/ws", &browser(Some("alice")))
+        .await
+        .expect("upgraded, then closed");
+    match second.next().await {
+        Incoming::Close(code, reason) => {
+            assert_eq!(code, 1013, "try again later");
+            assert!(reason.contains("too many"), "{reason}");
+        }
+        other => panic!("expected a close, got {other:?}"),
+    }
+    drop(first);
+    let mut third = None;
+    for _ in 0..50 {
+        let mut client = open(&f, "/ws").await;
+        if client.stays_open().await {
+            third = Some(client);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(third.is_some(), "the slot came back when the first left");
 }
 
 #[tokio::test]

@@ -852,6 +852,9 @@ pub struct WebhookEndpoint {
     pub created_at: DateTime<Utc>,
     /// Last change of its settings, secrets or state.
     pub updated_at: DateTime<Utc>,
+    /// The tenant that owns it: only that tenant's callers see, change or
+    /// resend it (empty: no tenant, managed by operators only).
+    pub tenant: String,
 }
 
 impl WebhookEndpoint {

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "broker")]
 pub mod broker;
+mod private_file;
 #[cfg(feature = "broker")]
 pub use broker::{SqliteBroker, SqliteBrokerOptions};
 #[cfg(feature = "store")]

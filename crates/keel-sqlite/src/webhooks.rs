@@ -38,15 +38,15 @@ use crate::store::codec::from_ms;
 use crate::store::error::db_error;
 
 const ENDPOINT_COLUMNS: &str = "id, url, description, event_types, secrets, enabled, \
-    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at";
+    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant";
 
 const DELIVERY_COLUMNS: &str = "id, endpoint_id, event_id, event_type, payload, status, \
     attempts, next_attempt_at, created_at, updated_at, leased_by, leased_until";
 
 const ENDPOINT_INSERT_SQL: &str = "\
 INSERT INTO keel_webhook_endpoints (id, url, description, event_types, secrets, enabled,
-    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)";
+    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)";
 
 const ENDPOINT_UPDATE_SQL: &str = "\
 UPDATE keel_webhook_endpoints SET url = ?2, description = ?3, event_types = ?4, updated_at = ?5
@@ -201,6 +201,7 @@ impl WebhookStore for SqliteStore {
             .bind(endpoint.last_success_at.map(ms))
             .bind(ms(endpoint.created_at))
             .bind(ms(endpoint.updated_at))
+            .bind(endpoint.tenant.as_str())
             .execute(self.pool())
             .await
             .map_err(db_error)?;
@@ -833,6 +834,7 @@ fn endpoint_from_row(row: &SqliteRow) -> Result<WebhookEndpoint, StoreError> {
         last_success_at: opt_time(row, "last_success_at")?,
         created_at: from_ms(row.try_get("created_at").map_err(db_error)?)?,
         updated_at: from_ms(row.try_get("updated_at").map_err(db_error)?)?,
+        tenant: row.try_get("tenant").map_err(db_error)?,
     })
 }
 

@@ -70,6 +70,7 @@ pub fn endpoint(id: &str, event_types: &[&str]) -> WebhookEndpoint {
         last_success_at: None,
         created_at: t0(),
         updated_at: t0(),
+        tenant: String::new(),
     }
 }
 

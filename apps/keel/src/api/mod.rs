@@ -82,10 +82,12 @@ pub enum RouterError {
 }
 
 /// The public API: orders and realtime, behind the trace and deadline
-/// layers. `drain` ends realtime connections on shutdown.
+/// layers. `drain` ends realtime connections on shutdown; one client
+/// address holds at most `streams_per_client` realtime connections.
 pub fn public_router<S: ShopStore>(
     state: AppState<S>,
     drain: tokio::sync::watch::Receiver<bool>,
+    streams_per_client: usize,
 ) -> Result<Router, RouterError> {
     let idempotency = IdempotencyLayer::with_options(
         state.store.clone(),
@@ -95,7 +97,11 @@ pub fn public_router<S: ShopStore>(
     )
     .map_err(|e| RouterError::Config(e.to_string()))?;
     let realtime = Realtime::builder(state.log.clone(), stream_of)
-        .options(RealtimeOptions::new().allow_missing_origin(true))
+        .options(
+            RealtimeOptions::new()
+                .allow_missing_origin(true)
+                .max_connections(streams_per_client, keel_http::realtime::DEFAULT_MAX_TOTAL),
+        )
         .drain(drain)
         .build()
         .map_err(|e| RouterError::Config(e.to_string()))?;

@@ -58,11 +58,19 @@ pub fn doc_livez() {}
 pub fn doc_readyz() {}
 
 /// `GET /debug/deep`.
-#[utoipa::path(get, path = "/debug/deep", responses((status = 200, description = "Each dependency's status and latency")), tag = "health")]
+#[utoipa::path(get, path = "/debug/deep", responses(
+    (status = 200, description = "Each dependency's status and latency"),
+    (status = 401, description = "Unless --public-metrics: the admin token is required"),
+    (status = 403, description = "A Host the admin does not answer to"),
+), tag = "health")]
 pub fn doc_deep() {}
 
 /// `GET /metrics`.
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text exposition")), tag = "health")]
+#[utoipa::path(get, path = "/metrics", responses(
+    (status = 200, description = "Prometheus text exposition"),
+    (status = 401, description = "Unless --public-metrics: the admin token is required"),
+    (status = 403, description = "A Host the admin does not answer to"),
+), tag = "health")]
 pub fn doc_metrics() {}
 
 /// `GET /openapi.json`.
@@ -90,6 +98,7 @@ pub fn doc_openapi() {}
         webhooks::list_endpoints,
         webhooks::list_deliveries,
         webhooks::resend,
+        webhooks::delete_endpoint,
         webhooks::inbound,
         doc_livez,
         doc_readyz,
@@ -108,9 +117,32 @@ pub fn doc_openapi() {}
         webhooks::CreateEndpoint,
         webhooks::EndpointView,
         webhooks::DeliveryView,
-    ))
+    )),
+    modifiers(&Security)
 )]
 pub struct ApiDoc;
+
+/// Declares the `api_key` scheme webhook management requires: a tenant's
+/// key as a bearer token.
+struct Security;
+
+impl utoipa::Modify for Security {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "A tenant's API key (`keel serve --api-key tenant:key`)",
+                    ))
+                    .build(),
+            ),
+        );
+    }
+}
 
 /// The document as JSON.
 pub fn json() -> String {

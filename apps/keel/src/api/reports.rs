@@ -7,7 +7,7 @@
 //! after that transaction commits, because SQLite has one writer and the
 //! transaction holds it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -24,8 +24,53 @@ use utoipa::ToSchema;
 
 use crate::shop::ShopStore;
 
-/// Finished reports, by job id.
-pub type Reports = Arc<Mutex<HashMap<String, Report>>>;
+/// How many finished reports are kept: the latest 1,000. Anyone may ask
+/// for a report, so the memory they take must have a bound.
+pub const MAX_REPORTS: usize = 1000;
+
+/// Finished reports, by job id: the latest [`MAX_REPORTS`], the oldest
+/// forgotten first. Cheap to clone; clones share the reports.
+#[derive(Debug, Clone, Default)]
+pub struct Reports {
+    kept: Arc<Mutex<Kept>>,
+}
+
+/// The reports by id, and their ids oldest first.
+type Kept = (HashMap<String, Report>, VecDeque<String>);
+
+impl Reports {
+    /// Keeps `report`, forgetting the oldest past [`MAX_REPORTS`].
+    pub fn insert(&self, report: Report) {
+        let mut kept = self.kept.lock();
+        let (by_id, order) = &mut *kept;
+        if by_id
+            .insert(report.job_id.clone(), report.clone())
+            .is_none()
+        {
+            order.push_back(report.job_id);
+        }
+        while order.len() > MAX_REPORTS {
+            if let Some(oldest) = order.pop_front() {
+                by_id.remove(&oldest);
+            }
+        }
+    }
+
+    /// The report of job `id`, if kept.
+    pub fn get(&self, id: &str) -> Option<Report> {
+        self.kept.lock().0.get(id).cloned()
+    }
+
+    /// How many are kept.
+    pub fn len(&self) -> usize {
+        self.kept.lock().1.len()
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// A report: orders by status at the time it ran.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -63,7 +108,7 @@ async fn build<S: ShopStore>(jobs: Jobs<S>, reports: Reports, id: String) {
                 .collect(),
             generated_at: crate::shop::db::now_rfc3339(),
         };
-        reports.lock().insert(id.clone(), report);
+        reports.insert(report);
         jobs.succeed(&id, &format!("/reports/{id}")).await?;
         Ok::<(), keel_http::jobs::JobError>(())
     };
@@ -84,7 +129,7 @@ impl<S: ShopStore> Handler<S::Tx> for ReportWorker<S> {
         let requested: JobRequested = envelope.data_as()?;
         tokio::spawn(build(
             self.jobs.clone(),
-            Arc::clone(&self.reports),
+            self.reports.clone(),
             requested.job_id,
         ));
         Ok(())
@@ -99,9 +144,12 @@ impl<S: ShopStore> Handler<S::Tx> for ReportWorker<S> {
         (status = 404, description = "No finished report with this id"),
     ), tag = "reports")]
 pub async fn get_report(State(reports): State<Reports>, Path(id): Path<String>) -> Response {
-    match reports.lock().get(&id) {
-        Some(report) => Json(report.clone()).into_response(),
-        None => Problem::not_found(format!("no finished report {id}")).into_response(),
+    match reports.get(&id) {
+        Some(report) => Json(report).into_response(),
+        None => Problem::not_found(format!(
+            "no finished report {id} (the latest {MAX_REPORTS} are kept)"
+        ))
+        .into_response(),
     }
 }
 
@@ -127,3 +175,23 @@ pub fn doc_create_report() {}
         (status = 410, description = "Expired"),
     ), tag = "reports")]
 pub fn doc_job_status() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_latest_reports_are_kept() {
+        let reports = Reports::default();
+        for i in 0..MAX_REPORTS + 5 {
+            reports.insert(Report {
+                job_id: format!("job-{i}"),
+                orders_by_status: HashMap::new(),
+                generated_at: String::new(),
+            });
+        }
+        assert_eq!(reports.len(), MAX_REPORTS);
+        assert!(reports.get("job-0").is_none(), "the oldest went first");
+        assert!(reports.get(&format!("job-{}", MAX_REPORTS + 4)).is_some());
+    }
+}

@@ -1,11 +1,21 @@
-//! Webhook routes: endpoints (`POST`/`GET /webhook-endpoints`), their
-//! delivery log, manual re-send, and verified inbound webhooks.
+//! Webhook routes: endpoints (`POST`/`GET /webhook-endpoints`,
+//! `DELETE /webhook-endpoints/{id}`), their delivery log, manual re-send,
+//! and verified inbound webhooks.
+//!
+//! Managing endpoints needs a tenant's API key (`ApiKeyLayer`), and every
+//! route sees only the caller's own endpoints and deliveries: another
+//! tenant's id answers `404`, exactly like an id that does not exist. Each
+//! tenant may register at most `max_per_tenant` endpoints, so one event
+//! fans out to a bounded number of requests.
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::{FromRef, Path, Query, State};
+use std::sync::Arc;
+
+use axum::extract::{Extension, FromRef, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use keel_http::access::Tenant;
 use keel_http::problem::Problem;
 use keel_http::webhooks::{
     DeliveryFilter, Endpoints, NewEndpoint, VerifiedWebhook, WebhookDelivery, WebhookEndpoint,
@@ -22,6 +32,11 @@ pub struct WebhookApi<S: ShopStore> {
     pub endpoints: Endpoints<S>,
     /// Verifies inbound webhooks.
     pub receiver: WebhookReceiver,
+    /// Endpoints one tenant may register.
+    pub max_per_tenant: usize,
+    /// Creations one at a time, so two at once cannot both pass the limit
+    /// (in this process).
+    pub creating: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl<S: ShopStore> Clone for WebhookApi<S> {
@@ -29,9 +44,14 @@ impl<S: ShopStore> Clone for WebhookApi<S> {
         Self {
             endpoints: self.endpoints.clone(),
             receiver: self.receiver.clone(),
+            max_per_tenant: self.max_per_tenant,
+            creating: Arc::clone(&self.creating),
         }
     }
 }
+
+/// The default of endpoints per tenant: 10.
+pub const DEFAULT_MAX_ENDPOINTS_PER_TENANT: usize = 10;
 
 /// A new webhook endpoint.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -183,11 +203,14 @@ fn json_body<T: serde::de::DeserializeOwned>(
     responses(
         (status = 201, description = "Registered; the secret is shown once", body = EndpointView),
         (status = 400, description = "Malformed JSON"),
+        (status = 401, description = "No or unknown API key"),
+        (status = 409, description = "The tenant has as many endpoints as allowed"),
         (status = 415, description = "Not JSON"),
         (status = 422, description = "A refused URL (internal address) or bad event types"),
-    ), tag = "webhooks")]
+    ), security(("api_key" = [])), tag = "webhooks")]
 pub async fn create_endpoint<S: ShopStore>(
     State(api): State<WebhookApi<S>>,
+    Extension(tenant): Extension<Tenant>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -195,9 +218,26 @@ pub async fn create_endpoint<S: ShopStore>(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    let _one_at_a_time = api.creating.lock().await;
+    match api.endpoints.list_of(tenant.as_str()).await {
+        Ok(owned) if owned.len() >= api.max_per_tenant => {
+            return Problem::new(
+                StatusCode::CONFLICT,
+                format!(
+                    "tenant {tenant} has {} webhook endpoints, the most allowed: delete one first",
+                    owned.len()
+                ),
+            )
+            .with_type("urn:keel:problem:endpoint_limit")
+            .into_response();
+        }
+        Ok(_) => {}
+        Err(e) => return problem(e),
+    }
     let new = NewEndpoint::new(req.url)
         .description(req.description)
-        .event_types(req.event_types);
+        .event_types(req.event_types)
+        .tenant(tenant.as_str());
     match api.endpoints.create(new).await {
         Ok((endpoint, secret)) => (
             StatusCode::CREATED,
@@ -213,9 +253,15 @@ pub async fn create_endpoint<S: ShopStore>(
 
 /// `GET /webhook-endpoints`.
 #[utoipa::path(get, path = "/webhook-endpoints",
-    responses((status = 200, description = "Every endpoint", body = Vec<EndpointView>)), tag = "webhooks")]
-pub async fn list_endpoints<S: ShopStore>(State(api): State<WebhookApi<S>>) -> Response {
-    match api.endpoints.list().await {
+    responses(
+        (status = 200, description = "The caller's endpoints", body = Vec<EndpointView>),
+        (status = 401, description = "No or unknown API key"),
+    ), security(("api_key" = [])), tag = "webhooks")]
+pub async fn list_endpoints<S: ShopStore>(
+    State(api): State<WebhookApi<S>>,
+    Extension(tenant): Extension<Tenant>,
+) -> Response {
+    match api.endpoints.list_of(tenant.as_str()).await {
         Ok(list) => Json(
             list.into_iter()
                 .map(|e| EndpointView::from(e, None))
@@ -236,10 +282,12 @@ fn valid_id(id: &str) -> bool {
     responses(
         (status = 200, description = "Deliveries, newest first", body = Vec<DeliveryView>),
         (status = 400, description = "Bad filter"),
-        (status = 404, description = "No such endpoint"),
-    ), tag = "webhooks")]
+        (status = 401, description = "No or unknown API key"),
+        (status = 404, description = "No such endpoint of the caller's"),
+    ), security(("api_key" = [])), tag = "webhooks")]
 pub async fn list_deliveries<S: ShopStore>(
     State(api): State<WebhookApi<S>>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     params: Result<Query<DeliveryParams>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
@@ -253,7 +301,7 @@ pub async fn list_deliveries<S: ShopStore>(
     if !(1..=100).contains(&limit) {
         return Problem::bad_request("limit must be 1 to 100").into_response();
     }
-    if let Err(e) = api.endpoints.get(&id).await {
+    if let Err(e) = api.endpoints.get_of(tenant.as_str(), &id).await {
         return problem(e);
     }
     let filter = DeliveryFilter {
@@ -276,22 +324,60 @@ pub async fn list_deliveries<S: ShopStore>(
     responses(
         (status = 202, description = "Queued again with the same webhook-id"),
         (status = 400, description = "Malformed id"),
-        (status = 404, description = "No such delivery"),
+        (status = 401, description = "No or unknown API key"),
+        (status = 404, description = "No such delivery of the caller's"),
         (status = 409, description = "Being attempted now, or its endpoint is disabled"),
-    ), tag = "webhooks")]
+    ), security(("api_key" = [])), tag = "webhooks")]
 pub async fn resend<S: ShopStore>(
     State(api): State<WebhookApi<S>>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Response {
     let Ok(id) = id.parse::<i64>() else {
         return Problem::bad_request("a delivery id is an integer").into_response();
     };
+    let owned = match api.endpoints.delivery(id).await {
+        Ok(delivery) => api
+            .endpoints
+            .get_of(tenant.as_str(), &delivery.endpoint_id)
+            .await
+            .is_ok(),
+        Err(e) => return problem(e),
+    };
+    if !owned {
+        return problem(WebhookError::DeliveryNotFound(id));
+    }
     match api.endpoints.resend(id).await {
         Ok(()) => (
             StatusCode::ACCEPTED,
             Json(serde_json::json!({"resent": id})),
         )
             .into_response(),
+        Err(e) => problem(e),
+    }
+}
+
+/// `DELETE /webhook-endpoints/{id}`: the endpoint and its deliveries stop.
+#[utoipa::path(delete, path = "/webhook-endpoints/{id}",
+    params(("id" = String, Path, description = "The endpoint id")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 401, description = "No or unknown API key"),
+        (status = 404, description = "No such endpoint of the caller's"),
+    ), security(("api_key" = [])), tag = "webhooks")]
+pub async fn delete_endpoint<S: ShopStore>(
+    State(api): State<WebhookApi<S>>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    if !valid_id(&id) {
+        return Problem::bad_request("malformed endpoint id").into_response();
+    }
+    if let Err(e) = api.endpoints.get_of(tenant.as_str(), &id).await {
+        return problem(e);
+    }
+    match api.endpoints.delete(&id).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => problem(e),
     }
 }

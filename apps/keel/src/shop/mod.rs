@@ -26,9 +26,10 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use axum::Router;
-use keel_http::health::Drain;
+use keel_http::health::{ConnectionLimits, Drain};
 use keel_http::pagination::{CursorCodec, Pagination};
 use keel_http::realtime::EventLog;
+use keel_http::webhooks::sealing::SecretSealer;
 use keel_http::webhooks::ssrf::{IpNetwork, SsrfGuard};
 use keel_http::webhooks::{DeliveryWorker, Endpoints, WebhookOutbox, WorkerOptions};
 use keel_messaging::broker::Broker;
@@ -88,6 +89,12 @@ pub struct SystemConfig {
     pub allow_loopback_webhooks: bool,
     /// The key cursors are signed with (at least 32 bytes).
     pub cursor_key: Vec<u8>,
+    /// Seals webhook secrets at rest (default: plain text).
+    pub secrets: SecretSealer,
+    /// Timeouts and the cap of every connection to the public server.
+    pub connection_limits: ConnectionLimits,
+    /// SSE streams, WebSockets and waiting long polls per client address.
+    pub streams_per_client: usize,
     /// Deliveries of a failing message before it is dead-lettered.
     pub max_deliveries: u32,
     /// How long shutdown waits for load balancers to notice.
@@ -121,6 +128,9 @@ impl Default for SystemConfig {
             stock: default_stock(),
             allow_loopback_webhooks: false,
             cursor_key: keel_core::id::new_id().simple().to_string().into_bytes(),
+            secrets: SecretSealer::plaintext(),
+            connection_limits: ConnectionLimits::default(),
+            streams_per_client: keel_http::realtime::DEFAULT_MAX_PER_CLIENT,
             max_deliveries: 5,
             lb_notice: Duration::ZERO,
             drain_timeout: Duration::from_secs(10),
@@ -220,6 +230,8 @@ impl System {
     ) -> Result<SystemHandle<S>, StartError> {
         store.migrate_shop().await?;
         store.seed_stock(&config.stock).await?;
+        let listener = tokio::net::TcpListener::bind(config.listen).await?;
+        let addr = listener.local_addr()?;
         let (stop, stopped) = watch::channel(false);
         // The dependencies stop on a signal of their own, sent only once
         // the orchestrator has stopped: its calls in flight (and their
@@ -273,7 +285,8 @@ impl System {
             .build()
             .map_err(config_err)?;
 
-        let mut guard = SsrfGuard::new();
+        // Webhooks may never be aimed at this server's own listener.
+        let mut guard = SsrfGuard::new().deny(addr);
         if config.allow_loopback_webhooks {
             tracing::warn!("webhook endpoints on loopback are allowed (demo/serve configuration)");
             for net in [
@@ -285,11 +298,12 @@ impl System {
         }
         let log = EventLog::new(store.clone());
         let webhooks = WebhookOutbox::new(store.clone());
-        let endpoints = Endpoints::new(store.clone(), guard.clone());
+        let endpoints = Endpoints::new(store.clone(), guard.clone()).sealer(config.secrets.clone());
         let worker = DeliveryWorker::new(
             store.clone(),
             WorkerOptions::new()
                 .guard(guard)
+                .sealer(config.secrets.clone())
                 .poll_interval(Duration::from_millis(100))
                 .timeout(Duration::from_secs(5)),
         )
@@ -321,12 +335,9 @@ impl System {
             dependency_urls: dependencies.urls().clone(),
             broker: Arc::clone(&broker),
         };
-        let router = api::public_router(state, drain.signal())
+        let router = api::public_router(state, drain.signal(), config.streams_per_client)
             .map_err(config_err)?
             .merge(extra(&components)?);
-
-        let listener = tokio::net::TcpListener::bind(config.listen).await?;
-        let addr = listener.local_addr()?;
 
         let wait = |rx: &watch::Receiver<bool>| {
             let mut rx = rx.clone();
@@ -353,8 +364,9 @@ impl System {
         let proj_stop = stopped.clone();
         tasks.spawn(async move { projection.run(interval, proj_stop).await });
         let server_drain = drain.clone();
+        let limits = config.connection_limits.clone();
         tasks.spawn(async move {
-            if let Err(err) = server_drain.serve(listener, router).await {
+            if let Err(err) = server_drain.serve_with(listener, router, limits).await {
                 tracing::error!(error = %err, "public server failed");
             }
         });

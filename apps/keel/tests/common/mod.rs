@@ -24,3 +24,96 @@ pub async fn start_embedded(dir: &std::path::Path) -> SystemHandle<SqliteStore> 
     .await
     .expect("start the shop")
 }
+
+/// A `keel serve` process on a fresh SQLite database, killed when dropped.
+pub struct Server {
+    child: std::process::Child,
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// The database file.
+    pub db: std::path::PathBuf,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// `127.0.0.1:PORT`.
+    pub fn host(&self) -> &str {
+        self.url.trim_start_matches("http://")
+    }
+
+    /// What the server logged (warnings and errors) so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// The API key of tenant `acme` every [`serve`] is started with.
+pub const ACME_KEY: &str = "acme-key-0123456789abcdef";
+
+/// Runs `keel serve` on loopback (port 0) with `extra` flags and tenant
+/// `acme` ([`ACME_KEY`]), and waits for its `listening` line.
+pub fn serve(extra: &[&str]) -> Server {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("shop.db");
+    let database = format!("sqlite:{}", db.display());
+    let acme = format!("acme:{ACME_KEY}");
+    let log = dir.path().join("stderr.log");
+    let stderr = std::fs::File::create(&log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            &database,
+        ])
+        .args(["--api-key", &acme])
+        .args(extra)
+        .env_remove("KEEL_ADMIN_TOKEN")
+        .env_remove("KEEL_API_KEYS")
+        .env("KEEL_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(stderr))
+        .spawn()
+        .expect("keel serve starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("keel: listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    Server {
+        child,
+        url,
+        db,
+        log,
+        _dir: dir,
+    }
+}
+
+/// Polls `check` every 100 ms until it holds; panics after 30 s.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..300 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("timed out waiting for {what}");
+}

@@ -29,6 +29,9 @@ pub enum AdminError {
     /// orchestrator (`501`).
     #[error("{0} is not configured on this server")]
     NotConfigured(&'static str),
+    /// The request did not carry the admin token (`401`).
+    #[error("the admin API needs the admin token: send `Authorization: Bearer <token>`")]
+    Unauthorized,
     /// The store is unavailable or busy; try again (`503`).
     #[error("the store is unavailable: {0}")]
     Unavailable(String),
@@ -45,6 +48,7 @@ impl AdminError {
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::NotConfigured(_) => StatusCode::NOT_IMPLEMENTED,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }

@@ -10,6 +10,8 @@
 //! back as problem+json with the status that says what happened.
 //!
 //! ```text
+//! POST   /admin/api/session                      a session and its CSRF token
+//! DELETE /admin/api/session                      ends it
 //! GET  /admin/api/summary                          counts at a glance
 //! GET  /admin/api/dead-letters?topic=&kind=&status=&limit=
 //! POST /admin/api/dead-letters/replay-matching?topic=&kind=&limit=
@@ -42,15 +44,21 @@
 //! # let _ = app; Ok(()) }
 //! ```
 
+mod access;
 mod auth;
 mod error;
 mod gauges;
 mod model;
 mod query;
 mod routes;
+mod session;
+
+pub(crate) use routes::ConnectedIp;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+
+use std::time::Duration;
 
 use chrono::Utc;
 use keel_messaging::MessagingStore;
@@ -60,13 +68,12 @@ use keel_messaging::saga::{SagaOrchestrator, SagaView};
 use keel_messaging::store::{SagaRecord, WebhookStore};
 use keel_policy::breaker::{BreakerRegistry, State};
 
+use crate::access::{AllowedHosts, FailureThrottle};
 use crate::webhooks::Endpoints;
 use crate::webhooks::ssrf::SsrfGuard;
 
-pub use auth::{
-    AdminAuth, AdminAuthLayer, AdminToken, AdminTokenError, Credential, MIN_TOKEN_LEN,
-    SESSION_COOKIE, SESSION_MAX_AGE_SECS, cookie, same_origin,
-};
+pub use access::{AdminAccess, AdminAuth, AdminAuthLayer, CSRF_FIELD, CSRF_HEADER, SESSION_COOKIE};
+pub use auth::{AdminToken, AdminTokenError, MIN_TOKEN_LEN, cookie};
 pub use error::AdminError;
 pub use gauges::{BrokerLag, FnGauges, Gauge, GaugeSource};
 pub use model::{
@@ -74,6 +81,7 @@ pub use model::{
     LagJson, Listing, OutboxLagJson, PAYLOAD_PREVIEW, ParkedJson, SagaJson, SummaryJson,
 };
 pub use query::{DEFAULT_LIMIT, DeadLetterQuery, DeliveryQuery, MAX_LIMIT, ParkedQuery, SagaQuery};
+pub use session::{AdminSession, DEFAULT_SESSION_TTL, Notice, Sessions};
 
 /// The path prefix of every admin API route.
 pub const API_PREFIX: &str = "/admin/api";
@@ -86,6 +94,9 @@ pub const API_PREFIX: &str = "/admin/api";
 pub struct AdminBuilder<S> {
     store: S,
     token: AdminToken,
+    hosts: AllowedHosts,
+    session_ttl: Duration,
+    throttle: FailureThrottle,
     outbox: Option<Outbox<S>>,
     sagas: Option<SagaOrchestrator<S>>,
     breakers: Option<BreakerRegistry>,
@@ -111,6 +122,27 @@ where
     /// [`AdminToken::require_for`] a loopback address should produce).
     pub fn token(mut self, token: AdminToken) -> Self {
         self.token = token;
+        self
+    }
+
+    /// The `Host` names the admin answers to (default
+    /// [`AllowedHosts::loopback`]); any other is refused with `403`.
+    pub fn allowed_hosts(mut self, hosts: AllowedHosts) -> Self {
+        self.hosts = hosts;
+        self
+    }
+
+    /// How long a console or CLI session lives (default
+    /// [`DEFAULT_SESSION_TTL`], 8 hours).
+    pub fn session_ttl(mut self, ttl: Duration) -> Self {
+        self.session_ttl = ttl;
+        self
+    }
+
+    /// The throttle of failed logins and bearer tokens (default
+    /// [`FailureThrottle::default`]: 10 per address per minute).
+    pub fn throttle(mut self, throttle: FailureThrottle) -> Self {
+        self.throttle = throttle;
         self
     }
 
@@ -157,7 +189,7 @@ where
                 outbox,
                 endpoints: Endpoints::new(self.store.clone(), SsrfGuard::default()),
                 store: self.store,
-                token: self.token,
+                access: AdminAccess::with(self.token, self.hosts, self.session_ttl, self.throttle),
                 sagas: self.sagas,
                 breakers: self.breakers,
                 gauges: self.gauges,
@@ -168,7 +200,7 @@ where
 
 struct Inner<S> {
     store: S,
-    token: AdminToken,
+    access: AdminAccess,
     dead_letters: DeadLetters<S>,
     outbox: Outbox<S>,
     endpoints: Endpoints<S>,
@@ -195,7 +227,7 @@ impl<S> Clone for Admin<S> {
 impl<S> std::fmt::Debug for Admin<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Admin")
-            .field("token", &self.inner.token)
+            .field("access", &self.inner.access)
             .field("sagas", &self.inner.sagas.is_some())
             .finish_non_exhaustive()
     }
@@ -210,6 +242,9 @@ where
         AdminBuilder {
             store,
             token: AdminToken::none(),
+            hosts: AllowedHosts::loopback(),
+            session_ttl: DEFAULT_SESSION_TTL,
+            throttle: FailureThrottle::default(),
             outbox: None,
             sagas: None,
             breakers: None,
@@ -219,12 +254,17 @@ where
 
     /// The token this admin demands.
     pub fn token(&self) -> &AdminToken {
-        &self.inner.token
+        self.inner.access.token()
     }
 
-    /// The layer that demands this admin's token with `401` problems.
+    /// Who may use this admin: token, sessions, hosts, throttle.
+    pub fn access(&self) -> &AdminAccess {
+        &self.inner.access
+    }
+
+    /// The layer that admits requests to the JSON API (`401` problems).
     pub fn auth_layer(&self) -> AdminAuthLayer {
-        AdminAuthLayer::new(self.inner.token.clone())
+        self.inner.access.api_layer()
     }
 
     /// The store.

@@ -4,7 +4,9 @@
 use axum::Json;
 use axum::Router;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use keel_messaging::MessagingStore;
 use keel_messaging::store::WebhookStore;
@@ -12,8 +14,9 @@ use serde::de::DeserializeOwned;
 
 use super::model::Listing;
 use super::{
-    ActionJson, Admin, AdminError, BreakerJson, DeadLetterJson, DeadLetterQuery, DeliveryJson,
-    DeliveryQuery, LagJson, ParkedJson, ParkedQuery, SagaJson, SagaQuery, SummaryJson,
+    ActionJson, Admin, AdminError, AdminSession, BreakerJson, DeadLetterJson, DeadLetterQuery,
+    DeliveryJson, DeliveryQuery, LagJson, ParkedJson, ParkedQuery, SagaJson, SagaQuery,
+    SummaryJson,
 };
 
 type Reply<T> = Result<Json<T>, AdminError>;
@@ -26,7 +29,12 @@ where
     /// behind [`auth_layer`](Self::auth_layer). Merge it into the app's
     /// router.
     pub fn router(&self) -> Router {
+        let login = Router::new()
+            .route("/admin/api/login", post(login::<S>))
+            .route_layer(self.access().login_layer(API_CSP))
+            .with_state(self.clone());
         Router::new()
+            .route("/admin/api/logout", post(logout::<S>))
             .route("/admin/api/summary", get(summary::<S>))
             .route("/admin/api/dead-letters", get(dead_letters::<S>))
             .route(
@@ -64,6 +72,71 @@ where
             .route("/admin/api/lag", get(lag::<S>))
             .route_layer(self.auth_layer())
             .with_state(self.clone())
+            .merge(login)
+    }
+}
+
+/// The policy of JSON answers: nothing may load or frame them.
+const API_CSP: &str = "default-src 'none'; frame-ancestors 'none'";
+
+/// `POST /admin/api/login`: a session and its CSRF token, for clients that
+/// act without the token in every request (the CLI on a loopback server
+/// without a token). With a token configured it must come as a bearer
+/// token.
+async fn login<S: MessagingStore + WebhookStore>(
+    State(admin): State<Admin<S>>,
+    ConnectedIp(ip): ConnectedIp,
+    headers: HeaderMap,
+) -> Response {
+    let access = admin.access();
+    if access.token().is_required() {
+        let presented = crate::access::bearer(&headers).unwrap_or_default();
+        if !access.token().verify(presented) {
+            access.throttle().fail(ip);
+            return AdminError::Unauthorized.into_response();
+        }
+    }
+    let (session, value) = access.sessions().issue();
+    let cookie = access.session_cookie(&value, &headers);
+    let mut response = (
+        StatusCode::CREATED,
+        Json(serde_json::json!({"csrf": session.csrf, "expiresAt": session.expires_at})),
+    )
+        .into_response();
+    if let Ok(value) = HeaderValue::from_str(&cookie) {
+        response.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    response
+}
+
+/// `POST /admin/api/logout`: ends the request's session.
+async fn logout<S: MessagingStore + WebhookStore>(
+    State(admin): State<Admin<S>>,
+    session: Option<Extension<AdminSession>>,
+    headers: HeaderMap,
+) -> Response {
+    let access = admin.access();
+    if let Some(Extension(session)) = session {
+        access.sessions().revoke(&session);
+    }
+    let mut response = StatusCode::NO_CONTENT.into_response();
+    if let Ok(value) = HeaderValue::from_str(&access.expired_cookie(&headers)) {
+        response.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    response
+}
+
+/// The client address, when the server recorded it.
+pub(crate) struct ConnectedIp(pub(crate) Option<std::net::IpAddr>);
+
+impl<St: Sync> axum::extract::FromRequestParts<St> for ConnectedIp {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &St,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(Self(crate::access::client_ip(&parts.extensions)))
     }
 }
 

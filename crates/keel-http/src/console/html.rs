@@ -35,11 +35,6 @@ pub(crate) fn encode_segment(segment: &str) -> String {
     out
 }
 
-/// `value` percent-encoded for a query string value.
-pub(crate) fn encode_query(value: &str) -> String {
-    encode_segment(value)
-}
-
 /// A POST form with one button, the console's only kind of action: it
 /// works without JavaScript and the server answers `303` back to the page.
 pub(crate) fn action_button(
@@ -54,7 +49,7 @@ pub(crate) fn action_button(
         let _ = write!(attrs, " data-{name}=\"{}\"", escape(value));
     }
     let confirm = confirm
-        .map(|q| format!(" onsubmit=\"return confirm('{}')\"", escape(q)))
+        .map(|q| format!(" data-confirm=\"{}\"", escape(q)))
         .unwrap_or_default();
     format!(
         "<form class=\"action\" method=\"post\" action=\"{}\"{confirm}>\

@@ -11,10 +11,16 @@
 //!
 //! Every button is a form POSTing to a console route that calls the same
 //! [`Admin`] operation as the JSON API (and the `keel` CLI), then answers
-//! `303` back to the page with a notice. The console sits behind the same
-//! token: `/console/login` takes it once and sets an `HttpOnly`,
-//! `SameSite=Strict` session cookie, and every POST must come from the
-//! console's own origin (see [`crate::admin::same_origin`]).
+//! `303` back to the page, whose next view shows what happened (a notice
+//! kept server-side for the session: no text ever comes from the URL).
+//! The console sits behind the same [`AdminAccess`](crate::admin::AdminAccess):
+//! `/console/login` takes the token once (or, on a loopback server without
+//! one, just opens a session) and sets an `HttpOnly`, `SameSite=Strict`
+//! session cookie that expires; every form carries the session's CSRF
+//! token, every POST must come from an allowed origin, and logging out
+//! revokes the session. Pages are sent with a strict
+//! `Content-Security-Policy` (only the console's own inline script and
+//! style, by hash), `X-Frame-Options: DENY`, `nosniff` and `no-store`.
 //!
 //! Elements carry stable attributes for tests and scripts:
 //! `data-saga-id`, `data-dead-letter-id`, `data-parked-id`, `data-delivery-id`,
@@ -40,7 +46,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::rejection::FormRejection;
-use axum::extract::{Form, Path, Query, State};
+use axum::extract::{Extension, Form, Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
@@ -51,11 +57,13 @@ use keel_messaging::store::{SagaStatus, WebhookStore};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use crate::admin::ConnectedIp;
+
 pub use html::escape;
 
 use crate::admin::{
-    ActionJson, Admin, AdminAuthLayer, AdminError, DeadLetterQuery, DeliveryQuery, ParkedQuery,
-    SESSION_COOKIE, SagaQuery, same_origin,
+    ActionJson, Admin, AdminError, AdminSession, CSRF_FIELD, DeadLetterQuery, DeliveryQuery,
+    Notice, ParkedQuery, SagaQuery,
 };
 
 /// How often the live stream looks for changes by default: every second.
@@ -130,7 +138,8 @@ where
     /// The console's routes under `/console`. Merge them into the app's
     /// router next to [`Admin::router`].
     pub fn router(&self) -> Router {
-        let login = AdminAuthLayer::new(self.admin.token().clone()).redirect_to("/console/login");
+        let access = self.admin.access();
+        let csp = page::content_security_policy();
         let protected = Router::new()
             .route("/console", get(console_page::<S>))
             .route("/console/", get(|| async { Redirect::to("/console") }))
@@ -157,14 +166,15 @@ where
                 "/console/webhook-deliveries/{id}/resend",
                 post(resend_delivery::<S>),
             )
-            .route_layer(login)
+            .route("/console/logout", post(logout::<S>))
+            .route_layer(access.page_layer("/console/login", csp))
             .with_state(self.clone());
         let open = Router::new()
             .route(
                 "/console/login",
                 get(login_page::<S>).post(login_submit::<S>),
             )
-            .route("/console/logout", post(logout))
+            .route_layer(access.login_layer(csp))
             .with_state(self.clone());
         protected.merge(open)
     }
@@ -228,22 +238,30 @@ fn hash(html: &str) -> String {
     hex::encode(&Sha256::digest(html.as_bytes())[..8])
 }
 
-#[derive(Debug, Default, Deserialize)]
-struct NoticeQuery {
-    notice: Option<String>,
-    error: Option<String>,
+/// Every form of `html` with the session's CSRF token in it (the
+/// console builds all its forms with one helper, so each ends the same way).
+fn with_csrf(html: &str, session: Option<&AdminSession>) -> String {
+    match session {
+        Some(session) => html.replace(
+            "</form>",
+            &format!(
+                "<input type=\"hidden\" name=\"{CSRF_FIELD}\" value=\"{}\"></form>",
+                session.csrf
+            ),
+        ),
+        None => html.to_owned(),
+    }
 }
 
 async fn console_page<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
-    notice: Result<Query<NoticeQuery>, axum::extract::rejection::QueryRejection>,
+    session: Option<Extension<AdminSession>>,
 ) -> Html<String> {
-    let notice = notice.map(|Query(q)| q).unwrap_or_default();
-    let notice = match (&notice.error, &notice.notice) {
-        (Some(e), _) => Some((e.as_str(), true)),
-        (None, Some(n)) => Some((n.as_str(), false)),
-        (None, None) => None,
-    };
+    let session = session.map(|Extension(s)| s);
+    let notice = session
+        .as_ref()
+        .and_then(|s| console.admin.access().sessions().take_notice(s));
+    let notice = notice.as_ref().map(|n| (n.text.as_str(), n.is_error));
     let sections = console.sections().await;
     let hashes: Vec<String> = sections.iter().map(|(_, h)| hash(h)).collect();
     let sections: Vec<page::Section<'_>> = sections
@@ -251,8 +269,9 @@ async fn console_page<S: MessagingStore + WebhookStore>(
         .zip(&hashes)
         .map(|((id, html), hash)| page::Section { id, hash, html })
         .collect();
-    let logout = console.admin.token().is_required();
-    Html(page::console(&console.title, notice, &sections, logout))
+    let logout = session.is_some();
+    let html = page::console(&console.title, notice, &sections, logout);
+    Html(with_csrf(&html, session.as_ref()))
 }
 
 /// The live stream: a `sections` event with `{id: {hash, html}}` for every
@@ -260,42 +279,65 @@ async fn console_page<S: MessagingStore + WebhookStore>(
 /// of them first; the page skips those it already shows).
 async fn events<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let session = session.map(|Extension(s)| s);
     let mut ticks = tokio::time::interval(console.refresh);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let state = (console, ticks, HashMap::<&'static str, String>::new());
-    let stream = futures_util::stream::unfold(state, |(console, mut ticks, mut sent)| async move {
-        loop {
-            ticks.tick().await;
-            let mut changed = serde_json::Map::new();
-            for (id, html) in console.sections().await {
-                let digest = hash(&html);
-                if sent.get(id) != Some(&digest) {
-                    changed.insert(
-                        id.to_owned(),
-                        serde_json::json!({ "hash": digest, "html": html }),
-                    );
-                    sent.insert(id, digest);
+    let stream = futures_util::stream::unfold(state, move |(console, mut ticks, mut sent)| {
+        let session = session.clone();
+        async move {
+            loop {
+                ticks.tick().await;
+                let mut changed = serde_json::Map::new();
+                for (id, html) in console.sections().await {
+                    let html = with_csrf(&html, session.as_ref());
+                    let digest = hash(&html);
+                    if sent.get(id) != Some(&digest) {
+                        changed.insert(
+                            id.to_owned(),
+                            serde_json::json!({ "hash": digest, "html": html }),
+                        );
+                        sent.insert(id, digest);
+                    }
                 }
-            }
-            if !changed.is_empty() {
-                let event = Event::default()
-                    .event("sections")
-                    .data(serde_json::Value::Object(changed).to_string());
-                return Some((Ok(event), (console, ticks, sent)));
+                if !changed.is_empty() {
+                    let event = Event::default()
+                        .event("sections")
+                        .data(serde_json::Value::Object(changed).to_string());
+                    return Some((Ok(event), (console, ticks, sent)));
+                }
             }
         }
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
 }
 
-/// `303` back to the console with a notice saying what happened.
-fn back(result: Result<String, AdminError>) -> Redirect {
-    let (key, text) = match result {
-        Ok(done) => ("notice", done),
-        Err(err) => ("error", err.to_string()),
+/// `303` back to the console, whose next view says what happened.
+fn back<S: MessagingStore + WebhookStore>(
+    console: &Console<S>,
+    session: Option<Extension<AdminSession>>,
+    result: Result<String, AdminError>,
+) -> Redirect {
+    let notice = match result {
+        Ok(text) => Notice {
+            text,
+            is_error: false,
+        },
+        Err(err) => Notice {
+            text: err.to_string(),
+            is_error: true,
+        },
     };
-    Redirect::to(&format!("/console?{key}={}", html::encode_query(&text)))
+    if let Some(Extension(session)) = session {
+        console
+            .admin
+            .access()
+            .sessions()
+            .set_notice(&session, notice);
+    }
+    Redirect::to("/console")
 }
 
 fn done(action: &ActionJson, what: &str) -> String {
@@ -312,9 +354,12 @@ fn capitalize(word: &str) -> String {
 
 async fn retry_saga<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
     Path(id): Path<String>,
 ) -> Redirect {
     back(
+        &console,
+        session,
         console
             .admin
             .retry_saga(&id)
@@ -325,9 +370,12 @@ async fn retry_saga<S: MessagingStore + WebhookStore>(
 
 async fn cancel_saga<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
     Path(id): Path<String>,
 ) -> Redirect {
     back(
+        &console,
+        session,
         console
             .admin
             .cancel_saga(&id)
@@ -338,9 +386,12 @@ async fn cancel_saga<S: MessagingStore + WebhookStore>(
 
 async fn replay_letter<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
     Path(id): Path<String>,
 ) -> Redirect {
     back(
+        &console,
+        session,
         console
             .admin
             .replay_dead_letter(&id)
@@ -351,9 +402,12 @@ async fn replay_letter<S: MessagingStore + WebhookStore>(
 
 async fn discard_letter<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
     Path(id): Path<String>,
 ) -> Redirect {
     back(
+        &console,
+        session,
         console
             .admin
             .discard_dead_letter(&id)
@@ -364,9 +418,12 @@ async fn discard_letter<S: MessagingStore + WebhookStore>(
 
 async fn replay_parked<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
     Path(id): Path<String>,
 ) -> Redirect {
     back(
+        &console,
+        session,
         console
             .admin
             .replay_parked(&id)
@@ -377,9 +434,12 @@ async fn replay_parked<S: MessagingStore + WebhookStore>(
 
 async fn discard_parked<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
     Path(id): Path<String>,
 ) -> Redirect {
     back(
+        &console,
+        session,
         console
             .admin
             .discard_parked(&id)
@@ -390,9 +450,12 @@ async fn discard_parked<S: MessagingStore + WebhookStore>(
 
 async fn resend_delivery<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
     Path(id): Path<String>,
 ) -> Redirect {
     back(
+        &console,
+        session,
         console
             .admin
             .resend_delivery(&id)
@@ -403,11 +466,26 @@ async fn resend_delivery<S: MessagingStore + WebhookStore>(
 
 async fn login_page<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    headers: HeaderMap,
 ) -> Response {
     if !console.admin.token().is_required() {
-        return Redirect::to("/console").into_response();
+        // Loopback without a token: a session is only the CSRF token's home.
+        return start_session(&console, &headers);
     }
     Html(page::login(&console.title, None)).into_response()
+}
+
+fn start_session<S: MessagingStore + WebhookStore>(
+    console: &Console<S>,
+    headers: &HeaderMap,
+) -> Response {
+    let access = console.admin.access();
+    let (_, value) = access.sessions().issue();
+    let mut response = Redirect::to("/console").into_response();
+    if let Ok(value) = HeaderValue::from_str(&access.session_cookie(&value, headers)) {
+        response.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    response
 }
 
 #[derive(Debug, Deserialize)]
@@ -417,16 +495,14 @@ struct LoginForm {
 
 async fn login_submit<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
+    ConnectedIp(ip): ConnectedIp,
     headers: HeaderMap,
     form: Result<Form<LoginForm>, FormRejection>,
 ) -> Response {
-    if !same_origin(&headers) {
-        return forbidden();
-    }
     let token = console.admin.token();
-    let Some(cookie) = token.session_cookie() else {
-        return Redirect::to("/console").into_response();
-    };
+    if !token.is_required() {
+        return start_session(&console, &headers);
+    }
     let refused = |status: StatusCode, why: &str| {
         (status, Html(page::login(&console.title, Some(why)))).into_response()
     };
@@ -437,34 +513,27 @@ async fn login_submit<S: MessagingStore + WebhookStore>(
         );
     };
     if !token.verify(form.token.trim()) {
-        tracing::warn!("console login with a wrong admin token");
+        tracing::warn!(client = ?ip, "console login with a wrong admin token");
+        console.admin.access().throttle().fail(ip);
         return refused(StatusCode::UNAUTHORIZED, "That is not the admin token.");
     }
-    let mut response = Redirect::to("/console").into_response();
-    if let Ok(value) = HeaderValue::from_str(&cookie) {
-        response.headers_mut().insert(header::SET_COOKIE, value);
-    }
-    response
+    start_session(&console, &headers)
 }
 
-async fn logout(headers: HeaderMap) -> Response {
-    if !same_origin(&headers) {
-        return forbidden();
+async fn logout<S: MessagingStore + WebhookStore>(
+    State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
+    headers: HeaderMap,
+) -> Response {
+    let access = console.admin.access();
+    if let Some(Extension(session)) = session {
+        access.sessions().revoke(&session);
     }
     let mut response = Redirect::to("/console/login").into_response();
-    let expired = format!("{SESSION_COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
-    if let Ok(value) = HeaderValue::from_str(&expired) {
+    if let Ok(value) = HeaderValue::from_str(&access.expired_cookie(&headers)) {
         response.headers_mut().insert(header::SET_COOKIE, value);
     }
     response
-}
-
-fn forbidden() -> Response {
-    crate::problem::Problem::new(
-        StatusCode::FORBIDDEN,
-        "cross-origin request refused: use the console's own page",
-    )
-    .into_response()
 }
 
 #[cfg(test)]

@@ -36,6 +36,7 @@ pre.payload{max-height:12rem;overflow:auto;background:#f5f6f8;padding:.4rem}
 "#;
 
 const SCRIPT: &str = r#"
+document.addEventListener('submit',function(e){const q=e.target.dataset.confirm;if(q&&!confirm(q))e.preventDefault();});
 function keelAges(){const now=Date.now();document.querySelectorAll('[data-since]').forEach(function(el){
  const s=Math.max(0,Math.round((now-Date.parse(el.dataset.since))/1000));
  el.textContent=s<120?s+' s':s<7200?Math.round(s/60)+' min':Math.round(s/3600)+' h';});}
@@ -48,6 +49,27 @@ keelAges();setInterval(keelAges,1000);
    if(el&&el.dataset.hash!==s.hash){el.innerHTML=s.html;el.dataset.hash=s.hash;}});
   document.body.dataset.updates=String(Number(document.body.dataset.updates||0)+1);keelAges();});})();
 "#;
+
+/// The console's `Content-Security-Policy`: nothing loads from anywhere,
+/// and only the console's own inline script and style run (by hash), so
+/// injected markup could neither run script nor send data away.
+pub(crate) fn content_security_policy() -> &'static str {
+    static CSP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        use base64::Engine as _;
+        use sha2::Digest as _;
+        let hash = |text: &str| {
+            base64::engine::general_purpose::STANDARD.encode(sha2::Sha256::digest(text.as_bytes()))
+        };
+        format!(
+            "default-src 'none'; script-src 'sha256-{}'; style-src 'sha256-{}'; \
+             connect-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; \
+             base-uri 'none'",
+            hash(SCRIPT),
+            hash(STYLE)
+        )
+    });
+    &CSP
+}
 
 /// A section: its id, heading, content hash and HTML.
 pub(crate) struct Section<'a> {

@@ -357,9 +357,22 @@ impl Health {
     /// pings dependencies, and a dependency blip must never restart or
     /// eject the fleet.
     pub fn router(&self) -> Router {
+        self.probes_router().merge(self.deep_router())
+    }
+
+    /// `/livez` and `/readyz` only: what load balancers and orchestrators
+    /// must reach without credentials.
+    pub fn probes_router(&self) -> Router {
         Router::new()
             .route("/livez", get(livez))
             .route("/readyz", get(readyz))
+            .with_state(self.clone())
+    }
+
+    /// `/debug/deep` only: it names every dependency and its latency, so
+    /// it belongs behind the same authentication as metrics.
+    pub fn deep_router(&self) -> Router {
+        Router::new()
             .route("/debug/deep", get(deep))
             .with_state(self.clone())
     }

@@ -1,8 +1,8 @@
 //! [`Drain`]: graceful shutdown in the order that loses no request.
 
-use std::fmt::Debug;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -13,9 +13,10 @@ use keel_core::clock::{self, Instant};
 use keel_policy::ConfigError;
 use parking_lot::Mutex;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 use super::listener::DrainListener;
+use super::server::{ConnectionLimits, answer_overloaded, serve_connection};
 
 /// How long to keep serving, with readiness failing, before closing the
 /// listener, by default: 10 s, a readiness probe's `periodSeconds: 5` ×
@@ -282,22 +283,64 @@ impl Drain {
     /// Listener errors never end the server (axum retries accepts).
     pub async fn serve<L>(&self, listener: L, router: Router) -> io::Result<DrainReport>
     where
-        L: Listener,
-        L::Addr: Debug,
+        L: Listener<Addr = SocketAddr>,
+        L::Io: Unpin,
     {
-        let listener = DrainListener::new(listener, self);
+        self.serve_with(listener, router, ConnectionLimits::default())
+            .await
+    }
+
+    /// [`serve`](Self::serve) with these [`ConnectionLimits`] (header read
+    /// and idle timeouts, a connection cap).
+    pub async fn serve_with<L>(
+        &self,
+        listener: L,
+        router: Router,
+        limits: ConnectionLimits,
+    ) -> io::Result<DrainReport>
+    where
+        L: Listener<Addr = SocketAddr>,
+        L::Io: Unpin,
+    {
+        let limits = limits
+            .validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let mut listener = DrainListener::new(listener, self);
         let counts = listener.counts();
-        let server = axum::serve(listener, router).with_graceful_shutdown(self.closing());
-        let mut server = std::pin::pin!(server.into_future());
+        let (slots, overflow) = limits.slots();
+        let mut connections = JoinSet::new();
+        let mut closing = std::pin::pin!(self.closing());
+        loop {
+            let (io, peer) = tokio::select! {
+                biased;
+                () = &mut closing => break,
+                accepted = listener.accept() => accepted,
+            };
+            while connections.try_join_next().is_some() {}
+            if let Ok(slot) = Arc::clone(&slots).try_acquire_owned() {
+                let connection =
+                    serve_connection(io, peer, router.clone(), limits.clone(), self.clone(), slot);
+                connections.spawn(connection);
+            } else {
+                metrics::counter!("keel_http_connections_refused_total").increment(1);
+                tracing::warn!(%peer, "connection cap reached: answering 503");
+                if let Ok(slot) = Arc::clone(&overflow).try_acquire_owned() {
+                    connections.spawn(answer_overloaded(io, slot));
+                }
+            }
+        }
+        // Closing the listener stops new connections at the kernel.
+        drop(listener);
+        let all_closed = async { while connections.join_next().await.is_some() {} };
+        let mut all_closed = std::pin::pin!(all_closed);
         tokio::select! {
-            result = &mut server => result?,
+            () = &mut all_closed => {}
             () = self.wait_for(Phase::Aborting) => {
                 // Every connection still open fails its next read or write now.
-                match tokio::time::timeout(ABORT_GRACE, &mut server).await {
-                    Ok(result) => result?,
-                    Err(_) => tracing::warn!(
+                if tokio::time::timeout(ABORT_GRACE, &mut all_closed).await.is_err() {
+                    tracing::warn!(
                         "aborted connections did not close within {ABORT_GRACE:?}; returning anyway"
-                    ),
+                    );
                 }
             }
         }

@@ -79,6 +79,7 @@
 mod component;
 mod drain;
 mod listener;
+mod server;
 
 pub use component::{
     DEFAULT_CHECK_TIMEOUT, DEFAULT_MAX_POOL_WAITERS, DEFAULT_POOL_EXHAUSTION_GRACE, DeepReport,
@@ -88,3 +89,6 @@ pub use drain::{
     DEFAULT_DRAIN_TIMEOUT, DEFAULT_LB_NOTICE, Drain, DrainBuilder, DrainReport, Phase,
 };
 pub use listener::{DrainListener, DrainStream};
+pub use server::{
+    ConnectionLimits, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+};

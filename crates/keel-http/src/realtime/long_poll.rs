@@ -72,6 +72,9 @@ pub(crate) async fn handler<S: EventLogStore>(
         Ok(after) => after.unwrap_or(0),
         Err(rejection) => return refuse(TRANSPORT, rejection),
     };
+    let Some(_slot) = realtime.claim_slot(&parts) else {
+        return refuse(TRANSPORT, RealtimeRejection::TooManyConnections);
+    };
     let options = realtime.options();
     let log = realtime.log();
 

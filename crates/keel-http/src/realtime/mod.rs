@@ -87,6 +87,7 @@ mod options;
 mod queue;
 mod reject;
 mod retention;
+mod slots;
 pub mod sse;
 mod stream;
 pub mod ws;
@@ -111,6 +112,7 @@ pub use reject::RealtimeRejection;
 pub use retention::{
     DEFAULT_KEEP_LAST, DEFAULT_MAX_AGE, DEFAULT_TRIM_BATCH, DEFAULT_TRIM_INTERVAL, Retention,
 };
+pub use slots::{DEFAULT_MAX_PER_CLIENT, DEFAULT_MAX_TOTAL};
 pub use stream::{Authenticate, InvalidStreamId, MAX_STREAM_ID_LEN, StreamId};
 pub use ws::{OnSend, SendMessage, SendRejected};
 
@@ -136,6 +138,7 @@ struct Shared<S> {
     on_send: Option<Arc<dyn OnSend>>,
     acks: ws::Acks,
     stats: Arc<Stats>,
+    slots: slots::ClientSlots,
 }
 
 impl<S> std::fmt::Debug for Shared<S> {
@@ -191,6 +194,7 @@ impl<S: EventLogStore> RealtimeBuilder<S> {
         let options = self.options.validate()?;
         let drain = self.drain.unwrap_or_else(|| watch::channel(false).1);
         let acks = ws::Acks::new(options.dedup_capacity, options.dedup_ttl);
+        let slots = slots::ClientSlots::new(options.max_per_client, options.max_total);
         Ok(Realtime {
             shared: Arc::new(Shared {
                 log: self.log,
@@ -200,6 +204,7 @@ impl<S: EventLogStore> RealtimeBuilder<S> {
                 on_send: self.on_send,
                 acks,
                 stats: Arc::new(Stats::default()),
+                slots,
             }),
         })
     }
@@ -282,6 +287,19 @@ impl<S: EventLogStore> Realtime<S> {
 
     pub(crate) fn on_send(&self) -> Option<&Arc<dyn OnSend>> {
         self.shared.on_send.as_ref()
+    }
+
+    /// A slot for the request's client, or `None` past the caps.
+    pub(crate) fn claim_slot(&self, parts: &Parts) -> Option<slots::ClientSlot> {
+        let slot = self
+            .shared
+            .slots
+            .claim(crate::access::client_ip(&parts.extensions));
+        if slot.is_none() {
+            tracing::warn!(client = ?crate::access::client_ip(&parts.extensions),
+                "long-lived connection refused: the client holds the most allowed");
+        }
+        slot
     }
 
     pub(crate) fn acks(&self) -> &ws::Acks {

@@ -101,6 +101,8 @@ pub struct RealtimeOptions {
     pub(crate) close_timeout: Duration,
     pub(crate) dedup_capacity: NonZeroUsize,
     pub(crate) dedup_ttl: Duration,
+    pub(crate) max_per_client: usize,
+    pub(crate) max_total: usize,
     /// Origins as given, checked in `validate`.
     raw_origins: Vec<String>,
 }
@@ -124,6 +126,8 @@ impl Default for RealtimeOptions {
             close_timeout: DEFAULT_CLOSE_TIMEOUT,
             dedup_capacity: NonZeroUsize::new(DEFAULT_DEDUP_CAPACITY).unwrap_or(NonZeroUsize::MIN),
             dedup_ttl: DEFAULT_DEDUP_TTL,
+            max_per_client: super::slots::DEFAULT_MAX_PER_CLIENT,
+            max_total: super::slots::DEFAULT_MAX_TOTAL,
             raw_origins: Vec::new(),
         }
     }
@@ -235,6 +239,16 @@ impl RealtimeOptions {
         self
     }
 
+    /// How many long-lived connections (SSE, WebSocket, waiting long polls)
+    /// one client address may hold, and all clients together (defaults 16
+    /// and 4,096). Past either, SSE and long polls get `503` with
+    /// `Retry-After` and a WebSocket is closed with `1013` (try again later).
+    pub fn max_connections(mut self, per_client: usize, total: usize) -> Self {
+        self.max_per_client = per_client;
+        self.max_total = total;
+        self
+    }
+
     /// Checks every value; normalises the origins.
     pub(crate) fn validate(mut self) -> Result<Self, InvalidRealtimeOptions> {
         for (name, value) in [
@@ -252,6 +266,9 @@ impl RealtimeOptions {
         }
         if self.max_buffered == 0 {
             return Err(InvalidRealtimeOptions::Zero("max_buffered"));
+        }
+        if self.max_per_client == 0 || self.max_total == 0 {
+            return Err(InvalidRealtimeOptions::Zero("max_connections"));
         }
         if self.max_message_size == 0 {
             return Err(InvalidRealtimeOptions::Zero("max_message_size"));

@@ -36,6 +36,10 @@ pub enum RealtimeRejection {
     /// The WebSocket `Origin` is not on the allow-list: `403`.
     #[error("origin not allowed to open a WebSocket here")]
     OriginNotAllowed,
+    /// The client (or everyone) holds as many long-lived connections as
+    /// allowed: `503` with `Retry-After`.
+    #[error("too many open connections from this client; close one or retry later")]
+    TooManyConnections,
     /// The WebSocket handshake did not offer the subprotocol: `400`.
     #[error("offer the WebSocket subprotocol `{0}` in Sec-WebSocket-Protocol")]
     Subprotocol(String),
@@ -47,7 +51,7 @@ impl RealtimeRejection {
         match self {
             Self::Unauthenticated => StatusCode::UNAUTHORIZED,
             Self::InvalidCursor { .. } | Self::Subprotocol(_) => StatusCode::BAD_REQUEST,
-            Self::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Draining | Self::TooManyConnections => StatusCode::SERVICE_UNAVAILABLE,
             Self::OriginNotAllowed => StatusCode::FORBIDDEN,
         }
     }
@@ -58,6 +62,7 @@ impl RealtimeRejection {
             Self::Unauthenticated => "unauthenticated",
             Self::InvalidCursor { .. } => "cursor",
             Self::Draining => "draining",
+            Self::TooManyConnections => "connections",
             Self::OriginNotAllowed => "origin",
             Self::Subprotocol(_) => "subprotocol",
         }
@@ -67,8 +72,10 @@ impl RealtimeRejection {
 impl IntoResponse for RealtimeRejection {
     fn into_response(self) -> Response {
         let mut problem = Problem::new(self.status(), self.to_string());
-        if self == Self::Draining {
-            problem = problem.with_retry_after(Duration::from_secs(1));
+        match self {
+            Self::Draining => problem = problem.with_retry_after(Duration::from_secs(1)),
+            Self::TooManyConnections => problem = problem.with_retry_after(Duration::from_secs(5)),
+            _ => {}
         }
         problem.into_response()
     }

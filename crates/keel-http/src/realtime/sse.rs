@@ -99,6 +99,9 @@ pub(crate) async fn handler<S: EventLogStore>(
         .increment(1);
         return event_stream(Body::from(retry_frame));
     }
+    let Some(slot) = realtime.claim_slot(&parts) else {
+        return refuse(TRANSPORT, RealtimeRejection::TooManyConnections);
+    };
     // Subscribe BEFORE the replay (see `feed`).
     let subscription = realtime.log().subscribe(&stream);
     let (queue, receiver) = SendQueue::new(realtime.options().max_buffered);
@@ -110,6 +113,7 @@ pub(crate) async fn handler<S: EventLogStore>(
         subscription,
         last: cursor,
         retry,
+        _slot: slot,
     };
     tokio::spawn(producer.run(queue));
     event_stream(Body::from_stream(SseBody {
@@ -168,6 +172,8 @@ struct Producer<S> {
     /// The highest seq queued (or the client's cursor).
     last: i64,
     retry: u64,
+    /// Held while the stream lives.
+    _slot: super::slots::ClientSlot,
 }
 
 /// Why a producer stopped.

@@ -60,6 +60,7 @@ enum HopError {
     Http(reqwest::Error),
     TooManyRedirects(usize),
     BadLocation(String),
+    CrossOrigin(String),
 }
 
 /// POSTs `body` with `headers` to `url`, following up to
@@ -82,6 +83,14 @@ pub(crate) async fn post(
     let hops = async {
         for hop in 0..=limits.max_redirects {
             guard.check_url(&current).map_err(HopError::Refused)?;
+            if guard.denies_sockets()
+                && let Some(host) = current.host_str()
+                && !host.starts_with('[')
+                && host.parse::<std::net::IpAddr>().is_err()
+            {
+                let port = current.port_or_known_default().unwrap_or(0);
+                guard.resolve(host, port).await.map_err(HopError::Refused)?;
+            }
             let response = client
                 .post(current.clone())
                 .headers(headers.clone())
@@ -99,9 +108,13 @@ pub(crate) async fn post(
                 if hop == limits.max_redirects {
                     return Err(HopError::TooManyRedirects(limits.max_redirects));
                 }
-                current = current
+                let next = current
                     .join(location)
                     .map_err(|e| HopError::BadLocation(format!("{location:?}: {e}")))?;
+                if next.origin() != current.origin() {
+                    return Err(HopError::CrossOrigin(next.origin().ascii_serialization()));
+                }
+                current = next;
                 tracing::debug!(to = %current, status = status.as_u16(), "following webhook redirect");
                 continue;
             }
@@ -141,6 +154,12 @@ pub(crate) async fn post(
         Ok(Err(HopError::TooManyRedirects(limit))) => {
             out.error = Some(format!("more than {limit} redirects"));
         }
+        Ok(Err(HopError::CrossOrigin(to))) => {
+            out.error = Some(format!(
+                "redirect to another origin ({to}) not followed: the signed request goes only to \
+                 the endpoint's own origin; update the endpoint's URL instead"
+            ));
+        }
         Ok(Err(HopError::BadLocation(detail))) => {
             out.error = Some(format!("redirect to an invalid location {detail}"));
         }
@@ -151,8 +170,10 @@ pub(crate) async fn post(
     out
 }
 
-/// The redirects a webhook follows. The same signed `POST` is sent to the
-/// new location for all of them: a webhook turned into a `GET` would lose
+/// The redirects a webhook follows, within the endpoint's own origin only
+/// (scheme, host and port): the signature and payload are the endpoint
+/// owner's, so another host never receives them. The same signed `POST` is
+/// sent to the new location for all of them: a webhook turned into a `GET` would lose
 /// its payload, so even `301`/`302`/`303` keep the method (like curl's
 /// `--post301 --post302 --post303`).
 fn is_followed_redirect(status: StatusCode) -> bool {

@@ -18,6 +18,7 @@ use keel_messaging::store::{WebhookEndpoint, WebhookSecret, WebhookStore};
 
 use super::WallClock;
 use super::error::WebhookError;
+use super::sealing::SecretSealer;
 use super::signing::Secret;
 use super::ssrf::SsrfGuard;
 
@@ -41,6 +42,8 @@ pub struct NewEndpoint {
     pub id: Option<String>,
     /// The first secret (default: a new random one).
     pub secret: Option<Secret>,
+    /// The tenant that owns it (default: none).
+    pub tenant: String,
 }
 
 impl NewEndpoint {
@@ -52,7 +55,14 @@ impl NewEndpoint {
             event_types: Vec::new(),
             id: None,
             secret: None,
+            tenant: String::new(),
         }
+    }
+
+    /// Sets the owning tenant.
+    pub fn tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = tenant.into();
+        self
     }
 
     /// Sets the description.
@@ -91,6 +101,7 @@ impl NewEndpoint {
 pub struct Endpoints<S> {
     pub(super) store: S,
     guard: SsrfGuard,
+    sealer: SecretSealer,
     pub(super) clock: WallClock,
 }
 
@@ -100,8 +111,16 @@ impl<S: WebhookStore> Endpoints<S> {
         Self {
             store,
             guard,
+            sealer: SecretSealer::plaintext(),
             clock: WallClock::system(),
         }
+    }
+
+    /// Seals secrets with `sealer` before they are stored (default: stored
+    /// as given). Give the delivery worker the same sealer.
+    pub fn sealer(mut self, sealer: SecretSealer) -> Self {
+        self.sealer = sealer;
+        self
     }
 
     /// The clock for timestamps (default: the system's).
@@ -146,7 +165,7 @@ impl<S: WebhookStore> Endpoints<S> {
             description: new.description,
             event_types: new.event_types,
             secrets: vec![WebhookSecret {
-                secret: secret.expose().to_owned(),
+                secret: self.sealer.seal(secret.expose())?,
                 created_at: now,
                 expires_at: None,
             }],
@@ -157,11 +176,29 @@ impl<S: WebhookStore> Endpoints<S> {
             last_success_at: None,
             created_at: now,
             updated_at: now,
+            tenant: new.tenant,
         };
         self.store.webhook_endpoint_create(&endpoint).await?;
         metrics::counter!("keel_webhook_endpoints_created_total").increment(1);
         tracing::info!(endpoint = %endpoint.id, url = %endpoint.url, "webhook endpoint registered");
         Ok((endpoint, secret))
+    }
+
+    /// The endpoints `tenant` owns, oldest first.
+    pub async fn list_of(&self, tenant: &str) -> Result<Vec<WebhookEndpoint>, WebhookError> {
+        let mut all = self.list().await?;
+        all.retain(|e| e.tenant == tenant);
+        Ok(all)
+    }
+
+    /// One endpoint, if `tenant` owns it; another tenant's is
+    /// [`WebhookError::EndpointNotFound`] too, so ids reveal nothing.
+    pub async fn get_of(&self, tenant: &str, id: &str) -> Result<WebhookEndpoint, WebhookError> {
+        match self.get(id).await {
+            Ok(endpoint) if endpoint.tenant == tenant => Ok(endpoint),
+            Ok(_) => Err(WebhookError::EndpointNotFound(id.to_owned())),
+            Err(e) => Err(e),
+        }
     }
 
     /// One endpoint.
@@ -223,7 +260,7 @@ impl<S: WebhookStore> Endpoints<S> {
         let grace = chrono::Duration::from_std(grace)
             .map_err(|_| WebhookError::Config(format!("rotation grace {grace:?} is too long")))?;
         let stored = WebhookSecret {
-            secret: secret.expose().to_owned(),
+            secret: self.sealer.seal(secret.expose())?,
             created_at: now,
             expires_at: None,
         };

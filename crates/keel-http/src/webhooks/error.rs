@@ -40,6 +40,9 @@ pub enum WebhookError {
     /// A secret is unusable.
     #[error(transparent)]
     Secret(#[from] SecretError),
+    /// A stored secret could not be sealed or opened.
+    #[error(transparent)]
+    Sealing(#[from] super::sealing::SealError),
     /// No endpoint has this id.
     #[error("webhook endpoint {0:?} not found")]
     EndpointNotFound(String),

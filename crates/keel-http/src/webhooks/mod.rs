@@ -49,6 +49,7 @@ mod error;
 mod log;
 mod options;
 pub mod receiver;
+pub mod sealing;
 mod sender;
 pub mod signing;
 pub mod ssrf;

@@ -161,6 +161,7 @@ pub struct WorkerOptions {
     pub(crate) disable_when_exhausted: bool,
     pub(crate) scheme: SignatureScheme,
     pub(crate) guard: SsrfGuard,
+    pub(crate) sealer: super::sealing::SecretSealer,
     pub(crate) clock: WallClock,
     pub(crate) drain_timeout: Duration,
     pub(crate) user_agent: String,
@@ -222,6 +223,7 @@ impl WorkerOptions {
             disable_when_exhausted: false,
             scheme: SignatureScheme::StandardWebhooks,
             guard: SsrfGuard::new(),
+            sealer: super::sealing::SecretSealer::plaintext(),
             clock: WallClock::system(),
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             user_agent: format!("keel-webhooks/{}", env!("CARGO_PKG_VERSION")),
@@ -334,6 +336,13 @@ impl WorkerOptions {
     /// The SSRF guard (default: no internal address allowed).
     pub fn guard(mut self, guard: SsrfGuard) -> Self {
         self.guard = guard;
+        self
+    }
+
+    /// Opens sealed endpoint secrets (default: stored as given); the same
+    /// sealer as the [`Endpoints`](super::Endpoints) that stored them.
+    pub fn sealer(mut self, sealer: super::sealing::SecretSealer) -> Self {
+        self.sealer = sealer;
         self
     }
 

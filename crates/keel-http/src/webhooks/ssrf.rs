@@ -173,9 +173,13 @@ pub enum SsrfError {
         len: usize,
     },
     /// The host is, or resolves to, an address in a forbidden range.
+    ///
+    /// The message names neither the address nor its range: a caller
+    /// registering URLs must not learn what internal names resolve to.
+    /// Both are in the server's log.
     #[error(
-        "refusing to call {host}: it is (or resolves to) {ip}, a {range} address; webhooks may \
-         only call public addresses (allow-list the network explicitly if this is intended)"
+        "refusing to call {host}: it is (or resolves to) an address webhooks may not call; \
+         webhooks may only call public addresses (an operator can allow-list a network)"
     )]
     Forbidden {
         /// The host as written.
@@ -219,6 +223,7 @@ pub struct SsrfGuard {
 #[derive(Clone)]
 struct GuardInner {
     allow: Vec<IpNetwork>,
+    deny: Vec<SocketAddr>,
     https_only: bool,
     resolve_timeout: Duration,
     resolver: Option<ResolveFn>,
@@ -228,6 +233,7 @@ impl fmt::Debug for GuardInner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SsrfGuard")
             .field("allow", &self.allow)
+            .field("deny", &self.deny)
             .field("https_only", &self.https_only)
             .field("resolve_timeout", &self.resolve_timeout)
             .field("custom_resolver", &self.resolver.is_some())
@@ -253,6 +259,7 @@ impl SsrfGuard {
         Self {
             inner: Arc::new(GuardInner {
                 allow: Vec::new(),
+                deny: Vec::new(),
                 https_only: false,
                 resolve_timeout: DEFAULT_RESOLVE_TIMEOUT,
                 resolver: None,
@@ -285,6 +292,39 @@ impl SsrfGuard {
     pub fn resolver(mut self, resolver: ResolveFn) -> Self {
         Arc::make_mut(&mut self.inner).resolver = Some(resolver);
         self
+    }
+
+    /// Never calls `addr`, even inside an allowed network: the server's
+    /// own listeners, so a webhook cannot be aimed at its admin API. An
+    /// unspecified address (`0.0.0.0:8080`) stands for every address on
+    /// that port. Names are checked with their port when an endpoint is
+    /// registered and before every attempt.
+    pub fn deny(mut self, addr: SocketAddr) -> Self {
+        Arc::make_mut(&mut self.inner).deny.push(addr);
+        self
+    }
+
+    /// Whether some socket is denied (so attempts resolve names first).
+    pub fn denies_sockets(&self) -> bool {
+        !self.inner.deny.is_empty()
+    }
+
+    fn check_socket(&self, host: &str, addr: SocketAddr) -> Result<(), SsrfError> {
+        let denied = self.inner.deny.iter().any(|d| {
+            d.port() == addr.port()
+                && (d.ip() == addr.ip() || d.ip().is_unspecified() || addr.ip().is_unspecified())
+        });
+        if !denied {
+            return Ok(());
+        }
+        metrics::counter!("keel_webhook_ssrf_refused_total", "range" => "own listener")
+            .increment(1);
+        tracing::warn!(host, %addr, "SSRF guard refused the server's own listener");
+        Err(SsrfError::Forbidden {
+            host: host.to_owned(),
+            ip: addr.ip(),
+            range: "own listener",
+        })
     }
 
     /// The allow-list.
@@ -338,9 +378,14 @@ impl SsrfGuard {
         if !url.username().is_empty() || url.password().is_some() {
             return Err(SsrfError::Credentials);
         }
+        let host = url.host_str().unwrap_or_default();
         match literal_ip(url) {
             Err(err) => Err(err),
-            Ok(Some(ip)) => self.check_ip(url.host_str().unwrap_or_default(), ip),
+            Ok(Some(ip)) => {
+                let port = url.port_or_known_default().unwrap_or(0);
+                self.check_socket(host, SocketAddr::new(ip, port))?;
+                self.check_ip(host, ip)
+            }
             Ok(None) => Ok(()),
         }
     }
@@ -396,6 +441,9 @@ impl SsrfGuard {
             });
         }
         for addr in &addrs {
+            if port != 0 {
+                self.check_socket(host, *addr)?;
+            }
             self.check_ip(host, addr.ip())?;
         }
         Ok(addrs)

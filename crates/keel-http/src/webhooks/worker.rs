@@ -530,7 +530,13 @@ async fn attempt_one<S: WebhookStore>(inner: Arc<Inner<S>>, claimed: ClaimedDeli
     } else {
         let secrets: Vec<Secret> = endpoint
             .active_secrets(started)
-            .filter_map(|s| Secret::parse(&s.secret).ok())
+            .filter_map(|s| match opts.sealer.open(&s.secret) {
+                Ok(secret) => Secret::parse(&secret).ok(),
+                Err(err) => {
+                    tracing::error!(endpoint = %endpoint.id, error = %err, "cannot open an endpoint secret");
+                    None
+                }
+            })
             .collect();
         match signature_headers(
             &opts.scheme,

@@ -159,6 +159,9 @@ impl SqliteBroker {
         options: SqliteBrokerOptions,
     ) -> Result<Self, BrokerError> {
         options.validate()?;
+        crate::private_file::create_private(path.as_ref()).map_err(|e| {
+            BrokerError::Unavailable(format!("creating {}: {e}", path.as_ref().display()).into())
+        })?;
         let connect = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)

@@ -80,9 +80,12 @@ impl SqliteStoreOptions {
         self
     }
 
-    /// Opens (creating if missing) the database file at `path` in WAL mode
-    /// and migrates it.
+    /// Opens (creating if missing, readable by the owner only) the
+    /// database file at `path` in WAL mode and migrates it.
     pub async fn open(self, path: impl AsRef<Path>) -> Result<SqliteStore, StoreError> {
+        crate::private_file::create_private(path.as_ref()).map_err(|e| {
+            StoreError::Unavailable(format!("creating {}: {e}", path.as_ref().display()).into())
+        })?;
         let base = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true);

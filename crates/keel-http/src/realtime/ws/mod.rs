@@ -177,5 +177,22 @@ pub(crate) async fn handler<S: EventLogStore>(
             let _ = socket.send(Message::Close(Some(close))).await;
         });
     };
-    upgrade.on_upgrade(move |socket| connection::run(realtime, socket, stream, after))
+    let Some(slot) = realtime.claim_slot(&parts) else {
+        metrics::counter!("keel_realtime_rejected_total", "transport" => TRANSPORT,
+            "reason" => "connections")
+        .increment(1);
+        // A browser cannot read a refused handshake's status; it can read
+        // a close code.
+        return upgrade.on_upgrade(|mut socket| async move {
+            let close = CloseFrame {
+                code: close_code::AGAIN,
+                reason: "too many open connections from this client; retry later".into(),
+            };
+            let _ = socket.send(Message::Close(Some(close))).await;
+        });
+    };
+    upgrade.on_upgrade(move |socket| async move {
+        let _slot = slot;
+        connection::run(realtime, socket, stream, after).await;
+    })
 }
