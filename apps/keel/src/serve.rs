@@ -387,6 +387,16 @@ impl ServeArgs {
             ))
             .validate()
             .map_err(|e| invalid("connection limits", e.to_string()))?;
+        let poll = keel_http::realtime::DEFAULT_POLL_TIMEOUT;
+        if connection_limits.idle() <= poll {
+            return Err(invalid(
+                "idle-timeout-secs",
+                format!(
+                    "must be more than the long poll's {} s wait, or every quiet poll is cut off",
+                    poll.as_secs()
+                ),
+            ));
+        }
         let max_streams_per_client = self
             .max_streams_per_client
             .or(file.max_streams_per_client)

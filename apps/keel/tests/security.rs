@@ -367,12 +367,7 @@ async fn without_a_token_rebinding_headerless_posts_and_self_aimed_webhooks_chan
 
 #[tokio::test]
 async fn half_sent_empty_and_silent_connections_are_closed() {
-    let s = serve(&[
-        "--header-read-timeout-secs",
-        "1",
-        "--idle-timeout-secs",
-        "1",
-    ]);
+    let s = serve(&["--header-read-timeout-secs", "1"]);
     let mut half = TcpStream::connect(s.host()).await.unwrap();
     half.write_all(b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         .await
@@ -395,8 +390,8 @@ async fn half_sent_empty_and_silent_connections_are_closed() {
         .await
         .unwrap();
     assert!(
-        closed_within(&mut silent, Duration::from_secs(8)).await,
-        "a body that never comes"
+        closed_within(&mut silent, Duration::from_secs(15)).await,
+        "a body that never comes (the request's 10 s deadline)"
     );
     let alive = reqwest::get(format!("{}/livez", s.url)).await.unwrap();
     assert_eq!(alive.status(), StatusCode::OK);

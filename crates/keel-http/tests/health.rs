@@ -590,3 +590,67 @@ async fn sigterm_starts_the_drain() {
     );
     listening.abort();
 }
+
+/// Whether the server closes `stream` within `limit`.
+async fn closed_within(stream: &mut TcpStream, limit: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_sending_its_body_is_cut_off_by_the_idle_timeout() {
+    use keel_http::health::ConnectionLimits;
+    use tokio::io::AsyncWriteExt;
+    let app = Router::new().route(
+        "/upload",
+        axum::routing::post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = ConnectionLimits::new().idle_timeout(Duration::from_millis(500));
+    let serving = drain(0, 5_000);
+    tokio::spawn(async move { serving.serve_with(listener, app, limits).await });
+    let mut stalled = TcpStream::connect(addr).await.unwrap();
+    stalled
+        .write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly-this")
+        .await
+        .unwrap();
+    assert!(
+        closed_within(&mut stalled, Duration::from_secs(3)).await,
+        "silent for two idle periods: dropped"
+    );
+    let mut moving = TcpStream::connect(addr).await.unwrap();
+    moving
+        .write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n")
+        .await
+        .unwrap();
+    for byte in [b"a", b"b"] {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        moving.write_all(byte).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    moving.write_all(b"c").await.unwrap();
+    let answer = raw_answer(&mut moving).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "a slow but moving body is served: {answer}"
+    );
+}
+
+async fn raw_answer(stream: &mut TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}

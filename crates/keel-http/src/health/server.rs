@@ -101,6 +101,11 @@ impl ConnectionLimits {
         self
     }
 
+    /// The idle timeout.
+    pub fn idle(&self) -> Duration {
+        self.idle_timeout
+    }
+
     /// Checks that no limit is zero.
     pub fn validate(self) -> Result<Self, ConfigError> {
         if self.header_read_timeout.is_zero() {
