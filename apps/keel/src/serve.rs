@@ -324,79 +324,36 @@ impl ServeArgs {
             .clone()
             .or(file.stream_prefix)
             .unwrap_or_else(|| backend::DEFAULT_STREAM_PREFIX.to_owned());
-        let admin_token = match self.admin_token.clone().or(file.admin_token) {
-            Some(token) => Some(token),
-            None => self
-                .admin_token_file
-                .clone()
-                .or(file.admin_token_file)
-                .map(|path| first_line("admin-token-file", &path))
-                .transpose()?,
-        };
+        let admin_token = secret(
+            self.admin_token.clone().or(file.admin_token),
+            self.admin_token_file.clone().or(file.admin_token_file),
+            "admin-token-file",
+        )?;
         AdminToken::require_for(listen, admin_token.clone())
             .map_err(|e| invalid("admin-token", e.to_string()))?;
-        let hosts = pick(self.allowed_hosts.clone(), file.allowed_hosts);
         let allowed_hosts = AllowedHosts::loopback()
-            .with(&hosts)
+            .with(pick(self.allowed_hosts.clone(), file.allowed_hosts))
             .map_err(|e| invalid("allowed-hosts", e.to_string()))?;
-        let mut keys = pick(self.api_keys.clone(), file.api_keys);
-        if let Some(path) = self.api_keys_file.clone().or(file.api_keys_file) {
-            let text = std::fs::read_to_string(&path)
-                .map_err(|e| invalid("api-keys-file", format!("{}: {e}", path.display())))?;
-            keys.extend(
-                text.lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                    .map(str::to_owned),
-            );
-        }
-        let api_keys = ApiKeys::parse(&keys).map_err(|e| invalid("api-key", e.to_string()))?;
-        let secrets_key = match self.secrets_key.clone().or(file.secrets_key) {
-            Some(key) => Some(key),
-            None => self
-                .secrets_key_file
-                .clone()
-                .or(file.secrets_key_file)
-                .map(|path| first_line("secrets-key-file", &path))
-                .transpose()?,
-        };
-        let secrets = match secrets_key {
+        let api_keys = api_keys(
+            pick(self.api_keys.clone(), file.api_keys),
+            self.api_keys_file.clone().or(file.api_keys_file),
+        )?;
+        let secrets = match secret(
+            self.secrets_key.clone().or(file.secrets_key),
+            self.secrets_key_file.clone().or(file.secrets_key_file),
+            "secrets-key-file",
+        )? {
             Some(key) => {
                 SecretSealer::parse(&key).map_err(|e| invalid("secrets-key", e.to_string()))?
             }
             None => SecretSealer::plaintext(),
         };
-        let secs = |flag: Option<u64>, file: Option<u64>, default: Duration| {
-            flag.or(file).map_or(default, Duration::from_secs)
-        };
-        let connection_limits = ConnectionLimits::new()
-            .max_connections(
-                self.max_connections
-                    .or(file.max_connections)
-                    .unwrap_or(DEFAULT_MAX_CONNECTIONS),
-            )
-            .header_read_timeout(secs(
-                self.header_read_timeout_secs,
-                file.header_read_timeout_secs,
-                DEFAULT_HEADER_READ_TIMEOUT,
-            ))
-            .idle_timeout(secs(
-                self.idle_timeout_secs,
-                file.idle_timeout_secs,
-                DEFAULT_IDLE_TIMEOUT,
-            ))
-            .validate()
-            .map_err(|e| invalid("connection limits", e.to_string()))?;
-        let poll = keel_http::realtime::DEFAULT_POLL_TIMEOUT;
-        if connection_limits.idle() <= poll {
-            return Err(invalid(
-                "idle-timeout-secs",
-                format!(
-                    "must be more than the long poll's {} s wait, or every quiet poll is cut off",
-                    poll.as_secs()
-                ),
-            ));
-        }
+        let connection_limits = connection_limits(
+            self.max_connections.or(file.max_connections),
+            self.header_read_timeout_secs
+                .or(file.header_read_timeout_secs),
+            self.idle_timeout_secs.or(file.idle_timeout_secs),
+        )?;
         let max_streams_per_client = self
             .max_streams_per_client
             .or(file.max_streams_per_client)
@@ -440,6 +397,63 @@ impl ServeArgs {
             cursor_key,
         })
     }
+}
+
+/// A secret given as a value (flag, environment or file setting), else
+/// read from the file at `path`.
+fn secret(
+    value: Option<String>,
+    path: Option<PathBuf>,
+    setting: &'static str,
+) -> Result<Option<String>, ConfigError> {
+    match value {
+        Some(value) => Ok(Some(value)),
+        None => path.map(|path| first_line(setting, &path)).transpose(),
+    }
+}
+
+/// The tenants' keys: `given`, then one `tenant:key` per line of `path`
+/// (blank lines and `#` comments skipped).
+fn api_keys(mut given: Vec<String>, path: Option<PathBuf>) -> Result<ApiKeys, ConfigError> {
+    if let Some(path) = path {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| invalid("api-keys-file", format!("{}: {e}", path.display())))?;
+        given.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_owned),
+        );
+    }
+    ApiKeys::parse(&given).map_err(|e| invalid("api-key", e.to_string()))
+}
+
+/// The edge's limits, each defaulted; the idle timeout must outlast a
+/// quiet long poll.
+fn connection_limits(
+    max_connections: Option<usize>,
+    header_read_secs: Option<u64>,
+    idle_secs: Option<u64>,
+) -> Result<ConnectionLimits, ConfigError> {
+    let limits = ConnectionLimits::new()
+        .max_connections(max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS))
+        .header_read_timeout(
+            header_read_secs.map_or(DEFAULT_HEADER_READ_TIMEOUT, Duration::from_secs),
+        )
+        .idle_timeout(idle_secs.map_or(DEFAULT_IDLE_TIMEOUT, Duration::from_secs))
+        .validate()
+        .map_err(|e| invalid("connection limits", e.to_string()))?;
+    let poll = keel_http::realtime::DEFAULT_POLL_TIMEOUT;
+    if limits.idle() <= poll {
+        return Err(invalid(
+            "idle-timeout-secs",
+            format!(
+                "must be more than the long poll's {} s wait, or every quiet poll is cut off",
+                poll.as_secs()
+            ),
+        ));
+    }
+    Ok(limits)
 }
 
 /// The flag's values if any were given, else the file's.
