@@ -120,6 +120,10 @@ pub struct ServeArgs {
     /// may hold [default: 16].
     #[arg(long, env = "KEEL_MAX_STREAMS_PER_CLIENT")]
     pub max_streams_per_client: Option<usize>,
+    /// Origins (`scheme://host[:port]`, comma-separated) whose pages may
+    /// open `/ws`, besides the server's own.
+    #[arg(long, env = "KEEL_WS_ALLOWED_ORIGINS", value_delimiter = ',')]
+    pub ws_allowed_origins: Vec<String>,
     /// Honour `X-Keel-Demo-Fault` on `POST /orders` (for demos and tests).
     #[arg(long, env = "KEEL_DEMO_FAULTS")]
     pub demo_faults: bool,
@@ -176,6 +180,8 @@ pub struct ServeFile {
     pub idle_timeout_secs: Option<u64>,
     /// See [`ServeArgs::max_streams_per_client`].
     pub max_streams_per_client: Option<usize>,
+    /// See [`ServeArgs::ws_allowed_origins`].
+    pub ws_allowed_origins: Option<Vec<String>>,
     /// See [`ServeArgs::demo_faults`].
     pub demo_faults: Option<bool>,
     /// See [`ServeArgs::allow_loopback_webhooks`].
@@ -188,8 +194,8 @@ pub struct ServeFile {
 
 pub use crate::backend::{BrokerKind, Database};
 
-/// The validated configuration.
-#[derive(Debug, Clone)]
+/// The validated configuration. Its `Debug` output shows no secret.
+#[derive(Clone)]
 pub struct ServeConfig {
     /// The listen address.
     pub listen: SocketAddr,
@@ -217,6 +223,8 @@ pub struct ServeConfig {
     pub connection_limits: ConnectionLimits,
     /// Long-lived connections per client address.
     pub max_streams_per_client: usize,
+    /// Origins allowed to open `/ws`, besides the server's own.
+    pub ws_allowed_origins: Vec<String>,
     /// Demo faults on.
     pub demo_faults: bool,
     /// Loopback webhooks allowed.
@@ -225,6 +233,25 @@ pub struct ServeConfig {
     pub inbound_webhook_secret: Option<String>,
     /// Cursor key.
     pub cursor_key: Option<String>,
+}
+
+impl std::fmt::Debug for ServeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |secret: &Option<String>| if secret.is_some() { "<set>" } else { "<none>" };
+        f.debug_struct("ServeConfig")
+            .field("listen", &self.listen)
+            .field("database", &self.database)
+            .field("broker", &self.broker)
+            .field("admin_token", &set(&self.admin_token))
+            .field("allowed_hosts", &self.allowed_hosts.describe())
+            .field("api_keys", &self.api_keys)
+            .field("secrets", &self.secrets)
+            .field("public_metrics", &self.public_metrics)
+            .field("connection_limits", &self.connection_limits)
+            .field("inbound_webhook_secret", &set(&self.inbound_webhook_secret))
+            .field("cursor_key", &set(&self.cursor_key))
+            .finish_non_exhaustive()
+    }
 }
 
 /// A configuration that cannot work, and what to change.
@@ -361,6 +388,11 @@ impl ServeArgs {
         if max_streams_per_client == 0 {
             return Err(invalid("max-streams-per-client", "must be at least 1"));
         }
+        let ws_allowed_origins = pick(self.ws_allowed_origins.clone(), file.ws_allowed_origins);
+        keel_http::realtime::RealtimeOptions::new()
+            .allowed_origins(ws_allowed_origins.iter().cloned())
+            .validate()
+            .map_err(|e| invalid("ws-allowed-origins", e.to_string()))?;
         let max_endpoints_per_tenant = self
             .max_endpoints_per_tenant
             .or(file.max_endpoints_per_tenant)
@@ -390,6 +422,7 @@ impl ServeArgs {
             public_metrics: self.public_metrics || file.public_metrics.unwrap_or(false),
             connection_limits,
             max_streams_per_client,
+            ws_allowed_origins,
             demo_faults: self.demo_faults || file.demo_faults.unwrap_or(false),
             allow_loopback_webhooks: self.allow_loopback_webhooks
                 || file.allow_loopback_webhooks.unwrap_or(false),
@@ -672,6 +705,7 @@ async fn serve_on<S: ShopStore>(
         secrets: config.secrets.clone(),
         connection_limits: config.connection_limits.clone(),
         streams_per_client: config.max_streams_per_client,
+        ws_origins: config.ws_allowed_origins.clone(),
         cursor_key: config
             .cursor_key
             .clone()
@@ -860,5 +894,11 @@ mod tests {
         assert!(config.allowed_hosts.allows("shop.example:8443"));
         assert!(!config.secrets.is_sealing());
         assert!(!config.public_metrics);
+        a.admin_token = Some("a-secret-admin-token-0123".into());
+        let shown = format!("{:?}", a.resolve().unwrap());
+        assert!(
+            !shown.contains("a-secret-admin-token") && !shown.contains("acme-key"),
+            "{shown}"
+        );
     }
 }

@@ -93,6 +93,17 @@ impl Browser {
         }
     }
 
+    /// Runs `script` in the page; it ends by calling its last argument.
+    async fn run_async(&self, script: &str) -> Value {
+        self.command(
+            reqwest::Method::POST,
+            "/execute/async",
+            json!({ "script": script, "args": [] }),
+        )
+        .await
+        .unwrap()
+    }
+
     async fn goto(&self, url: &str) {
         self.command(reqwest::Method::POST, "/url", json!({ "url": url }))
             .await
@@ -299,6 +310,45 @@ impl Server {
         }
         panic!("{path} never got there within {SETTLE:?}; last: {last}");
     }
+}
+
+/// The page's own origin may open `/ws` (the default allow-list), and the
+/// socket carries the customer's events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_of_the_server_follows_a_customer_over_its_websocket() {
+    let Some(browser) = Browser::start().await else {
+        return;
+    };
+    let server = serve().await;
+    browser.goto(&format!("{}/livez", server.base)).await;
+    let ws = server.base.replacen("http://", "ws://", 1);
+    let opened = browser
+        .run_async(&format!(
+            "const done = arguments[arguments.length - 1];
+             const ws = new WebSocket('{ws}/ws?customerId=cust-01', 'keel.v1');
+             window.keelSocket = ws; window.keelFrames = [];
+             ws.onmessage = (m) => window.keelFrames.push(m.data);
+             ws.onopen = () => done('open');
+             ws.onclose = (c) => done('closed ' + c.code);"
+        ))
+        .await;
+    assert_eq!(opened, "open", "the server's own origin is allowed");
+    server.place_order("none").await;
+    let mut frames = Value::Null;
+    for _ in 0..150 {
+        frames = browser
+            .run_async("arguments[arguments.length - 1](window.keelFrames)")
+            .await;
+        if frames.as_array().is_some_and(|f| {
+            f.iter()
+                .any(|frame| frame.as_str().is_some_and(|t| t.contains("\"seq\"")))
+        }) {
+            browser.quit().await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("no event reached the page's socket: {frames}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

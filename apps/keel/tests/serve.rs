@@ -642,3 +642,36 @@ async fn a_customer_follows_an_order_over_long_poll() {
     let r = http.get(format!("{}/updates", s.url)).send().await.unwrap();
     assert!(r.status().is_client_error(), "no customer, no stream");
 }
+
+#[tokio::test]
+async fn an_idle_long_poll_answers_204_before_the_servers_deadline_cap() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let poll = |deadline: Option<u64>| {
+        let mut request = http.get(format!("{}/updates?customerId=quiet", s.url));
+        if let Some(at) = deadline {
+            request = request.header("x-request-deadline-unix-ms", at.to_string());
+        }
+        request.send()
+    };
+    let started = tokio::time::Instant::now();
+    let capped = poll(None).await.unwrap();
+    let waited = started.elapsed();
+    assert_eq!(
+        capped.status(),
+        StatusCode::NO_CONTENT,
+        "not 504 at the 10 s cap"
+    );
+    assert!(
+        waited >= Duration::from_secs(9) && waited < Duration::from_secs(10),
+        "{waited:?}"
+    );
+    let soon = keel_core::clock::unix_millis() + 2_000;
+    let started = tokio::time::Instant::now();
+    let own = poll(Some(soon)).await.unwrap();
+    assert_eq!(own.status(), StatusCode::NO_CONTENT);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the caller's deadline"
+    );
+}

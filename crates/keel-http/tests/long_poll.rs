@@ -316,3 +316,34 @@ async fn a_cursor_behind_retention_is_flagged_truncated() {
     assert_eq!(seqs(&body), vec![5]);
     assert!(body.get("truncated").is_none());
 }
+
+#[tokio::test]
+async fn a_quiet_poll_under_a_shorter_deadline_answers_204_before_it_not_504() {
+    use keel_http::propagation::DeadlineLayer;
+    let f = fixture(RealtimeOptions::new()).await;
+    let capped = f
+        .app
+        .clone()
+        .layer(DeadlineLayer::with_max(Duration::from_secs(2)).expect("cap"));
+    let started = Instant::now();
+    let response = call(&capped, poll_request(Some("alice"), "")).await;
+    let waited = started.elapsed();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT, "not a 504");
+    assert!(
+        waited >= Duration::from_millis(1_400) && waited < Duration::from_secs(2),
+        "answered just before the 2 s deadline: {waited:?}"
+    );
+    let soon = keel_core::clock::unix_millis() + 1_000;
+    let request = Request::get("/updates")
+        .header("x-user", "alice")
+        .header("x-request-deadline-unix-ms", soon.to_string())
+        .body(Body::empty())
+        .expect("request");
+    let started = Instant::now();
+    let response = call(&capped, request).await;
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the caller's own deadline"
+    );
+}

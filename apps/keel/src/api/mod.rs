@@ -81,13 +81,22 @@ pub enum RouterError {
     Config(String),
 }
 
+/// What the realtime endpoints let in.
+#[derive(Debug, Clone)]
+pub struct EdgeLimits {
+    /// Realtime connections one client address may hold.
+    pub streams_per_client: usize,
+    /// Origins whose pages may open `/ws` (clients sending no `Origin`,
+    /// which are not browsers, are let in too).
+    pub ws_origins: Vec<String>,
+}
+
 /// The public API: orders and realtime, behind the trace and deadline
-/// layers. `drain` ends realtime connections on shutdown; one client
-/// address holds at most `streams_per_client` realtime connections.
+/// layers. `drain` ends realtime connections on shutdown.
 pub fn public_router<S: ShopStore>(
     state: AppState<S>,
     drain: tokio::sync::watch::Receiver<bool>,
-    streams_per_client: usize,
+    limits: &EdgeLimits,
 ) -> Result<Router, RouterError> {
     let idempotency = IdempotencyLayer::with_options(
         state.store.clone(),
@@ -100,7 +109,11 @@ pub fn public_router<S: ShopStore>(
         .options(
             RealtimeOptions::new()
                 .allow_missing_origin(true)
-                .max_connections(streams_per_client, keel_http::realtime::DEFAULT_MAX_TOTAL),
+                .allowed_origins(limits.ws_origins.iter().cloned())
+                .max_connections(
+                    limits.streams_per_client,
+                    keel_http::realtime::DEFAULT_MAX_TOTAL,
+                ),
         )
         .drain(drain)
         .build()

@@ -18,9 +18,10 @@ use crate::shop::model::{DemoFault, Item, NewOrder, Order, OrderStatus};
     ),
     responses(
         (status = 200, description = "Events after the cursor, and the new cursor"),
-        (status = 204, description = "Nothing new within the poll timeout"),
+        (status = 204, description = "Nothing new within the poll timeout (25 s), or half a second before the request's deadline (at most 10 s, or the X-Request-Deadline-Unix-Ms sent)"),
         (status = 400, description = "Bad cursor"),
         (status = 401, description = "No or bad customerId"),
+        (status = 503, description = "The client holds the most long-lived connections allowed, or the server is draining (Retry-After)"),
     ), tag = "realtime")]
 pub fn doc_updates() {}
 
@@ -33,6 +34,7 @@ pub fn doc_updates() {}
     responses(
         (status = 200, description = "text/event-stream"),
         (status = 401, description = "No or bad customerId"),
+        (status = 503, description = "The client holds the most long-lived connections allowed (Retry-After)"),
     ), tag = "realtime")]
 pub fn doc_stream() {}
 
@@ -43,6 +45,7 @@ pub fn doc_stream() {}
         (status = 101, description = "Switching protocols"),
         (status = 400, description = "Not a WebSocket handshake"),
         (status = 401, description = "No or bad customerId"),
+        (status = 403, description = "An Origin not on the allow-list (the server's own, plus --ws-allowed-origins)"),
     ), tag = "realtime")]
 pub fn doc_ws() {}
 

@@ -95,6 +95,9 @@ pub struct SystemConfig {
     pub connection_limits: ConnectionLimits,
     /// SSE streams, WebSockets and waiting long polls per client address.
     pub streams_per_client: usize,
+    /// Origins whose pages may open `/ws`, besides the server's own
+    /// (`http://ADDR`, and `http://localhost:PORT` on loopback).
+    pub ws_origins: Vec<String>,
     /// Deliveries of a failing message before it is dead-lettered.
     pub max_deliveries: u32,
     /// How long shutdown waits for load balancers to notice.
@@ -131,6 +134,7 @@ impl Default for SystemConfig {
             secrets: SecretSealer::plaintext(),
             connection_limits: ConnectionLimits::default(),
             streams_per_client: keel_http::realtime::DEFAULT_MAX_PER_CLIENT,
+            ws_origins: Vec::new(),
             max_deliveries: 5,
             lb_notice: Duration::ZERO,
             drain_timeout: Duration::from_secs(10),
@@ -335,7 +339,14 @@ impl System {
             dependency_urls: dependencies.urls().clone(),
             broker: Arc::clone(&broker),
         };
-        let router = api::public_router(state, drain.signal(), config.streams_per_client)
+        let limits = api::EdgeLimits {
+            streams_per_client: config.streams_per_client,
+            ws_origins: own_origins(addr)
+                .into_iter()
+                .chain(config.ws_origins.iter().cloned())
+                .collect(),
+        };
+        let router = api::public_router(state, drain.signal(), &limits)
             .map_err(config_err)?
             .merge(extra(&components)?);
 
@@ -391,6 +402,16 @@ impl System {
             tasks,
         })
     }
+}
+
+/// The origins of the server's own pages: `http://ADDR`, and on loopback
+/// `http://localhost:PORT` too.
+fn own_origins(addr: SocketAddr) -> Vec<String> {
+    let mut origins = vec![format!("http://{addr}")];
+    if addr.ip().is_loopback() {
+        origins.push(format!("http://localhost:{}", addr.port()));
+    }
+    origins
 }
 
 /// The pieces extra routes (admin, console, jobs, webhooks) are built from.

@@ -16,8 +16,12 @@
 //!   `"truncated": true` when retention removed events the client had not
 //!   seen yet (its cursor fell behind the retained window);
 //! - `204` when nothing arrived within the poll timeout (25 s by default,
-//!   below every proxy's idle timeout), or when the server began draining
-//!   during the wait: the client polls again (reaching another instance);
+//!   below every proxy's idle timeout) or, when the request runs under a
+//!   shorter deadline (a `DeadlineLayer` cap, the caller's
+//!   `X-Request-Deadline-Unix-Ms`), half a second before that deadline, so
+//!   a quiet poll is answered `204`, never `504`; or when the server began
+//!   draining during the wait: the client polls again (reaching another
+//!   instance);
 //! - `400` for a malformed cursor, `401` when unauthenticated, `503` +
 //!   `Retry-After` when the server is draining or the log is busy.
 //!
@@ -29,7 +33,9 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
-use keel_core::clock;
+use std::time::Duration;
+
+use keel_core::{Deadline, clock};
 use keel_messaging::store::{EventLogStore, LoggedEvent};
 use serde::Serialize;
 
@@ -80,7 +86,7 @@ pub(crate) async fn handler<S: EventLogStore>(
 
     // Subscribe FIRST, then read: see the module docs.
     let mut subscription = log.subscribe(&stream);
-    let deadline = clock::now() + options.poll_timeout;
+    let deadline = wait_until(options.poll_timeout);
     let mut drain = realtime.drain_signal();
     let mut announced = after;
     let mut waiting = None;
@@ -103,6 +109,27 @@ pub(crate) async fn handler<S: EventLogStore>(
             () = tokio::time::sleep_until(deadline) => return no_content("timeout"),
             latest = subscription.wait_beyond(announced) => announced = latest,
         }
+    }
+}
+
+/// How long before the request's own deadline a quiet poll answers, so
+/// that its `204` leaves in time.
+pub const DEADLINE_MARGIN: Duration = Duration::from_millis(500);
+
+/// When a quiet poll stops waiting: after `timeout`, or [`DEADLINE_MARGIN`]
+/// before the deadline the request runs under, whichever comes first.
+fn wait_until(timeout: Duration) -> clock::Instant {
+    let now = clock::now();
+    let until = now + timeout;
+    match Deadline::current() {
+        Some(deadline) => until.min(
+            deadline
+                .instant()
+                .checked_sub(DEADLINE_MARGIN)
+                .unwrap_or(now)
+                .max(now),
+        ),
+        None => until,
     }
 }
 

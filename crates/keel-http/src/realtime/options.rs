@@ -250,7 +250,7 @@ impl RealtimeOptions {
     }
 
     /// Checks every value; normalises the origins.
-    pub(crate) fn validate(mut self) -> Result<Self, InvalidRealtimeOptions> {
+    pub fn validate(mut self) -> Result<Self, InvalidRealtimeOptions> {
         for (name, value) in [
             ("poll_timeout", self.poll_timeout),
             ("keepalive", self.keepalive),
