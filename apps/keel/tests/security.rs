@@ -123,6 +123,18 @@ async fn create_endpoint(
         .unwrap()
 }
 
+/// `GET /webhook-endpoints` as the tenant of `key`.
+async fn endpoints_of(http: &reqwest::Client, s: &Server, key: &str) -> Value {
+    http.get(format!("{}/webhook-endpoints", s.url))
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 async fn place_order(http: &reqwest::Client, s: &Server, key: &str, fault: Option<&str>) -> Value {
     let mut request = http
         .post(format!("{}/orders", s.url))
@@ -166,16 +178,11 @@ async fn webhook_management_needs_an_api_key_even_where_the_admin_has_a_token() 
             );
         }
     }
-    let listed: Value = http
-        .get(format!("{}/webhook-endpoints", s.url))
-        .bearer_auth(ACME_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(listed, json!([]), "nothing was registered anonymously");
+    assert_eq!(
+        endpoints_of(&http, &s, ACME_KEY).await,
+        json!([]),
+        "nothing was registered anonymously"
+    );
 }
 
 #[tokio::test]
@@ -196,16 +203,11 @@ async fn a_tenant_sees_and_changes_only_its_own_endpoints_and_deliveries_within_
     let acme_endpoint = created["id"].as_str().unwrap().to_owned();
     assert!(created["secret"].as_str().unwrap().starts_with("whsec_"));
 
-    let globex_list: Value = http
-        .get(format!("{}/webhook-endpoints", s.url))
-        .bearer_auth(GLOBEX_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(globex_list, json!([]), "another tenant's URL is not listed");
+    assert_eq!(
+        endpoints_of(&http, &s, GLOBEX_KEY).await,
+        json!([]),
+        "another tenant's URL is not listed"
+    );
     for (method, path) in [
         (
             Method::GET,

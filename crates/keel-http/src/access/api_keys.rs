@@ -7,12 +7,11 @@ use std::task::{Context, Poll};
 use axum::http::{HeaderMap, HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::future::Either;
-use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::{FailureThrottle, client_ip};
+use super::{FailureThrottle, client_ip, digest};
 use crate::problem::Problem;
 
 /// The shortest API key accepted, in characters.
@@ -83,10 +82,6 @@ impl std::fmt::Debug for ApiKeys {
             .entries(self.keys.iter().map(|(t, _)| t.as_str()))
             .finish()
     }
-}
-
-fn digest(value: &str) -> [u8; 32] {
-    Sha256::digest(value.as_bytes()).into()
 }
 
 impl ApiKeys {

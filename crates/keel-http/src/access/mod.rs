@@ -25,6 +25,13 @@ pub use api_keys::{ApiKeyLayer, ApiKeys, ApiKeysError, RequireApiKey, Tenant};
 pub use hosts::{AllowedHosts, InvalidHost};
 pub use throttle::{DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES, FailureThrottle, Throttled};
 
+/// The SHA-256 digest of a credential: what is kept and compared, in
+/// constant time, instead of the credential.
+pub(crate) fn digest(value: &str) -> [u8; 32] {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(value.as_bytes()).into()
+}
+
 /// The address of the peer the request came from, when the server recorded
 /// it (`ConnectInfo<SocketAddr>`, which Keel's server and
 /// `into_make_service_with_connect_info` insert).

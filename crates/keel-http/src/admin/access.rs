@@ -119,21 +119,29 @@ impl AdminAccess {
         cookie(headers, SESSION_COOKIE).and_then(|v| self.inner.sessions.verify(v))
     }
 
-    /// The `Set-Cookie` value for a new session: `HttpOnly`,
-    /// `SameSite=Strict`, and `Secure` when the request came over HTTPS
-    /// (as a proxy's `X-Forwarded-Proto` or `Forwarded` says).
-    pub fn session_cookie(&self, value: &str, request: &HeaderMap) -> String {
-        let secure = if over_https(request) { "; Secure" } else { "" };
-        format!(
-            "{SESSION_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}{secure}",
-            self.inner.sessions.ttl().as_secs()
-        )
+    /// Starts a session for the client of `request`: the response headers
+    /// `answer` set its cookie (`HttpOnly`, `SameSite=Strict`, and `Secure` when the request
+    /// came over HTTPS, as a proxy's `X-Forwarded-Proto` or `Forwarded`
+    /// says).
+    pub fn start_session(&self, request: &HeaderMap, answer: &mut HeaderMap) -> AdminSession {
+        let (session, value) = self.inner.sessions.issue();
+        let max_age = self.inner.sessions.ttl().as_secs();
+        set_cookie(answer, request, &value, max_age);
+        session
     }
 
-    /// The `Set-Cookie` value that removes the session cookie.
-    pub fn expired_cookie(&self, request: &HeaderMap) -> String {
-        let secure = if over_https(request) { "; Secure" } else { "" };
-        format!("{SESSION_COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0{secure}")
+    /// Ends `session` (if the request had one); the response headers
+    /// `answer` remove the cookie.
+    pub fn end_session(
+        &self,
+        session: Option<&AdminSession>,
+        request: &HeaderMap,
+        answer: &mut HeaderMap,
+    ) {
+        if let Some(session) = session {
+            self.inner.sessions.revoke(session);
+        }
+        set_cookie(answer, request, "", 0);
     }
 
     /// The layer of the JSON API: `401` problems.
@@ -240,6 +248,17 @@ impl AdminAccess {
         };
         request.extensions_mut().insert(session);
         Ok(request)
+    }
+}
+
+/// Sets the session cookie to `value` for `max_age` seconds.
+fn set_cookie(answer: &mut HeaderMap, request: &HeaderMap, value: &str, max_age: u64) {
+    let secure = if over_https(request) { "; Secure" } else { "" };
+    let cookie = format!(
+        "{SESSION_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"
+    );
+    if let Ok(cookie) = HeaderValue::from_str(&cookie) {
+        answer.insert(header::SET_COOKIE, cookie);
     }
 }
 

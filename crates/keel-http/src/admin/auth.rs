@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use axum::http::{HeaderMap, header};
 use keel_core::{Classify, ErrorClass};
-use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+
+use crate::access::digest;
 
 /// The shortest token accepted, in characters.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -120,10 +121,6 @@ impl AdminToken {
     pub(crate) fn secret(&self) -> Option<&str> {
         self.secret.as_deref()
     }
-}
-
-fn digest(value: &str) -> [u8; 32] {
-    Sha256::digest(value.as_bytes()).into()
 }
 
 /// The value of cookie `name` in the request's `Cookie` headers.

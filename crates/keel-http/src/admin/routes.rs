@@ -5,7 +5,7 @@ use axum::Json;
 use axum::Router;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Extension, Path, Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use keel_messaging::MessagingStore;
@@ -96,17 +96,10 @@ async fn login<S: MessagingStore + WebhookStore>(
             return AdminError::Unauthorized.into_response();
         }
     }
-    let (session, value) = access.sessions().issue();
-    let cookie = access.session_cookie(&value, &headers);
-    let mut response = (
-        StatusCode::CREATED,
-        Json(serde_json::json!({"csrf": session.csrf, "expiresAt": session.expires_at})),
-    )
-        .into_response();
-    if let Ok(value) = HeaderValue::from_str(&cookie) {
-        response.headers_mut().insert(header::SET_COOKIE, value);
-    }
-    response
+    let mut cookie = HeaderMap::new();
+    let session = access.start_session(&headers, &mut cookie);
+    let body = Json(serde_json::json!({"csrf": session.csrf, "expiresAt": session.expires_at}));
+    (StatusCode::CREATED, cookie, body).into_response()
 }
 
 /// `POST /admin/api/logout`: ends the request's session.
@@ -115,14 +108,11 @@ async fn logout<S: MessagingStore + WebhookStore>(
     session: Option<Extension<AdminSession>>,
     headers: HeaderMap,
 ) -> Response {
-    let access = admin.access();
-    if let Some(Extension(session)) = session {
-        access.sessions().revoke(&session);
-    }
     let mut response = StatusCode::NO_CONTENT.into_response();
-    if let Ok(value) = HeaderValue::from_str(&access.expired_cookie(&headers)) {
-        response.headers_mut().insert(header::SET_COOKIE, value);
-    }
+    let session = session.map(|Extension(s)| s);
+    admin
+        .access()
+        .end_session(session.as_ref(), &headers, response.headers_mut());
     response
 }
 

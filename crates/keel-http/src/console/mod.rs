@@ -47,7 +47,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::rejection::FormRejection;
 use axum::extract::{Extension, Form, Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -481,12 +481,11 @@ fn start_session<S: MessagingStore + WebhookStore>(
     console: &Console<S>,
     headers: &HeaderMap,
 ) -> Response {
-    let access = console.admin.access();
-    let (_, value) = access.sessions().issue();
     let mut response = Redirect::to("/console").into_response();
-    if let Ok(value) = HeaderValue::from_str(&access.session_cookie(&value, headers)) {
-        response.headers_mut().insert(header::SET_COOKIE, value);
-    }
+    console
+        .admin
+        .access()
+        .start_session(headers, response.headers_mut());
     response
 }
 
@@ -527,14 +526,12 @@ async fn logout<S: MessagingStore + WebhookStore>(
     session: Option<Extension<AdminSession>>,
     headers: HeaderMap,
 ) -> Response {
-    let access = console.admin.access();
-    if let Some(Extension(session)) = session {
-        access.sessions().revoke(&session);
-    }
     let mut response = Redirect::to("/console/login").into_response();
-    if let Ok(value) = HeaderValue::from_str(&access.expired_cookie(&headers)) {
-        response.headers_mut().insert(header::SET_COOKIE, value);
-    }
+    let session = session.map(|Extension(s)| s);
+    console
+        .admin
+        .access()
+        .end_session(session.as_ref(), &headers, response.headers_mut());
     response
 }
 

@@ -291,13 +291,13 @@ impl<S: EventLogStore> Realtime<S> {
 
     /// A slot for the request's client, or `None` past the caps.
     pub(crate) fn claim_slot(&self, parts: &Parts) -> Option<slots::ClientSlot> {
-        let slot = self
-            .shared
-            .slots
-            .claim(crate::access::client_ip(&parts.extensions));
+        let client = crate::access::client_ip(&parts.extensions);
+        let slot = self.shared.slots.claim(client);
         if slot.is_none() {
-            tracing::warn!(client = ?crate::access::client_ip(&parts.extensions),
-                "long-lived connection refused: the client holds the most allowed");
+            tracing::warn!(
+                ?client,
+                "long-lived connection refused: the client holds the most allowed"
+            );
         }
         slot
     }
