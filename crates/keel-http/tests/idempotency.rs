@@ -18,7 +18,9 @@ use keel_http::idempotency::{
 };
 use keel_http::problem::PROBLEM_JSON;
 use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyStore, Store, StoredResponse};
+use keel_messaging::store::{
+    IdempotencyBegin, IdempotencyClaim, IdempotencyStore, Store, StoredResponse,
+};
 use keel_sqlite::SqliteStore;
 use tempfile::TempDir;
 use tokio::sync::Notify;
@@ -621,38 +623,127 @@ async fn unknown_routes_and_methods_keep_their_statuses() {
     assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
 }
 
+/// A handler that waits for `proceed`, counting runs and how many run at
+/// once (a run that is dropped stops counting).
+#[derive(Clone, Default)]
+struct Runs {
+    started: Arc<AtomicUsize>,
+    running: Arc<AtomicUsize>,
+    most_at_once: Arc<AtomicUsize>,
+    entered: Arc<Notify>,
+    proceed: Arc<Notify>,
+}
+
+struct Running(Arc<AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Runs {
+    fn app(&self) -> Router {
+        let runs = self.clone();
+        Router::new().route(
+            "/orders",
+            post(move || {
+                let runs = runs.clone();
+                async move {
+                    runs.started.fetch_add(1, Ordering::SeqCst);
+                    let now = runs.running.fetch_add(1, Ordering::SeqCst) + 1;
+                    let _running = Running(runs.running.clone());
+                    runs.most_at_once.fetch_max(now, Ordering::SeqCst);
+                    runs.entered.notify_one();
+                    runs.proceed.notified().await;
+                    (StatusCode::CREATED, "done")
+                }
+            }),
+        )
+    }
+}
+
 #[tokio::test]
-async fn a_key_abandoned_in_flight_is_taken_over_after_its_lock() {
-    let fx = fixture().await;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (entered, proceed) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let options = IdempotencyOptions::new().lock(Duration::from_millis(100));
-    let app = gated_app(runs.clone(), entered.clone(), proceed.clone())
-        .layer(IdempotencyLayer::with_options(fx.store.clone(), options).expect("options"));
-
-    // A request that never finishes stands in for a process that died.
-    let stuck = tokio::spawn({
+async fn a_slow_request_keeps_its_key_past_the_lock() {
+    let (store, _dir) = restarting_store(0).await;
+    let runs = Runs::default();
+    let options = IdempotencyOptions::new().lock(Duration::from_millis(150));
+    let app = runs
+        .app()
+        .layer(IdempotencyLayer::with_options(store.clone(), options).expect("options"));
+    let slow = tokio::spawn({
         let app = app.clone();
-        async move { send(&app, post_req(Some("orphan"), "{}")).await }
+        async move { send(&app, post_req(Some("slow"), "{}")).await }
     });
-    entered.notified().await;
-    let (s, _, _) = send(&app, post_req(Some("orphan"), "{}")).await;
-    assert_eq!(s, StatusCode::CONFLICT, "locked: in flight");
+    runs.entered.notified().await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let (s, _, _) = send(&app, post_req(Some("slow"), "{}")).await;
+    assert_eq!(s, StatusCode::CONFLICT, "four locks later, still its key");
+    assert!(store.renewals.load(Ordering::SeqCst) >= 3, "it renewed");
+    runs.proceed.notify_one();
+    assert_eq!(slow.await.expect("task").0, StatusCode::CREATED);
+    let (_, h, _) = send(&app, post_req(Some("slow"), "{}")).await;
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(runs.started.load(Ordering::SeqCst), 1);
+}
 
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let retry = tokio::spawn({
-        let app = app.clone();
-        async move { send(&app, post_req(Some("orphan"), "{}")).await }
+/// A process cut off from the store (every renewal fails, its settles
+/// hang) stops its handler before its lock passes; another process then
+/// takes the key over within about one lock, and the two runs never
+/// overlap.
+#[tokio::test]
+async fn a_key_whose_holder_is_cut_off_is_taken_over_and_runs_never_overlap() {
+    let (mut cut_off, _dir) = restarting_store(0).await;
+    cut_off.renewals_fail = true;
+    cut_off.settles_hang = true;
+    let runs = Runs::default();
+    let lock = Duration::from_millis(300);
+    let options = || IdempotencyOptions::new().lock(lock);
+    let first = runs
+        .app()
+        .layer(IdempotencyLayer::with_options(cut_off.clone(), options()).expect("options"));
+    let second = runs
+        .app()
+        .layer(IdempotencyLayer::with_options(cut_off.inner.clone(), options()).expect("options"));
+
+    let began = tokio::time::Instant::now();
+    let stopped = tokio::spawn({
+        let first = first.clone();
+        async move { send(&first, post_req(Some("cut"), "{}")).await }
     });
-    entered.notified().await;
+    runs.entered.notified().await;
+    let (s, _, _) = send(&second, post_req(Some("cut"), "{}")).await;
+    assert_eq!(s, StatusCode::CONFLICT, "the lock holds at first");
+
+    let (status, headers, body) = stopped.await.expect("task");
+    assert_problem(status, &headers, &body, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(began.elapsed() < lock, "stopped before its lock passed");
     assert_eq!(
-        runs.load(Ordering::SeqCst),
-        2,
-        "after the lock the retry took over"
+        runs.running.load(Ordering::SeqCst),
+        0,
+        "its handler was dropped"
     );
-    proceed.notify_waiters();
+
+    let retry = tokio::spawn({
+        let second = second.clone();
+        async move { answer_after_in_flight(&second, "cut", Duration::from_secs(5)).await }
+    });
+    runs.entered.notified().await;
+    let taken_over = began.elapsed();
+    runs.proceed.notify_one();
     assert_eq!(retry.await.expect("task").0, StatusCode::CREATED);
-    stuck.abort();
+    // (The lock is kept in wall-clock milliseconds: allow for rounding.)
+    assert!(
+        taken_over >= lock.mul_f64(0.95),
+        "not before the lock: {taken_over:?}"
+    );
+    assert!(taken_over < lock * 3, "within about a lock: {taken_over:?}");
+    assert_eq!(runs.started.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        runs.most_at_once.load(Ordering::SeqCst),
+        1,
+        "never two at once"
+    );
 }
 
 /// The SQLite store, with its next `failures` settles (complete or release)
@@ -664,10 +755,19 @@ struct RestartingStore {
     settles: Arc<AtomicUsize>,
     /// How long storing a response takes (a slow database).
     complete_delay: Duration,
+    /// Lock renewals asked for.
+    renewals: Arc<AtomicUsize>,
+    /// Whether every renewal fails (the store unreachable from here).
+    renewals_fail: bool,
+    /// Whether every settle hangs (a write into a black hole).
+    settles_hang: bool,
 }
 
 impl RestartingStore {
-    fn settle(&self) -> Result<(), StoreError> {
+    async fn settle(&self) -> Result<(), StoreError> {
+        if self.settles_hang {
+            std::future::pending::<()>().await;
+        }
         self.settles.fetch_add(1, Ordering::SeqCst);
         let failing = self
             .failures
@@ -701,42 +801,46 @@ impl Store for RestartingStore {
 impl IdempotencyStore for RestartingStore {
     async fn idempotency_begin(
         &self,
-        principal: &str,
-        key: &str,
-        fingerprint: &str,
-        expires_at: DateTime<Utc>,
+        claim: &IdempotencyClaim<'_>,
     ) -> Result<IdempotencyBegin, StoreError> {
-        self.inner
-            .idempotency_begin(principal, key, fingerprint, expires_at)
-            .await
+        self.inner.idempotency_begin(claim).await
     }
-    async fn idempotency_begin_locked(
+    async fn idempotency_renew(
         &self,
         principal: &str,
         key: &str,
-        fingerprint: &str,
+        owner: &str,
         locked_until: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
-    ) -> Result<IdempotencyBegin, StoreError> {
+    ) -> Result<bool, StoreError> {
+        self.renewals.fetch_add(1, Ordering::SeqCst);
+        if self.renewals_fail {
+            return Err(StoreError::Unavailable("the store is unreachable".into()));
+        }
         self.inner
-            .idempotency_begin_locked(principal, key, fingerprint, locked_until, expires_at)
+            .idempotency_renew(principal, key, owner, locked_until)
             .await
     }
     async fn idempotency_complete(
         &self,
         principal: &str,
         key: &str,
+        owner: &str,
         response: &StoredResponse,
     ) -> Result<(), StoreError> {
         tokio::time::sleep(self.complete_delay).await;
-        self.settle()?;
+        self.settle().await?;
         self.inner
-            .idempotency_complete(principal, key, response)
+            .idempotency_complete(principal, key, owner, response)
             .await
     }
-    async fn idempotency_release(&self, principal: &str, key: &str) -> Result<(), StoreError> {
-        self.settle()?;
-        self.inner.idempotency_release(principal, key).await
+    async fn idempotency_release(
+        &self,
+        principal: &str,
+        key: &str,
+        owner: &str,
+    ) -> Result<(), StoreError> {
+        self.settle().await?;
+        self.inner.idempotency_release(principal, key, owner).await
     }
     async fn idempotency_prune(&self, now: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
         self.inner.idempotency_prune(now, batch).await
@@ -750,6 +854,9 @@ async fn restarting_store(failures: usize) -> (RestartingStore, TempDir) {
         failures: Arc::new(AtomicUsize::new(failures)),
         settles: Arc::new(AtomicUsize::new(0)),
         complete_delay: Duration::ZERO,
+        renewals: Arc::new(AtomicUsize::new(0)),
+        renewals_fail: false,
+        settles_hang: false,
     };
     (store, dir)
 }
@@ -845,26 +952,28 @@ async fn a_release_the_store_could_not_take_is_retried_so_the_retry_runs() {
 }
 
 #[tokio::test]
-async fn settling_stops_before_the_lock_passes() {
+async fn settling_stops_after_five_minutes() {
     let (store, _dir) = restarting_store(usize::MAX).await;
-    let options = IdempotencyOptions::new().lock(Duration::from_secs(20));
-    let app = counting_app(Arc::new(AtomicUsize::new(0)))
-        .layer(IdempotencyLayer::with_options(store.clone(), options).expect("options"));
+    let app =
+        counting_app(Arc::new(AtomicUsize::new(0))).layer(IdempotencyLayer::new(store.clone()));
     let (status, _, _) = send(&app, post_req(Some("down-for-good"), "{}")).await;
     assert_eq!(status, StatusCode::CREATED);
     // From here only failing settles run, none touching SQLite (whose pool
     // would time out under paused time).
     tokio::time::pause();
 
-    // With the store down for good, the tries stop a margin before the
-    // 20 s lock passes: a later write could clobber the key's next owner.
-    tokio::time::sleep(Duration::from_secs(19)).await;
+    // With the store down for good the tries go on for five minutes (a
+    // late write is safe: the store takes it only from the key's owner),
+    // then stop, so no task per request outlives the outage forever.
+    tokio::time::sleep(Duration::from_secs(4 * 60)).await;
     let tries = store.settles.load(Ordering::SeqCst);
-    assert!(tries > 3, "it kept trying: {tries}");
+    assert!(tries > 40, "it kept trying: {tries}");
     tokio::time::sleep(Duration::from_secs(60)).await;
+    let last = store.settles.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(10 * 60)).await;
     assert_eq!(
         store.settles.load(Ordering::SeqCst),
-        tries,
-        "no try after the margin"
+        last,
+        "no try after five minutes"
     );
 }

@@ -12,15 +12,19 @@
 //! cannot both win. If the row vanished meanwhile (released or pruned), the
 //! decision starts over.
 //!
-//! An in-flight row carries a lock (`locked_until`): a process that dies
-//! while processing neither completes nor releases its key, and after the
-//! lock a retry with the same fingerprint takes over.
+//! An in-flight row carries its owner and a lock (`locked_until`) that the
+//! owner renews while it works: a process that dies stops renewing, and
+//! after the lock a retry with the same fingerprint takes over. Renewing,
+//! completing and releasing match the owner, so a holder that lost its key
+//! to a takeover changes nothing.
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyStore, Store, StoredResponse};
+use keel_messaging::store::{
+    IdempotencyBegin, IdempotencyClaim, IdempotencyStore, Store, StoredResponse,
+};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
@@ -39,24 +43,29 @@ SELECT fingerprint, state, locked_until, status, headers::text AS headers, body,
 
 const INSERT_NEW_SQL: &str = "\
 INSERT INTO keel_idempotency
-       (principal, idem_key, fingerprint, state, locked_until, created_at, expires_at)
-VALUES ($1, $2, $3, 'in_flight', $4, $5, $6)
+       (principal, idem_key, fingerprint, state, locked_until, created_at, expires_at, owner)
+VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7)
 ON CONFLICT (principal, idem_key) DO NOTHING";
 
 const TAKEOVER_SQL: &str = "\
 UPDATE keel_idempotency
    SET fingerprint = $3, state = 'in_flight', locked_until = $4, status = NULL,
-       headers = NULL, body = NULL, created_at = $5, expires_at = $6
+       headers = NULL, body = NULL, created_at = $5, expires_at = $6, owner = $7
  WHERE principal = $1 AND idem_key = $2";
+
+const RENEW_SQL: &str = "\
+UPDATE keel_idempotency SET locked_until = LEAST($4, expires_at)
+ WHERE principal = $1 AND idem_key = $2 AND state = 'in_flight' AND owner = $3";
 
 const COMPLETE_SQL: &str = "\
 UPDATE keel_idempotency
-   SET state = 'completed', locked_until = NULL, status = $3, headers = $4::jsonb, body = $5
- WHERE principal = $1 AND idem_key = $2 AND state = 'in_flight'";
+   SET state = 'completed', locked_until = NULL, owner = NULL,
+       status = $4, headers = $5::jsonb, body = $6
+ WHERE principal = $1 AND idem_key = $2 AND state = 'in_flight' AND owner = $3";
 
 const RELEASE_SQL: &str = "\
 DELETE FROM keel_idempotency
- WHERE principal = $1 AND idem_key = $2 AND state = 'in_flight'";
+ WHERE principal = $1 AND idem_key = $2 AND state = 'in_flight' AND owner = $3";
 
 const PRUNE_SQL: &str = "\
 DELETE FROM keel_idempotency WHERE (principal, idem_key) IN (
@@ -73,24 +82,16 @@ enum Decision {
 impl IdempotencyStore for PgStore {
     async fn idempotency_begin(
         &self,
-        principal: &str,
-        key: &str,
-        fingerprint: &str,
-        expires_at: DateTime<Utc>,
+        claim: &IdempotencyClaim<'_>,
     ) -> Result<IdempotencyBegin, StoreError> {
-        // Locked for the key's whole life: the trait's original contract.
-        self.idempotency_begin_locked(principal, key, fingerprint, expires_at, expires_at)
-            .await
-    }
-
-    async fn idempotency_begin_locked(
-        &self,
-        principal: &str,
-        key: &str,
-        fingerprint: &str,
-        locked_until: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
-    ) -> Result<IdempotencyBegin, StoreError> {
+        let IdempotencyClaim {
+            principal,
+            key,
+            fingerprint,
+            owner,
+            locked_until,
+            expires_at,
+        } = *claim;
         let locked_until = locked_until.min(expires_at);
         for _ in 0..MAX_ROUNDS {
             let now = now();
@@ -102,6 +103,7 @@ impl IdempotencyStore for PgStore {
                     .bind(locked_until)
                     .bind(now)
                     .bind(expires_at)
+                    .bind(owner)
                     .execute(&self.pool)
                     .await
                     .map_err(db_error)
@@ -135,6 +137,7 @@ impl IdempotencyStore for PgStore {
                             .bind(locked_until)
                             .bind(now)
                             .bind(expires_at)
+                            .bind(owner)
                             .execute(&mut *tx)
                             .await
                             .map_err(db_error)?;
@@ -153,10 +156,32 @@ impl IdempotencyStore for PgStore {
         ))
     }
 
+    async fn idempotency_renew(
+        &self,
+        principal: &str,
+        key: &str,
+        owner: &str,
+        locked_until: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let done = retry("idempotency_renew", || async {
+            sqlx::query(RENEW_SQL)
+                .bind(principal)
+                .bind(key)
+                .bind(owner)
+                .bind(locked_until)
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)
+        })
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     async fn idempotency_complete(
         &self,
         principal: &str,
         key: &str,
+        owner: &str,
         response: &StoredResponse,
     ) -> Result<(), StoreError> {
         let headers = to_json(&response.headers)?;
@@ -164,6 +189,7 @@ impl IdempotencyStore for PgStore {
             sqlx::query(COMPLETE_SQL)
                 .bind(principal)
                 .bind(key)
+                .bind(owner)
                 .bind(i32::from(response.status))
                 .bind(headers.as_str())
                 .bind(response.body.as_ref())
@@ -174,17 +200,23 @@ impl IdempotencyStore for PgStore {
         .await?;
         if done.rows_affected() == 0 {
             return Err(StoreError::NotFound(format!(
-                "idempotency key {key:?} is not in flight"
+                "idempotency key {key:?} is not in flight under this owner"
             )));
         }
         Ok(())
     }
 
-    async fn idempotency_release(&self, principal: &str, key: &str) -> Result<(), StoreError> {
+    async fn idempotency_release(
+        &self,
+        principal: &str,
+        key: &str,
+        owner: &str,
+    ) -> Result<(), StoreError> {
         retry("idempotency_release", || async {
             sqlx::query(RELEASE_SQL)
                 .bind(principal)
                 .bind(key)
+                .bind(owner)
                 .execute(&self.pool)
                 .await
                 .map_err(db_error)

@@ -14,16 +14,19 @@
 //! (a completed key does not change until it expires). Only keys in flight,
 //! expired or abandoned take the transaction.
 //!
-//! An in-flight row carries a lock (`locked_until`): a process that dies
-//! while processing neither completes nor releases its key, and without the
-//! lock its client would be told "in flight" until the key expired (24 h by
-//! default). After the lock a retry with the same fingerprint takes over.
+//! An in-flight row carries its owner and a lock (`locked_until`) that the
+//! owner renews while it works: a process that dies stops renewing, and
+//! after the lock a retry with the same fingerprint takes over. Renewing,
+//! completing and releasing match the owner, so a holder that lost its key
+//! to a takeover changes nothing.
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyStore, Store, StoredResponse};
+use keel_messaging::store::{
+    IdempotencyBegin, IdempotencyClaim, IdempotencyStore, Store, StoredResponse,
+};
 use sqlx::Row;
 
 use crate::SqliteStore;
@@ -36,29 +39,35 @@ SELECT fingerprint, state, locked_until, status, headers, body, expires_at
 /// Records a new key in flight; no-op if the key exists in any state.
 const INSERT_NEW_SQL: &str = "\
 INSERT INTO keel_idempotency
-       (principal, idem_key, fingerprint, state, locked_until, created_at, expires_at)
-VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5, ?6)
+       (principal, idem_key, fingerprint, state, locked_until, created_at, expires_at, owner)
+VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5, ?6, ?7)
 ON CONFLICT (principal, idem_key) DO NOTHING";
 
 /// Records the key in flight, replacing an expired or abandoned row.
 const START_SQL: &str = "\
 INSERT INTO keel_idempotency
        (principal, idem_key, fingerprint, state, locked_until, status, headers, body,
-        created_at, expires_at)
-VALUES (?1, ?2, ?3, 'in_flight', ?4, NULL, NULL, NULL, ?5, ?6)
+        created_at, expires_at, owner)
+VALUES (?1, ?2, ?3, 'in_flight', ?4, NULL, NULL, NULL, ?5, ?6, ?7)
 ON CONFLICT (principal, idem_key) DO UPDATE SET
        fingerprint = excluded.fingerprint, state = 'in_flight',
        locked_until = excluded.locked_until, status = NULL, headers = NULL, body = NULL,
-       created_at = excluded.created_at, expires_at = excluded.expires_at";
+       created_at = excluded.created_at, expires_at = excluded.expires_at,
+       owner = excluded.owner";
+
+const RENEW_SQL: &str = "\
+UPDATE keel_idempotency SET locked_until = MIN(?4, expires_at)
+ WHERE principal = ?1 AND idem_key = ?2 AND state = 'in_flight' AND owner = ?3";
 
 const COMPLETE_SQL: &str = "\
 UPDATE keel_idempotency
-   SET state = 'completed', locked_until = NULL, status = ?3, headers = ?4, body = ?5
- WHERE principal = ?1 AND idem_key = ?2 AND state = 'in_flight'";
+   SET state = 'completed', locked_until = NULL, owner = NULL,
+       status = ?4, headers = ?5, body = ?6
+ WHERE principal = ?1 AND idem_key = ?2 AND state = 'in_flight' AND owner = ?3";
 
 const RELEASE_SQL: &str = "\
 DELETE FROM keel_idempotency
- WHERE principal = ?1 AND idem_key = ?2 AND state = 'in_flight'";
+ WHERE principal = ?1 AND idem_key = ?2 AND state = 'in_flight' AND owner = ?3";
 
 const PRUNE_SQL: &str = "\
 DELETE FROM keel_idempotency WHERE rowid IN (
@@ -68,24 +77,16 @@ DELETE FROM keel_idempotency WHERE rowid IN (
 impl IdempotencyStore for SqliteStore {
     async fn idempotency_begin(
         &self,
-        principal: &str,
-        key: &str,
-        fingerprint: &str,
-        expires_at: DateTime<Utc>,
+        claim: &IdempotencyClaim<'_>,
     ) -> Result<IdempotencyBegin, StoreError> {
-        // Locked for the key's whole life: the trait's original contract.
-        self.idempotency_begin_locked(principal, key, fingerprint, expires_at, expires_at)
-            .await
-    }
-
-    async fn idempotency_begin_locked(
-        &self,
-        principal: &str,
-        key: &str,
-        fingerprint: &str,
-        locked_until: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
-    ) -> Result<IdempotencyBegin, StoreError> {
+        let IdempotencyClaim {
+            principal,
+            key,
+            fingerprint,
+            owner,
+            locked_until,
+            expires_at,
+        } = *claim;
         let now = Utc::now().timestamp_millis();
         let locked_until = locked_until.min(expires_at).timestamp_millis();
         let expires_at = expires_at.timestamp_millis();
@@ -97,6 +98,7 @@ impl IdempotencyStore for SqliteStore {
             .bind(locked_until)
             .bind(now)
             .bind(expires_at)
+            .bind(owner)
             .execute(self.pool())
             .await
             .map_err(db_error)?;
@@ -173,6 +175,7 @@ impl IdempotencyStore for SqliteStore {
             .bind(locked_until)
             .bind(now)
             .bind(expires_at)
+            .bind(owner)
             .execute(&mut *tx)
             .await
             .map_err(db_error)?;
@@ -180,16 +183,36 @@ impl IdempotencyStore for SqliteStore {
         Ok(IdempotencyBegin::Started)
     }
 
+    async fn idempotency_renew(
+        &self,
+        principal: &str,
+        key: &str,
+        owner: &str,
+        locked_until: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(RENEW_SQL)
+            .bind(principal)
+            .bind(key)
+            .bind(owner)
+            .bind(locked_until.timestamp_millis())
+            .execute(self.pool())
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
     async fn idempotency_complete(
         &self,
         principal: &str,
         key: &str,
+        owner: &str,
         response: &StoredResponse,
     ) -> Result<(), StoreError> {
         let headers = serde_json::to_string(&response.headers).map_err(StoreError::other)?;
         let done = sqlx::query(COMPLETE_SQL)
             .bind(principal)
             .bind(key)
+            .bind(owner)
             .bind(i64::from(response.status))
             .bind(headers)
             .bind(response.body.as_ref())
@@ -198,16 +221,22 @@ impl IdempotencyStore for SqliteStore {
             .map_err(db_error)?;
         if done.rows_affected() == 0 {
             return Err(StoreError::NotFound(format!(
-                "idempotency key {key:?} is not in flight"
+                "idempotency key {key:?} is not in flight under this owner"
             )));
         }
         Ok(())
     }
 
-    async fn idempotency_release(&self, principal: &str, key: &str) -> Result<(), StoreError> {
+    async fn idempotency_release(
+        &self,
+        principal: &str,
+        key: &str,
+        owner: &str,
+    ) -> Result<(), StoreError> {
         sqlx::query(RELEASE_SQL)
             .bind(principal)
             .bind(key)
+            .bind(owner)
             .execute(self.pool())
             .await
             .map_err(db_error)?;

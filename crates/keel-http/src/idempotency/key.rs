@@ -132,6 +132,17 @@ pub enum IdempotencyRejection {
          headers or body differ); use a new key for a new operation"
     )]
     KeyReused,
+    /// `503` + `Retry-After`: the handler was stopped because the key's
+    /// lock could not be renewed (the store did not answer, or another
+    /// request took the key over). Retrying with the same key is safe.
+    #[error(
+        "this request was stopped: its Idempotency-Key's lock could not be kept (the key store \
+         did not answer in time); retry with the same key"
+    )]
+    LockLost {
+        /// Sent as `Retry-After`.
+        retry_after: Duration,
+    },
     /// `503` + `Retry-After`: the key store is unavailable; nothing ran.
     #[error("the idempotency store is unavailable; nothing was processed, retry later")]
     StoreUnavailable {
@@ -152,7 +163,9 @@ impl IdempotencyRejection {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable { .. } | Self::LockLost { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -168,6 +181,7 @@ impl IdempotencyRejection {
             Self::InFlight { .. } => "in-flight",
             Self::KeyReused => "key-reused",
             Self::StoreUnavailable { .. } => "store-unavailable",
+            Self::LockLost { .. } => "lock-lost",
         }
     }
 
@@ -175,7 +189,10 @@ impl IdempotencyRejection {
     pub fn to_problem(&self) -> Problem {
         let mut problem = Problem::new(self.status(), self.to_string())
             .with_type(format!("urn:keel:problem:idempotency:{}", self.kind()));
-        if let Self::InFlight { retry_after } | Self::StoreUnavailable { retry_after } = self {
+        if let Self::InFlight { retry_after }
+        | Self::StoreUnavailable { retry_after }
+        | Self::LockLost { retry_after } = self
+        {
             problem = problem.with_retry_after(*retry_after);
         }
         problem

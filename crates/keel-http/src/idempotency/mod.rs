@@ -31,7 +31,7 @@
 //! # Why record the key *before* running the handler
 //!
 //! A check-then-run layer lets two concurrent duplicates both see "new"
-//! and both run. Here [`IdempotencyStore::idempotency_begin_locked`]
+//! and both run. Here [`IdempotencyStore::idempotency_begin`]
 //! records the key as in flight atomically with the check, before the
 //! handler runs: of any number of concurrent duplicates exactly one runs,
 //! the others get `409` (or, once it finished, the replay).
@@ -43,12 +43,25 @@
 //! ([`IdempotencyOptions::release_when`]). Handlers must therefore not answer
 //! `5xx` after their side effect committed. The key is also released when
 //! the request's future is dropped (the client disconnected, the server
-//! timed out) or the handler panics. If the process dies mid-request, the
-//! key's lock (default 5 minutes, [`IdempotencyOptions::lock`]) lets a retry
-//! take it over afterwards. If the store fails while the response is stored
-//! or the key released (a database restart), the layer keeps trying in the
-//! background while the lock is still its own, so retries get the replay
-//! once the store is back instead of `409` until the lock passes.
+//! timed out) or the handler panics.
+//!
+//! # When the process dies
+//!
+//! An in-flight key belongs to one attempt (an owner token) and is locked
+//! for a short time (10 s, [`IdempotencyOptions::lock`]) that the layer
+//! renews every third of it while the handler runs. A process that dies
+//! stops renewing, so within one lock a retry takes the key over and runs,
+//! instead of getting `409` for minutes. The store lets only the key's
+//! owner renew, complete or release it: an attempt that lost its key
+//! changes nothing. An attempt that cannot renew (the store does not
+//! answer) stops its handler a fifth of the lock before the lock passes
+//! and answers `503`, so two runs of one key never overlap (work a handler
+//! hands to a task of its own is beyond the layer's reach: make it safe to
+//! repeat, as the reference shop does by deriving its event id from the
+//! key). If the store
+//! fails while the response is stored or the key released (a database
+//! restart), the layer keeps trying in the background, so retries get the
+//! replay once the store is back.
 //!
 //! Keys live 24 hours by default ([`IdempotencyOptions::ttl`]);
 //! [`spawn_pruner`] or [`prune_expired`] delete them afterwards.
@@ -84,11 +97,12 @@
 //! # Ok(()) }
 //! ```
 //!
-//! [`IdempotencyStore::idempotency_begin_locked`]: keel_messaging::store::IdempotencyStore::idempotency_begin_locked
+//! [`IdempotencyStore::idempotency_begin`]: keel_messaging::store::IdempotencyStore::idempotency_begin
 
 mod fingerprint;
 mod key;
 mod layer;
+mod lease;
 mod options;
 mod prune;
 mod service;

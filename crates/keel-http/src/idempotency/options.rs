@@ -12,9 +12,9 @@ use super::fingerprint::short_digest;
 /// How long a key and its stored response live: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// How long an in-flight key stays locked to the request processing it:
-/// 5 minutes. See [`IdempotencyOptions::lock`].
-pub const DEFAULT_LOCK: Duration = Duration::from_secs(5 * 60);
+/// How long an in-flight key stays locked to the request processing it
+/// without a renewal: 10 seconds. See [`IdempotencyOptions::lock`].
+pub const DEFAULT_LOCK: Duration = Duration::from_secs(10);
 
 /// The largest request body the layer buffers (it must read the body to
 /// fingerprint it): 1 MiB. Larger bodies are refused with `413`.
@@ -96,7 +96,7 @@ impl Default for IdempotencyOptions {
 }
 
 impl IdempotencyOptions {
-    /// The defaults: `POST` and `PATCH`, key required, TTL 24 h, lock 5 min,
+    /// The defaults: `POST` and `PATCH`, key required, TTL 24 h, lock 10 s,
     /// 1 MiB request and stored response bodies, `Retry-After: 1` on `409`,
     /// `content-type` in the fingerprint, [`default_principal`],
     /// [`default_release`].
@@ -139,11 +139,13 @@ impl IdempotencyOptions {
     }
 
     /// How long an in-flight key stays locked to the request processing it
-    /// (default 5 min). If the process dies mid-request the key is neither
-    /// completed nor released; after the lock a retry with the same request
-    /// takes it over instead of getting `409` until the TTL ends. Set it
-    /// above your longest request (the server's request timeout): a handler
-    /// still running after its lock may run a second time.
+    /// without a renewal (default 10 s). The layer renews the lock every
+    /// third of it while the handler runs, so a slow request keeps its key;
+    /// if the process dies the key is neither completed nor released, and
+    /// within one lock a retry with the same request takes it over instead
+    /// of getting `409` until the TTL ends. A request that cannot renew
+    /// (the store does not answer) is stopped a fifth of the lock before it
+    /// passes and answered `503`, so two runs of one key never overlap.
     pub fn lock(mut self, lock: Duration) -> Self {
         self.lock = lock;
         self

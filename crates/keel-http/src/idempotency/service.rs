@@ -13,13 +13,14 @@ use chrono::{DateTime, Utc};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use keel_core::BoxError;
 use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyStore, StoredResponse};
+use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
 use tower_service::Service;
 
 use super::fingerprint::fingerprint;
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyRejection, parse_key};
+use super::lease::{Lease, LockLost};
 use super::options::IdempotencyOptions;
-use super::settle::{Pending, Settle};
+use super::settle::Settle;
 use crate::problem::Problem;
 
 /// The header on a replay whose body was too large to store.
@@ -159,13 +160,17 @@ where
     let principal = (options.principal)(&parts);
     let fingerprint = fingerprint(&parts, &options.fingerprint_headers, &body);
     let now = wall_now();
-    let expires_at = after(now, options.ttl);
-    let locked_until = after(now, options.lock);
-    let lock_ends = keel_core::clock::now() + options.lock;
-    let begin = store
-        .idempotency_begin_locked(&principal, &key, &fingerprint, locked_until, expires_at)
-        .await;
-    match begin {
+    let owner = keel_core::id::new_id().to_string();
+    let asked = keel_core::clock::now();
+    let claim = IdempotencyClaim {
+        principal: &principal,
+        key: &key,
+        fingerprint: &fingerprint,
+        owner: &owner,
+        locked_until: after(now, options.lock),
+        expires_at: after(now, options.ttl),
+    };
+    match store.idempotency_begin(&claim).await {
         Ok(IdempotencyBegin::Started) => {}
         Ok(IdempotencyBegin::Completed(stored)) => {
             metrics::counter!("keel_idempotency_replayed_total").increment(1);
@@ -187,28 +192,25 @@ where
 
     // From here the key is ours: whatever happens, it is completed or
     // released. The guard releases it if this future is dropped (the client
-    // disconnected) or the handler panics.
-    let mut guard = InFlight {
-        pending: Some(Pending {
-            store,
-            principal,
-            key,
-            locked_until: lock_ends,
-        }),
-    };
+    // disconnected) or the handler panics, and renews its lock meanwhile.
+    let lease = Lease::new(store, principal, key, owner, options.lock, asked);
+    let mut guard = InFlight { lease: Some(lease) };
     metrics::counter!("keel_idempotency_executed_total").increment(1);
-    let response = match inner
-        .call(Request::from_parts(parts, Body::from(body)))
-        .await
-    {
-        Ok(response) => response,
-        Err(err) => {
+    let work = async {
+        let response = inner
+            .call(Request::from_parts(parts, Body::from(body)))
+            .await?;
+        let (head, body) = response.into_parts();
+        Ok((head, body.collect().await.map_err(Into::<BoxError>::into)))
+    };
+    let (mut head, collected) = match guard.hold(work).await {
+        Ok(Ok(done)) => done,
+        Ok(Err(err)) => {
             guard.release("service error").await;
             return Err(err);
         }
+        Err(lost) => return Ok(guard.lost(lost)),
     };
-    let (mut head, body) = response.into_parts();
-    let collected = body.collect().await.map_err(Into::<BoxError>::into);
     let body = match collected {
         Ok(collected) => collected.to_bytes(),
         Err(err) => {
@@ -316,10 +318,18 @@ fn store_failure(err: &StoreError) -> Response<Body> {
 
 /// A key this request holds in flight, released unless completed.
 struct InFlight<S: IdempotencyStore> {
-    pending: Option<Pending<S>>,
+    lease: Option<Lease<S>>,
 }
 
 impl<S: IdempotencyStore> InFlight<S> {
+    /// Runs `work` while the key's lock is renewed.
+    async fn hold<F: Future>(&mut self, work: F) -> Result<F::Output, LockLost> {
+        match self.lease.as_mut() {
+            Some(lease) => lease.hold(work).await,
+            None => Ok(work.await),
+        }
+    }
+
     async fn complete(&mut self, response: &StoredResponse) {
         self.settle(Settle::Complete(response.clone())).await;
     }
@@ -328,12 +338,30 @@ impl<S: IdempotencyStore> InFlight<S> {
         self.settle(Settle::Release(why)).await;
     }
 
+    /// The answer when the lock could not be kept and the handler was
+    /// stopped. A key taken over is left to its new owner; one whose
+    /// renewal went unconfirmed is released in the background (the store
+    /// may not answer for a while), so a retry need not wait for the lock
+    /// once it does.
+    fn lost(&mut self, lost: LockLost) -> Response<Body> {
+        let lease = self.lease.take();
+        if let (LockLost::Unconfirmed(err), Some(lease)) = (lost, lease) {
+            tracing::warn!(error = %err, principal = %lease.principal, key = %lease.key,
+                "the key store did not confirm a lock renewal; the request was stopped");
+            tokio::spawn(lease.settle(Settle::Release("lock lost")));
+        }
+        IdempotencyRejection::LockLost {
+            retry_after: std::time::Duration::from_secs(1),
+        }
+        .into_response()
+    }
+
     /// Settles in a task of its own: a client that hangs up while the
     /// response is being stored must not cut the write in half, or the key
     /// would stay locked with its effect done and no answer to replay.
     async fn settle(&mut self, settle: Settle) {
-        if let Some(pending) = self.pending.take()
-            && let Err(err) = tokio::spawn(pending.settle(settle)).await
+        if let Some(lease) = self.lease.take()
+            && let Err(err) = tokio::spawn(lease.settle(settle)).await
         {
             tracing::error!(error = %err, "settling an idempotency key panicked");
         }
@@ -342,14 +370,14 @@ impl<S: IdempotencyStore> InFlight<S> {
 
 impl<S: IdempotencyStore> Drop for InFlight<S> {
     fn drop(&mut self) {
-        let Some(pending) = self.pending.take() else {
+        let Some(lease) = self.lease.take() else {
             return;
         };
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
-                handle.spawn(pending.settle(Settle::Release("request dropped")));
+                handle.spawn(lease.settle(Settle::Release("request dropped")));
             }
-            Err(_) => tracing::warn!(principal = %pending.principal, key = %pending.key,
+            Err(_) => tracing::warn!(principal = %lease.principal, key = %lease.key,
                 "idempotent request dropped outside a runtime; the key stays locked until its lock passes"),
         }
     }

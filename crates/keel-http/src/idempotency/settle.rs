@@ -2,25 +2,32 @@
 //! the key, retried in the background while the store is down.
 //!
 //! The handler's effect has happened by then, so giving up on the first
-//! store error would leave the key in flight until its lock passes: every
-//! retry of the client gets `409` for minutes (5 by default), long after the
-//! store came back from a restart. So a settle that failed with an error
+//! store error would leave the key in flight until its lock passes and a
+//! retry takes it over, running the handler a second time, although the
+//! store may be back a moment later. So a settle that failed with an error
 //! worth retrying (the store unavailable, or a commit whose outcome is
-//! unknown) is tried again with jittered backoff, while the key's lock is
-//! ours. It stops a safety margin before the lock passes: after that,
-//! another request may own the key, and a late write would clobber it.
+//! unknown) is tried again with jittered backoff, for up to
+//! [`SETTLE_RETRY_FOR`]. A late write is safe: the store accepts it only
+//! from the key's owner, so once a retry took the key over, this settle
+//! changes nothing and stops.
 
 use std::time::Duration;
 
-use keel_core::clock::{self, Instant};
+use keel_core::clock;
 use keel_messaging::StoreError;
 use keel_messaging::store::{IdempotencyStore, StoredResponse};
+
+use super::lease::Lease;
 
 /// The first wait before trying a failed settle again.
 const FIRST_RETRY: Duration = Duration::from_millis(100);
 
 /// The longest wait between two tries.
 const MAX_RETRY: Duration = Duration::from_secs(5);
+
+/// How long a failed settle is tried again: 5 minutes. A bound, so that a
+/// store down for good does not keep a task per request alive forever.
+pub(crate) const SETTLE_RETRY_FOR: Duration = Duration::from_secs(5 * 60);
 
 /// What to do with an in-flight key.
 #[derive(Debug, Clone)]
@@ -40,15 +47,7 @@ impl Settle {
     }
 }
 
-/// An in-flight key to settle, and until when its lock is ours.
-pub(crate) struct Pending<S> {
-    pub(crate) store: S,
-    pub(crate) principal: String,
-    pub(crate) key: String,
-    pub(crate) locked_until: Instant,
-}
-
-impl<S: IdempotencyStore> Pending<S> {
+impl<S: IdempotencyStore> Lease<S> {
     /// Settles the key once; if the store failed in a way worth retrying,
     /// keeps trying in a background task (see the module docs).
     pub(crate) async fn settle(self, settle: Settle) {
@@ -68,17 +67,18 @@ impl<S: IdempotencyStore> Pending<S> {
         let done = match settle {
             Settle::Complete(response) => {
                 self.store
-                    .idempotency_complete(&self.principal, &self.key, response)
+                    .idempotency_complete(&self.principal, &self.key, &self.owner, response)
                     .await
             }
             Settle::Release(_) => {
                 self.store
-                    .idempotency_release(&self.principal, &self.key)
+                    .idempotency_release(&self.principal, &self.key, &self.owner)
                     .await
             }
         };
         match done {
-            // An earlier try whose outcome was unknown did commit.
+            // An earlier try whose outcome was unknown did commit, or a
+            // retry took the key over: either way there is nothing to do.
             Err(StoreError::NotFound(_)) if matches!(settle, Settle::Complete(_)) => Ok(()),
             other => other,
         }
@@ -87,7 +87,7 @@ impl<S: IdempotencyStore> Pending<S> {
     fn retry_in_background(self, settle: Settle, first: StoreError) {
         metrics::counter!("keel_idempotency_store_errors_total").increment(1);
         tracing::warn!(error = %first, principal = %self.principal, key = %self.key,
-            "{} failed; trying again while the key's lock lasts", settle.name());
+            "{} failed; trying again", settle.name());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return self.give_up(&settle, &first);
         };
@@ -95,10 +95,7 @@ impl<S: IdempotencyStore> Pending<S> {
     }
 
     async fn retry(self, settle: Settle) {
-        let give_up_at = self
-            .locked_until
-            .checked_sub(safety_margin(self.locked_until))
-            .unwrap_or_else(clock::now);
+        let give_up_at = clock::now() + SETTLE_RETRY_FOR;
         let mut wait = FIRST_RETRY;
         loop {
             let jittered = wait.mul_f64(0.5 + fastrand::f64() / 2.0);
@@ -126,7 +123,7 @@ impl<S: IdempotencyStore> Pending<S> {
     fn give_up(&self, settle: &Settle, err: &StoreError) {
         metrics::counter!("keel_idempotency_store_errors_total").increment(1);
         tracing::error!(error = %err, principal = %self.principal, key = %self.key,
-            "{} failed; the key stays locked until its lock passes", settle.name());
+            "{} failed; a retry takes the key over once its lock passes", settle.name());
     }
 }
 
@@ -135,11 +132,4 @@ fn worth_retrying(err: &StoreError) -> bool {
         err,
         StoreError::Unavailable(_) | StoreError::OutcomeUnknown(_)
     )
-}
-
-/// How long before the lock passes the retries stop: a tenth of what is
-/// left, at least one second, for clocks and a write in flight.
-fn safety_margin(locked_until: Instant) -> Duration {
-    let left = locked_until.saturating_duration_since(clock::now());
-    (left / 10).max(Duration::from_secs(1))
 }
