@@ -9,6 +9,9 @@
 #       the scale-out crash test (two keel serve processes; PostgreSQL
 #       immediate shutdown and nats-server SIGKILL mid-run) RUNS times in a
 #       row, under scripts/services.sh.
+#   scripts/reliability.sh openapi-fuzz FIRST LAST [EXAMPLES]
+#       Schemathesis against a fresh `keel serve` for every seed
+#       FIRST..LAST (default 100 examples per operation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,8 +65,29 @@ scale_out_crash() {
   echo "scale-out crash: $runs runs, $passed passed"
 }
 
+openapi_fuzz() {
+  local first="$1" last="$2" examples="${3:-100}" runs=0 failed=0 cases=0
+  KEEL_TEST_SCHEMATHESIS="$(scripts/schemathesis.sh)"
+  export KEEL_TEST_SCHEMATHESIS
+  cargo nextest run -p keel --all-features --test openapi_fuzz --no-run
+  for seed in $(seq "$first" "$last"); do
+    local log rc=0 line
+    log="target/openapi-fuzz-seed-$seed.log"
+    KEEL_FUZZ_SEED="$seed" KEEL_FUZZ_EXAMPLES="$examples" cargo nextest run -p keel \
+      --all-features --test openapi_fuzz --no-capture >"$log" 2>&1 || rc=$?
+    line="$(grep -Eo '[0-9]+ generated, [0-9]+ passed' "$log" | tail -n 1 || true)"
+    runs=$((runs + 1))
+    local generated="${line%% *}"
+    cases=$((cases + ${generated:-0}))
+    if [ "$rc" = 0 ]; then rm -f "$log"; else failed=$((failed + 1)); fi
+    echo "seed $seed: exit $rc, ${line:-no summary}"
+  done
+  echo "openapi fuzz: $runs runs, $failed failed, $cases requests"
+}
+
 case "${1:-}" in
   chaos) shift; chaos "$@" ;;
   scale-out-crash) shift; scale_out_crash "$@" ;;
-  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS" >&2; exit 2 ;;
+  openapi-fuzz) shift; openapi_fuzz "$@" ;;
+  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | openapi-fuzz FIRST LAST [EXAMPLES]" >&2; exit 2 ;;
 esac

@@ -30,6 +30,10 @@ log "headless Chromium and chromedriver for the console browser tests"
 scripts/browser.sh
 export KEEL_TEST_CHROMEDRIVER=/usr/bin/chromedriver
 
+log "schemathesis for the OpenAPI fuzz test"
+KEEL_TEST_SCHEMATHESIS="$(scripts/schemathesis.sh)"
+export KEEL_TEST_SCHEMATHESIS
+
 log "cargo nextest run (unit, integration and behaviour tests) with PostgreSQL and NATS"
 # Build first, so the servers only run while the tests do.
 cargo nextest run --workspace --all-features --no-run

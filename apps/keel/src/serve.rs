@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::routing::{delete, get, post};
+use axum::routing::{MethodRouter, delete, get, post};
 use keel_http::access::{AllowedHosts, ApiKeyLayer, ApiKeys, FailureThrottle};
 use keel_http::admin::{Admin, AdminToken, BrokerLag};
 use keel_http::console::Console;
@@ -551,22 +551,27 @@ pub fn serve_routes<S: ShopStore>(
         max_per_tenant: config.max_endpoints_per_tenant,
         creating: Arc::default(),
     };
+    // Each method router gets the key check of its own, so a method a
+    // route lacks answers 405 with `Allow`, not 401.
     let management = ApiKeyLayer::new(config.api_keys.clone(), FailureThrottle::default());
+    let managed = |route: MethodRouter<WebhookApi<S>>| route.route_layer(management.clone());
     let webhook_routes = Router::new()
         .route(
             "/webhook-endpoints",
-            post(webhooks::create_endpoint::<S>).get(webhooks::list_endpoints::<S>),
+            managed(post(webhooks::create_endpoint::<S>).get(webhooks::list_endpoints::<S>)),
         )
         .route(
             "/webhook-endpoints/{id}",
-            delete(webhooks::delete_endpoint::<S>),
+            managed(delete(webhooks::delete_endpoint::<S>)),
         )
         .route(
             "/webhook-endpoints/{id}/deliveries",
-            get(webhooks::list_deliveries::<S>),
+            managed(get(webhooks::list_deliveries::<S>)),
         )
-        .route("/deliveries/{id}/resend", post(webhooks::resend::<S>))
-        .route_layer(management)
+        .route(
+            "/deliveries/{id}/resend",
+            managed(post(webhooks::resend::<S>)),
+        )
         .route("/webhooks/inbound/{source}", post(webhooks::inbound::<S>))
         .with_state(webhook_api);
     let http = reqwest::Client::new();
@@ -596,13 +601,17 @@ pub fn serve_routes<S: ShopStore>(
     let token = AdminToken::require_for(config.listen, config.admin_token.clone())
         .map_err(|e| StartError::Config(e.to_string()))?;
     let (admin, admin_routes) = admin_routes(c, token, config.allowed_hosts.clone());
-    let mut operations = Router::new().merge(health.deep_router()).route(
-        "/metrics",
-        get(|| async { crate::metrics_report::render() }),
-    );
-    if !config.public_metrics {
-        operations = operations.route_layer(admin.auth_layer());
-    }
+    let auth = (!config.public_metrics).then(|| admin.auth_layer());
+    let guarded = |route: MethodRouter| match &auth {
+        Some(auth) => route.route_layer(auth.clone()),
+        None => route,
+    };
+    let operations = Router::new()
+        .route("/debug/deep", guarded(health.deep_route()))
+        .route(
+            "/metrics",
+            guarded(get(|| async { crate::metrics_report::render() })),
+        );
     Ok(Router::new()
         .route("/reports", jobs.create_route())
         .merge(jobs.routes())

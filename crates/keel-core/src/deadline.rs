@@ -65,7 +65,9 @@ pub enum InvalidDeadline {
     #[error("the deadline header is empty; send Unix milliseconds, e.g. `1767225600000`")]
     Empty,
     /// The header was not a whole number of milliseconds.
-    #[error("the deadline header `{0}` is not a whole number of Unix milliseconds")]
+    #[error(
+        "the deadline header `{0}` is not a whole number of Unix milliseconds (digits only, at most 253402300799999)"
+    )]
     NotANumber(String),
     /// A `grpc-timeout` value was malformed.
     #[error(
@@ -73,6 +75,9 @@ pub enum InvalidDeadline {
     )]
     GrpcTimeout(String),
 }
+
+/// The latest deadline the header may name: 9999-12-31T23:59:59.999Z.
+pub const MAX_UNIX_MILLIS: u64 = 253_402_300_799_999;
 
 impl Deadline {
     /// A deadline at the given instant.
@@ -178,15 +183,20 @@ impl Deadline {
         }
     }
 
-    /// Parses an `X-Request-Deadline-Unix-Ms` value (the caller's clock).
+    /// Parses an `X-Request-Deadline-Unix-Ms` value (the caller's clock):
+    /// decimal digits only, at most [`MAX_UNIX_MILLIS`] (the last
+    /// millisecond of the year 9999), so an API document can state the
+    /// grammar exactly: an integer from 0 to that bound.
     pub fn parse_header(value: &str) -> Result<Self, InvalidDeadline> {
         let value = value.trim();
         if value.is_empty() {
             return Err(InvalidDeadline::Empty);
         }
-        let ms: u64 = value
-            .parse()
-            .map_err(|_| InvalidDeadline::NotANumber(truncate(value)))?;
+        let ms = Some(value)
+            .filter(|v| v.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|ms| *ms <= MAX_UNIX_MILLIS)
+            .ok_or_else(|| InvalidDeadline::NotANumber(truncate(value)))?;
         Ok(Self::from_unix_millis(ms))
     }
 
@@ -345,6 +355,19 @@ mod tests {
             Deadline::parse_header("1.5"),
             Err(InvalidDeadline::NotANumber(_))
         ));
+        for bad in ["+5", "253402300800000", "0x10", "1_000"] {
+            assert!(
+                matches!(
+                    Deadline::parse_header(bad),
+                    Err(InvalidDeadline::NotANumber(_))
+                ),
+                "{bad}"
+            );
+        }
+        assert!(
+            Deadline::parse_header("253402300799999").is_ok(),
+            "the bound itself"
+        );
         assert!(matches!(
             Deadline::parse_header("99999999999999999999999"),
             Err(InvalidDeadline::NotANumber(_))

@@ -118,14 +118,14 @@ pub fn public_router<S: ShopStore>(
         .drain(drain)
         .build()
         .map_err(|e| RouterError::Config(e.to_string()))?;
-    let place = Router::new()
-        .route("/orders", post(orders::place_order::<S>))
-        .route_layer(idempotency);
+    // The idempotency layer wraps POST alone: any other method answers
+    // 405 with `Allow`, not a missing-key 400.
+    let orders = get(orders::list_orders::<S>)
+        .merge(post(orders::place_order::<S>).route_layer(idempotency));
     let deadline =
         DeadlineLayer::with_max(MAX_DEADLINE).map_err(|e| RouterError::Config(e.to_string()))?;
     Ok(Router::new()
-        .route("/orders", get(orders::list_orders::<S>))
-        .merge(place)
+        .route("/orders", orders)
         .route("/orders/{id}", get(orders::get_order::<S>))
         .route("/updates", realtime.long_poll())
         .route("/stream", realtime.sse())
@@ -133,7 +133,9 @@ pub fn public_router<S: ShopStore>(
         .with_state(state)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(deadline)
-        .layer(TraceContextLayer::new()))
+        // A malformed traceparent starts a new trace, as W3C Trace Context
+        // says: a client's broken tracer never fails its orders.
+        .layer(TraceContextLayer::new().lenient()))
 }
 
 pub mod openapi;

@@ -93,6 +93,7 @@ pub fn doc_openapi() {}
         orders::get_order,
         reports::doc_create_report,
         reports::doc_job_status,
+        reports::doc_cancel_job,
         reports::get_report,
         doc_updates,
         doc_stream,
@@ -120,8 +121,9 @@ pub fn doc_openapi() {}
         webhooks::CreateEndpoint,
         webhooks::EndpointView,
         webhooks::DeliveryView,
+        ProblemDetails,
     )),
-    modifiers(&Security)
+    modifiers(&Security, &ClosedItems, &Rules)
 )]
 pub struct ApiDoc;
 
@@ -144,6 +146,98 @@ impl utoipa::Modify for Security {
                     .build(),
             ),
         );
+    }
+}
+
+/// An error, as every error response carries it (RFC 9457).
+#[derive(utoipa::ToSchema)]
+#[schema(as = Problem)]
+#[allow(dead_code)]
+struct ProblemDetails {
+    /// A URI naming the problem type (`about:blank`, or
+    /// `urn:keel:problem:...`).
+    r#type: String,
+    /// The status's reason phrase.
+    title: String,
+    /// The HTTP status.
+    status: u16,
+    /// What went wrong this time, and what to do.
+    detail: Option<String>,
+}
+
+/// The `Idempotency-Key` grammar the server checks: 1 to 255 visible ASCII
+/// characters, bare (not starting with `"`) or as a Structured Field string
+/// with `\"` and `\\` escapes.
+pub const IDEMPOTENCY_KEY_PATTERN: &str =
+    r#"^(?:[!#-~][!-~]{0,254}|"(?:[!#-\[\]-~]|\\["\\]){1,255}")$"#;
+
+/// Rules stated once for every operation: each error response is a
+/// problem document, and every `Idempotency-Key` has one grammar.
+struct Rules;
+
+impl utoipa::Modify for Rules {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::RefOr;
+        use utoipa::openapi::content::Content;
+        use utoipa::openapi::schema::{ObjectBuilder, Ref, Type};
+        for item in openapi.paths.paths.values_mut() {
+            for operation in operations(item) {
+                for response in operation.responses.responses.iter_mut() {
+                    let (status, RefOr::T(response)) = response else {
+                        continue;
+                    };
+                    if status.as_str() >= "400" && response.content.is_empty() {
+                        response.content.insert(
+                            keel_http::problem::PROBLEM_JSON.to_owned(),
+                            Content::new(Some(Ref::from_schema_name("Problem"))),
+                        );
+                    }
+                }
+                let parameters = operation.parameters.iter_mut().flatten();
+                for parameter in parameters.filter(|p| p.name == "Idempotency-Key") {
+                    parameter.schema = Some(RefOr::T(
+                        ObjectBuilder::new()
+                            .schema_type(Type::String)
+                            .pattern(Some(IDEMPOTENCY_KEY_PATTERN))
+                            .into(),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Every operation of a path.
+fn operations(
+    item: &mut utoipa::openapi::path::PathItem,
+) -> impl Iterator<Item = &mut utoipa::openapi::path::Operation> {
+    [
+        &mut item.get,
+        &mut item.put,
+        &mut item.post,
+        &mut item.delete,
+        &mut item.options,
+        &mut item.head,
+        &mut item.patch,
+        &mut item.trace,
+    ]
+    .into_iter()
+    .flatten()
+}
+
+/// Declares what `NewOrder::validate` enforces and utoipa cannot say: an
+/// item has no field beyond `sku`, `qty` and `unitPriceCents` (unknown
+/// item fields are kept only inside events, by the tolerant reader).
+struct ClosedItems;
+
+impl utoipa::Modify for ClosedItems {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::RefOr;
+        use utoipa::openapi::schema::{AdditionalProperties, Schema};
+        let schemas = openapi.components.as_mut().map(|c| &mut c.schemas);
+        if let Some(RefOr::T(Schema::Object(item))) = schemas.and_then(|s| s.get_mut("Item")) {
+            item.additional_properties = Some(Box::new(AdditionalProperties::FreeForm(false)));
+        }
     }
 }
 

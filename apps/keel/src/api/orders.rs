@@ -82,17 +82,19 @@ pub fn parse_new_order(headers: &HeaderMap, body: &[u8]) -> Result<NewOrder, Pro
     request_body = NewOrder,
     params(
         ("Idempotency-Key" = String, Header, description = "Required: one unique key per order; retries reuse it"),
-        ("X-Request-Deadline-Unix-Ms" = Option<String>, Header, description = "When the caller stops waiting (capped by the server)"),
-        ("traceparent" = Option<String>, Header, description = "W3C trace context"),
+        ("X-Request-Deadline-Unix-Ms" = Option<i64>, Header, description = "When the caller stops waiting, in Unix milliseconds (capped at 10 s from now)",
+            minimum = 0, maximum = 253_402_300_799_999_i64, nullable = false),
+        ("traceparent" = Option<String>, Header, nullable = false, description = "W3C trace context; a malformed one is ignored and a new trace starts"),
     ),
     responses(
         (status = 201, description = "Accepted; fulfilment runs asynchronously", body = Order),
-        (status = 400, description = "Missing Idempotency-Key or malformed JSON (problem+json)"),
+        (status = 400, description = "Missing or malformed Idempotency-Key, malformed deadline, or malformed JSON"),
         (status = 409, description = "The same key is still being processed; retry after Retry-After"),
-        (status = 413, description = "Body too large"),
+        (status = 413, description = "Body larger than 64 KiB"),
         (status = 415, description = "Not JSON"),
         (status = 422, description = "Invalid order, or the key was used for a different request"),
         (status = 503, description = "Store unavailable, or the commit's outcome unknown (a lost connection); retry with the same key, which finds the order or places it"),
+        (status = 504, description = "The X-Request-Deadline-Unix-Ms had passed on arrival, or passed while the order was placed"),
     ),
     tag = "orders"
 )]
@@ -282,7 +284,7 @@ async fn commit<S: ShopStore>(
 #[utoipa::path(
     get,
     path = "/orders/{id}",
-    params(("id" = String, Path, description = "The order id")),
+    params(("id" = String, Path, description = "The order id (a UUID)", pattern = "^[0-9a-fA-F-]{1,64}$")),
     responses(
         (status = 200, description = "The order", body = Order),
         (status = 400, description = "Malformed id"),
@@ -307,12 +309,17 @@ pub async fn get_order<S: ShopStore>(
 /// Filters of `GET /orders`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(rename_all = "camelCase")]
+#[into_params(parameter_in = Query)]
 pub struct OrderFilter {
     /// Only this customer's orders.
+    #[param(pattern = "^[A-Za-z0-9_-]{1,64}$", nullable = false)]
     pub customer_id: Option<String>,
     /// Page size (1 to 100, default 20).
+    #[param(minimum = 1, maximum = 100, nullable = false)]
     pub limit: Option<u32>,
-    /// The `nextCursor` of the previous page.
+    /// The `nextCursor` of the previous page (signed: other values are
+    /// refused with `400`).
+    #[param(nullable = false)]
     pub cursor: Option<String>,
 }
 
@@ -343,10 +350,11 @@ pub async fn list_orders<S: ShopStore>(
     Query(filter): Query<std::collections::HashMap<String, String>>,
 ) -> Response {
     let customer = filter.get("customerId").map(String::as_str);
-    if let Some(c) = customer
-        && (c.is_empty() || c.len() > 64)
-    {
-        return Problem::bad_request("customerId must be 1 to 64 characters").into_response();
+    if customer.is_some_and(|c| !crate::shop::model::valid_id(c)) {
+        return Problem::bad_request(
+            "customerId must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'",
+        )
+        .into_response();
     }
     let after = page.after().map(|c| c.id.as_str());
     let rows = match state

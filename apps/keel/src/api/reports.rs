@@ -156,18 +156,19 @@ pub async fn get_report(State(reports): State<Reports>, Path(id): Path<String>) 
 /// Documents `POST /reports` (served by keel-http jobs).
 #[utoipa::path(post, path = "/reports",
     params(("Idempotency-Key" = String, Header, description = "Required")),
-    request_body(content = Object, description = "Report parameters (any JSON object)", content_type = "application/json"),
+    request_body(content = Option<Object>, description = "Report parameters (a JSON object; none, or `null`, is `{}`)", content_type = "application/json"),
     responses(
         (status = 202, description = "Accepted; Location is the job's status URL"),
         (status = 400, description = "No or bad Idempotency-Key, malformed JSON"),
-        (status = 413, description = "Parameters too large"),
+        (status = 410, description = "The key's job expired; use a new key"),
+        (status = 413, description = "Parameters larger than 64 KiB"),
         (status = 422, description = "The key was used with other parameters"),
     ), tag = "reports")]
 pub fn doc_create_report() {}
 
 /// Documents `GET /jobs/{id}` (served by keel-http jobs).
 #[utoipa::path(get, path = "/jobs/{id}",
-    params(("id" = String, Path, description = "The job id")),
+    params(("id" = String, Path, description = "The job id (ids longer than 128 characters are unknown)")),
     responses(
         (status = 200, description = "Queued, running or failed: status and progress"),
         (status = 303, description = "Succeeded: Location is the result"),
@@ -175,6 +176,18 @@ pub fn doc_create_report() {}
         (status = 410, description = "Expired"),
     ), tag = "reports")]
 pub fn doc_job_status() {}
+
+/// Documents `DELETE /jobs/{id}` (served by keel-http jobs).
+#[utoipa::path(delete, path = "/jobs/{id}",
+    params(("id" = String, Path, description = "The job id")),
+    responses(
+        (status = 200, description = "Cancelled while queued, or cancelled before (a retried DELETE succeeds)"),
+        (status = 202, description = "Cancelled while running: its worker stops at its next update"),
+        (status = 404, description = "Unknown job"),
+        (status = 409, description = "It already succeeded or failed"),
+        (status = 410, description = "Expired"),
+    ), tag = "reports")]
+pub fn doc_cancel_job() {}
 
 #[cfg(test)]
 mod tests {

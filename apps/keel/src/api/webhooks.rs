@@ -57,15 +57,28 @@ pub const DEFAULT_MAX_ENDPOINTS_PER_TENANT: usize = 10;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CreateEndpoint {
-    /// Where to send (http or https; internal addresses are refused).
+    /// Where to send: an absolute http or https URL of at most 2048
+    /// characters. Addresses inside the network (loopback, private, link
+    /// local) are refused with `422`.
+    #[schema(max_length = 2048)]
     pub url: String,
-    /// For humans.
+    /// For humans: at most 1024 characters.
     #[serde(default)]
+    #[schema(max_length = 1024)]
     pub description: String,
-    /// Event types to receive (`order.completed`, `order.*`); empty: all.
+    /// Event types to receive (`order.completed`, `order.*`, or `*`), at
+    /// most 100; empty: all.
     #[serde(default)]
-    pub event_types: Vec<String>,
+    #[schema(max_items = 100, inline)]
+    pub event_types: Vec<EventTypeFilter>,
 }
+
+/// An event type (`order.completed`), a prefix (`order.*`) or `*`: visible
+/// ASCII without `*` but for the trailing `.*`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(transparent)]
+#[schema(value_type = String, pattern = r"^(\*|[!-)+-~]{1,255}(\.\*)?)$")]
+pub struct EventTypeFilter(String);
 
 /// An endpoint as the API shows it (secrets are shown once, at creation).
 #[derive(Debug, Serialize, ToSchema)]
@@ -139,10 +152,13 @@ impl From<WebhookDelivery> for DeliveryView {
 /// Filters of the delivery log.
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct DeliveryParams {
     /// At most this many (1 to 100, default 50).
+    #[param(minimum = 1, maximum = 100, nullable = false)]
     pub limit: Option<usize>,
     /// Only deliveries with ids below this (paging back).
+    #[param(nullable = false)]
     pub before: Option<i64>,
 }
 
@@ -236,7 +252,7 @@ pub async fn create_endpoint<S: ShopStore>(
     }
     let new = NewEndpoint::new(req.url)
         .description(req.description)
-        .event_types(req.event_types)
+        .event_types(req.event_types.into_iter().map(|f| f.0))
         .tenant(tenant.as_str());
     match api.endpoints.create(new).await {
         Ok((endpoint, secret)) => (
@@ -278,7 +294,7 @@ fn valid_id(id: &str) -> bool {
 
 /// `GET /webhook-endpoints/{id}/deliveries`.
 #[utoipa::path(get, path = "/webhook-endpoints/{id}/deliveries",
-    params(("id" = String, Path, description = "The endpoint id"), DeliveryParams),
+    params(("id" = String, Path, description = "The endpoint id", pattern = "^[!-~]{1,255}$"), DeliveryParams),
     responses(
         (status = 200, description = "Deliveries, newest first", body = Vec<DeliveryView>),
         (status = 400, description = "Bad filter"),
@@ -359,9 +375,10 @@ pub async fn resend<S: ShopStore>(
 
 /// `DELETE /webhook-endpoints/{id}`: the endpoint and its deliveries stop.
 #[utoipa::path(delete, path = "/webhook-endpoints/{id}",
-    params(("id" = String, Path, description = "The endpoint id")),
+    params(("id" = String, Path, description = "The endpoint id", pattern = "^[!-~]{1,255}$")),
     responses(
         (status = 204, description = "Deleted"),
+        (status = 400, description = "Malformed id"),
         (status = 401, description = "No or unknown API key"),
         (status = 404, description = "No such endpoint of the caller's"),
     ), security(("api_key" = [])), tag = "webhooks")]
@@ -386,8 +403,13 @@ pub async fn delete_endpoint<S: ShopStore>(
 /// (Standard Webhooks signature over the raw body, timestamp within 5
 /// minutes, deduped on its id) and acknowledged at once.
 #[utoipa::path(post, path = "/webhooks/inbound/{source}",
-    params(("source" = String, Path, description = "Who sends it (1 to 64 of [a-z0-9_-])")),
-    request_body(content = String, description = "The signed JSON body", content_type = "application/json"),
+    params(
+        ("source" = String, Path, description = "Who sends it", pattern = "^[a-z0-9_-]{1,64}$"),
+        ("webhook-id" = String, Header, description = "The message id (Standard Webhooks); duplicates are acknowledged, not processed again"),
+        ("webhook-timestamp" = String, Header, description = "Unix seconds; more than 5 minutes away is refused"),
+        ("webhook-signature" = String, Header, description = "`v1,<base64 HMAC-SHA256>` over `id.timestamp.body`, space-separated"),
+    ),
+    request_body(content = Object, description = "The signed JSON body", content_type = "application/json"),
     responses(
         (status = 200, description = "Verified and accepted (or a duplicate)"),
         (status = 400, description = "Missing/malformed signature headers, stale timestamp, bad JSON, bad source"),

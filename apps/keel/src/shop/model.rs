@@ -52,6 +52,28 @@ impl DemoFault {
 /// nothing a newer producer added (the tolerant reader).
 pub type UnknownFields = Map<String, Value>;
 
+/// Reads an integer written as JSON allows and JSON Schema counts as one:
+/// `2`, `2.0` or `2e0`, but never `2.5`. The OpenAPI document says
+/// `integer`, so the server takes every integer the document allows.
+fn whole_number<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i64>,
+{
+    use serde::de::Error;
+    /// Integers beyond this are not exact as floats (2^53).
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    let number = serde_json::Number::deserialize(deserializer)?;
+    let whole = match (number.as_i64(), number.as_f64()) {
+        (Some(n), _) => Some(n),
+        (None, Some(f)) if f.fract() == 0.0 && f.abs() <= EXACT => Some(f as i64),
+        _ => None,
+    };
+    whole
+        .and_then(|n| T::try_from(n).ok())
+        .ok_or_else(|| D::Error::custom(format!("{number} is not an integer in range")))
+}
+
 /// One line of an order.
 ///
 /// Read tolerantly: inside an event, a field added by a newer producer is
@@ -61,11 +83,17 @@ pub type UnknownFields = Map<String, Value>;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Item {
-    /// The stock keeping unit.
+    /// The stock keeping unit: 1 to 64 characters of `[A-Za-z0-9_-]`.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", min_length = 1, max_length = 64)]
     pub sku: String,
     /// How many units (1 to 1000).
+    #[schema(minimum = 1, maximum = 1000)]
+    #[serde(deserialize_with = "whole_number")]
     pub qty: u32,
-    /// The price of one unit in cents (integer minor units, never floats).
+    /// The price of one unit in cents (integer minor units, never floats):
+    /// 1 to 100,000,000.
+    #[schema(minimum = 1, maximum = 100_000_000)]
+    #[serde(deserialize_with = "whole_number")]
     pub unit_price_cents: i64,
     /// Fields this version does not know.
     #[serde(flatten, default, skip_serializing_if = "Map::is_empty")]
@@ -90,10 +118,13 @@ impl Item {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NewOrder {
     /// Who orders: 1 to 64 characters of `[A-Za-z0-9_-]`.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", min_length = 1, max_length = 64)]
     pub customer_id: String,
     /// A three-letter ISO 4217 code, upper case (`USD`).
+    #[schema(pattern = "^[A-Z]{3}$", min_length = 3, max_length = 3)]
     pub currency: String,
     /// 1 to 50 items.
+    #[schema(min_items = 1, max_items = 50)]
     pub items: Vec<Item>,
 }
 
@@ -134,7 +165,9 @@ pub enum InvalidOrder {
     },
 }
 
-fn valid_id(s: &str) -> bool {
+/// Whether `s` is a customer id or sku: 1 to [`MAX_ID_LEN`] characters of
+/// `[A-Za-z0-9_-]` (the OpenAPI document's `^[A-Za-z0-9_-]{1,64}$`).
+pub fn valid_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_ID_LEN
         && s.bytes()
@@ -321,6 +354,19 @@ mod tests {
         let mut o = order();
         o.items = vec![o.items[0].clone(); MAX_ITEMS + 1];
         assert_eq!(o.validate(), Err(InvalidOrder::ItemCount));
+    }
+
+    /// JSON Schema counts `2.0` as an integer, so the document's `integer`
+    /// admits it; the reader takes it, and still refuses `2.5`.
+    #[test]
+    fn integers_are_read_as_json_schema_counts_them() {
+        let item: Item = serde_json::from_str(r#"{"sku":"tea","qty":2.0,"unitPriceCents":45e1}"#)
+            .expect("reads");
+        assert_eq!((item.qty, item.unit_price_cents), (2, 450));
+        for bad in [r#"2.5"#, r#"-1"#, r#"1e30"#, r#""2""#] {
+            let json = format!(r#"{{"sku":"tea","qty":{bad},"unitPriceCents":1}}"#);
+            assert!(serde_json::from_str::<Item>(&json).is_err(), "qty {bad}");
+        }
     }
 
     #[test]

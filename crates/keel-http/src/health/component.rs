@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{MethodRouter, get};
 use axum::{Json, Router};
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, join_all};
@@ -372,9 +372,14 @@ impl Health {
     /// `/debug/deep` only: it names every dependency and its latency, so
     /// it belongs behind the same authentication as metrics.
     pub fn deep_router(&self) -> Router {
-        Router::new()
-            .route("/debug/deep", get(deep))
-            .with_state(self.clone())
+        Router::new().route("/debug/deep", self.deep_route())
+    }
+
+    /// The `/debug/deep` handler alone, to mount at a path of your own or
+    /// behind a layer of its own (`route_layer` on it leaves other methods
+    /// their `405`).
+    pub fn deep_route<S: Clone + Send + Sync + 'static>(&self) -> MethodRouter<S> {
+        get(deep).with_state(self.clone())
     }
 
     /// Whether the instance should get traffic: not draining, and every

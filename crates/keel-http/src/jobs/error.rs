@@ -11,8 +11,9 @@ use keel_messaging::store::JobStatus;
 
 use crate::problem::Problem;
 
-/// The longest idempotency key accepted, in characters.
-pub const MAX_KEY_LEN: usize = 255;
+/// The longest idempotency key accepted, in characters (the
+/// Idempotency-Key layer's limit: a key means the same on every route).
+pub const MAX_KEY_LEN: usize = crate::idempotency::MAX_KEY_LEN;
 
 /// A job operation failed. Each variant says what happened and what to do;
 /// as a response each is an `application/problem+json` with its status.
@@ -26,10 +27,10 @@ pub enum JobError {
     )]
     MissingKey,
     /// `400`: the `Idempotency-Key` header is malformed or too long.
-    #[error("invalid Idempotency-Key: {0}")]
+    #[error("{0}")]
     InvalidKey(String),
-    /// `400`: the body is not JSON.
-    #[error("job parameters are not valid JSON: {0}")]
+    /// `400`: the body is not a JSON object.
+    #[error("invalid job parameters: {0}")]
     InvalidParams(String),
     /// `413`: the body is over the limit.
     #[error("job parameters are larger than the {limit}-byte limit")]

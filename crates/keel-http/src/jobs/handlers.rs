@@ -14,7 +14,7 @@ use keel_messaging::store::{JobRecord, JobStatus, JobStore, OutboxStore};
 use serde::{Deserialize, Serialize};
 
 use super::component::{Cancelled, Jobs};
-use super::error::{JobError, MAX_KEY_LEN};
+use super::error::JobError;
 
 /// The longest job id looked up; longer ones are `404` without a query.
 const MAX_ID_LEN: usize = 128;
@@ -135,9 +135,19 @@ async fn create<S: JobStore + OutboxStore>(
     let key = parse_key(&parts.headers)?;
     let bytes = read_body(parts, body, jobs.options().max_params).await?;
     let params = if bytes.iter().all(u8::is_ascii_whitespace) {
-        serde_json::Value::Object(serde_json::Map::new())
+        serde_json::Value::Null
     } else {
         serde_json::from_slice(&bytes).map_err(|e| JobError::InvalidParams(e.to_string()))?
+    };
+    // No body, or `null`: no parameters.
+    let params = match params {
+        serde_json::Value::Null => serde_json::Value::Object(serde_json::Map::new()),
+        object @ serde_json::Value::Object(_) => object,
+        _ => {
+            return Err(JobError::InvalidParams(
+                "the parameters must be a JSON object".to_owned(),
+            ));
+        }
     };
     let principal = (jobs.options().principal)(parts);
     Ok(jobs.create(&principal, &key, params).await?.job)
@@ -198,39 +208,14 @@ fn job_id(id: Result<Path<String>, PathRejection>) -> Result<String, JobError> {
     }
 }
 
-/// The `Idempotency-Key`: 1 to 255 visible ASCII characters, bare or as a
-/// Structured Field string (`"..."`, without escapes), exactly once.
+/// The `Idempotency-Key`, read exactly as the Idempotency-Key layer reads
+/// it, so one key means the same on every route.
 fn parse_key(headers: &HeaderMap) -> Result<String, JobError> {
-    let mut values = headers.get_all("idempotency-key").iter();
-    let value = values.next().ok_or(JobError::MissingKey)?;
-    if values.next().is_some() {
-        return Err(JobError::InvalidKey(
-            "send exactly one Idempotency-Key header".into(),
-        ));
+    match crate::idempotency::parse_key(headers) {
+        Ok(Some(key)) => Ok(key),
+        Ok(None) => Err(JobError::MissingKey),
+        Err(rejection) => Err(JobError::InvalidKey(rejection.to_string())),
     }
-    let raw = value.as_bytes().trim_ascii();
-    let key = match raw {
-        [b'"', inner @ .., b'"'] => inner,
-        bare => bare,
-    };
-    if key.is_empty() {
-        return Err(JobError::InvalidKey("the key is empty".into()));
-    }
-    if key.len() > MAX_KEY_LEN {
-        return Err(JobError::InvalidKey(format!(
-            "the key is {} characters long; the limit is {MAX_KEY_LEN}",
-            key.len()
-        )));
-    }
-    if !key
-        .iter()
-        .all(|b| (0x21..=0x7e).contains(b) && *b != b'"' && *b != b'\\')
-    {
-        return Err(JobError::InvalidKey(
-            "the key must be visible ASCII characters only".into(),
-        ));
-    }
-    Ok(String::from_utf8_lossy(key).into_owned())
 }
 
 async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, JobError> {

@@ -323,11 +323,12 @@ fn validate(description: &str, event_types: &[String]) -> Result<(), WebhookErro
     }
     for pattern in event_types {
         let body = pattern.strip_suffix(".*").unwrap_or(pattern);
+        // Visible ASCII, as event types are: an API document can then
+        // state the rule exactly (`^(\*|[!-)+-~]{1,255}(\.\*)?)$`).
         let valid = pattern == "*"
             || (!body.is_empty()
                 && body.len() <= super::sender::MAX_EVENT_TYPE_LEN
-                && !body.contains('*')
-                && !body.chars().any(char::is_whitespace));
+                && body.bytes().all(|b| b.is_ascii_graphic() && b != b'*'));
         if !valid {
             return Err(WebhookError::invalid(
                 "event types",
