@@ -283,6 +283,7 @@ impl World {
             created_at: now,
             updated_at: now,
             tenant: String::new(),
+            format: Default::default(),
         };
         self.store.webhook_endpoint_create(&endpoint).await.unwrap();
         let mut tx = self.store.begin().await.unwrap();

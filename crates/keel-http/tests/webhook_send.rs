@@ -1053,6 +1053,7 @@ fn stored_endpoint(id: &str, url: &str) -> WebhookEndpoint {
         created_at: start_time(),
         updated_at: start_time(),
         tenant: String::new(),
+        format: Default::default(),
     }
 }
 

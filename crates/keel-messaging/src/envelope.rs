@@ -8,7 +8,7 @@
 //! | `id` | the dedupe key: delivery is at-least-once |
 //! | `type` | carries a version (`shop.order.placed.v1`) so v2 can coexist |
 //! | `subject` | the entity id, and also the partition key that keeps its order |
-//! | `time` | when the broker got it (operations) |
+//! | `time` | when it happened: set when the envelope is made (a typed event's `occurredAt`) |
 //! | `data.occurredAt` | when the fact happened (business logic uses this one) |
 //! | `data.version` | monotonic per entity: consumers can drop stale updates |
 //! | `traceparent` | carries the trace across the broker |
@@ -43,7 +43,7 @@
 
 use std::collections::BTreeMap;
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -157,7 +157,9 @@ pub enum EnvelopeError {
 }
 
 impl Envelope {
-    /// A new envelope with a fresh UUIDv7 id and the current trace context.
+    /// A new envelope with a fresh UUIDv7 id, `time` now (to the
+    /// millisecond, as the binary mode's `ce-time` carries it) and the
+    /// current trace context.
     pub fn new(source: impl Into<String>, ty: impl Into<String>) -> Self {
         Self {
             specversion: SPEC_VERSION.to_owned(),
@@ -165,7 +167,7 @@ impl Envelope {
             source: source.into(),
             ty: ty.into(),
             subject: None,
-            time: None,
+            time: Some(Utc::now().trunc_subsecs(3)),
             datacontenttype: Some("application/json".to_owned()),
             traceparent: TraceParent::current().map(|t| t.to_string()),
             data: None,
@@ -198,6 +200,7 @@ impl Envelope {
         );
         data.insert("version".into(), Value::from(meta.version));
         let mut env = Self::new(source, E::TYPE);
+        env.time = Some(meta.occurred_at.trunc_subsecs(3));
         env.subject = Some(event.subject());
         env.data = Some(Value::Object(data));
         env.validate()?;

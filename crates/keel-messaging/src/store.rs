@@ -881,6 +881,50 @@ pub struct WebhookEndpoint {
     /// The tenant that owns it: only that tenant's callers see, change or
     /// resend it (empty: no tenant, managed by operators only).
     pub tenant: String,
+    /// How its deliveries are put on the wire.
+    pub format: WebhookFormat,
+}
+
+/// How a webhook is put on the wire. Every format is signed the same way
+/// (Standard Webhooks `webhook-id`, `webhook-timestamp` and
+/// `webhook-signature` over the exact body sent); they differ in what the
+/// body and headers hold, so a receiver uses the SDK it already has.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WebhookFormat {
+    /// The Standard Webhooks payload, `application/json`:
+    /// `{"id","type","timestamp","sequence"?,"source"?,"data"}`.
+    #[default]
+    StandardWebhooks,
+    /// A CloudEvents 1.0 event in structured mode:
+    /// `application/cloudevents+json`, attributes and `data` in the body.
+    CloudeventsStructured,
+    /// A CloudEvents 1.0 event in binary mode: attributes as `ce-*`
+    /// headers, `data` alone as the `application/json` body.
+    CloudeventsBinary,
+}
+
+impl WebhookFormat {
+    /// Every format.
+    pub const ALL: [Self; 3] = [
+        Self::StandardWebhooks,
+        Self::CloudeventsStructured,
+        Self::CloudeventsBinary,
+    ];
+
+    /// The stored (and API) name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::StandardWebhooks => "standard-webhooks",
+            Self::CloudeventsStructured => "cloudevents-structured",
+            Self::CloudeventsBinary => "cloudevents-binary",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.as_str() == name)
+    }
 }
 
 impl WebhookEndpoint {

@@ -29,7 +29,7 @@ use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::{
     ClaimedDelivery, DeliveryAttempt, DeliveryFilter, DeliveryOutcome, DeliveryStatus, Store,
-    WebhookDelivery, WebhookEndpoint, WebhookMessage, WebhookSecret, WebhookStore,
+    WebhookDelivery, WebhookEndpoint, WebhookFormat, WebhookMessage, WebhookSecret, WebhookStore,
 };
 use serde::Serialize;
 use sqlx::Row;
@@ -43,15 +43,16 @@ use crate::store::retry::retry;
 
 const ENDPOINT_COLUMNS: &str = "id, url, description, event_types::text AS event_types, \
     secrets::text AS secrets, enabled, disabled_reason, disabled_at, failing_since, \
-    last_success_at, created_at, updated_at, tenant";
+    last_success_at, created_at, updated_at, tenant, format";
 
 const DELIVERY_COLUMNS: &str = "id, endpoint_id, event_id, event_type, payload, status, \
     attempts, next_attempt_at, created_at, updated_at, leased_by, leased_until";
 
 const ENDPOINT_INSERT_SQL: &str = "\
 INSERT INTO keel_webhook_endpoints (id, url, description, event_types, secrets, enabled,
-    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant)
-VALUES ($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7, $8, $9, $10, $11, $12, $13)";
+    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant,
+    format)
+VALUES ($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
 const ENDPOINT_UPDATE_SQL: &str = "\
 UPDATE keel_webhook_endpoints SET url = $2, description = $3, event_types = $4::jsonb,
@@ -218,6 +219,7 @@ impl WebhookStore for PgStore {
                 .bind(endpoint.created_at)
                 .bind(endpoint.updated_at)
                 .bind(endpoint.tenant.as_str())
+                .bind(endpoint.format.as_str())
                 .execute(&self.pool)
                 .await
                 .map_err(db_error)
@@ -884,6 +886,10 @@ fn endpoint_from_row(row: &PgRow) -> Result<WebhookEndpoint, StoreError> {
         created_at: row.try_get("created_at").map_err(db_error)?,
         updated_at: row.try_get("updated_at").map_err(db_error)?,
         tenant: row.try_get("tenant").map_err(db_error)?,
+        format: {
+            let name: String = row.try_get("format").map_err(db_error)?;
+            WebhookFormat::parse(&name).ok_or_else(|| corrupt("webhook format", &name))?
+        },
     })
 }
 

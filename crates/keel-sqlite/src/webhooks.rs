@@ -27,7 +27,7 @@ use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::{
     ClaimedDelivery, DeliveryAttempt, DeliveryFilter, DeliveryOutcome, DeliveryStatus, Store,
-    WebhookDelivery, WebhookEndpoint, WebhookMessage, WebhookSecret, WebhookStore,
+    WebhookDelivery, WebhookEndpoint, WebhookFormat, WebhookMessage, WebhookSecret, WebhookStore,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
@@ -38,15 +38,16 @@ use crate::store::codec::from_ms;
 use crate::store::error::db_error;
 
 const ENDPOINT_COLUMNS: &str = "id, url, description, event_types, secrets, enabled, \
-    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant";
+    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant, format";
 
 const DELIVERY_COLUMNS: &str = "id, endpoint_id, event_id, event_type, payload, status, \
     attempts, next_attempt_at, created_at, updated_at, leased_by, leased_until";
 
 const ENDPOINT_INSERT_SQL: &str = "\
 INSERT INTO keel_webhook_endpoints (id, url, description, event_types, secrets, enabled,
-    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)";
+    disabled_reason, disabled_at, failing_since, last_success_at, created_at, updated_at, tenant,
+    format)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)";
 
 const ENDPOINT_UPDATE_SQL: &str = "\
 UPDATE keel_webhook_endpoints SET url = ?2, description = ?3, event_types = ?4, updated_at = ?5
@@ -202,6 +203,7 @@ impl WebhookStore for SqliteStore {
             .bind(ms(endpoint.created_at))
             .bind(ms(endpoint.updated_at))
             .bind(endpoint.tenant.as_str())
+            .bind(endpoint.format.as_str())
             .execute(self.pool())
             .await
             .map_err(db_error)?;
@@ -835,6 +837,10 @@ fn endpoint_from_row(row: &SqliteRow) -> Result<WebhookEndpoint, StoreError> {
         created_at: from_ms(row.try_get("created_at").map_err(db_error)?)?,
         updated_at: from_ms(row.try_get("updated_at").map_err(db_error)?)?,
         tenant: row.try_get("tenant").map_err(db_error)?,
+        format: {
+            let name: String = row.try_get("format").map_err(db_error)?;
+            WebhookFormat::parse(&name).ok_or_else(|| corrupt(format!("format {name:?}")))?
+        },
     })
 }
 

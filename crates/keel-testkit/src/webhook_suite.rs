@@ -71,6 +71,7 @@ pub fn endpoint(id: &str, event_types: &[&str]) -> WebhookEndpoint {
         created_at: t0(),
         updated_at: t0(),
         tenant: String::new(),
+        format: Default::default(),
     }
 }
 
@@ -164,6 +165,7 @@ pub async fn endpoints_round_trip<S: WebhookStore>(store: &S) {
     let mut b = endpoint("ep-b", &[]);
     b.created_at = t(1);
     b.updated_at = t(1);
+    b.format = keel_messaging::store::WebhookFormat::CloudeventsBinary;
     create(store, &a).await;
     create(store, &b).await;
     assert_eq!(

@@ -15,9 +15,10 @@ use crate::shop::model::{DemoFault, Item, NewOrder, Order, OrderStatus};
     params(
         ("customerId" = String, Query, description = "Whose events"),
         ("after" = Option<i64>, Query, description = "The last seq seen"),
+        ("format" = Option<String>, Query, description = "`cloudevents`: the events as a CloudEvents batch (as `Accept: application/cloudevents-batch+json` asks)"),
     ),
     responses(
-        (status = 200, description = "Events after the cursor, and the new cursor"),
+        (status = 200, description = "Events after the cursor and the new cursor (`{events, cursor, truncated}`); or, asked for CloudEvents, a batch of structured CloudEvents (`application/cloudevents-batch+json`, id `<stream>/<seq>`, the cursor in `Keel-Cursor`, `Keel-Truncated: true` when events were trimmed)"),
         (status = 204, description = "Nothing new within the poll timeout (25 s), or half a second before the request's deadline (at most 10 s, or the X-Request-Deadline-Unix-Ms sent)"),
         (status = 400, description = "Bad cursor"),
         (status = 401, description = "No or bad customerId"),
@@ -30,6 +31,7 @@ pub fn doc_updates() {}
     params(
         ("customerId" = String, Query, description = "Whose events"),
         ("Last-Event-ID" = Option<String>, Header, description = "Resume after this seq"),
+        ("format" = Option<String>, Query, description = "`cloudevents`: each event's `data:` is a structured CloudEvent"),
     ),
     responses(
         (status = 200, description = "text/event-stream"),
@@ -119,6 +121,7 @@ pub fn doc_openapi() {}
         orders::OrderPage,
         reports::Report,
         webhooks::CreateEndpoint,
+        webhooks::Format,
         webhooks::EndpointView,
         webhooks::DeliveryView,
         ProblemDetails,

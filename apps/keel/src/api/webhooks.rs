@@ -19,7 +19,7 @@ use keel_http::access::Tenant;
 use keel_http::problem::Problem;
 use keel_http::webhooks::{
     DeliveryFilter, Endpoints, NewEndpoint, VerifiedWebhook, WebhookDelivery, WebhookEndpoint,
-    WebhookError, WebhookReceiver, WebhookRejection,
+    WebhookError, WebhookFormat, WebhookReceiver, WebhookRejection,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -71,6 +71,44 @@ pub struct CreateEndpoint {
     #[serde(default)]
     #[schema(max_items = 100, inline)]
     pub event_types: Vec<EventTypeFilter>,
+    /// How deliveries go on the wire (default `standard-webhooks`).
+    #[serde(default)]
+    pub format: Format,
+}
+
+/// How an endpoint's deliveries go on the wire. All are signed alike
+/// (`webhook-id`, `webhook-timestamp`, `webhook-signature` over the body).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Format {
+    /// `{"id","type","timestamp","sequence","source","data"}`,
+    /// `application/json`.
+    #[default]
+    StandardWebhooks,
+    /// A CloudEvents 1.0 event, `application/cloudevents+json`.
+    CloudeventsStructured,
+    /// CloudEvents 1.0 attributes as `ce-*` headers, `data` as the body.
+    CloudeventsBinary,
+}
+
+impl From<Format> for WebhookFormat {
+    fn from(format: Format) -> Self {
+        match format {
+            Format::StandardWebhooks => Self::StandardWebhooks,
+            Format::CloudeventsStructured => Self::CloudeventsStructured,
+            Format::CloudeventsBinary => Self::CloudeventsBinary,
+        }
+    }
+}
+
+impl From<WebhookFormat> for Format {
+    fn from(format: WebhookFormat) -> Self {
+        match format {
+            WebhookFormat::StandardWebhooks => Self::StandardWebhooks,
+            WebhookFormat::CloudeventsStructured => Self::CloudeventsStructured,
+            WebhookFormat::CloudeventsBinary => Self::CloudeventsBinary,
+        }
+    }
 }
 
 /// An event type (`order.completed`), a prefix (`order.*`) or `*`: visible
@@ -96,6 +134,8 @@ pub struct EndpointView {
     pub enabled: bool,
     /// Why it was disabled.
     pub disabled_reason: Option<String>,
+    /// How its deliveries go on the wire.
+    pub format: Format,
     /// The signing secret: only in the answer to `POST`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
@@ -110,6 +150,7 @@ impl EndpointView {
             event_types: e.event_types,
             enabled: e.enabled,
             disabled_reason: e.disabled_reason,
+            format: e.format.into(),
             secret,
         }
     }
@@ -253,6 +294,7 @@ pub async fn create_endpoint<S: ShopStore>(
     let new = NewEndpoint::new(req.url)
         .description(req.description)
         .event_types(req.event_types.into_iter().map(|f| f.0))
+        .format(req.format.into())
         .tenant(tenant.as_str());
     match api.endpoints.create(new).await {
         Ok((endpoint, secret)) => (

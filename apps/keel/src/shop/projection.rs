@@ -78,11 +78,11 @@ impl<S: ShopStore> Projection<S> {
             if let Some(stream) = customer_stream(&s.customer_id) {
                 appended.push(self.log.append(&mut tx, &stream, &ty, &data).await?);
             }
-            events.push(WebhookEvent::new(ty, data).with_id(format!(
-                "{}:{}",
-                s.order_id,
-                s.status.as_str()
-            )));
+            events.push(
+                WebhookEvent::new(ty, data)
+                    .with_source(crate::api::orders::SOURCE)
+                    .with_id(format!("{}:{}", s.order_id, s.status.as_str())),
+            );
         }
         let queued = self.webhooks.enqueue(&mut tx, &events).await?;
         self.log.commit(tx, appended).await?;

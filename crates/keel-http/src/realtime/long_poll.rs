@@ -39,7 +39,9 @@ use keel_core::{Deadline, clock};
 use keel_messaging::store::{EventLogStore, LoggedEvent};
 use serde::Serialize;
 
+use super::cloudevents;
 use super::reject::{RealtimeRejection, after_param, refuse, store_failure};
+use super::stream::StreamId;
 use super::{Gauge, Realtime, wait_drain};
 
 const TRANSPORT: &str = "long_poll";
@@ -100,6 +102,9 @@ pub(crate) async fn handler<S: EventLogStore>(
         };
         if !events.is_empty() {
             metrics::counter!("keel_long_poll_total", "outcome" => "events").increment(1);
+            if cloudevents::wanted(&parts) {
+                return cloudevents_response(after, &stream, &events, &options.source);
+            }
             return events_response(after, &events);
         }
         waiting.get_or_insert_with(|| realtime.open(Gauge::LongPollWaiting));
@@ -155,6 +160,40 @@ fn events_response(after: i64, events: &[LoggedEvent]) -> Response {
     no_store(&mut response);
     response
 }
+
+/// The events as a CloudEvents batch; the cursor and truncation, which a
+/// batch has no place for, go in headers.
+fn cloudevents_response(
+    after: i64,
+    stream: &StreamId,
+    events: &[LoggedEvent],
+    source: &str,
+) -> Response {
+    let batch: Vec<serde_json::Value> = events
+        .iter()
+        .map(|e| cloudevents::event(stream, e, source))
+        .collect();
+    let mut response = Json(batch).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(cloudevents::BATCH_CONTENT_TYPE),
+    );
+    let cursor = events.last().map_or(after, |e| e.seq);
+    headers.insert(CURSOR_HEADER, HeaderValue::from(cursor));
+    if after > 0 && events.first().is_some_and(|e| e.seq > after + 1) {
+        metrics::counter!("keel_realtime_truncated_total").increment(1);
+        headers.insert(TRUNCATED_HEADER, HeaderValue::from_static("true"));
+    }
+    no_store(&mut response);
+    response
+}
+
+/// The cursor of a CloudEvents batch: send it back as `after`.
+pub const CURSOR_HEADER: header::HeaderName = header::HeaderName::from_static("keel-cursor");
+
+/// Set on a CloudEvents batch when events after `after` were trimmed.
+pub const TRUNCATED_HEADER: header::HeaderName = header::HeaderName::from_static("keel-truncated");
 
 fn no_content(outcome: &'static str) -> Response {
     metrics::counter!("keel_long_poll_total", "outcome" => outcome).increment(1);

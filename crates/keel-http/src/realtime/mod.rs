@@ -79,6 +79,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod cloudevents;
 pub mod feed;
 mod log;
 pub mod long_poll;

@@ -103,6 +103,7 @@ pub struct RealtimeOptions {
     pub(crate) dedup_ttl: Duration,
     pub(crate) max_per_client: usize,
     pub(crate) max_total: usize,
+    pub(crate) source: String,
     /// Origins as given, checked in `validate`.
     raw_origins: Vec<String>,
 }
@@ -128,6 +129,7 @@ impl Default for RealtimeOptions {
             dedup_ttl: DEFAULT_DEDUP_TTL,
             max_per_client: super::slots::DEFAULT_MAX_PER_CLIENT,
             max_total: super::slots::DEFAULT_MAX_TOTAL,
+            source: super::cloudevents::DEFAULT_SOURCE.to_owned(),
             raw_origins: Vec::new(),
         }
     }
@@ -246,6 +248,14 @@ impl RealtimeOptions {
     pub fn max_connections(mut self, per_client: usize, total: usize) -> Self {
         self.max_per_client = per_client;
         self.max_total = total;
+        self
+    }
+
+    /// The CloudEvents `source` of the log's events, for clients that read
+    /// them as CloudEvents (default [`DEFAULT_SOURCE`](super::cloudevents::DEFAULT_SOURCE);
+    /// see [`cloudevents`](super::cloudevents)).
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.source = source.into();
         self
     }
 

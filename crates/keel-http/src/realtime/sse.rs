@@ -68,6 +68,7 @@ use futures_util::Stream;
 use keel_core::clock;
 use keel_messaging::store::EventLogStore;
 
+use super::cloudevents;
 use super::feed::{Fed, Frame, Mode, TRUNCATED_EVENT, feed};
 use super::notifier::Subscription;
 use super::queue::{Pop, Push, Receiver, SendQueue};
@@ -108,6 +109,7 @@ pub(crate) async fn handler<S: EventLogStore>(
     let size = retry_frame.len();
     let _ = queue.try_push(retry_frame, size);
     let producer = Producer {
+        cloudevents: cloudevents::wanted(&parts),
         realtime,
         stream,
         subscription,
@@ -134,12 +136,19 @@ fn event_stream(body: Body) -> Response {
     response
 }
 
-/// Encodes one frame.
-fn encode(frame: Frame<'_>, retry: u64) -> (Bytes, usize) {
+/// Encodes one frame; with `cloud` (the stream and the source), an event's
+/// data is a structured CloudEvent.
+fn encode(frame: Frame<'_>, retry: u64, cloud: Option<&(StreamId, String)>) -> (Bytes, usize) {
     let mut text = String::new();
     match frame {
         Frame::Event(event) => {
-            let data = serde_json::to_string(&event.data).unwrap_or_else(|_| "null".to_owned());
+            let data = match cloud {
+                Some((stream, source)) => {
+                    serde_json::to_string(&cloudevents::event(stream, event, source))
+                }
+                None => serde_json::to_string(&event.data),
+            }
+            .unwrap_or_else(|_| "null".to_owned());
             // `EventLog::append` refuses control characters; a row written
             // around it must still not break the framing.
             let event_type: std::borrow::Cow<'_, str> = if event.event_type.contains(['\r', '\n']) {
@@ -172,6 +181,8 @@ struct Producer<S> {
     /// The highest seq queued (or the client's cursor).
     last: i64,
     retry: u64,
+    /// Whether each event's `data:` is a structured CloudEvent.
+    cloudevents: bool,
     /// Held while the stream lives.
     _slot: super::slots::ClientSlot,
 }
@@ -219,6 +230,9 @@ impl<S: EventLogStore> Producer<S> {
         let batch = options.read_batch.get();
         let log = self.realtime.log();
         let retry = self.retry;
+        let cloud = self
+            .cloudevents
+            .then(|| (self.stream.clone(), options.source.clone()));
         let mut drain = self.realtime.drain_signal();
         let mut catching_up = true;
         let mut keepalive_at = clock::now() + options.keepalive;
@@ -247,7 +261,7 @@ impl<S: EventLogStore> Producer<S> {
                 batch,
                 queue,
                 mode,
-                |frame| encode(frame, retry),
+                |frame| encode(frame, retry, cloud.as_ref()),
             )
             .await;
             match fed {

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use keel_messaging::StoreError;
-use keel_messaging::store::{WebhookEndpoint, WebhookSecret, WebhookStore};
+use keel_messaging::store::{WebhookEndpoint, WebhookFormat, WebhookSecret, WebhookStore};
 
 use super::WallClock;
 use super::error::WebhookError;
@@ -44,6 +44,8 @@ pub struct NewEndpoint {
     pub secret: Option<Secret>,
     /// The tenant that owns it (default: none).
     pub tenant: String,
+    /// How deliveries go on the wire (default: Standard Webhooks).
+    pub format: WebhookFormat,
 }
 
 impl NewEndpoint {
@@ -56,7 +58,14 @@ impl NewEndpoint {
             id: None,
             secret: None,
             tenant: String::new(),
+            format: WebhookFormat::default(),
         }
+    }
+
+    /// Sets how deliveries go on the wire.
+    pub fn format(mut self, format: WebhookFormat) -> Self {
+        self.format = format;
+        self
     }
 
     /// Sets the owning tenant.
@@ -177,6 +186,7 @@ impl<S: WebhookStore> Endpoints<S> {
             created_at: now,
             updated_at: now,
             tenant: new.tenant,
+            format: new.format,
         };
         self.store.webhook_endpoint_create(&endpoint).await?;
         metrics::counter!("keel_webhook_endpoints_created_total").increment(1);

@@ -53,6 +53,7 @@ pub mod sealing;
 mod sender;
 pub mod signing;
 pub mod ssrf;
+pub mod wire;
 mod worker;
 
 pub use clock::WallClock;
@@ -71,10 +72,12 @@ pub use receiver::{VerifiedWebhook, WebhookReceiver, WebhookRejection};
 pub use sender::{
     DEFAULT_MAX_PAYLOAD, MAX_EVENT_TYPE_LEN, WebhookEvent, WebhookFanout, WebhookOutbox,
 };
+pub use wire::DEFAULT_SOURCE;
 pub use worker::{BatchReport, DeliveryWorker};
 
 /// The storage types, re-exported so using webhooks needs no direct
 /// dependency on `keel-messaging`'s module paths.
 pub use keel_messaging::store::{
-    DeliveryAttempt, DeliveryFilter, DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookStore,
+    DeliveryAttempt, DeliveryFilter, DeliveryStatus, WebhookDelivery, WebhookEndpoint,
+    WebhookFormat, WebhookStore,
 };

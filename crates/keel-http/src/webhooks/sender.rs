@@ -9,12 +9,16 @@
 //! reads the event off the broker), and the [`DeliveryWorker`] sends them
 //! afterwards.
 //!
-//! The body is the Standard Webhooks payload shape, with the event id and an
-//! optional sequence number added so a receiver can dedupe and order:
+//! The body queued is the Standard Webhooks payload shape, with the event
+//! id, an optional sequence number (so a receiver can dedupe and order) and
+//! an optional source added:
 //!
 //! ```json
-//! {"id":"evt_0190f5c4...","type":"order.paid","timestamp":"2026-11-29T10:00:00.000Z","sequence":7,"data":{...}}
+//! {"id":"evt_0190f5c4...","type":"order.paid","timestamp":"2026-11-29T10:00:00.000Z","sequence":7,"source":"/shop/orders","data":{...}}
 //! ```
+//!
+//! An endpoint whose [`WebhookFormat`](super::WebhookFormat) is CloudEvents
+//! receives it as a CloudEvent instead (see [`super::wire`]).
 //!
 //! `timestamp` is when the event *occurred*, not when it was sent: retries
 //! mean a refund can arrive before the payment it refunds, and receivers
@@ -69,6 +73,9 @@ pub struct WebhookEvent {
     pub sequence: Option<i64>,
     /// The event's data.
     pub data: serde_json::Value,
+    /// Who produced it, a URI reference (a CloudEvents `source`); absent,
+    /// CloudEvents endpoints get [`DEFAULT_SOURCE`](super::DEFAULT_SOURCE).
+    pub source: Option<String>,
 }
 
 impl WebhookEvent {
@@ -80,7 +87,14 @@ impl WebhookEvent {
             occurred_at: WallClock::system().now(),
             sequence: None,
             data,
+            source: None,
         }
+    }
+
+    /// Sets who produced it (the CloudEvents `source`).
+    pub fn with_source(mut self, source: impl Into<String>) -> Self {
+        self.source = Some(source.into());
+        self
     }
 
     /// Sets the id (use your domain event's id, so the same event always
@@ -115,6 +129,7 @@ impl WebhookEvent {
                 .unwrap_or_else(|| WallClock::system().now()),
             sequence: envelope.version().and_then(|v| i64::try_from(v).ok()),
             data: envelope.data.clone().unwrap_or(serde_json::Value::Null),
+            source: Some(envelope.source.clone()),
         }
     }
 
@@ -128,6 +143,8 @@ impl WebhookEvent {
             timestamp: String,
             #[serde(skip_serializing_if = "Option::is_none")]
             sequence: Option<i64>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            source: Option<&'a str>,
             data: &'a serde_json::Value,
         }
         serde_json::to_vec(&Body {
@@ -137,6 +154,7 @@ impl WebhookEvent {
                 .occurred_at
                 .to_rfc3339_opts(SecondsFormat::Millis, true),
             sequence: self.sequence,
+            source: self.source.as_deref(),
             data: &self.data,
         })
         .map_err(|e| WebhookError::invalid("data", e.to_string()))

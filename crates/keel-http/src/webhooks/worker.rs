@@ -42,6 +42,7 @@ use super::attempt::{self, AttemptResult, Limits};
 use super::error::WebhookError;
 use super::options::{DisableReason, EndpointDisabled, WorkerOptions};
 use super::signing::{Secret, signature_headers};
+use super::wire;
 
 /// How often recording a batch of outcomes is tried before it is given up
 /// (the leases then expire and the deliveries are sent again).
@@ -510,55 +511,57 @@ async fn attempt_one<S: WebhookStore>(inner: Arc<Inner<S>>, claimed: ClaimedDeli
     let started = opts.clock.now();
     let number = delivery.attempts.saturating_add(1);
 
-    let mut headers = HeaderMap::with_capacity(6);
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    let mut headers = HeaderMap::with_capacity(12);
     headers.insert(header::USER_AGENT, inner.user_agent.clone());
     let mut permanent = false;
-    let result = if delivery.payload.len() > opts.max_payload {
-        permanent = true;
-        AttemptResult::failed(
-            &endpoint.url,
-            format!(
-                "payload is {} bytes; the limit is {}",
-                delivery.payload.len(),
-                opts.max_payload
-            ),
-        )
+    let rendered = if delivery.payload.len() > opts.max_payload {
+        Err(format!(
+            "payload is {} bytes; the limit is {}",
+            delivery.payload.len(),
+            opts.max_payload
+        ))
     } else {
-        let secrets: Vec<Secret> = endpoint
-            .active_secrets(started)
-            .filter_map(|s| match opts.sealer.open(&s.secret) {
-                Ok(secret) => Secret::parse(&secret).ok(),
-                Err(err) => {
-                    tracing::error!(endpoint = %endpoint.id, error = %err, "cannot open an endpoint secret");
-                    None
+        wire::render(endpoint.format, &delivery.payload).map_err(|e| e.to_string())
+    };
+    let result = match rendered {
+        Err(why) => {
+            permanent = true;
+            AttemptResult::failed(&endpoint.url, why)
+        }
+        Ok(wire) => {
+            headers.extend(wire.headers.into_iter().map(|(k, v)| (Some(k), v)));
+            let secrets: Vec<Secret> = endpoint
+                .active_secrets(started)
+                .filter_map(|s| match opts.sealer.open(&s.secret) {
+                    Ok(secret) => Secret::parse(&secret).ok(),
+                    Err(err) => {
+                        tracing::error!(endpoint = %endpoint.id, error = %err, "cannot open an endpoint secret");
+                        None
+                    }
+                })
+                .collect();
+            match signature_headers(
+                &opts.scheme,
+                &secrets,
+                &delivery.event_id,
+                started.timestamp(),
+                &wire.body,
+            ) {
+                Ok(signature) => {
+                    headers.extend(signature.into_iter().map(|(k, v)| (Some(k), v)));
+                    attempt::post(
+                        &inner.client,
+                        &opts.guard,
+                        &endpoint.url,
+                        &headers,
+                        wire.body,
+                        inner.limits,
+                        opts.clock.unix_millis(),
+                    )
+                    .await
                 }
-            })
-            .collect();
-        match signature_headers(
-            &opts.scheme,
-            &secrets,
-            &delivery.event_id,
-            started.timestamp(),
-            &delivery.payload,
-        ) {
-            Ok(signature) => {
-                headers.extend(signature.into_iter().map(|(k, v)| (Some(k), v)));
-                attempt::post(
-                    &inner.client,
-                    &opts.guard,
-                    &endpoint.url,
-                    &headers,
-                    delivery.payload.clone(),
-                    inner.limits,
-                    opts.clock.unix_millis(),
-                )
-                .await
+                Err(err) => AttemptResult::failed(&endpoint.url, err.to_string()),
             }
-            Err(err) => AttemptResult::failed(&endpoint.url, err.to_string()),
         }
     };
 

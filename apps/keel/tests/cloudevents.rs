@@ -1,0 +1,164 @@
+//! Keel's events read by the official CloudEvents SDK: webhooks in
+//! structured and binary mode (an endpoint's `format`), signed as Standard
+//! Webhooks in every format, and the event log as a CloudEvents batch (long
+//! poll) and as CloudEvents in an SSE stream, all from a real `keel serve`.
+
+mod common;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::http::HeaderMap;
+use cloudevents::{AttributesReader, Data, Event};
+use common::{ACME_KEY, Server, eventually, serve};
+use keel_http::webhooks::WebhookReceiver;
+use keel_http::webhooks::signing::Secret;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+
+/// What a receiver got: each request's headers and body.
+type Received = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
+
+/// A loopback receiver that keeps every request it gets.
+async fn receiver() -> (String, Received) {
+    let received: Received = Arc::default();
+    let kept = Arc::clone(&received);
+    let app = Router::new().fallback(move |headers: HeaderMap, body: Bytes| {
+        let kept = Arc::clone(&kept);
+        async move {
+            kept.lock().push((headers, body));
+            "ok"
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, received)
+}
+
+/// Registers an endpoint in `format`; returns its signing secret.
+async fn endpoint(http: &reqwest::Client, s: &Server, url: &str, format: &str) -> Secret {
+    let created: Value = http
+        .post(format!("{}/webhook-endpoints", s.url))
+        .bearer_auth(ACME_KEY)
+        .json(&json!({"url": url, "format": format, "eventTypes": ["order.completed"]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(created["format"], format);
+    Secret::parse(created["secret"].as_str().unwrap()).unwrap()
+}
+
+/// The first request `received` got, once it got one, checked against the
+/// Standard Webhooks signature of `secret`.
+async fn first_signed(received: &Received, secret: &Secret) -> (HeaderMap, Bytes) {
+    eventually("a delivery", || async { !received.lock().is_empty() }).await;
+    let (headers, body) = received.lock()[0].clone();
+    WebhookReceiver::new([secret.clone()])
+        .verify(&headers, &body)
+        .expect("signed as Standard Webhooks over the body sent");
+    (headers, body)
+}
+
+fn data(event: &Event) -> Value {
+    match event.data() {
+        Some(Data::Json(json)) => json.clone(),
+        Some(Data::Binary(bytes)) => serde_json::from_slice(bytes).unwrap(),
+        Some(Data::String(text)) => serde_json::from_str(text).unwrap(),
+        None => Value::Null,
+    }
+}
+
+fn assert_order_completed(event: &Event, order: &str) {
+    assert_eq!(event.ty(), "order.completed");
+    assert_eq!(event.source().to_string(), "/keel/shop/orders");
+    assert_eq!(event.id(), format!("{order}:completed"));
+    assert!(event.time().is_some(), "time is set");
+    assert_eq!(data(event)["orderId"], order);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_in_every_format_and_the_event_log_read_as_cloudevents_by_the_sdk() {
+    let s = serve(&["--allow-loopback-webhooks"]);
+    let http = reqwest::Client::new();
+    let (standard_url, standard) = receiver().await;
+    let (structured_url, structured) = receiver().await;
+    let (binary_url, binary) = receiver().await;
+    let standard_secret = endpoint(&http, &s, &standard_url, "standard-webhooks").await;
+    let structured_secret = endpoint(&http, &s, &structured_url, "cloudevents-structured").await;
+    let binary_secret = endpoint(&http, &s, &binary_url, "cloudevents-binary").await;
+
+    let placed: Value = http
+        .post(format!("{}/orders", s.url))
+        .header("idempotency-key", "ce-1")
+        .json(&json!({"customerId": "ce", "currency": "USD",
+            "items": [{"sku": "tea", "qty": 1, "unitPriceCents": 450}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let order = placed["id"].as_str().unwrap();
+
+    let (headers, body) = first_signed(&standard, &standard_secret).await;
+    assert_eq!(headers["content-type"], "application/json");
+    let plain: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(plain["type"], "order.completed");
+    assert_eq!(plain["data"]["orderId"], order);
+    assert!(plain["timestamp"].as_str().is_some());
+
+    let (headers, body) = first_signed(&structured, &structured_secret).await;
+    assert_eq!(headers["content-type"], "application/cloudevents+json");
+    let event = cloudevents::binding::http::to_event(&headers, body.to_vec())
+        .expect("the SDK reads structured mode");
+    assert_order_completed(&event, order);
+
+    let (headers, body) = first_signed(&binary, &binary_secret).await;
+    assert!(headers.contains_key("ce-id"), "attributes are headers");
+    let event = cloudevents::binding::http::to_event(&headers, body.to_vec())
+        .expect("the SDK reads binary mode");
+    assert_order_completed(&event, order);
+
+    // The event log: a long poll's batch, and an SSE stream.
+    let polled = http
+        .get(format!("{}/updates?customerId=ce&after=0", s.url))
+        .header("accept", "application/cloudevents-batch+json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        polled.headers()["content-type"],
+        "application/cloudevents-batch+json"
+    );
+    let cursor = polled.headers()["keel-cursor"].to_str().unwrap().to_owned();
+    let batch: Vec<Event> = polled.json().await.expect("the SDK reads a batch");
+    assert_eq!(batch[0].ty(), "order.placed");
+    assert_eq!(batch[0].id(), "customer:ce/1");
+    assert_eq!(data(&batch[0])["orderId"], order);
+    assert_eq!(cursor, batch.len().to_string());
+
+    let mut stream = http
+        .get(format!("{}/stream?customerId=ce&format=cloudevents", s.url))
+        .send()
+        .await
+        .unwrap();
+    let mut text = String::new();
+    let line = loop {
+        let chunk = stream.chunk().await.unwrap().expect("the stream goes on");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        // A whole `data:` line, not one cut at a chunk's end.
+        if let Some(start) = text.find("data: ")
+            && let Some(len) = text[start..].find('\n')
+        {
+            break text[start + "data: ".len()..start + len].to_owned();
+        }
+    };
+    let event: Event = serde_json::from_str(&line).expect("the SDK reads an SSE event");
+    assert_eq!(event.id(), "customer:ce/1");
+    assert_eq!(event.ty(), "order.placed");
+}
