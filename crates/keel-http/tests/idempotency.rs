@@ -526,8 +526,8 @@ async fn expired_keys_run_again_and_are_pruned() {
     let fx = fixture().await;
     let runs = Arc::new(AtomicUsize::new(0));
     let short = IdempotencyOptions::new()
-        .ttl(Duration::from_millis(200))
-        .lock(Duration::from_millis(200));
+        .ttl(Duration::from_millis(500))
+        .lock(Duration::from_millis(500));
     let app = counting_app(runs.clone())
         .layer(IdempotencyLayer::with_options(fx.store.clone(), short).expect("options"));
     send(&app, post_req(Some("old"), "{}")).await;
@@ -535,7 +535,7 @@ async fn expired_keys_run_again_and_are_pruned() {
     let (_, h, _) = send(&app, post_req(Some("old"), "{}")).await;
     assert_eq!(h["idempotent-replayed"], "true", "within the TTL: replayed");
 
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     let (s, h, _) = send(&app, post_req(Some("old"), r#"{"new":true}"#)).await;
     assert_eq!(s, StatusCode::CREATED);
     assert!(
@@ -547,7 +547,7 @@ async fn expired_keys_run_again_and_are_pruned() {
     // "older" expired and is pruned; "old" was just renewed and stays.
     assert_eq!(prune_expired(&fx.store, 1).await.expect("prune"), 1);
     assert_eq!(prune_expired(&fx.store, 100).await.expect("prune"), 0);
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(prune_expired(&fx.store, 100).await.expect("prune"), 1);
 }
 
@@ -667,7 +667,9 @@ impl Runs {
 async fn a_slow_request_keeps_its_key_past_the_lock() {
     let (store, _dir) = restarting_store(0).await;
     let runs = Runs::default();
-    let options = IdempotencyOptions::new().lock(Duration::from_millis(150));
+    // A lock short enough to renew several times, long enough that a
+    // renewal on a loaded machine still lands in time.
+    let options = IdempotencyOptions::new().lock(Duration::from_millis(600));
     let app = runs
         .app()
         .layer(IdempotencyLayer::with_options(store.clone(), options).expect("options"));
@@ -676,7 +678,7 @@ async fn a_slow_request_keeps_its_key_past_the_lock() {
         async move { send(&app, post_req(Some("slow"), "{}")).await }
     });
     runs.entered.notified().await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(2400)).await;
     let (s, _, _) = send(&app, post_req(Some("slow"), "{}")).await;
     assert_eq!(s, StatusCode::CONFLICT, "four locks later, still its key");
     assert!(store.renewals.load(Ordering::SeqCst) >= 3, "it renewed");
@@ -697,7 +699,7 @@ async fn a_key_whose_holder_is_cut_off_is_taken_over_and_runs_never_overlap() {
     cut_off.renewals_fail = true;
     cut_off.settles_hang = true;
     let runs = Runs::default();
-    let lock = Duration::from_millis(300);
+    let lock = Duration::from_secs(1);
     let options = || IdempotencyOptions::new().lock(lock);
     let first = runs
         .app()

@@ -137,7 +137,7 @@ pub enum IdempotencyRejection {
     /// request took the key over). Retrying with the same key is safe.
     #[error(
         "this request was stopped: its Idempotency-Key's lock could not be kept (the key store \
-         did not answer in time); retry with the same key"
+         did not confirm it in time, or another request took the key over); retry with the same key"
     )]
     LockLost {
         /// Sent as `Retry-After`.
