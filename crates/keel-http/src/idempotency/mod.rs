@@ -61,7 +61,12 @@
 //! key). If the store
 //! fails while the response is stored or the key released (a database
 //! restart), the layer keeps trying in the background, so retries get the
-//! replay once the store is back.
+//! replay once the store is back. That is the window a short lock trades
+//! for a fast takeover: a store down for longer than the lock between a
+//! handler's effect and its stored response may see a retry take the key
+//! over and run the handler again when it returns. Handlers whose effect is
+//! in the same store close it as the shop does: derive the effect's id from
+//! the key, and answer with what a first run did.
 //!
 //! Keys live 24 hours by default ([`IdempotencyOptions::ttl`]);
 //! [`spawn_pruner`] or [`prune_expired`] delete them afterwards.
