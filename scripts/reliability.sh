@@ -9,6 +9,11 @@
 #       the scale-out crash test (two keel serve processes; PostgreSQL
 #       immediate shutdown and nats-server SIGKILL mid-run) RUNS times in a
 #       row, under scripts/services.sh.
+#   scripts/reliability.sh chaos-busy-disk ROUNDS [BINARY]
+#       the chaos tests of seeds 3, 5 and 13 at once, ROUNDS times, next to
+#       a loop of fsynced 300 MB writes (a busy disk, as a parallel build
+#       makes it), with warnings logged; BINARY is a chaos test binary to
+#       use instead of this commit's (to compare commits).
 #   scripts/reliability.sh openapi-fuzz FIRST LAST [EXAMPLES]
 #       Schemathesis against a fresh `keel serve` for every seed
 #       FIRST..LAST (default 100 examples per operation).
@@ -65,6 +70,40 @@ scale_out_crash() {
   echo "scale-out crash: $runs runs, $passed passed"
 }
 
+chaos_busy_disk() {
+  local rounds="$1" bin="${2:-}" runs=0 failed=0
+  if [ -z "$bin" ]; then
+    bin="$(cargo nextest list -p keel --all-features --test chaos --message-format json 2>/dev/null |
+      python3 -c 'import json,sys; d=json.load(sys.stdin); print(next(iter(d["rust-suites"].values()))["binary-path"])')"
+  fi
+  local stop hog
+  stop="$(mktemp -u)"
+  hog="target/busy-disk.bin"
+  ( while [ ! -e "$stop" ]; do dd if=/dev/zero of="$hog" bs=1M count=300 conv=fsync status=none; done
+    rm -f "$hog" ) &
+  for round in $(seq 1 "$rounds"); do
+    local pids=()
+    for seed in 3 5 13; do
+      ( cd apps/keel && KEEL_LOG=warn "$bin" --exact "seed_${seed}_loses_duplicates_and_strands_nothing" \
+          --nocapture >"../../target/chaos-busy-$seed-$round.log" 2>&1 ) &
+      pids+=("$!")
+    done
+    local i=0
+    for seed in 3 5 13; do
+      local rc=0 log="target/chaos-busy-$seed-$round.log"
+      wait "${pids[$i]}" || rc=$?
+      i=$((i + 1)); runs=$((runs + 1))
+      local leaks
+      leaks="$(grep -c 'nobody owns\|non-zero transaction depth' "$log" || true)"
+      if [ "$rc" = 0 ]; then rm -f "$log"; else failed=$((failed + 1)); fi
+      echo "round $round seed $seed: exit $rc, leaked-transaction lines $leaks"
+    done
+  done
+  touch "$stop"
+  wait
+  echo "chaos on a busy disk: $runs runs, $failed failed"
+}
+
 openapi_fuzz() {
   local first="$1" last="$2" examples="${3:-100}" runs=0 failed=0 cases=0
   KEEL_TEST_SCHEMATHESIS="$(scripts/schemathesis.sh)"
@@ -88,6 +127,7 @@ openapi_fuzz() {
 case "${1:-}" in
   chaos) shift; chaos "$@" ;;
   scale-out-crash) shift; scale_out_crash "$@" ;;
+  chaos-busy-disk) shift; chaos_busy_disk "$@" ;;
   openapi-fuzz) shift; openapi_fuzz "$@" ;;
-  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | openapi-fuzz FIRST LAST [EXAMPLES]" >&2; exit 2 ;;
+  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES]" >&2; exit 2 ;;
 esac

@@ -5,37 +5,13 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use axum::Router;
 use axum::body::Bytes;
 use axum::http::HeaderMap;
 use cloudevents::{AttributesReader, Data, Event};
-use common::{ACME_KEY, Server, eventually, serve};
+use common::{ACME_KEY, Received, Server, eventually, ok_receiver, order, place, serve};
 use keel_http::webhooks::WebhookReceiver;
 use keel_http::webhooks::signing::Secret;
-use parking_lot::Mutex;
 use serde_json::{Value, json};
-
-/// What a receiver got: each request's headers and body.
-type Received = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
-
-/// A loopback receiver that keeps every request it gets.
-async fn receiver() -> (String, Received) {
-    let received: Received = Arc::default();
-    let kept = Arc::clone(&received);
-    let app = Router::new().fallback(move |headers: HeaderMap, body: Bytes| {
-        let kept = Arc::clone(&kept);
-        async move {
-            kept.lock().push((headers, body));
-            "ok"
-        }
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/hook", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, received)
-}
 
 /// Registers an endpoint in `format`; returns its signing secret.
 async fn endpoint(http: &reqwest::Client, s: &Server, url: &str, format: &str) -> Secret {
@@ -85,21 +61,15 @@ fn assert_order_completed(event: &Event, order: &str) {
 async fn webhooks_in_every_format_and_the_event_log_read_as_cloudevents_by_the_sdk() {
     let s = serve(&["--allow-loopback-webhooks"]);
     let http = reqwest::Client::new();
-    let (standard_url, standard) = receiver().await;
-    let (structured_url, structured) = receiver().await;
-    let (binary_url, binary) = receiver().await;
+    let (standard_url, standard) = ok_receiver().await;
+    let (structured_url, structured) = ok_receiver().await;
+    let (binary_url, binary) = ok_receiver().await;
     let standard_secret = endpoint(&http, &s, &standard_url, "standard-webhooks").await;
     let structured_secret = endpoint(&http, &s, &structured_url, "cloudevents-structured").await;
     let binary_secret = endpoint(&http, &s, &binary_url, "cloudevents-binary").await;
 
-    let placed: Value = http
-        .post(format!("{}/orders", s.url))
-        .header("idempotency-key", "ce-1")
-        .json(&json!({"customerId": "ce", "currency": "USD",
-            "items": [{"sku": "tea", "qty": 1, "unitPriceCents": 450}]}))
-        .send()
+    let placed: Value = place(&http, &s, "ce-1", &order("ce"))
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();

@@ -18,14 +18,11 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::Router;
 use axum::http::StatusCode as AxumStatus;
 use axum::response::IntoResponse;
-use common::{ACME_KEY, Server, eventually, serve};
+use common::{ACME_KEY, Server, eventually, order, order_request, receiver, serve};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -88,27 +85,6 @@ async fn poll(
     panic!("timed out waiting for {what}");
 }
 
-/// A webhook receiver on loopback: counts the POSTs it gets, and answers
-/// each with `answer`.
-async fn receiver(
-    answer: impl Fn() -> axum::response::Response + Clone + Send + Sync + 'static,
-) -> (String, Arc<AtomicUsize>) {
-    let hits = Arc::new(AtomicUsize::new(0));
-    let counted = Arc::clone(&hits);
-    let app = Router::new().fallback(move || {
-        let counted = Arc::clone(&counted);
-        let answer = answer.clone();
-        async move {
-            counted.fetch_add(1, Ordering::SeqCst);
-            answer()
-        }
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/hook", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, hits)
-}
-
 async fn create_endpoint(
     http: &reqwest::Client,
     s: &Server,
@@ -136,11 +112,7 @@ async fn endpoints_of(http: &reqwest::Client, s: &Server, key: &str) -> Value {
 }
 
 async fn place_order(http: &reqwest::Client, s: &Server, key: &str, fault: Option<&str>) -> Value {
-    let mut request = http
-        .post(format!("{}/orders", s.url))
-        .header("idempotency-key", key)
-        .json(&json!({"customerId": "sec", "currency": "USD",
-            "items": [{"sku": "tea", "qty": 1, "unitPriceCents": 450}]}));
+    let mut request = order_request(http, s, key, &order("sec"));
     if let Some(fault) = fault {
         request = request.header("x-keel-demo-fault", fault);
     }
@@ -236,7 +208,7 @@ async fn a_tenant_sees_and_changes_only_its_own_endpoints_and_deliveries_within_
     )
     .await;
     eventually("the receiver to be called", || async {
-        hits.load(Ordering::SeqCst) > 0
+        !hits.lock().is_empty()
     })
     .await;
     let resend = |key: &'static str| {
@@ -703,12 +675,12 @@ async fn a_webhook_redirect_to_another_host_is_not_followed() {
     );
     place_order(&http, &s, "sec-redirect", None).await;
     eventually("a delivery attempt", || async {
-        redirected.load(Ordering::SeqCst) > 0
+        !redirected.lock().is_empty()
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        stolen.load(Ordering::SeqCst),
+        stolen.lock().len(),
         0,
         "the signed POST stayed with its endpoint"
     );

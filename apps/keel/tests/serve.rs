@@ -11,23 +11,10 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{ACME_KEY, Server, eventually, serve};
+use common::{ACME_KEY, Server, eventually, order, place, serve};
 
 /// The admin token of the tests that use the admin API.
 const ADMIN_TOKEN: &str = "serve-test-admin-token-0123";
-
-fn order(customer: &str) -> Value {
-    json!({"customerId": customer, "currency": "USD", "items": [{"sku": "tea", "qty": 2, "unitPriceCents": 450}]})
-}
-
-async fn place(http: &reqwest::Client, s: &Server, key: &str, body: &Value) -> reqwest::Response {
-    http.post(format!("{}/orders", s.url))
-        .header("idempotency-key", key)
-        .json(body)
-        .send()
-        .await
-        .unwrap()
-}
 
 async fn assert_problem(response: reqwest::Response, status: u16, what: &str) {
     assert_eq!(response.status().as_u16(), status, "{what}");

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "broker")]
 pub mod broker;
+mod pool;
 mod private_file;
 #[cfg(feature = "broker")]
 pub use broker::{SqliteBroker, SqliteBrokerOptions};

@@ -121,7 +121,6 @@ pub fn doc_openapi() {}
         orders::OrderPage,
         reports::Report,
         webhooks::CreateEndpoint,
-        webhooks::Format,
         webhooks::EndpointView,
         webhooks::DeliveryView,
         ProblemDetails,

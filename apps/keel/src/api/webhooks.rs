@@ -71,44 +71,13 @@ pub struct CreateEndpoint {
     #[serde(default)]
     #[schema(max_items = 100, inline)]
     pub event_types: Vec<EventTypeFilter>,
-    /// How deliveries go on the wire (default `standard-webhooks`).
+    /// How deliveries go on the wire (default `standard-webhooks`): the
+    /// Standard Webhooks JSON payload, a CloudEvents 1.0 event in structured
+    /// mode (`application/cloudevents+json`), or CloudEvents attributes as
+    /// `ce-*` headers with `data` as the body. All are signed alike.
     #[serde(default)]
-    pub format: Format,
-}
-
-/// How an endpoint's deliveries go on the wire. All are signed alike
-/// (`webhook-id`, `webhook-timestamp`, `webhook-signature` over the body).
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum Format {
-    /// `{"id","type","timestamp","sequence","source","data"}`,
-    /// `application/json`.
-    #[default]
-    StandardWebhooks,
-    /// A CloudEvents 1.0 event, `application/cloudevents+json`.
-    CloudeventsStructured,
-    /// CloudEvents 1.0 attributes as `ce-*` headers, `data` as the body.
-    CloudeventsBinary,
-}
-
-impl From<Format> for WebhookFormat {
-    fn from(format: Format) -> Self {
-        match format {
-            Format::StandardWebhooks => Self::StandardWebhooks,
-            Format::CloudeventsStructured => Self::CloudeventsStructured,
-            Format::CloudeventsBinary => Self::CloudeventsBinary,
-        }
-    }
-}
-
-impl From<WebhookFormat> for Format {
-    fn from(format: WebhookFormat) -> Self {
-        match format {
-            WebhookFormat::StandardWebhooks => Self::StandardWebhooks,
-            WebhookFormat::CloudeventsStructured => Self::CloudeventsStructured,
-            WebhookFormat::CloudeventsBinary => Self::CloudeventsBinary,
-        }
-    }
+    #[schema(value_type = String, pattern = "^(standard-webhooks|cloudevents-structured|cloudevents-binary)$")]
+    pub format: WebhookFormat,
 }
 
 /// An event type (`order.completed`), a prefix (`order.*`) or `*`: visible
@@ -135,7 +104,8 @@ pub struct EndpointView {
     /// Why it was disabled.
     pub disabled_reason: Option<String>,
     /// How its deliveries go on the wire.
-    pub format: Format,
+    #[schema(value_type = String, pattern = "^(standard-webhooks|cloudevents-structured|cloudevents-binary)$")]
+    pub format: WebhookFormat,
     /// The signing secret: only in the answer to `POST`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
@@ -150,7 +120,7 @@ impl EndpointView {
             event_types: e.event_types,
             enabled: e.enabled,
             disabled_reason: e.disabled_reason,
-            format: e.format.into(),
+            format: e.format,
             secret,
         }
     }
@@ -294,7 +264,7 @@ pub async fn create_endpoint<S: ShopStore>(
     let new = NewEndpoint::new(req.url)
         .description(req.description)
         .event_types(req.event_types.into_iter().map(|f| f.0))
-        .format(req.format.into())
+        .format(req.format)
         .tenant(tenant.as_str());
     match api.endpoints.create(new).await {
         Ok((endpoint, secret)) => (
@@ -487,5 +457,25 @@ pub async fn inbound<S: ShopStore>(
 impl<S: ShopStore> FromRef<WebhookApi<S>> for WebhookReceiver {
     fn from_ref(api: &WebhookApi<S>) -> Self {
         api.receiver.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_format_grammar_names_every_format() {
+        // The `format` fields' `pattern` (utoipa takes only a literal there).
+        const FORMAT_PATTERN: &str =
+            "^(standard-webhooks|cloudevents-structured|cloudevents-binary)$";
+        let names: Vec<&str> = WebhookFormat::ALL.iter().map(|f| f.as_str()).collect();
+        assert_eq!(FORMAT_PATTERN, format!("^({})$", names.join("|")));
+        let doc = crate::api::openapi::json();
+        assert_eq!(
+            doc.matches(FORMAT_PATTERN).count(),
+            2,
+            "both format fields carry it"
+        );
     }
 }

@@ -117,3 +117,61 @@ where
     }
     panic!("timed out waiting for {what}");
 }
+
+/// What a [`receiver`] got: each request's headers and body, in order.
+pub type Received = Arc<parking_lot::Mutex<Vec<(axum::http::HeaderMap, axum::body::Bytes)>>>;
+
+/// A webhook receiver on loopback that keeps every request it gets and
+/// answers each with `answer`; returns its URL.
+pub async fn receiver(
+    answer: impl Fn() -> axum::response::Response + Clone + Send + Sync + 'static,
+) -> (String, Received) {
+    let received: Received = Arc::default();
+    let kept = Arc::clone(&received);
+    let app = axum::Router::new().fallback(
+        move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let (kept, answer) = (Arc::clone(&kept), answer.clone());
+            async move {
+                kept.lock().push((headers, body));
+                answer()
+            }
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, received)
+}
+
+/// A [`receiver`] that answers every request `200 OK`.
+pub async fn ok_receiver() -> (String, Received) {
+    receiver(|| axum::response::IntoResponse::into_response("ok")).await
+}
+
+/// A valid order body: two teas for `customer`.
+pub fn order(customer: &str) -> serde_json::Value {
+    serde_json::json!({"customerId": customer, "currency": "USD",
+        "items": [{"sku": "tea", "qty": 2, "unitPriceCents": 450}]})
+}
+
+/// `POST /orders` of `body` under Idempotency-Key `key`, ready to send.
+pub fn order_request(
+    http: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    body: &serde_json::Value,
+) -> reqwest::RequestBuilder {
+    http.post(format!("{}/orders", s.url))
+        .header("idempotency-key", key)
+        .json(body)
+}
+
+/// Sends [`order_request`].
+pub async fn place(
+    http: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    body: &serde_json::Value,
+) -> reqwest::Response {
+    order_request(http, s, key, body).send().await.unwrap()
+}

@@ -109,7 +109,7 @@ use async_trait::async_trait;
 use keel_messaging::broker::{
     Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
 };
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
 
 pub use options::SqliteBrokerOptions;
 
@@ -169,9 +169,8 @@ impl SqliteBroker {
             .synchronous(options.synchronous)
             .busy_timeout(Duration::from_secs(5))
             .pragma("temp_store", "memory");
-        let pool = SqlitePoolOptions::new()
+        let pool = crate::pool::guarded_pool_options()
             .max_connections(options.max_connections)
-            .test_before_acquire(false)
             .connect_with(connect)
             .await
             .map_err(|e| db_error("open", e))?;
@@ -190,12 +189,11 @@ impl SqliteBroker {
         let connect = SqliteConnectOptions::new().in_memory(true);
         // One connection that never closes: each in-memory connection would
         // otherwise be a database of its own.
-        let pool = SqlitePoolOptions::new()
+        let pool = crate::pool::guarded_pool_options()
             .max_connections(1)
             .min_connections(1)
             .idle_timeout(None)
             .max_lifetime(None)
-            .test_before_acquire(false)
             .connect_with(connect)
             .await
             .map_err(|e| db_error("open", e))?;
@@ -268,11 +266,11 @@ impl Inner {
 }
 
 /// Prunes every `interval`, in batches until caught up; stops when the
-/// broker is dropped.
+/// broker is dropped or closed.
 async fn prune_periodically(inner: Weak<Inner>, interval: Duration) {
     loop {
         tokio::time::sleep(interval).await;
-        let Some(inner) = inner.upgrade() else {
+        let Some(inner) = inner.upgrade().filter(|i| !i.db.pool().is_closed()) else {
             return;
         };
         loop {

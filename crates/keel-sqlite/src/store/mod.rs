@@ -62,8 +62,12 @@
 //! between, the upgrade fails at once with `SQLITE_BUSY`, without waiting,
 //! and the whole transaction must be retried: a read-then-write business
 //! transaction fails randomly under concurrency. [`SqliteStore::begin`]
-//! therefore uses sqlx 0.8's `Pool::begin_with("BEGIN IMMEDIATE")`, which
-//! takes the write lock up front (waiting up to the busy timeout for it).
+//! therefore says `BEGIN IMMEDIATE`, which takes the write lock up front
+//! (waiting up to the busy timeout for it). It runs in a task of its own, so
+//! a caller dropped while it waits cannot leave the connection inside a
+//! transaction nobody owns, and every pool the crate opens rolls such a
+//! transaction back at checkout (see `pool.rs`: under load one cancelled
+//! `BEGIN` used to hold the write lock and swallow later writes).
 //! Every transaction `begin` hands out is a write transaction; that is what
 //! the outbox and inbox are for. Keel's own single-statement writes run in
 //! autocommit mode, where SQLite takes the write lock before reading.
@@ -217,8 +221,7 @@ impl Store for SqliteStore {
     type Tx = sqlx::Transaction<'static, Sqlite>;
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.writer
-            .begin_with("BEGIN IMMEDIATE")
+        crate::pool::begin_immediate(&self.writer)
             .await
             .map_err(db_error)
     }

@@ -129,10 +129,9 @@ impl SqliteStoreOptions {
     /// network that could break them, and an in-memory one dies with its
     /// connection.
     fn pool_options(&self, max: u32) -> SqlitePoolOptions {
-        SqlitePoolOptions::new()
+        crate::pool::guarded_pool_options()
             .max_connections(max)
             .acquire_timeout(self.busy_timeout)
-            .test_before_acquire(false)
             .idle_timeout(None)
             .max_lifetime(None)
     }

@@ -435,3 +435,73 @@ async fn in_memory_store_is_private_and_works() {
     assert_eq!(a.outbox_stats().await.expect("stats").unpublished, 1);
     assert_eq!(b.outbox_stats().await.expect("stats").unpublished, 0);
 }
+
+/// What a `begin_with` cancelled between sqlx's two awaits leaves behind: a
+/// pooled connection inside a transaction nobody owns. Its next borrower
+/// must get it back outside one: `begin` works, and an autocommit write is
+/// committed for every other connection to see, not held in the orphan.
+#[tokio::test]
+async fn a_connection_left_inside_a_transaction_is_rolled_back_at_checkout() {
+    use sqlx::{Database, TransactionManager};
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("keel.db");
+    let store = SqliteStore::open(&path).await.expect("open");
+    sqlx::query("CREATE TABLE probe (x INTEGER)")
+        .execute(store.pool())
+        .await
+        .expect("table");
+    {
+        let mut conn = store.pool().acquire().await.expect("conn");
+        <sqlx::Sqlite as Database>::TransactionManager::begin(
+            &mut conn,
+            Some("BEGIN IMMEDIATE".into()),
+        )
+        .await
+        .expect("begin without a Transaction");
+    }
+
+    sqlx::query("INSERT INTO probe VALUES (1)")
+        .execute(store.pool())
+        .await
+        .expect("write");
+    let other = raw_pool(&path, 1).await;
+    let seen: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM probe")
+        .fetch_one(&other)
+        .await
+        .expect("read");
+    assert_eq!(seen, 1, "the acknowledged write is committed");
+    let tx = store.begin().await.expect("begin after the leak");
+    store.rollback(tx).await.expect("rollback");
+}
+
+/// `begin` dropped at every point of its wait, hundreds of times, while
+/// another writer holds the lock part of the time: no transaction outlives
+/// its caller, so afterwards writes commit and `begin` works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn begins_dropped_while_waiting_leave_no_transaction_behind() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("keel.db");
+    let store = SqliteStoreOptions::new()
+        .busy_timeout(Duration::from_millis(200))
+        .open(&path)
+        .await
+        .expect("open");
+    let other = raw_pool(&path, 1).await;
+    for i in 0..300u64 {
+        let holder = if i % 10 == 0 {
+            Some(other.begin_with("BEGIN IMMEDIATE").await.expect("lock"))
+        } else {
+            None
+        };
+        let _ = tokio::time::timeout(Duration::from_micros(i % 60), store.begin()).await;
+        drop(holder);
+    }
+    assert_eq!(store.fence_next("after").await.expect("write"), 1);
+    let seen: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM keel_fences WHERE resource = 'after'")
+        .fetch_one(&other)
+        .await
+        .expect("read");
+    assert_eq!(seen, 1, "the write is committed, not held in an orphan");
+    let tx = store.begin().await.expect("begin");
+    store.commit(tx).await.expect("commit");
+}

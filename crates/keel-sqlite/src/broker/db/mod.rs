@@ -156,9 +156,7 @@ impl Db {
 
     async fn begin(&self, operation: &'static str) -> Result<WriteTx, BrokerError> {
         let gate = self.gate.clone().lock_owned().await;
-        let tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
+        let tx = crate::pool::begin_immediate(&self.pool)
             .await
             .map_err(|e| db_error(operation, e))?;
         Ok(WriteTx { tx, _gate: gate })

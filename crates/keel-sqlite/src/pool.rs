@@ -1,0 +1,61 @@
+//! Pools that never hand out a connection inside a transaction nobody owns,
+//! and a `BEGIN` that a cancelled caller cannot cut in half.
+//!
+//! sqlx 0.8.6 raises a SQLite connection's transaction depth when its worker
+//! thread has run `BEGIN`, but builds the [`Transaction`] that would roll it
+//! back only after a second await (the check that a custom `BEGIN
+//! IMMEDIATE` did open a transaction). A `begin_with` dropped between the
+//! two (a client hang-up, a deadline, a `timeout`) leaves the connection
+//! inside a transaction with no owner, and it goes back to the pool that
+//! way. It keeps the database's write lock, so every other writer waits out
+//! its busy timeout; its next borrower's `begin` fails ("non-zero
+//! transaction depth"); and its autocommit writes answer success inside a
+//! transaction that never commits, so they vanish when it closes. Under
+//! load this stalled the whole shop (the chaos suite found it).
+//!
+//! Two defences, as on PostgreSQL: [`begin_immediate`] runs the `BEGIN` in a
+//! task of its own, so a dropped caller never interrupts it (the task's
+//! transaction is dropped there and rolled back the way sqlx knows how), and
+//! [`guarded_pool_options`] rolls back, at checkout, whatever transaction a
+//! connection still holds. Unlike a PostgreSQL session, the connection is
+//! kept: sqlx knows its depth exactly, and closing the only connection of an
+//! in-memory database would drop the database.
+
+use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
+use sqlx::{Connection, Transaction, TransactionManager};
+
+/// Pool options whose checkout rolls back a transaction nobody owns.
+pub(crate) fn guarded_pool_options() -> SqlitePoolOptions {
+    SqlitePoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, _meta| Box::pin(outside_a_transaction(conn)))
+}
+
+/// Rolls back what `conn` still holds (counted and logged); always keeps it.
+async fn outside_a_transaction(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    if conn.is_in_transaction() {
+        metrics::counter!("keel_sqlite_leaked_transactions_total").increment(1);
+        tracing::warn!(
+            "a pooled SQLite connection was inside a transaction nobody owns \
+             (a cancelled BEGIN); rolling it back"
+        );
+        // One level per call: a nested leak unwinds savepoint by savepoint.
+        while conn.is_in_transaction() {
+            <Sqlite as sqlx::Database>::TransactionManager::rollback(conn).await?;
+        }
+    }
+    Ok(true)
+}
+
+/// `BEGIN IMMEDIATE` on `pool`, in a task that finishes even if the caller
+/// is dropped while waiting (see the module docs).
+pub(crate) async fn begin_immediate(
+    pool: &SqlitePool,
+) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+    let pool = pool.clone();
+    // The task only fails to join if it panicked or the runtime is going
+    // down: either way no transaction exists.
+    tokio::spawn(async move { pool.begin_with("BEGIN IMMEDIATE").await })
+        .await
+        .unwrap_or(Err(sqlx::Error::WorkerCrashed))
+}
