@@ -44,7 +44,7 @@ fn order(id: &str) -> Order {
         items: vec![Item::new("tea", 1, 450)],
         total_cents: 450,
         status: OrderStatus::Pending,
-        created_at: chrono::Utc::now().to_rfc3339(),
+        created_at: keel_core::clock::utc_now().to_rfc3339(),
     }
 }
 

@@ -21,6 +21,13 @@ pub fn system_now() -> SystemTime {
     SystemTime::now()
 }
 
+/// The current wall-clock time as a UTC timestamp, the type stored rows and
+/// envelopes carry. Read it here, not with `chrono::Utc::now`, so that the
+/// wall clock has one reader.
+pub fn utc_now() -> chrono::DateTime<chrono::Utc> {
+    system_now().into()
+}
+
 /// Milliseconds since the Unix epoch, by the wall clock (0 if the clock is
 /// set before 1970).
 pub fn unix_millis() -> u64 {

@@ -13,7 +13,6 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
-use chrono::Utc;
 use http_body_util::BodyExt;
 use keel_core::{BoxError, Classified};
 use keel_http::admin::{Admin, AdminToken, CSRF_HEADER, Gauge, SESSION_COOKIE};
@@ -230,10 +229,10 @@ impl World {
                 .map(|(i, e)| AttemptError {
                     attempt: i as u32 + 1,
                     error: (*e).to_owned(),
-                    at: Utc::now(),
+                    at: keel_core::clock::utc_now(),
                 })
                 .collect(),
-            dead_at: Utc::now(),
+            dead_at: keel_core::clock::utc_now(),
             status: DeadLetterStatus::Pending,
         };
         self.store.dead_letter_put(&letter).await.unwrap();
@@ -264,7 +263,7 @@ impl World {
 
     /// One failed delivery to a receiver that answered 500, with its log.
     async fn failed_delivery(&self) -> i64 {
-        let now = Utc::now();
+        let now = keel_core::clock::utc_now();
         let endpoint = WebhookEndpoint {
             id: "ep_partner".to_owned(),
             url: "https://hooks.example.com/partner".to_owned(),
@@ -299,7 +298,13 @@ impl World {
         self.store.commit(tx).await.unwrap();
         let claimed = self
             .store
-            .webhook_claim_due("w1", Utc::now(), 10, 10, Duration::from_secs(30))
+            .webhook_claim_due(
+                "w1",
+                keel_core::clock::utc_now(),
+                10,
+                10,
+                Duration::from_secs(30),
+            )
             .await
             .unwrap();
         let delivery = &claimed[0].delivery;
@@ -307,7 +312,7 @@ impl World {
             attempt: DeliveryAttempt {
                 delivery_id: delivery.id,
                 attempt: 1,
-                at: Utc::now(),
+                at: keel_core::clock::utc_now(),
                 url: endpoint.url.clone(),
                 request_headers: Vec::new(),
                 response_status: Some(500),
@@ -467,7 +472,7 @@ async fn dead_letters_are_listed_inspected_with_history_and_filtered() {
             &AttemptError {
                 attempt: 4,
                 error: "redelivered and failed again".to_owned(),
-                at: Utc::now(),
+                at: keel_core::clock::utc_now(),
             },
         )
         .await

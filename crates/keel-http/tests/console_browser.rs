@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use chrono::Utc;
 use fantoccini::{Client, ClientBuilder, Locator};
 use keel_core::BoxError;
 use keel_http::admin::{Admin, AdminToken};
@@ -198,10 +197,10 @@ async fn put_letter(store: &SqliteStore, id: &str) {
             .map(|attempt| AttemptError {
                 attempt,
                 error: format!("<b>ledger</b> timeout #{attempt}"),
-                at: Utc::now(),
+                at: keel_core::clock::utc_now(),
             })
             .collect(),
-        dead_at: Utc::now(),
+        dead_at: keel_core::clock::utc_now(),
         status: DeadLetterStatus::Pending,
     };
     store.dead_letter_put(&letter).await.unwrap();

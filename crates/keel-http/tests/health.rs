@@ -252,6 +252,37 @@ async fn a_pool_exhausted_past_its_grace_is_not_ready() {
     );
 }
 
+/// Probes only sample: a one-connection pool under load can be busy at the
+/// instant of every probe while it frees between them. Seen free during the
+/// failing probe's watch, it stays ready.
+#[tokio::test(start_paused = true)]
+async fn a_pool_busy_whenever_a_probe_looks_but_free_between_stays_ready() {
+    let free = Arc::new(AtomicUsize::new(0));
+    let app = Health::builder()
+        .pool_exhaustion("db_pool", Duration::from_secs(5), {
+            let free = Arc::clone(&free);
+            move || free.load(Ordering::SeqCst)
+        })
+        .build()
+        .unwrap()
+        .router();
+    assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
+    tokio::time::advance(Duration::from_secs(10)).await;
+    let frees = tokio::spawn({
+        let free = Arc::clone(&free);
+        async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            free.store(1, Ordering::SeqCst);
+        }
+    });
+    assert_eq!(
+        get_in_process(&app, "/readyz").await.0,
+        StatusCode::OK,
+        "a connection came back during the watch"
+    );
+    frees.await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_hanging_readiness_check_fails_within_its_time_limit() {
     let calls = Arc::new(AtomicUsize::new(0));

@@ -273,7 +273,6 @@ impl Classify for DeadLetterError {
 
 #[cfg(test)]
 mod tests {
-    use chrono::Utc;
 
     use super::*;
     use crate::broker::Message;
@@ -286,7 +285,7 @@ mod tests {
             group: "billing".into(),
             error_kind: kind::PERMANENT.into(),
             attempts: Vec::new(),
-            dead_at: Utc::now() - chrono::Duration::seconds(dead_secs_ago),
+            dead_at: keel_core::clock::utc_now() - chrono::Duration::seconds(dead_secs_ago),
             status: DeadLetterStatus::Pending,
         }
     }

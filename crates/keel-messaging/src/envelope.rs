@@ -87,7 +87,7 @@ impl EventMeta {
     /// Metadata for an event that happened now, leaving the entity at `version`.
     pub fn new(version: u64) -> Self {
         Self {
-            occurred_at: Utc::now(),
+            occurred_at: keel_core::clock::utc_now(),
             version,
         }
     }
@@ -167,7 +167,7 @@ impl Envelope {
             source: source.into(),
             ty: ty.into(),
             subject: None,
-            time: Some(Utc::now().trunc_subsecs(3)),
+            time: Some(keel_core::clock::utc_now().trunc_subsecs(3)),
             datacontenttype: Some("application/json".to_owned()),
             traceparent: TraceParent::current().map(|t| t.to_string()),
             data: None,

@@ -67,7 +67,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use chrono::Utc;
 use keel_core::clock::{self, Instant};
 use keel_core::deadline::MIN_TIME_TO_START;
 use keel_core::{BoxError, Classify, Deadline, ErrorClass};
@@ -931,7 +930,7 @@ impl<H: RequestHandler> Responder<H> {
         metrics::counter!("keel_reply_rejected_total").increment(1);
         tracing::warn!(id = %delivery.message.id, %reason, "malformed request");
         if let Some(dead_letters) = &self.inner.dead_letters {
-            let now = Utc::now();
+            let now = keel_core::clock::utc_now();
             let letter = DeadLetter {
                 id: keel_core::id::new_id().to_string(),
                 message: delivery.message.clone(),

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use chrono::Utc;
 use keel_core::{Classify, ErrorClass};
 use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::{InboxStore, OutboxRecord, OutboxStore, Store};
@@ -250,7 +249,7 @@ async fn prune_deletes_bounded_batches_and_skips_locked_rows() {
         .await
         .expect("lock");
 
-    let future = Utc::now() + chrono::Duration::seconds(1);
+    let future = keel_core::clock::utc_now() + chrono::Duration::seconds(1);
     let mut batches = Vec::new();
     let pruned = tokio::time::timeout(Duration::from_secs(5), async {
         loop {

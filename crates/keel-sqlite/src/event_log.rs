@@ -67,7 +67,7 @@ impl EventLogStore for SqliteStore {
             .bind(seq)
             .bind(event_type)
             .bind(data)
-            .bind(Utc::now().timestamp_millis())
+            .bind(keel_core::clock::utc_now().timestamp_millis())
             .execute(&mut **tx)
             .await
             .map_err(db_error)?;

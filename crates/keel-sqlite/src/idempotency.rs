@@ -87,7 +87,7 @@ impl IdempotencyStore for SqliteStore {
             locked_until,
             expires_at,
         } = *claim;
-        let now = Utc::now().timestamp_millis();
+        let now = keel_core::clock::utc_now().timestamp_millis();
         let locked_until = locked_until.min(expires_at).timestamp_millis();
         let expires_at = expires_at.timestamp_millis();
         // Fast path 1, the common case: a new key is one autocommit INSERT.

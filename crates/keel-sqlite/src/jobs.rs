@@ -91,7 +91,7 @@ impl JobStore for SqliteStore {
             .bind(i64::from(job.progress.min(100)))
             .bind(job.result_location.as_deref())
             .bind(job.error.as_deref())
-            .bind(Utc::now().timestamp_millis())
+            .bind(keel_core::clock::utc_now().timestamp_millis())
             .bind(job.expires_at.timestamp_millis())
             .execute(self.pool())
             .await

@@ -99,7 +99,7 @@ async fn write_ledger(
         .bind(group)
         .bind(order)
         .bind(amount)
-        .bind(chrono::Utc::now().timestamp_millis())
+        .bind(keel_core::clock::utc_now().timestamp_millis())
         .execute(&mut **tx)
         .await?;
     Ok(())

@@ -409,7 +409,7 @@ async fn past_the_pivot_the_saga_sticks_visibly_and_an_operator_finishes_it() {
     // A stuck saga is not picked up again by itself.
     assert!(
         w.store
-            .saga_due(Utc::now(), 10)
+            .saga_due(keel_core::clock::utc_now(), 10)
             .await
             .unwrap()
             .iter()
@@ -676,7 +676,7 @@ async fn a_process_killed_mid_step_is_resumed_by_another_with_the_same_key() {
         (SagaStatus::Running, 2, 1)
     );
     assert!(
-        leased.next_attempt_at > Utc::now(),
+        leased.next_attempt_at > keel_core::clock::utc_now(),
         "still leased to the dead process"
     );
 

@@ -88,7 +88,7 @@ impl<S: MessagingStore> From<S> for Fixture<S> {
 
 /// Now, truncated to whole milliseconds (what every backend can store).
 pub fn now_ms() -> DateTime<Utc> {
-    at_ms(Utc::now().timestamp_millis())
+    at_ms(keel_core::clock::utc_now().timestamp_millis())
 }
 
 /// The time `ms` milliseconds after the Unix epoch.

@@ -20,7 +20,6 @@
 //! `StepContext::action_key`.
 
 use async_trait::async_trait;
-use chrono::Utc;
 use keel_messaging::StoreError;
 use keel_messaging::store::Store;
 use keel_sqlite::SqliteStore;
@@ -691,7 +690,7 @@ impl ShopDb for SqliteStore {
 
 /// The time now as stored in `created_at`.
 pub fn now_rfc3339() -> String {
-    Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    keel_core::clock::utc_now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
 #[cfg(test)]

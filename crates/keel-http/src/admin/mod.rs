@@ -386,7 +386,7 @@ where
         let views = match &self.inner.sagas {
             Some(orchestrator) => orchestrator.list(&filter).await?,
             None => {
-                let now = Utc::now();
+                let now = keel_core::clock::utc_now();
                 let records = self.inner.store.saga_list(&filter).await?;
                 records.into_iter().map(|r| bare_view(r, now)).collect()
             }
@@ -530,7 +530,7 @@ where
 
     /// The saga's JSON, with its step name when the orchestrator knows it.
     async fn saga_json(&self, record: SagaRecord) -> SagaJson {
-        let now = Utc::now();
+        let now = keel_core::clock::utc_now();
         let Some(orchestrator) = &self.inner.sagas else {
             return bare_view(record, now).into();
         };

@@ -2,7 +2,7 @@
 //! checks: an unknown status, key or a limit out of range is a `400` that
 //! names the valid values, never an empty list that looks like good news.
 
-use chrono::{TimeDelta, Utc};
+use chrono::TimeDelta;
 use keel_messaging::store::{
     DeadLetterFilter, DeadLetterStatus, DeliveryFilter, DeliveryStatus, ParkedFilter, SagaFilter,
     SagaStatus,
@@ -131,7 +131,7 @@ impl SagaQuery {
                             "idle_secs `{s}` is not a number of seconds between 0 and ten years"
                         ))
                     })?;
-                Some(Utc::now() - TimeDelta::seconds(secs))
+                Some(keel_core::clock::utc_now() - TimeDelta::seconds(secs))
             }
         };
         Ok(SagaFilter {

@@ -7,7 +7,6 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
-use chrono::Utc;
 use http_body_util::BodyExt;
 use keel_messaging::broker::Message;
 use keel_messaging::store::{AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore};
@@ -34,9 +33,9 @@ async fn app(token: AdminToken) -> App {
         attempts: vec![AttemptError {
             attempt: 1,
             error: "<img src=x onerror=alert(1)>".to_owned(),
-            at: Utc::now(),
+            at: keel_core::clock::utc_now(),
         }],
-        dead_at: Utc::now(),
+        dead_at: keel_core::clock::utc_now(),
         status: DeadLetterStatus::Pending,
     };
     store.dead_letter_put(&letter).await.unwrap();

@@ -65,27 +65,43 @@ where
 /// default: 5 s.
 pub const DEFAULT_POOL_EXHAUSTION_GRACE: Duration = Duration::from_secs(5);
 
+/// How long a probe that finds a pool exhausted past its grace watches it
+/// before failing. Probes only sample: a one-connection pool under load is
+/// busy at most instants, so two probes can both find it busy while it was
+/// free in between. Seen free within the watch, it is busy, not exhausted.
+const EXHAUSTION_WATCH: Duration = Duration::from_millis(200);
+
+/// How often the watch looks.
+const EXHAUSTION_WATCH_EVERY: Duration = Duration::from_millis(5);
+
 /// The verdict of one [`pool_exhaustion`](HealthBuilder::pool_exhaustion)
 /// probe, given when the pool was first seen with nothing free.
-fn exhaustion(
-    since: &mut Option<clock::Instant>,
-    free: usize,
+async fn exhaustion(
+    since: &parking_lot::Mutex<Option<clock::Instant>>,
+    free: &(dyn Fn() -> usize + Send + Sync),
     grace: Duration,
 ) -> Result<(), String> {
-    if free > 0 {
-        *since = None;
+    if free() > 0 {
+        *since.lock() = None;
         return Ok(());
     }
-    let since = *since.get_or_insert_with(clock::now);
-    let exhausted = since.elapsed();
-    if exhausted >= grace {
-        Err(format!(
-            "pool exhausted: no connection free for {}ms",
-            exhausted.as_millis()
-        ))
-    } else {
-        Ok(())
+    let first = *since.lock().get_or_insert_with(clock::now);
+    let exhausted = first.elapsed();
+    if exhausted < grace {
+        return Ok(());
     }
+    let watch_until = clock::now() + EXHAUSTION_WATCH;
+    while clock::now() < watch_until {
+        tokio::time::sleep(EXHAUSTION_WATCH_EVERY).await;
+        if free() > 0 {
+            *since.lock() = None;
+            return Ok(());
+        }
+    }
+    Err(format!(
+        "pool exhausted: no connection free for {}ms",
+        exhausted.as_millis()
+    ))
 }
 
 /// How busy a connection pool is, as a
@@ -184,18 +200,21 @@ impl HealthBuilder {
 
     /// Readiness fails once the pool `free` reports (connections idle or
     /// not yet opened) has had no free connection at every probe for at
-    /// least `grace` (e.g. [`DEFAULT_POOL_EXHAUSTION_GRACE`]): for pools
-    /// that cannot count their waiters, such as sqlx's. A pool that is
-    /// busy for a moment stays ready; one that stays exhausted only adds
-    /// queueing to every request sent here. Reads no database.
+    /// least `grace` (e.g. [`DEFAULT_POOL_EXHAUSTION_GRACE`]), and none
+    /// frees while the failing probe watches it for 200 ms: for pools that
+    /// cannot count their waiters, such as sqlx's. A pool that is busy for
+    /// a moment, or busy whenever a probe happens to look, stays ready; one
+    /// that stays exhausted only adds queueing to every request sent here.
+    /// Reads no database. Keep the check timeout above the watch.
     pub fn pool_exhaustion<F>(self, name: &str, grace: Duration, free: F) -> Self
     where
         F: Fn() -> usize + Send + Sync + 'static,
     {
         let exhausted_since = Arc::new(parking_lot::Mutex::new(None));
+        let free = Arc::new(free);
         self.ready_check(name, move || {
-            let verdict = exhaustion(&mut exhausted_since.lock(), free(), grace);
-            async move { verdict }
+            let (since, free) = (Arc::clone(&exhausted_since), Arc::clone(&free));
+            async move { exhaustion(&since, &*free, grace).await }
         })
     }
 

@@ -90,7 +90,7 @@ impl<S: EventLogStore> EventLog<S> {
         let mut deleted = 0;
         if let Some(max_age) = retention.max_age {
             let age = chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX);
-            let before = chrono::Utc::now()
+            let before = keel_core::clock::utc_now()
                 .checked_sub_signed(age)
                 .unwrap_or(chrono::DateTime::UNIX_EPOCH);
             loop {

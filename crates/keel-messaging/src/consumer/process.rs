@@ -312,7 +312,7 @@ impl<S: Store + ConsumerStore> Processor<S> {
         let attempt = AttemptError {
             attempt: count,
             error: why,
-            at: Utc::now(),
+            at: keel_core::clock::utc_now(),
         };
         if let Err(err) = self
             .store
@@ -357,7 +357,7 @@ impl<S: Store + ConsumerStore> Processor<S> {
         let attempt = AttemptError {
             attempt: delivery.delivery_count,
             error: why,
-            at: Utc::now(),
+            at: keel_core::clock::utc_now(),
         };
         self.bury(route, delivery, kind, attempt).await
     }
@@ -393,7 +393,7 @@ impl<S: Store + ConsumerStore> Processor<S> {
             group: route.group.to_string(),
             error_kind: kind.to_owned(),
             attempts,
-            dead_at: Utc::now(),
+            dead_at: keel_core::clock::utc_now(),
             status: DeadLetterStatus::Pending,
         };
         match self.store.dead_letter_put(&letter).await {
@@ -431,7 +431,7 @@ impl<S: Store + ConsumerStore> Processor<S> {
         retention: Duration,
     ) -> Result<u64, crate::store::StoreError> {
         let age = chrono::Duration::from_std(retention).unwrap_or(chrono::Duration::MAX);
-        let before = Utc::now()
+        let before = keel_core::clock::utc_now()
             .checked_sub_signed(age)
             .unwrap_or(chrono::DateTime::<Utc>::MIN_UTC);
         let mut total = 0;

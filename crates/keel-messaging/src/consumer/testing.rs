@@ -165,7 +165,7 @@ impl Store for MemStore {
             s.outbox.push(Row {
                 id,
                 record,
-                created_at: Utc::now(),
+                created_at: keel_core::clock::utc_now(),
                 published_at: None,
                 claim: None,
                 attempts: 0,
@@ -233,7 +233,7 @@ impl OutboxStore for MemStore {
     async fn outbox_mark_published(&self, ids: &[i64]) -> Result<(), StoreError> {
         let mut s = self.state.lock();
         for row in s.outbox.iter_mut().filter(|r| ids.contains(&r.id)) {
-            row.published_at = Some(Utc::now());
+            row.published_at = Some(keel_core::clock::utc_now());
             row.claim = None;
         }
         Ok(())
@@ -272,7 +272,7 @@ impl OutboxStore for MemStore {
             unpublished: pending.len() as u64,
             oldest_unpublished_age: pending
                 .first()
-                .and_then(|r| (Utc::now() - r.created_at).to_std().ok()),
+                .and_then(|r| (keel_core::clock::utc_now() - r.created_at).to_std().ok()),
             parked: s.outbox.iter().filter(|r| r.parked_at.is_some()).count() as u64,
         })
     }
@@ -303,7 +303,7 @@ impl OutboxStore for MemStore {
         row.claim = None;
         row.attempts += 1;
         row.last_error = Some(error.to_owned());
-        row.parked_at = Some(Utc::now());
+        row.parked_at = Some(keel_core::clock::utc_now());
         Ok(true)
     }
 

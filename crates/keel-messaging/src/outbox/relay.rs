@@ -470,7 +470,7 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
     pub async fn prune_once(&self) -> Result<u64, RelayError> {
         let retention =
             chrono::Duration::from_std(self.options.retention).unwrap_or(chrono::Duration::MAX);
-        let before = chrono::Utc::now()
+        let before = keel_core::clock::utc_now()
             .checked_sub_signed(retention)
             .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
         let batch = self.options.prune_batch.get();

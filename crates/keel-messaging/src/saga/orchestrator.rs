@@ -201,7 +201,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
                 kind: kind.to_owned(),
             });
         }
-        let now = Utc::now();
+        let now = keel_core::clock::utc_now();
         let record = SagaRecord {
             id: id.to_owned(),
             kind: kind.to_owned(),
@@ -250,7 +250,12 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             let free = self.inner.options.concurrency.saturating_sub(tasks.len());
             if free > 0 {
                 let limit = free.min(self.inner.options.batch);
-                match self.inner.store.saga_due(Utc::now(), limit).await {
+                match self
+                    .inner
+                    .store
+                    .saga_due(keel_core::clock::utc_now(), limit)
+                    .await
+                {
                     Ok(due) => {
                         for record in due {
                             if !in_flight.lock().insert(record.id.clone()) {
@@ -294,7 +299,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let due = self
             .inner
             .store
-            .saga_due(Utc::now(), self.inner.options.batch)
+            .saga_due(keel_core::clock::utc_now(), self.inner.options.batch)
             .await?;
         let never = std::sync::atomic::AtomicBool::new(false);
         let n = due.len();
@@ -324,7 +329,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     /// oldest update first.
     pub async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaView>, SagaError> {
         let records = self.inner.store.saga_list(filter).await?;
-        let now = Utc::now();
+        let now = keel_core::clock::utc_now();
         Ok(records.into_iter().map(|r| self.view(r, now)).collect())
     }
 
@@ -342,7 +347,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     pub async fn retry(&self, id: &str) -> Result<SagaRecord, SagaError> {
         let record = self.load(id).await?;
         let saga = self.saga(&record.kind)?;
-        let next = machine::retry(&record, saga.shape(), Utc::now())?;
+        let next = machine::retry(&record, saga.shape(), keel_core::clock::utc_now())?;
         self.save_operator_change(&record, &next, "retried").await?;
         Ok(next)
     }
@@ -359,7 +364,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     /// shipment leaves with the payment refunded.
     pub async fn confirm_not_applied(&self, id: &str) -> Result<SagaRecord, SagaError> {
         let record = self.load(id).await?;
-        let next = machine::confirm_not_applied(&record, Utc::now())?;
+        let next = machine::confirm_not_applied(&record, keel_core::clock::utc_now())?;
         self.save_operator_change(&record, &next, "confirmed not applied")
             .await?;
         Ok(next)
@@ -372,7 +377,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     pub async fn cancel(&self, id: &str) -> Result<SagaRecord, SagaError> {
         let record = self.load(id).await?;
         let saga = self.saga(&record.kind)?;
-        match machine::cancel(&record, saga.shape(), Utc::now())? {
+        match machine::cancel(&record, saga.shape(), keel_core::clock::utc_now())? {
             Some(next) => {
                 self.save_operator_change(&record, &next, "cancelled")
                     .await?;
@@ -446,7 +451,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         async move {
             let grace = self.inner.options.lease_grace;
             while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                match machine::plan(&record, saga.shape(), Utc::now(), grace) {
+                match machine::plan(&record, saga.shape(), keel_core::clock::utc_now(), grace) {
                     Plan::Idle => break,
                     Plan::Save(next) => {
                         if !self.save(&record, &next).await? {
@@ -469,7 +474,12 @@ impl<S: SagaStore> SagaOrchestrator<S> {
                             },
                             &record.id,
                         )?;
-                        let next = machine::decide(&claim, saga.shape(), outcome, Utc::now());
+                        let next = machine::decide(
+                            &claim,
+                            saga.shape(),
+                            outcome,
+                            keel_core::clock::utc_now(),
+                        );
                         if !self.save(&record, &next).await? {
                             break;
                         }

@@ -52,7 +52,7 @@ impl MemStore {
 
     /// What the passing of time does to leases and backoffs.
     fn expire_waits(&self) {
-        let now = Utc::now();
+        let now = keel_core::clock::utc_now();
         for s in self.state.lock().sagas.values_mut() {
             s.next_attempt_at = s.next_attempt_at.min(now);
         }
@@ -683,7 +683,7 @@ async fn a_refusal_waits_its_retry_after_and_does_not_use_an_attempt() {
     };
     w.svc.script("capture_payment", &[open]);
     w.start("B-2").await;
-    let before = Utc::now();
+    let before = keel_core::clock::utc_now();
     let waiting = w.orch.drive("B-2").await.unwrap();
     assert_eq!((waiting.status, waiting.step), (SagaStatus::Running, 0));
     assert_eq!(waiting.attempts, 0, "the call never left");
@@ -996,7 +996,7 @@ async fn dropping_the_orchestrator_mid_step_resumes_the_step_with_the_same_key()
         (SagaStatus::Running, 2, 1)
     );
     assert!(
-        record.next_attempt_at > Utc::now(),
+        record.next_attempt_at > keel_core::clock::utc_now(),
         "still leased to the dead process"
     );
 

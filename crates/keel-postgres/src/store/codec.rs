@@ -12,7 +12,7 @@ use super::error::corrupt;
 /// Now, as stored: truncated to microseconds, PostgreSQL's precision, so a
 /// value read back compares equal to the one written.
 pub(crate) fn now() -> DateTime<Utc> {
-    let now = Utc::now();
+    let now = keel_core::clock::utc_now();
     DateTime::from_timestamp_micros(now.timestamp_micros()).unwrap_or(now)
 }
 

@@ -242,7 +242,11 @@ impl OutboxStore for PgStore {
         let unpublished: i64 = row.try_get(0).map_err(db_error)?;
         let oldest: Option<DateTime<Utc>> = row.try_get(1).map_err(db_error)?;
         let parked: i64 = row.try_get(2).map_err(db_error)?;
-        let age = oldest.map(|created| (Utc::now() - created).to_std().unwrap_or_default());
+        let age = oldest.map(|created| {
+            (keel_core::clock::utc_now() - created)
+                .to_std()
+                .unwrap_or_default()
+        });
         Ok(OutboxStats {
             unpublished: to_u64("outbox count", unpublished)?,
             oldest_unpublished_age: age,

@@ -17,7 +17,7 @@ use super::error::corrupt;
 
 /// Now, as stored.
 pub(crate) fn now_ms() -> i64 {
-    Utc::now().timestamp_millis()
+    keel_core::clock::utc_now().timestamp_millis()
 }
 
 /// A timestamp as stored.
