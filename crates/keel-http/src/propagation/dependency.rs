@@ -34,7 +34,7 @@ pub struct DependencyConfig {
     pub timeout: TimeoutConfig,
     /// Each attempt (default 700 ms); no longer than `timeout`.
     pub attempt_timeout: TimeoutConfig,
-    /// Retries, with their budget (default: 3 attempts, 10% budget;
+    /// Retries, with their budget (default: 2 attempts, 10% budget;
     /// errors of unknown outcome are not retried unless
     /// `retry_outcome_unknown` marks the dependency's calls idempotent).
     pub retry: RetryConfig,

@@ -22,7 +22,8 @@ use super::error::is_conflict_store_error;
 
 /// How many times an operation runs again after a conflict.
 const MAX_RETRIES: u32 = 6;
-/// The first backoff; it doubles per retry (full jitter).
+/// The first backoff cap; it doubles per retry (equal jitter, see
+/// `backoff`).
 const BASE_DELAY: Duration = Duration::from_millis(4);
 
 /// Runs `op` until it succeeds, fails with something other than a
@@ -48,8 +49,10 @@ where
     }
 }
 
-/// The delay before retry number `retries` (from 1): uniformly random up to
-/// `BASE_DELAY * 2^(retries-1)`, so colliding transactions spread out.
+/// The delay before retry number `retries` (from 1): uniformly random
+/// between half of `BASE_DELAY * 2^(retries-1)` and all of it ("equal
+/// jitter"), so colliding transactions spread out yet each waits at least
+/// half the cap.
 pub(crate) fn backoff(retries: u32) -> Duration {
     let cap = BASE_DELAY.saturating_mul(1 << retries.saturating_sub(1).min(10));
     let cap_us = u64::try_from(cap.as_micros()).unwrap_or(u64::MAX);
