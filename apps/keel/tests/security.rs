@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode as AxumStatus;
 use axum::response::IntoResponse;
-use common::{ACME_KEY, Server, eventually, order, order_request, receiver, serve};
+use common::{ACME_KEY, Server, eventually, ok_receiver, order, order_request, receiver, serve};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -168,7 +168,7 @@ async fn a_tenant_sees_and_changes_only_its_own_endpoints_and_deliveries_within_
         "2",
     ]);
     let http = client();
-    let (hook, hits) = receiver(|| AxumStatus::OK.into_response()).await;
+    let (hook, hits) = ok_receiver().await;
     let created = create_endpoint(&http, &s, ACME_KEY, &hook).await;
     assert_eq!(created.status(), StatusCode::CREATED);
     let created: Value = created.json().await.unwrap();
@@ -659,7 +659,7 @@ async fn metrics_and_the_deep_check_need_the_token_unless_made_public() {
 async fn a_webhook_redirect_to_another_host_is_not_followed() {
     let s = serve(&["--allow-loopback-webhooks"]);
     let http = client();
-    let (elsewhere, stolen) = receiver(|| AxumStatus::OK.into_response()).await;
+    let (elsewhere, stolen) = ok_receiver().await;
     let location = elsewhere.clone();
     let (hook, redirected) = receiver(move || {
         (

@@ -213,20 +213,25 @@ async fn a_database_blip_leaves_every_instance_ready() {
     );
 }
 
+/// Readiness on a pool whose free connections `free` counts, with a 5 s grace.
+fn pool_watched_for_5s(free: &Arc<AtomicUsize>) -> Router {
+    let free = Arc::clone(free);
+    Health::builder()
+        .pool_exhaustion("db_pool", Duration::from_secs(5), move || {
+            free.load(Ordering::SeqCst)
+        })
+        .build()
+        .unwrap()
+        .router()
+}
+
 /// A pool with nothing free for a moment stays ready; one that stays
 /// exhausted past the grace is not, and is ready again once a connection
 /// frees up.
 #[tokio::test(start_paused = true)]
 async fn a_pool_exhausted_past_its_grace_is_not_ready() {
     let free = Arc::new(AtomicUsize::new(0));
-    let app = Health::builder()
-        .pool_exhaustion("db_pool", Duration::from_secs(5), {
-            let free = Arc::clone(&free);
-            move || free.load(Ordering::SeqCst)
-        })
-        .build()
-        .unwrap()
-        .router();
+    let app = pool_watched_for_5s(&free);
     assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
     tokio::time::advance(Duration::from_secs(4)).await;
     assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
@@ -258,14 +263,7 @@ async fn a_pool_exhausted_past_its_grace_is_not_ready() {
 #[tokio::test(start_paused = true)]
 async fn a_pool_busy_whenever_a_probe_looks_but_free_between_stays_ready() {
     let free = Arc::new(AtomicUsize::new(0));
-    let app = Health::builder()
-        .pool_exhaustion("db_pool", Duration::from_secs(5), {
-            let free = Arc::clone(&free);
-            move || free.load(Ordering::SeqCst)
-        })
-        .build()
-        .unwrap()
-        .router();
+    let app = pool_watched_for_5s(&free);
     assert_eq!(get_in_process(&app, "/readyz").await.0, StatusCode::OK);
     tokio::time::advance(Duration::from_secs(10)).await;
     let frees = tokio::spawn({
