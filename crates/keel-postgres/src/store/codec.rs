@@ -4,7 +4,6 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::broker::Headers;
-use keel_messaging::store::AttemptError;
 use serde::Serialize;
 
 use super::error::corrupt;
@@ -24,9 +23,4 @@ pub(crate) fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, StoreE
 /// Headers from their JSON object.
 pub(crate) fn headers_from_json(json: &str) -> Result<Headers, StoreError> {
     serde_json::from_str(json).map_err(|e| corrupt("headers", e))
-}
-
-/// An error history from its JSON array.
-pub(crate) fn attempts_from_json(json: &str) -> Result<Vec<AttemptError>, StoreError> {
-    serde_json::from_str(json).map_err(|e| corrupt("attempt history", e))
 }

@@ -22,21 +22,9 @@ pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
 /// SQLSTATE `deadlock_detected`.
 pub(crate) const DEADLOCK_DETECTED: &str = "40P01";
 
-/// A stored row that this version of Keel cannot read (a schema mismatch or
-/// a row written by something else).
-#[derive(Debug, thiserror::Error)]
-#[error("unreadable {what} in the PostgreSQL store: {detail}")]
-pub(crate) struct CorruptRow {
-    what: &'static str,
-    detail: String,
-}
-
 /// A [`StoreError::Other`] for a row that does not decode.
 pub(crate) fn corrupt(what: &'static str, detail: impl ToString) -> StoreError {
-    StoreError::other(CorruptRow {
-        what,
-        detail: detail.to_string(),
-    })
+    keel_sql::error::corrupt("PostgreSQL", what, detail)
 }
 
 /// Maps an error of an ordinary statement.
@@ -111,15 +99,7 @@ fn sqlstate(err: &sqlx::Error) -> Option<String> {
     }
 }
 
-/// A count or id from PostgreSQL's `i64` into `u64` (negative → corrupt).
-pub(crate) fn to_u64(what: &'static str, value: i64) -> Result<u64, StoreError> {
-    u64::try_from(value).map_err(|_| corrupt(what, format!("negative value {value}")))
-}
-
-/// A `usize` limit as a SQL integer (saturating).
-pub(crate) fn sql_limit(limit: usize) -> i64 {
-    i64::try_from(limit).unwrap_or(i64::MAX)
-}
+pub(crate) use keel_sql::error::{sql_limit, to_u64};
 
 #[cfg(test)]
 mod tests {

@@ -67,14 +67,11 @@
 //! [`PgWakeups`](crate::PgWakeups) listens to them in every process.
 
 pub(crate) mod codec;
-mod dead_letter;
+mod dialect;
 pub(crate) mod error;
-mod fence;
-mod inbox;
 mod options;
 mod outbox;
 pub(crate) mod retry;
-mod saga;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,6 +82,7 @@ use keel_messaging::store::Store;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, Postgres};
 
+pub use dialect::PgDialect;
 pub(crate) use options::guarded_pool_options;
 pub use options::{InvalidSchema, PgStoreBuilder};
 

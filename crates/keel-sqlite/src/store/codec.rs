@@ -1,5 +1,6 @@
 //! How Keel's values are stored: timestamps as Unix milliseconds (UTC),
-//! headers and error histories as JSON text.
+//! headers and error histories as JSON text (the shared core's side of it
+//! is [`super::SqliteDialect`]).
 //!
 //! Integer milliseconds sort and compare as numbers in SQL, which RFC 3339
 //! text only does while every writer uses the same format and offset. The
@@ -10,8 +11,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::broker::Headers;
-use keel_messaging::store::AttemptError;
-use serde::{Deserialize, Serialize};
 
 use super::error::corrupt;
 
@@ -43,43 +42,6 @@ pub(crate) fn headers_to_json(headers: &Headers) -> Result<String, StoreError> {
 /// Headers from a JSON object.
 pub(crate) fn headers_from_json(json: &str) -> Result<Headers, StoreError> {
     serde_json::from_str(json).map_err(|e| corrupt("headers", e))
-}
-
-/// One attempt as stored in a dead letter's JSON history.
-#[derive(Serialize, Deserialize)]
-struct StoredAttempt {
-    attempt: u32,
-    error: String,
-    at_ms: i64,
-}
-
-/// An error history as a JSON array, oldest first.
-pub(crate) fn attempts_to_json(attempts: &[AttemptError]) -> Result<String, StoreError> {
-    let stored: Vec<StoredAttempt> = attempts
-        .iter()
-        .map(|a| StoredAttempt {
-            attempt: a.attempt,
-            error: a.error.clone(),
-            at_ms: to_ms(a.at),
-        })
-        .collect();
-    serde_json::to_string(&stored).map_err(StoreError::other)
-}
-
-/// An error history from its JSON array.
-pub(crate) fn attempts_from_json(json: &str) -> Result<Vec<AttemptError>, StoreError> {
-    let stored: Vec<StoredAttempt> =
-        serde_json::from_str(json).map_err(|e| corrupt("attempt history", e))?;
-    stored
-        .into_iter()
-        .map(|a| {
-            Ok(AttemptError {
-                attempt: a.attempt,
-                error: a.error,
-                at: from_ms(a.at_ms)?,
-            })
-        })
-        .collect()
 }
 
 /// Row ids as a JSON array, for `id IN (SELECT value FROM json_each(?))`:

@@ -88,13 +88,10 @@
 //! on open. Tables are prefixed `keel_`. Timestamps are Unix milliseconds.
 
 pub(crate) mod codec;
-mod dead_letter;
+mod dialect;
 pub(crate) mod error;
-mod fence;
-mod inbox;
 mod options;
 mod outbox;
-mod saga;
 #[cfg(test)]
 mod tests;
 
@@ -104,6 +101,7 @@ use keel_messaging::store::Store;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::sqlite::{Sqlite, SqlitePool};
 
+pub use dialect::SqliteDialect;
 pub use options::SqliteStoreOptions;
 pub use sqlx::sqlite::SqliteSynchronous;
 

@@ -1,0 +1,178 @@
+//! PostgreSQL as the shared SQL core sees it: instants as `TIMESTAMPTZ`,
+//! documents as `JSONB`, `SKIP LOCKED` for concurrent workers, `NOTIFY` for
+//! wake-ups in other processes, and retries of serialization failures and
+//! deadlocks.
+
+use chrono::{DateTime, Utc};
+use keel_messaging::StoreError;
+use keel_sql::backend::Wake;
+use keel_sql::{Dialect, SqlBackend, SqlRow, Value};
+use sqlx::encode::IsNull;
+use sqlx::error::BoxDynError;
+use sqlx::postgres::{
+    PgArgumentBuffer, PgArguments, PgRow, PgTypeInfo, PgValueFormat, PgValueRef, Postgres,
+};
+use sqlx::{Column, Row, TypeInfo, ValueRef};
+
+use super::PgStore;
+use super::error::{corrupt, db_error, is_conflict_store_error};
+
+/// PostgreSQL's dialect of the shared SQL core.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PgDialect;
+
+type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
+
+impl Dialect for PgDialect {
+    type Db = Postgres;
+    type Row = PgRow;
+
+    const NAME: &'static str = "PostgreSQL";
+    const SKIP_LOCKED: &'static str = " FOR UPDATE SKIP LOCKED";
+
+    fn signalling(statement: &str, channel: &str) -> String {
+        format!("WITH changed AS ({statement}) SELECT id, pg_notify({channel}, '') FROM changed")
+    }
+
+    fn now() -> DateTime<Utc> {
+        super::codec::now()
+    }
+
+    fn error(err: sqlx::Error) -> StoreError {
+        db_error(err)
+    }
+
+    fn retries(err: &StoreError) -> bool {
+        is_conflict_store_error(err)
+    }
+
+    keel_sql::sqlx_execution!(PgRow);
+}
+
+fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
+    for param in params {
+        query = match *param {
+            Value::Text(text) => query.bind(text),
+            Value::Int(int) => query.bind(int),
+            Value::Bool(flag) => query.bind(flag),
+            Value::Bytes(bytes) => query.bind(bytes),
+            Value::Json(json) => query.bind(Jsonb(json)),
+            Value::Time(at) => query.bind(at),
+        };
+    }
+    query
+}
+
+/// `JSONB`'s binary format: a version byte, then the document's text.
+const JSONB_VERSION: u8 = 1;
+/// The type OIDs of `JSONB` and `JSON`.
+const JSONB_OID: u32 = 3802;
+const JSON_OID: u32 = 114;
+
+/// A document already serialized, sent and read as `JSONB` without parsing
+/// it on the way (the core parses it once, into its own type).
+struct Jsonb<T>(T);
+
+impl<T> sqlx::Type<Postgres> for Jsonb<T> {
+    fn type_info() -> PgTypeInfo {
+        PgTypeInfo::with_oid(sqlx::postgres::types::Oid(JSONB_OID))
+    }
+
+    fn compatible(ty: &PgTypeInfo) -> bool {
+        matches!(ty.oid(), Some(oid) if oid.0 == JSONB_OID || oid.0 == JSON_OID)
+    }
+}
+
+impl sqlx::Encode<'_, Postgres> for Jsonb<&str> {
+    fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
+        buf.push(JSONB_VERSION);
+        buf.extend_from_slice(self.0.as_bytes());
+        Ok(IsNull::No)
+    }
+}
+
+impl<'r> sqlx::Decode<'r, Postgres> for Jsonb<String> {
+    fn decode(value: PgValueRef<'r>) -> Result<Self, BoxDynError> {
+        let is_jsonb = value
+            .type_info()
+            .oid()
+            .is_some_and(|oid| oid.0 == JSONB_OID);
+        let bytes = value.as_bytes()?;
+        let text = match (value.format(), is_jsonb) {
+            (PgValueFormat::Binary, true) => match bytes.split_first() {
+                Some((&JSONB_VERSION, text)) => text,
+                _ => return Err("unknown JSONB binary version".into()),
+            },
+            _ => bytes,
+        };
+        Ok(Self(std::str::from_utf8(text)?.to_owned()))
+    }
+}
+
+impl SqlRow<PgDialect> for PgRow {
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    /// Any integer width: Keel's columns are `BIGINT` or `INTEGER`.
+    fn int_opt(&self, column: &str) -> Result<Option<i64>, StoreError> {
+        let width = self
+            .try_column(column)
+            .map_err(db_error)?
+            .type_info()
+            .name();
+        match width {
+            "INT4" => Ok(self
+                .try_get::<Option<i32>, _>(column)
+                .map_err(db_error)?
+                .map(i64::from)),
+            "INT2" => Ok(self
+                .try_get::<Option<i16>, _>(column)
+                .map_err(db_error)?
+                .map(i64::from)),
+            _ => self.try_get(column).map_err(db_error),
+        }
+    }
+
+    fn flag(&self, column: &str) -> Result<bool, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    fn json(&self, column: &str) -> Result<String, StoreError> {
+        let Jsonb(text) = self
+            .try_get::<Jsonb<String>, _>(column)
+            .map_err(|e| corrupt("document", e))?;
+        Ok(text)
+    }
+
+    fn time_opt(&self, column: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+}
+
+impl SqlBackend for PgStore {
+    type Dialect = PgDialect;
+
+    fn writer(&self) -> &sqlx::PgPool {
+        &self.pool
+    }
+
+    fn reader(&self) -> &sqlx::PgPool {
+        &self.pool
+    }
+
+    fn wake_channel(&self, wake: Wake) -> Option<&str> {
+        match wake {
+            Wake::Sagas => Some(&self.channels.sagas),
+        }
+    }
+}
+
+keel_sql::dead_letter_store!(PgStore);
+keel_sql::fence_store!(PgStore);
+keel_sql::inbox_store!(PgStore);
+keel_sql::saga_store!(PgStore);

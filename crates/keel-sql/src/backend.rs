@@ -1,0 +1,72 @@
+//! A store the core can run on: its pools, its transaction, its wake-ups.
+
+use std::future::Future;
+
+use keel_messaging::StoreError;
+
+use crate::dialect::{Dialect, Exec, Value};
+
+/// The sqlx database of a backend.
+pub type Db<B> = <<B as SqlBackend>::Dialect as Dialect>::Db;
+/// The row of a backend.
+pub type Row<B> = <<B as SqlBackend>::Dialect as Dialect>::Row;
+/// The transaction of a backend: the database's own, the one the user's
+/// business SQL runs in.
+pub type Tx<B> = sqlx::Transaction<'static, Db<B>>;
+
+/// What a wake-up announces to workers in other processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// A saga was created or saved.
+    Sagas,
+}
+
+/// A backend store: where the core's statements run.
+///
+/// A backend with one writer (SQLite) hands out different pools for writes
+/// and for reads outside a transaction; one that takes concurrent writers
+/// (PostgreSQL) hands out its one pool for both.
+pub trait SqlBackend: Send + Sync + 'static {
+    /// The database's dialect.
+    type Dialect: Dialect;
+
+    /// The pool for writes outside a transaction.
+    fn writer(&self) -> &sqlx::Pool<Db<Self>>;
+
+    /// The pool for reads outside a transaction.
+    fn reader(&self) -> &sqlx::Pool<Db<Self>>;
+
+    /// The channel that wakes other processes' workers (see
+    /// [`Dialect::signalling`]); `None` where wake-ups are in-process.
+    fn wake_channel(&self, wake: Wake) -> Option<&str> {
+        let _ = wake;
+        None
+    }
+
+    /// Runs a write outside a transaction; returns the rows it changed.
+    fn write<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send + 'a {
+        Self::Dialect::execute(Exec::Pool(self.writer()), sql, params)
+    }
+
+    /// Reads every row outside a transaction.
+    fn read_all<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> impl Future<Output = Result<Vec<Row<Self>>, StoreError>> + Send + 'a {
+        Self::Dialect::fetch_all(Exec::Pool(self.reader()), sql, params)
+    }
+
+    /// Reads the first row outside a transaction.
+    fn read_optional<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> impl Future<Output = Result<Option<Row<Self>>, StoreError>> + Send + 'a {
+        Self::Dialect::fetch_optional(Exec::Pool(self.reader()), sql, params)
+    }
+}

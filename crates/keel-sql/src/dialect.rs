@@ -1,0 +1,285 @@
+//! What the shared SQL needs to know about one database.
+//!
+//! The core never names a database type. It binds parameters as one of a
+//! handful of [`Value`] kinds, reads columns through [`SqlRow`], and runs
+//! statements through [`Dialect::execute`] and its siblings. A dialect is
+//! therefore small and concrete: it binds each kind the way its database
+//! stores it, reads it back, and classifies its errors. Keeping the generic
+//! surface this narrow is what keeps sqlx's long trait bounds out of every
+//! function of the core.
+
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use keel_messaging::StoreError;
+use keel_messaging::store::AttemptError;
+
+use crate::error::corrupt;
+
+/// One parameter of a statement, in the kinds Keel stores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value<'a> {
+    /// Text, or `NULL`.
+    Text(Option<&'a str>),
+    /// A 64-bit integer, or `NULL` (PostgreSQL casts it to a narrower
+    /// column on assignment).
+    Int(Option<i64>),
+    /// A boolean (SQLite stores 0 or 1).
+    Bool(bool),
+    /// Bytes.
+    Bytes(&'a [u8]),
+    /// A JSON document, already serialized (`TEXT` on SQLite, `JSONB` on
+    /// PostgreSQL).
+    Json(&'a str),
+    /// An instant, or `NULL` (Unix milliseconds on SQLite, `TIMESTAMPTZ` on
+    /// PostgreSQL).
+    Time(Option<DateTime<Utc>>),
+}
+
+impl<'a> From<&'a str> for Value<'a> {
+    fn from(value: &'a str) -> Self {
+        Self::Text(Some(value))
+    }
+}
+
+impl<'a> From<Option<&'a str>> for Value<'a> {
+    fn from(value: Option<&'a str>) -> Self {
+        Self::Text(value)
+    }
+}
+
+impl From<i64> for Value<'_> {
+    fn from(value: i64) -> Self {
+        Self::Int(Some(value))
+    }
+}
+
+impl From<Option<i64>> for Value<'_> {
+    fn from(value: Option<i64>) -> Self {
+        Self::Int(value)
+    }
+}
+
+impl From<bool> for Value<'_> {
+    fn from(value: bool) -> Self {
+        Self::Bool(value)
+    }
+}
+
+impl<'a> From<&'a [u8]> for Value<'a> {
+    fn from(value: &'a [u8]) -> Self {
+        Self::Bytes(value)
+    }
+}
+
+impl From<DateTime<Utc>> for Value<'_> {
+    fn from(value: DateTime<Utc>) -> Self {
+        Self::Time(Some(value))
+    }
+}
+
+impl From<Option<DateTime<Utc>>> for Value<'_> {
+    fn from(value: Option<DateTime<Utc>>) -> Self {
+        Self::Time(value)
+    }
+}
+
+/// Where a statement runs: a pool (autocommit) or a transaction.
+pub enum Exec<'a, D: Dialect> {
+    /// A connection from the pool, in autocommit mode.
+    Pool(&'a sqlx::Pool<D::Db>),
+    /// The caller's transaction (the user's, for the outbox and inbox).
+    Tx(&'a mut sqlx::Transaction<'static, D::Db>),
+}
+
+/// A row as the core reads it: each getter names the column and says what
+/// kind of value it holds. A value of the wrong kind is an error, never a
+/// panic. (The dialect is a parameter so that a backend crate may implement
+/// it for its database's row type.)
+pub trait SqlRow<D>: Send + Sync + 'static {
+    /// A `TEXT` column, possibly `NULL`.
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError>;
+    /// An integer column of any width, possibly `NULL`.
+    fn int_opt(&self, column: &str) -> Result<Option<i64>, StoreError>;
+    /// A boolean column.
+    fn flag(&self, column: &str) -> Result<bool, StoreError>;
+    /// A bytes column.
+    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError>;
+    /// A JSON document column, as text.
+    fn json(&self, column: &str) -> Result<String, StoreError>;
+    /// An instant column, possibly `NULL`.
+    fn time_opt(&self, column: &str) -> Result<Option<DateTime<Utc>>, StoreError>;
+
+    /// A `TEXT` column that may not be `NULL`.
+    fn text(&self, column: &str) -> Result<String, StoreError> {
+        self.text_opt(column)?
+            .ok_or_else(|| corrupt("SQL", "column", format!("{column} is unexpectedly NULL")))
+    }
+
+    /// An integer column that may not be `NULL`.
+    fn int(&self, column: &str) -> Result<i64, StoreError> {
+        self.int_opt(column)?
+            .ok_or_else(|| corrupt("SQL", "column", format!("{column} is unexpectedly NULL")))
+    }
+
+    /// An instant column that may not be `NULL`.
+    fn time(&self, column: &str) -> Result<DateTime<Utc>, StoreError> {
+        self.time_opt(column)?
+            .ok_or_else(|| corrupt("SQL", "column", format!("{column} is unexpectedly NULL")))
+    }
+}
+
+/// One SQL database, as the core needs to know it.
+///
+/// Statements are written once in the core with numbered placeholders
+/// (`$1`, `$2`, ...), which both SQLite and PostgreSQL accept. Where the SQL
+/// text really differs, it differs by a clause, and the dialect supplies
+/// the clause: [`Dialect::SKIP_LOCKED`], [`Dialect::indexed_by`],
+/// [`Dialect::signalling`].
+pub trait Dialect: Send + Sync + Sized + 'static {
+    /// The sqlx database.
+    type Db: sqlx::Database;
+    /// Its rows.
+    type Row: SqlRow<Self>;
+
+    /// The database's name, for messages ("SQLite", "PostgreSQL").
+    const NAME: &'static str;
+
+    /// What ends a `SELECT` of rows about to be changed so that concurrent
+    /// writers skip each other's rows instead of waiting (PostgreSQL's
+    /// `FOR UPDATE SKIP LOCKED`); empty where one writer at a time is the
+    /// rule (SQLite).
+    const SKIP_LOCKED: &'static str;
+
+    /// The hint that makes a `FROM <table>` use `index` (SQLite's
+    /// `INDEXED BY`, for queries its planner gets wrong without statistics);
+    /// empty where the planner needs none.
+    fn indexed_by(index: &str) -> String {
+        let _ = index;
+        String::new()
+    }
+
+    /// `statement` (a write ending in `RETURNING id`) extended to wake the
+    /// listeners of the channel bound at `channel` (a placeholder) when it
+    /// changed a row, delivered when (and only if) it commits. The default
+    /// leaves it unchanged, for backends whose wake-ups are in-process.
+    fn signalling(statement: &str, channel: &str) -> String {
+        let _ = channel;
+        statement.to_owned()
+    }
+
+    /// Now, truncated to the precision the database stores, so that a value
+    /// read back compares equal to the one written.
+    fn now() -> DateTime<Utc>;
+
+    /// Maps an error of an ordinary statement to the store's error classes:
+    /// what is transient becomes [`StoreError::Unavailable`], a unique
+    /// violation [`StoreError::Conflict`].
+    fn error(err: sqlx::Error) -> StoreError;
+
+    /// Whether the store may run one of its *own* statements again after
+    /// `err` (a serialization failure or a deadlock, after which nothing was
+    /// written). A user's transaction is never re-run by the store.
+    fn retries(err: &StoreError) -> bool;
+
+    /// Runs `sql` and returns how many rows it changed.
+    fn execute<'a>(
+        on: Exec<'a, Self>,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send + 'a;
+
+    /// Runs `sql` and returns every row.
+    fn fetch_all<'a>(
+        on: Exec<'a, Self>,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send + 'a;
+
+    /// Runs `sql` and returns its first row, if any.
+    fn fetch_optional<'a>(
+        on: Exec<'a, Self>,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> impl Future<Output = Result<Option<Self::Row>, StoreError>> + Send + 'a;
+
+    /// A dead letter's error history as the JSON it stores (by default each
+    /// [`AttemptError`] as serde writes it).
+    fn attempts_to_json(attempts: &[AttemptError]) -> Result<String, StoreError> {
+        serde_json::to_string(attempts).map_err(StoreError::other)
+    }
+
+    /// A dead letter's error history from its stored JSON.
+    fn attempts_from_json(json: &str) -> Result<Vec<AttemptError>, StoreError> {
+        serde_json::from_str(json).map_err(|e| corrupt(Self::NAME, "attempt history", e))
+    }
+}
+
+/// Writes a dialect's [`Dialect::execute`], [`Dialect::fetch_all`] and
+/// [`Dialect::fetch_optional`] on sqlx, given a function `bind` in scope
+/// that binds `&[Value]` onto a `sqlx::query`, and the dialect's row type.
+/// (A macro rather than default methods: generic code over `D::Db` would
+/// need sqlx's executor bounds at every call site of the core.)
+#[macro_export]
+macro_rules! sqlx_execution {
+    ($row:ty) => {
+        fn execute<'a>(
+            on: $crate::Exec<'a, Self>,
+            sql: &'a str,
+            params: &'a [$crate::Value<'a>],
+        ) -> impl ::std::future::Future<
+            Output = ::std::result::Result<u64, $crate::__private::StoreError>,
+        > + Send
+        + 'a {
+            async move {
+                let query = bind(::sqlx::query(sql), params);
+                let done = match on {
+                    $crate::Exec::Pool(pool) => query.execute(pool).await,
+                    $crate::Exec::Tx(tx) => query.execute(&mut **tx).await,
+                };
+                Ok(done
+                    .map_err(<Self as $crate::Dialect>::error)?
+                    .rows_affected())
+            }
+        }
+
+        fn fetch_all<'a>(
+            on: $crate::Exec<'a, Self>,
+            sql: &'a str,
+            params: &'a [$crate::Value<'a>],
+        ) -> impl ::std::future::Future<
+            Output = ::std::result::Result<::std::vec::Vec<$row>, $crate::__private::StoreError>,
+        > + Send
+        + 'a {
+            async move {
+                let query = bind(::sqlx::query(sql), params);
+                match on {
+                    $crate::Exec::Pool(pool) => query.fetch_all(pool).await,
+                    $crate::Exec::Tx(tx) => query.fetch_all(&mut **tx).await,
+                }
+                .map_err(<Self as $crate::Dialect>::error)
+            }
+        }
+
+        fn fetch_optional<'a>(
+            on: $crate::Exec<'a, Self>,
+            sql: &'a str,
+            params: &'a [$crate::Value<'a>],
+        ) -> impl ::std::future::Future<
+            Output = ::std::result::Result<
+                ::std::option::Option<$row>,
+                $crate::__private::StoreError,
+            >,
+        > + Send
+        + 'a {
+            async move {
+                let query = bind(::sqlx::query(sql), params);
+                match on {
+                    $crate::Exec::Pool(pool) => query.fetch_optional(pool).await,
+                    $crate::Exec::Tx(tx) => query.fetch_optional(&mut **tx).await,
+                }
+                .map_err(<Self as $crate::Dialect>::error)
+            }
+        }
+    };
+}

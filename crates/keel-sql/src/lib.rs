@@ -1,0 +1,56 @@
+//! Keel's storage logic, written once for every SQL database.
+//!
+//! The outbox, inbox, dead letters, sagas and fences mean the same thing on
+//! SQLite and on PostgreSQL: the same rows, the same status transitions, the
+//! same filters and the same rules. What differs is small and lives in each
+//! backend crate as its [`Dialect`]: how a value is bound and read back (an
+//! instant is Unix milliseconds on SQLite and `TIMESTAMPTZ` on PostgreSQL, a
+//! document is `TEXT` or `JSONB`), how an error is classified, which errors
+//! the store may retry by itself, and the few statements whose SQL text
+//! really differs, which is a clause (an index hint, `SKIP LOCKED`, a
+//! `NOTIFY`). Each backend
+//! crate keeps its own concurrency (SQLite's single writer and
+//! `BEGIN IMMEDIATE`; PostgreSQL's advisory-lock claims and commit-outcome
+//! resolution) and its wake-ups.
+//!
+//! # Why not `sqlx::Any`
+//!
+//! The outbox and the inbox rest on one promise: Keel's row commits in the
+//! *user's* transaction, and that transaction is the backend's own
+//! (`sqlx::Transaction<'static, Sqlite>` or `<Postgres>`), so the user's
+//! business SQL runs in it unchanged. `Any` would hand out a different
+//! transaction type and lose each database's types. So the core is generic
+//! over [`SqlBackend`], whose transaction is the backend's own, and talks to
+//! the database only through a handful of [`Value`] kinds and the
+//! [`SqlRow`] getters a dialect implements.
+//!
+//! # Shape
+//!
+//! One module per table: its SQL, its row codec and one generic function per
+//! operation of the matching `keel_messaging::store` trait. A backend crate
+//! implements [`SqlBackend`] for its store and says which contracts it takes
+//! from the core with the matching macro ([`dead_letter_store!`],
+//! [`saga_store!`], [`inbox_store!`], [`fence_store!`]), each of which
+//! writes the trait's forwarding impl and nothing else.
+
+pub mod backend;
+pub mod dead_letter;
+pub mod dialect;
+pub mod error;
+pub mod fence;
+pub mod filter;
+pub mod inbox;
+pub mod retry;
+pub mod saga;
+
+pub use backend::SqlBackend;
+pub use dialect::{Dialect, Exec, SqlRow, Value};
+
+/// What the macros need to name from the calling crate.
+#[doc(hidden)]
+pub mod __private {
+    pub use async_trait::async_trait;
+    pub use chrono::{DateTime, Utc};
+    pub use keel_messaging::StoreError;
+    pub use keel_messaging::store;
+}

@@ -1,0 +1,143 @@
+//! SQLite as the shared SQL core sees it: instants as Unix milliseconds,
+//! documents as JSON text, index hints where the planner needs them, and no
+//! retries of its own (a `BUSY` comes after the busy timeout already
+//! waited).
+
+use chrono::{DateTime, Utc};
+use keel_messaging::StoreError;
+use keel_messaging::store::AttemptError;
+use keel_sql::{Dialect, SqlBackend, SqlRow, Value};
+use serde::{Deserialize, Serialize};
+use sqlx::Row;
+use sqlx::sqlite::{Sqlite, SqliteArguments, SqliteRow};
+
+use super::SqliteStore;
+use super::codec::{from_ms, to_ms};
+use super::error::{corrupt, db_error};
+
+/// SQLite's dialect of the shared SQL core.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SqliteDialect;
+
+type Query<'q> = sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>>;
+
+impl Dialect for SqliteDialect {
+    type Db = Sqlite;
+    type Row = SqliteRow;
+
+    const NAME: &'static str = "SQLite";
+    const SKIP_LOCKED: &'static str = "";
+
+    fn indexed_by(index: &str) -> String {
+        format!("INDEXED BY {index}")
+    }
+
+    fn now() -> DateTime<Utc> {
+        let now = keel_core::clock::utc_now();
+        DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now)
+    }
+
+    fn error(err: sqlx::Error) -> StoreError {
+        db_error(err)
+    }
+
+    fn retries(_: &StoreError) -> bool {
+        false
+    }
+
+    keel_sql::sqlx_execution!(SqliteRow);
+
+    fn attempts_to_json(attempts: &[AttemptError]) -> Result<String, StoreError> {
+        let stored: Vec<StoredAttempt> = attempts
+            .iter()
+            .map(|a| StoredAttempt {
+                attempt: a.attempt,
+                error: a.error.clone(),
+                at_ms: to_ms(a.at),
+            })
+            .collect();
+        serde_json::to_string(&stored).map_err(StoreError::other)
+    }
+
+    fn attempts_from_json(json: &str) -> Result<Vec<AttemptError>, StoreError> {
+        let stored: Vec<StoredAttempt> =
+            serde_json::from_str(json).map_err(|e| corrupt("attempt history", e))?;
+        stored
+            .into_iter()
+            .map(|a| {
+                Ok(AttemptError {
+                    attempt: a.attempt,
+                    error: a.error,
+                    at: from_ms(a.at_ms)?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One attempt as stored in a dead letter's JSON history (instants in the
+/// store's own Unix milliseconds).
+#[derive(Serialize, Deserialize)]
+struct StoredAttempt {
+    attempt: u32,
+    error: String,
+    at_ms: i64,
+}
+
+fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
+    for param in params {
+        query = match *param {
+            Value::Text(text) => query.bind(text),
+            Value::Int(int) => query.bind(int),
+            Value::Bool(flag) => query.bind(flag),
+            Value::Bytes(bytes) => query.bind(bytes),
+            Value::Json(json) => query.bind(json),
+            Value::Time(at) => query.bind(at.map(to_ms)),
+        };
+    }
+    query
+}
+
+impl SqlRow<SqliteDialect> for SqliteRow {
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    fn int_opt(&self, column: &str) -> Result<Option<i64>, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    fn flag(&self, column: &str) -> Result<bool, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    fn json(&self, column: &str) -> Result<String, StoreError> {
+        self.try_get(column).map_err(db_error)
+    }
+
+    fn time_opt(&self, column: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+        let ms: Option<i64> = self.try_get(column).map_err(db_error)?;
+        ms.map(from_ms).transpose()
+    }
+}
+
+impl SqlBackend for SqliteStore {
+    type Dialect = SqliteDialect;
+
+    fn writer(&self) -> &sqlx::SqlitePool {
+        &self.writer
+    }
+
+    fn reader(&self) -> &sqlx::SqlitePool {
+        &self.reader
+    }
+}
+
+keel_sql::dead_letter_store!(SqliteStore);
+keel_sql::fence_store!(SqliteStore);
+keel_sql::inbox_store!(SqliteStore);
+keel_sql::saga_store!(SqliteStore);
