@@ -19,6 +19,8 @@ pub type Tx<B> = sqlx::Transaction<'static, Db<B>>;
 pub enum Wake {
     /// A saga was created or saved.
     Sagas,
+    /// An event was appended to a stream's log.
+    EventLog,
 }
 
 /// A backend store: where the core's statements run.

@@ -134,7 +134,7 @@ pub trait SqlRow<D>: Send + Sync + 'static {
 /// Statements are written once in the core with numbered placeholders
 /// (`$1`, `$2`, ...), which both SQLite and PostgreSQL accept. Where the SQL
 /// text really differs, it differs by a clause, and the dialect supplies
-/// the clause: [`Dialect::SKIP_LOCKED`], [`Dialect::indexed_by`],
+/// the clause: [`Dialect::skip_locked`], [`Dialect::indexed_by`],
 /// [`Dialect::signalling`].
 pub trait Dialect: Send + Sync + Sized + 'static {
     /// The sqlx database.
@@ -147,9 +147,13 @@ pub trait Dialect: Send + Sync + Sized + 'static {
 
     /// What ends a `SELECT` of rows about to be changed so that concurrent
     /// writers skip each other's rows instead of waiting (PostgreSQL's
-    /// `FOR UPDATE SKIP LOCKED`); empty where one writer at a time is the
+    /// `FOR UPDATE [OF <of>] SKIP LOCKED`, `of` naming the one table of a
+    /// join whose rows are locked); empty where one writer at a time is the
     /// rule (SQLite).
-    const SKIP_LOCKED: &'static str;
+    fn skip_locked(of: Option<&str>) -> String {
+        let _ = of;
+        String::new()
+    }
 
     /// The hint that makes a `FROM <table>` use `index` (SQLite's
     /// `INDEXED BY`, for queries its planner gets wrong without statistics);
@@ -159,12 +163,14 @@ pub trait Dialect: Send + Sync + Sized + 'static {
         String::new()
     }
 
-    /// `statement` (a write ending in `RETURNING id`) extended to wake the
-    /// listeners of the channel bound at `channel` (a placeholder) when it
-    /// changed a row, delivered when (and only if) it commits. The default
-    /// leaves it unchanged, for backends whose wake-ups are in-process.
-    fn signalling(statement: &str, channel: &str) -> String {
-        let _ = channel;
+    /// `statement` (a write ending in `RETURNING ...`) extended to send
+    /// `payload` (an SQL expression over the returned columns and the
+    /// parameters) to the listeners of the channel bound at `channel` (a
+    /// placeholder), once per changed row, delivered when (and only if) it
+    /// commits; it still returns the same columns. The default leaves it
+    /// unchanged, for backends whose wake-ups are in-process.
+    fn signalling(statement: &str, channel: &str, payload: &str) -> String {
+        let _ = (channel, payload);
         statement.to_owned()
     }
 

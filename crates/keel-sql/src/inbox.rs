@@ -40,7 +40,7 @@ pub async fn prune<B: SqlBackend>(
         "DELETE FROM keel_inbox WHERE (event_id, handler) IN (
            SELECT event_id, handler FROM keel_inbox
             WHERE processed_at < $1 ORDER BY processed_at LIMIT $2{})",
-        B::Dialect::SKIP_LOCKED
+        B::Dialect::skip_locked(None)
     );
     delete_batch(store, "inbox_prune", &sql, before.into(), batch).await
 }

@@ -30,16 +30,19 @@
 //! operation of the matching `keel_messaging::store` trait. A backend crate
 //! implements [`SqlBackend`] for its store and says which contracts it takes
 //! from the core with the matching macro ([`dead_letter_store!`],
-//! [`saga_store!`], [`inbox_store!`], [`fence_store!`]), each of which
+//! [`saga_store!`], [`inbox_store!`], [`fence_store!`], [`job_store!`],
+//! [`event_log_store!`]), each of which
 //! writes the trait's forwarding impl and nothing else.
 
 pub mod backend;
 pub mod dead_letter;
 pub mod dialect;
 pub mod error;
+pub mod event_log;
 pub mod fence;
 pub mod filter;
 pub mod inbox;
+pub mod jobs;
 pub mod retry;
 pub mod saga;
 
@@ -53,4 +56,5 @@ pub mod __private {
     pub use chrono::{DateTime, Utc};
     pub use keel_messaging::StoreError;
     pub use keel_messaging::store;
+    pub use serde_json;
 }

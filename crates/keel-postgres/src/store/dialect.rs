@@ -28,10 +28,18 @@ impl Dialect for PgDialect {
     type Row = PgRow;
 
     const NAME: &'static str = "PostgreSQL";
-    const SKIP_LOCKED: &'static str = " FOR UPDATE SKIP LOCKED";
+    fn skip_locked(of: Option<&str>) -> String {
+        match of {
+            Some(table) => format!(" FOR UPDATE OF {table} SKIP LOCKED"),
+            None => " FOR UPDATE SKIP LOCKED".to_owned(),
+        }
+    }
 
-    fn signalling(statement: &str, channel: &str) -> String {
-        format!("WITH changed AS ({statement}) SELECT id, pg_notify({channel}, '') FROM changed")
+    fn signalling(statement: &str, channel: &str, payload: &str) -> String {
+        format!(
+            "WITH changed AS ({statement}) \
+             SELECT changed.*, pg_notify({channel}, {payload}) FROM changed"
+        )
     }
 
     fn now() -> DateTime<Utc> {
@@ -168,11 +176,14 @@ impl SqlBackend for PgStore {
     fn wake_channel(&self, wake: Wake) -> Option<&str> {
         match wake {
             Wake::Sagas => Some(&self.channels.sagas),
+            Wake::EventLog => Some(&self.channels.event_log),
         }
     }
 }
 
 keel_sql::dead_letter_store!(PgStore);
+keel_sql::event_log_store!(PgStore);
 keel_sql::fence_store!(PgStore);
 keel_sql::inbox_store!(PgStore);
+keel_sql::job_store!(PgStore);
 keel_sql::saga_store!(PgStore);

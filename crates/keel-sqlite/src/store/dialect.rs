@@ -26,7 +26,6 @@ impl Dialect for SqliteDialect {
     type Row = SqliteRow;
 
     const NAME: &'static str = "SQLite";
-    const SKIP_LOCKED: &'static str = "";
 
     fn indexed_by(index: &str) -> String {
         format!("INDEXED BY {index}")
@@ -137,7 +136,11 @@ impl SqlBackend for SqliteStore {
     }
 }
 
+#[cfg(feature = "event-log")]
+keel_sql::event_log_store!(SqliteStore);
 keel_sql::dead_letter_store!(SqliteStore);
 keel_sql::fence_store!(SqliteStore);
 keel_sql::inbox_store!(SqliteStore);
+#[cfg(feature = "jobs")]
+keel_sql::job_store!(SqliteStore);
 keel_sql::saga_store!(SqliteStore);
