@@ -17,7 +17,6 @@
 //! connection lost during `COMMIT` is an unknown outcome, which the store
 //! resolves for its own transactions by asking the server.
 
-mod idempotency;
 pub mod store;
 pub mod wakeups;
 mod webhooks;

@@ -45,6 +45,15 @@ pub trait SqlBackend: Send + Sync + 'static {
         None
     }
 
+    /// Begins one of the store's own transactions (the backend's `begin`:
+    /// SQLite's `BEGIN IMMEDIATE` on its writer).
+    fn begin_own(&self) -> impl Future<Output = Result<Tx<Self>, StoreError>> + Send;
+
+    /// Commits one of the store's own transactions; where the backend can
+    /// ask what became of a lost `COMMIT` (PostgreSQL), it does, instead of
+    /// answering [`StoreError::OutcomeUnknown`].
+    fn commit_own(&self, tx: Tx<Self>) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Runs a write outside a transaction; returns the rows it changed.
     fn write<'a>(
         &'a self,

@@ -103,10 +103,10 @@ pub trait SqlRow<D>: Send + Sync + 'static {
     fn int_opt(&self, column: &str) -> Result<Option<i64>, StoreError>;
     /// A boolean column.
     fn flag(&self, column: &str) -> Result<bool, StoreError>;
-    /// A bytes column.
-    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError>;
-    /// A JSON document column, as text.
-    fn json(&self, column: &str) -> Result<String, StoreError>;
+    /// A bytes column, possibly `NULL`.
+    fn bytes_opt(&self, column: &str) -> Result<Option<Vec<u8>>, StoreError>;
+    /// A JSON document column, as text, possibly `NULL`.
+    fn json_opt(&self, column: &str) -> Result<Option<String>, StoreError>;
     /// An instant column, possibly `NULL`.
     fn time_opt(&self, column: &str) -> Result<Option<DateTime<Utc>>, StoreError>;
 
@@ -119,6 +119,18 @@ pub trait SqlRow<D>: Send + Sync + 'static {
     /// An integer column that may not be `NULL`.
     fn int(&self, column: &str) -> Result<i64, StoreError> {
         self.int_opt(column)?
+            .ok_or_else(|| corrupt("SQL", "column", format!("{column} is unexpectedly NULL")))
+    }
+
+    /// A bytes column that may not be `NULL`.
+    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError> {
+        self.bytes_opt(column)?
+            .ok_or_else(|| corrupt("SQL", "column", format!("{column} is unexpectedly NULL")))
+    }
+
+    /// A JSON document column that may not be `NULL`, as text.
+    fn json(&self, column: &str) -> Result<String, StoreError> {
+        self.json_opt(column)?
             .ok_or_else(|| corrupt("SQL", "column", format!("{column} is unexpectedly NULL")))
     }
 
@@ -162,6 +174,12 @@ pub trait Dialect: Send + Sync + Sized + 'static {
         let _ = index;
         String::new()
     }
+
+    /// What ends a `SELECT` that decides a write in the same transaction, so
+    /// that no one else changes the row meanwhile (`FOR UPDATE`); empty
+    /// where the transaction already holds the database's only write lock
+    /// (SQLite's `BEGIN IMMEDIATE`).
+    const FOR_UPDATE: &'static str;
 
     /// `statement` (a write ending in `RETURNING ...`) extended to send
     /// `payload` (an SQL expression over the returned columns and the

@@ -31,7 +31,7 @@
 //! implements [`SqlBackend`] for its store and says which contracts it takes
 //! from the core with the matching macro ([`dead_letter_store!`],
 //! [`saga_store!`], [`inbox_store!`], [`fence_store!`], [`job_store!`],
-//! [`event_log_store!`]), each of which
+//! [`event_log_store!`], [`idempotency_store!`]), each of which
 //! writes the trait's forwarding impl and nothing else.
 
 pub mod backend;
@@ -41,6 +41,7 @@ pub mod error;
 pub mod event_log;
 pub mod fence;
 pub mod filter;
+pub mod idempotency;
 pub mod inbox;
 pub mod jobs;
 pub mod retry;

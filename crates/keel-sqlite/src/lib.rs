@@ -16,7 +16,5 @@ pub use broker::{SqliteBroker, SqliteBrokerOptions};
 pub mod store;
 #[cfg(feature = "store")]
 pub use store::{SqliteStore, SqliteStoreOptions};
-#[cfg(feature = "idempotency")]
-mod idempotency;
 #[cfg(feature = "webhooks")]
 mod webhooks;

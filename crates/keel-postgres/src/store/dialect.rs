@@ -28,6 +28,7 @@ impl Dialect for PgDialect {
     type Row = PgRow;
 
     const NAME: &'static str = "PostgreSQL";
+    const FOR_UPDATE: &'static str = " FOR UPDATE";
     fn skip_locked(of: Option<&str>) -> String {
         match of {
             Some(table) => format!(" FOR UPDATE OF {table} SKIP LOCKED"),
@@ -146,15 +147,15 @@ impl SqlRow<PgDialect> for PgRow {
         self.try_get(column).map_err(db_error)
     }
 
-    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError> {
+    fn bytes_opt(&self, column: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.try_get(column).map_err(db_error)
     }
 
-    fn json(&self, column: &str) -> Result<String, StoreError> {
-        let Jsonb(text) = self
-            .try_get::<Jsonb<String>, _>(column)
+    fn json_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
+        let text = self
+            .try_get::<Option<Jsonb<String>>, _>(column)
             .map_err(|e| corrupt("document", e))?;
-        Ok(text)
+        Ok(text.map(|Jsonb(text)| text))
     }
 
     fn time_opt(&self, column: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
@@ -164,6 +165,14 @@ impl SqlRow<PgDialect> for PgRow {
 
 impl SqlBackend for PgStore {
     type Dialect = PgDialect;
+
+    async fn begin_own(&self) -> Result<keel_sql::backend::Tx<Self>, StoreError> {
+        keel_messaging::store::Store::begin(self).await
+    }
+
+    async fn commit_own(&self, tx: keel_sql::backend::Tx<Self>) -> Result<(), StoreError> {
+        self.commit_resolved(tx).await
+    }
 
     fn writer(&self) -> &sqlx::PgPool {
         &self.pool
@@ -184,6 +193,7 @@ impl SqlBackend for PgStore {
 keel_sql::dead_letter_store!(PgStore);
 keel_sql::event_log_store!(PgStore);
 keel_sql::fence_store!(PgStore);
+keel_sql::idempotency_store!(PgStore);
 keel_sql::inbox_store!(PgStore);
 keel_sql::job_store!(PgStore);
 keel_sql::saga_store!(PgStore);

@@ -26,6 +26,7 @@ impl Dialect for SqliteDialect {
     type Row = SqliteRow;
 
     const NAME: &'static str = "SQLite";
+    const FOR_UPDATE: &'static str = "";
 
     fn indexed_by(index: &str) -> String {
         format!("INDEXED BY {index}")
@@ -110,11 +111,11 @@ impl SqlRow<SqliteDialect> for SqliteRow {
         self.try_get(column).map_err(db_error)
     }
 
-    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError> {
+    fn bytes_opt(&self, column: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.try_get(column).map_err(db_error)
     }
 
-    fn json(&self, column: &str) -> Result<String, StoreError> {
+    fn json_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
         self.try_get(column).map_err(db_error)
     }
 
@@ -126,6 +127,16 @@ impl SqlRow<SqliteDialect> for SqliteRow {
 
 impl SqlBackend for SqliteStore {
     type Dialect = SqliteDialect;
+
+    async fn begin_own(&self) -> Result<keel_sql::backend::Tx<Self>, StoreError> {
+        crate::pool::begin_immediate(&self.writer)
+            .await
+            .map_err(db_error)
+    }
+
+    async fn commit_own(&self, tx: keel_sql::backend::Tx<Self>) -> Result<(), StoreError> {
+        tx.commit().await.map_err(super::error::commit_error)
+    }
 
     fn writer(&self) -> &sqlx::SqlitePool {
         &self.writer
@@ -140,6 +151,8 @@ impl SqlBackend for SqliteStore {
 keel_sql::event_log_store!(SqliteStore);
 keel_sql::dead_letter_store!(SqliteStore);
 keel_sql::fence_store!(SqliteStore);
+#[cfg(feature = "idempotency")]
+keel_sql::idempotency_store!(SqliteStore);
 keel_sql::inbox_store!(SqliteStore);
 #[cfg(feature = "jobs")]
 keel_sql::job_store!(SqliteStore);
