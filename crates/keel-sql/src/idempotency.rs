@@ -104,13 +104,8 @@ pub async fn begin<B: SqlBackend>(
         if write(store, "idempotency_insert", INSERT_NEW_SQL, &claim_params).await? == 1 {
             return Ok(IdempotencyBegin::Started);
         }
-        if let Some(row) = store.read_optional(&select, &key_params).await? {
-            if let Decision::Answer(
-                answer @ (IdempotencyBegin::Mismatch | IdempotencyBegin::Completed(_)),
-            ) = decide::<B::Dialect>(&row, fingerprint, now)?
-            {
-                return Ok(answer);
-            }
+        if let Some(answer) = settled(store, &select, &key_params, fingerprint, now).await? {
+            return Ok(answer);
         }
         let decided = retry::<B::Dialect, _, _, _>("idempotency_decide", || async {
             let mut tx = store.begin_own().await?;
@@ -140,6 +135,26 @@ pub async fn begin<B: SqlBackend>(
     Err(StoreError::Unavailable(
         format!("idempotency key {key:?} kept changing; try again").into(),
     ))
+}
+
+/// A replay or a mismatch, answered from a plain read: a live row in those
+/// states does not change until it expires.
+async fn settled<B: SqlBackend>(
+    store: &B,
+    select: &str,
+    key_params: &[Value<'_>],
+    fingerprint: &str,
+    now: DateTime<Utc>,
+) -> Result<Option<IdempotencyBegin>, StoreError> {
+    let Some(row) = store.read_optional(select, key_params).await? else {
+        return Ok(None);
+    };
+    Ok(match decide::<B::Dialect>(&row, fingerprint, now)? {
+        Decision::Answer(
+            answer @ (IdempotencyBegin::Mismatch | IdempotencyBegin::Completed(_)),
+        ) => Some(answer),
+        _ => None,
+    })
 }
 
 /// [`IdempotencyStore::idempotency_renew`](keel_messaging::store::IdempotencyStore::idempotency_renew).
