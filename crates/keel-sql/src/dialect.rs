@@ -34,6 +34,9 @@ pub enum Value<'a> {
     /// An instant, or `NULL` (Unix milliseconds on SQLite, `TIMESTAMPTZ` on
     /// PostgreSQL).
     Time(Option<DateTime<Utc>>),
+    /// A list of row ids, for [`Dialect::any_of`] (a JSON array on SQLite,
+    /// a `BIGINT[]` on PostgreSQL): one statement for any number of ids.
+    Ids(&'a [i64]),
 }
 
 impl<'a> From<&'a str> for Value<'a> {
@@ -180,6 +183,10 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     /// where the transaction already holds the database's only write lock
     /// (SQLite's `BEGIN IMMEDIATE`).
     const FOR_UPDATE: &'static str;
+
+    /// The condition "`column` is one of the ids bound at `ids`" (a
+    /// [`Value::Ids`] placeholder).
+    fn any_of(column: &str, ids: &str) -> String;
 
     /// `statement` (a write ending in `RETURNING ...`) extended to send
     /// `payload` (an SQL expression over the returned columns and the

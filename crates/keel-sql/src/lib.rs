@@ -31,8 +31,10 @@
 //! implements [`SqlBackend`] for its store and says which contracts it takes
 //! from the core with the matching macro ([`dead_letter_store!`],
 //! [`saga_store!`], [`inbox_store!`], [`fence_store!`], [`job_store!`],
-//! [`event_log_store!`], [`idempotency_store!`]), each of which
-//! writes the trait's forwarding impl and nothing else.
+//! [`event_log_store!`], [`idempotency_store!`], [`outbox_store!`]), each of
+//! which writes the trait's forwarding impl and nothing else. Where a table
+//! needs what only the backend can do (the outbox's append and claim), the
+//! module says so with a trait of its own ([`outbox::OutboxBackend`]).
 
 pub mod backend;
 pub mod dead_letter;
@@ -44,6 +46,7 @@ pub mod filter;
 pub mod idempotency;
 pub mod inbox;
 pub mod jobs;
+pub mod outbox;
 pub mod retry;
 pub mod saga;
 

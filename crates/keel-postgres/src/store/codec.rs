@@ -1,12 +1,11 @@
 //! How Keel's values are stored: timestamps as `TIMESTAMPTZ`, headers,
-//! histories and documents as `JSONB` (sent and read as text, cast in SQL).
+//! histories and documents as `JSONB` (the shared core's side of it is
+//! [`super::PgDialect`], which sends and reads documents as `JSONB`'s
+//! binary format without parsing them).
 
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
-use keel_messaging::broker::Headers;
 use serde::Serialize;
-
-use super::error::corrupt;
 
 /// Now, as stored: truncated to microseconds, PostgreSQL's precision, so a
 /// value read back compares equal to the one written.
@@ -18,9 +17,4 @@ pub(crate) fn now() -> DateTime<Utc> {
 /// A value as JSON text.
 pub(crate) fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(StoreError::other)
-}
-
-/// Headers from their JSON object.
-pub(crate) fn headers_from_json(json: &str) -> Result<Headers, StoreError> {
-    serde_json::from_str(json).map_err(|e| corrupt("headers", e))
 }

@@ -47,6 +47,10 @@ impl Dialect for PgDialect {
         super::codec::now()
     }
 
+    fn any_of(column: &str, ids: &str) -> String {
+        format!("{column} = ANY({ids})")
+    }
+
     fn error(err: sqlx::Error) -> StoreError {
         db_error(err)
     }
@@ -67,6 +71,7 @@ fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
             Value::Bytes(bytes) => query.bind(bytes),
             Value::Json(json) => query.bind(Jsonb(json)),
             Value::Time(at) => query.bind(at),
+            Value::Ids(ids) => query.bind(ids),
         };
     }
     query
@@ -74,9 +79,11 @@ fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
 
 /// `JSONB`'s binary format: a version byte, then the document's text.
 const JSONB_VERSION: u8 = 1;
-/// The type OIDs of `JSONB` and `JSON`.
+/// The type OIDs of `JSONB`, `JSON` and `TEXT` (a function may hand a
+/// document back as text).
 const JSONB_OID: u32 = 3802;
 const JSON_OID: u32 = 114;
+const TEXT_OID: u32 = 25;
 
 /// A document already serialized, sent and read as `JSONB` without parsing
 /// it on the way (the core parses it once, into its own type).
@@ -88,7 +95,7 @@ impl<T> sqlx::Type<Postgres> for Jsonb<T> {
     }
 
     fn compatible(ty: &PgTypeInfo) -> bool {
-        matches!(ty.oid(), Some(oid) if oid.0 == JSONB_OID || oid.0 == JSON_OID)
+        matches!(ty.oid(), Some(oid) if [JSONB_OID, JSON_OID, TEXT_OID].contains(&oid.0))
     }
 }
 
@@ -195,5 +202,6 @@ keel_sql::event_log_store!(PgStore);
 keel_sql::fence_store!(PgStore);
 keel_sql::idempotency_store!(PgStore);
 keel_sql::inbox_store!(PgStore);
+keel_sql::outbox_store!(PgStore);
 keel_sql::job_store!(PgStore);
 keel_sql::saga_store!(PgStore);

@@ -99,7 +99,7 @@ fn sqlstate(err: &sqlx::Error) -> Option<String> {
     }
 }
 
-pub(crate) use keel_sql::error::{sql_limit, to_u64};
+pub(crate) use keel_sql::error::sql_limit;
 
 #[cfg(test)]
 mod tests {

@@ -1,4 +1,5 @@
-//! The transactional outbox on PostgreSQL.
+//! The outbox's PostgreSQL half: append and claim (the rest is the shared
+//! core's `keel_sql::outbox`).
 //!
 //! Append is one statement per call whatever the number of events
 //! (`INSERT ... SELECT FROM UNNEST(arrays)`), and it sends `pg_notify` on
@@ -27,37 +28,21 @@
 //! the later rows of their keys), which takes the lock and then
 //! leases with a fresh snapshot: one round trip, not four.
 //!
-//! # Late commits
-//!
-//! Identity values are handed out at `INSERT`, not at `COMMIT`, so id 7 can
-//! commit after id 8 was published. The claim keeps no high-water mark: it
-//! always scans the unpublished rows from the lowest id (through the partial
-//! index of unpublished rows), so row 7 is claimed by the first claim after
-//! it commits.
-//!
 //! # Pruning
 //!
 //! Each prune deletes at most `batch` published rows chosen `FOR UPDATE SKIP
-//! LOCKED` (`DELETE ... WHERE id IN (SELECT ... LIMIT n)`), one short
-//! autocommit statement per batch: it never waits for a lock and never holds
-//! many.
+//! LOCKED`, one short autocommit statement per batch: it never waits for a
+//! lock and never holds many.
 
-use std::time::Duration;
-
-use async_trait::async_trait;
-use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
-use keel_messaging::store::{
-    OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox, PendingOutbox, Store,
-};
-use sqlx::Row;
+use keel_messaging::store::OutboxRecord;
+use keel_sql::outbox::OutboxBackend;
 use sqlx::postgres::PgRow;
 
 use super::PgStore;
-use super::codec::{headers_from_json, now, to_json};
-use super::error::{db_error, sql_limit, to_u64};
-use super::retry::{delete_batch, retry};
+use super::codec::to_json;
+use super::error::{db_error, sql_limit};
 
 /// Inserts the rows given as parallel arrays and notifies the outbox
 /// channel, in one statement.
@@ -75,62 +60,13 @@ SELECT pg_notify($7, '') FROM (SELECT COUNT(*) FROM inserted) AS done";
 /// SQL).
 const CLAIM_SQL: &str = "SELECT * FROM keel_outbox_claim($1, $2, $3, $4, $5)";
 
-const MARK_SQL: &str = "\
-UPDATE keel_outbox SET published_at = $1, claimed_by = NULL, claimed_until = NULL
- WHERE id = ANY($2) AND published_at IS NULL";
-
-const RELEASE_SQL: &str = "\
-UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL
- WHERE id = ANY($1) AND published_at IS NULL";
-
-pub(super) const PRUNE_SQL: &str = "\
-DELETE FROM keel_outbox WHERE id IN (
-  SELECT id FROM keel_outbox WHERE published_at < $1
-   ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)";
-
-const STATS_SQL: &str = "\
-SELECT COUNT(*) FILTER (WHERE parked_at IS NULL), MIN(created_at) FILTER (WHERE parked_at IS NULL),
-       COUNT(*) FILTER (WHERE parked_at IS NOT NULL)
-  FROM keel_outbox WHERE published_at IS NULL";
-
-const RELEASE_FAILED_SQL: &str = "\
-UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1,
-       last_error = $2
- WHERE id = ANY($1) AND published_at IS NULL";
-
-const PARK_SQL: &str = "\
-UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1,
-       last_error = $2, parked_at = $3
- WHERE id = $1 AND published_at IS NULL AND parked_at IS NULL";
-
-const UNPARK_SQL: &str = "\
-UPDATE keel_outbox SET parked_at = NULL, attempts = 0, last_error = NULL
- WHERE id = $1 AND published_at IS NULL AND parked_at IS NOT NULL";
-
-const DISCARD_SQL: &str =
-    "DELETE FROM keel_outbox WHERE id = $1 AND published_at IS NULL AND parked_at IS NOT NULL";
-
-const PARKED_SQL: &str = "\
-SELECT o.id, o.event_id, o.topic, o.partition_key, o.headers::text AS headers, o.payload,
-       o.created_at, o.attempts, o.parked_at, o.last_error,
-       (SELECT COUNT(*) FROM keel_outbox e
-         WHERE e.partition_key = o.partition_key AND e.published_at IS NULL
-           AND e.id > o.id) AS held_back
-  FROM keel_outbox o
- WHERE o.parked_at IS NOT NULL AND o.published_at IS NULL
-   AND ($1::text IS NULL OR o.topic = $1) AND ($2::bigint IS NULL OR o.id = $2)
- ORDER BY o.id LIMIT $3";
-
-#[async_trait]
-impl OutboxStore for PgStore {
-    async fn outbox_append(
+impl OutboxBackend for PgStore {
+    async fn append_rows(
         &self,
-        tx: &mut <Self as Store>::Tx,
+        tx: &mut keel_sql::backend::Tx<Self>,
         records: &[OutboxRecord],
+        created_at: DateTime<Utc>,
     ) -> Result<(), StoreError> {
-        if records.is_empty() {
-            return Ok(());
-        }
         let mut ids = Vec::with_capacity(records.len());
         let mut topics = Vec::with_capacity(records.len());
         let mut keys = Vec::with_capacity(records.len());
@@ -149,7 +85,7 @@ impl OutboxStore for PgStore {
             .bind(keys)
             .bind(headers)
             .bind(payloads)
-            .bind(now())
+            .bind(created_at)
             .bind(self.channels.outbox.as_str())
             .execute(&mut **tx)
             .await
@@ -157,212 +93,22 @@ impl OutboxStore for PgStore {
         Ok(())
     }
 
-    async fn outbox_claim(
+    async fn claim_rows(
         &self,
         relay: &str,
+        until: DateTime<Utc>,
+        now: DateTime<Utc>,
         limit: usize,
-        lease: Duration,
-    ) -> Result<Vec<PendingOutbox>, StoreError> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let lease = chrono::Duration::from_std(lease).unwrap_or(chrono::Duration::MAX);
+    ) -> Result<Vec<PgRow>, StoreError> {
         let lock_key = format!("{}.outbox_claim", self.schema);
-        let rows = retry("outbox_claim", || async {
-            let now = now();
-            let until = now
-                .checked_add_signed(lease)
-                .unwrap_or(DateTime::<Utc>::MAX_UTC);
-            // An unknown outcome needs no resolving: the rows are leased to
-            // this relay or to nobody, and its next claim takes its own
-            // leases back.
-            sqlx::query(CLAIM_SQL)
-                .bind(lock_key.as_str())
-                .bind(relay)
-                .bind(until)
-                .bind(now)
-                .bind(sql_limit(limit))
-                .fetch_all(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        let mut claimed = rows
-            .iter()
-            .map(pending_from_row)
-            .collect::<Result<Vec<_>, _>>()?;
-        // RETURNING does not promise an order.
-        claimed.sort_unstable_by_key(|p| p.id);
-        if !claimed.is_empty() {
-            tracing::trace!(relay, claimed = claimed.len(), "outbox rows claimed");
-        }
-        Ok(claimed)
-    }
-
-    async fn outbox_mark_published(&self, ids: &[i64]) -> Result<(), StoreError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        retry("outbox_mark_published", || async {
-            sqlx::query(MARK_SQL)
-                .bind(now())
-                .bind(ids)
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(())
-    }
-
-    async fn outbox_release(&self, ids: &[i64]) -> Result<(), StoreError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        retry("outbox_release", || async {
-            sqlx::query(RELEASE_SQL)
-                .bind(ids)
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(())
-    }
-
-    async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
-        delete_batch(&self.pool, "outbox_prune", PRUNE_SQL, before, batch).await
-    }
-
-    async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
-        let row = sqlx::query(STATS_SQL)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(db_error)?;
-        let unpublished: i64 = row.try_get(0).map_err(db_error)?;
-        let oldest: Option<DateTime<Utc>> = row.try_get(1).map_err(db_error)?;
-        let parked: i64 = row.try_get(2).map_err(db_error)?;
-        let age = oldest.map(|created| {
-            (keel_core::clock::utc_now() - created)
-                .to_std()
-                .unwrap_or_default()
-        });
-        Ok(OutboxStats {
-            unpublished: to_u64("outbox count", unpublished)?,
-            oldest_unpublished_age: age,
-            parked: to_u64("parked count", parked)?,
-        })
-    }
-
-    async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        retry("outbox_release_failed", || async {
-            sqlx::query(RELEASE_FAILED_SQL)
-                .bind(ids)
-                .bind(error)
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(())
-    }
-
-    async fn outbox_park(&self, id: i64, error: &str) -> Result<bool, StoreError> {
-        let done = retry("outbox_park", || async {
-            sqlx::query(PARK_SQL)
-                .bind(id)
-                .bind(error)
-                .bind(now())
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(done.rows_affected() > 0)
-    }
-
-    async fn outbox_parked(&self, filter: &ParkedFilter) -> Result<Vec<ParkedOutbox>, StoreError> {
-        let rows = sqlx::query(PARKED_SQL)
-            .bind(filter.topic.as_deref())
-            .bind(None::<i64>)
-            .bind(sql_limit(filter.limit.unwrap_or(100)))
+        sqlx::query(CLAIM_SQL)
+            .bind(lock_key)
+            .bind(relay)
+            .bind(until)
+            .bind(now)
+            .bind(sql_limit(limit))
             .fetch_all(&self.pool)
             .await
-            .map_err(db_error)?;
-        rows.iter().map(parked_from_row).collect()
+            .map_err(db_error)
     }
-
-    async fn outbox_parked_get(&self, id: i64) -> Result<Option<ParkedOutbox>, StoreError> {
-        let row = sqlx::query(PARKED_SQL)
-            .bind(None::<&str>)
-            .bind(Some(id))
-            .bind(1_i64)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db_error)?;
-        row.as_ref().map(parked_from_row).transpose()
-    }
-
-    async fn outbox_unpark(&self, id: i64) -> Result<bool, StoreError> {
-        let done = retry("outbox_unpark", || async {
-            sqlx::query(UNPARK_SQL)
-                .bind(id)
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(done.rows_affected() > 0)
-    }
-
-    async fn outbox_discard(&self, id: i64) -> Result<bool, StoreError> {
-        let done = retry("outbox_discard", || async {
-            sqlx::query(DISCARD_SQL)
-                .bind(id)
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)
-        })
-        .await?;
-        Ok(done.rows_affected() > 0)
-    }
-}
-
-fn pending_from_row(row: &PgRow) -> Result<PendingOutbox, StoreError> {
-    let headers: String = row.try_get("headers").map_err(db_error)?;
-    let payload: Vec<u8> = row.try_get("payload").map_err(db_error)?;
-    Ok(PendingOutbox {
-        id: row.try_get("id").map_err(db_error)?,
-        record: OutboxRecord {
-            event_id: row.try_get("event_id").map_err(db_error)?,
-            topic: row.try_get("topic").map_err(db_error)?,
-            partition_key: row.try_get("partition_key").map_err(db_error)?,
-            headers: headers_from_json(&headers)?,
-            payload: Bytes::from(payload),
-        },
-        created_at: row.try_get("created_at").map_err(db_error)?,
-        attempts: attempts_from(row)?,
-    })
-}
-
-fn attempts_from(row: &PgRow) -> Result<u32, StoreError> {
-    let attempts: i32 = row.try_get("attempts").map_err(db_error)?;
-    Ok(u32::try_from(attempts).unwrap_or(0))
-}
-
-fn parked_from_row(row: &PgRow) -> Result<ParkedOutbox, StoreError> {
-    let pending = pending_from_row(row)?;
-    let last_error: Option<String> = row.try_get("last_error").map_err(db_error)?;
-    Ok(ParkedOutbox {
-        id: pending.id,
-        record: pending.record,
-        created_at: pending.created_at,
-        parked_at: row.try_get("parked_at").map_err(db_error)?,
-        attempts: pending.attempts,
-        last_error: last_error.unwrap_or_default(),
-        held_back: to_u64("held back", row.try_get("held_back").map_err(db_error)?)?,
-    })
 }

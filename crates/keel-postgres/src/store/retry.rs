@@ -32,39 +32,6 @@ where
     keel_sql::retry::retry::<PgDialect, _, _, _>(what, op).await
 }
 
-/// Runs one bounded delete, `sql` with the cut-off as `$1` and the batch
-/// size as `$2`, retried like any of the store's own statements; returns how
-/// many rows went (none when `batch` is 0). Every prune and trim is one of
-/// these, so none holds locks for longer than one small batch.
-pub(crate) async fn delete_batch<T>(
-    pool: &sqlx::PgPool,
-    what: &'static str,
-    sql: &'static str,
-    cut_off: T,
-    batch: usize,
-) -> Result<u64, StoreError>
-where
-    T: for<'q> sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Clone + Send,
-{
-    if batch == 0 {
-        return Ok(0);
-    }
-    let done = retry(what, || async {
-        sqlx::query(sql)
-            .bind(cut_off.clone())
-            .bind(super::error::sql_limit(batch))
-            .execute(pool)
-            .await
-            .map_err(super::error::db_error)
-    })
-    .await?;
-    let deleted = done.rows_affected();
-    if deleted > 0 {
-        tracing::debug!(deleted, what, "pruned");
-    }
-    Ok(deleted)
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

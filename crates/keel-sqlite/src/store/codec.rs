@@ -6,18 +6,11 @@
 //! text only does while every writer uses the same format and offset. The
 //! price is sub-millisecond precision, which no messaging decision needs.
 
-use std::time::Duration;
-
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::broker::Headers;
 
 use super::error::corrupt;
-
-/// Now, as stored.
-pub(crate) fn now_ms() -> i64 {
-    keel_core::clock::utc_now().timestamp_millis()
-}
 
 /// A timestamp as stored.
 pub(crate) fn to_ms(at: DateTime<Utc>) -> i64 {
@@ -29,23 +22,14 @@ pub(crate) fn from_ms(ms: i64) -> Result<DateTime<Utc>, StoreError> {
     DateTime::from_timestamp_millis(ms).ok_or_else(|| corrupt("timestamp", ms))
 }
 
-/// A duration in whole milliseconds, saturating.
-pub(crate) fn duration_ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
 /// Headers as a JSON object.
 pub(crate) fn headers_to_json(headers: &Headers) -> Result<String, StoreError> {
     serde_json::to_string(headers).map_err(StoreError::other)
 }
 
-/// Headers from a JSON object.
-pub(crate) fn headers_from_json(json: &str) -> Result<Headers, StoreError> {
-    serde_json::from_str(json).map_err(|e| corrupt("headers", e))
-}
-
 /// Row ids as a JSON array, for `id IN (SELECT value FROM json_each(?))`:
 /// one cached statement for any number of ids.
-pub(crate) fn ids_to_json(ids: &[i64]) -> Result<String, StoreError> {
-    serde_json::to_string(ids).map_err(StoreError::other)
+pub(crate) fn ids_to_json(ids: &[i64]) -> String {
+    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+    format!("[{}]", ids.join(","))
 }

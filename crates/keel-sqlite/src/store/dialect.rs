@@ -12,7 +12,7 @@ use sqlx::Row;
 use sqlx::sqlite::{Sqlite, SqliteArguments, SqliteRow};
 
 use super::SqliteStore;
-use super::codec::{from_ms, to_ms};
+use super::codec::{from_ms, ids_to_json, to_ms};
 use super::error::{corrupt, db_error};
 
 /// SQLite's dialect of the shared SQL core.
@@ -35,6 +35,10 @@ impl Dialect for SqliteDialect {
     fn now() -> DateTime<Utc> {
         let now = keel_core::clock::utc_now();
         DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now)
+    }
+
+    fn any_of(column: &str, ids: &str) -> String {
+        format!("{column} IN (SELECT value FROM json_each({ids}))")
     }
 
     fn error(err: sqlx::Error) -> StoreError {
@@ -93,6 +97,7 @@ fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
             Value::Bytes(bytes) => query.bind(bytes),
             Value::Json(json) => query.bind(json),
             Value::Time(at) => query.bind(at.map(to_ms)),
+            Value::Ids(ids) => query.bind(ids_to_json(ids)),
         };
     }
     query
@@ -154,6 +159,7 @@ keel_sql::fence_store!(SqliteStore);
 #[cfg(feature = "idempotency")]
 keel_sql::idempotency_store!(SqliteStore);
 keel_sql::inbox_store!(SqliteStore);
+keel_sql::outbox_store!(SqliteStore);
 #[cfg(feature = "jobs")]
 keel_sql::job_store!(SqliteStore);
 keel_sql::saga_store!(SqliteStore);

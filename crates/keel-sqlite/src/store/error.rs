@@ -58,4 +58,4 @@ pub(crate) fn is_busy(err: &sqlx::Error) -> bool {
         .is_some_and(|code| matches!(code & 0xff, SQLITE_BUSY | SQLITE_LOCKED))
 }
 
-pub(crate) use keel_sql::error::{sql_limit, to_u64};
+pub(crate) use keel_sql::error::sql_limit;

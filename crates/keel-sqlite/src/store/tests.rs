@@ -198,10 +198,10 @@ async fn hot_queries_use_the_partial_indexes() {
         "no table scan:\n{claim}"
     );
 
-    let prune = query_plan(pool, outbox::PRUNE_SQL, 2).await;
+    let prune = query_plan(pool, &keel_sql::outbox::prune_sql::<SqliteDialect>(), 2).await;
     assert!(prune.contains("keel_outbox_published"), "prune:\n{prune}");
 
-    let stats = query_plan(pool, outbox::STATS_SQL, 0).await;
+    let stats = query_plan(pool, keel_sql::outbox::STATS_SQL, 0).await;
     assert!(scans_unpublished(&stats), "stats:\n{stats}");
 
     let due = query_plan(pool, &keel_sql::saga::due_sql::<SqliteDialect>(), 2).await;
