@@ -21,6 +21,8 @@ pub enum Wake {
     Sagas,
     /// An event was appended to a stream's log.
     EventLog,
+    /// Webhook deliveries were queued.
+    Webhooks,
 }
 
 /// A backend store: where the core's statements run.

@@ -37,6 +37,22 @@ pub enum Value<'a> {
     /// A list of row ids, for [`Dialect::any_of`] (a JSON array on SQLite,
     /// a `BIGINT[]` on PostgreSQL): one statement for any number of ids.
     Ids(&'a [i64]),
+    /// A list of text keys, for [`Dialect::any_of`] (a JSON array on
+    /// SQLite, a `TEXT[]` on PostgreSQL).
+    Texts(&'a [&'a str]),
+}
+
+/// The SQL type of a field of [`Dialect::json_records`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// An integer.
+    Int,
+    /// Text.
+    Text,
+    /// A nested JSON document.
+    Json,
+    /// An instant, written as [`Dialect::JsonInstant`].
+    Time,
 }
 
 impl<'a> From<&'a str> for Value<'a> {
@@ -156,6 +172,10 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     type Db: sqlx::Database;
     /// Its rows.
     type Row: SqlRow<Self>;
+    /// How an instant is written inside a JSON document the database reads
+    /// or stores (a batch's times, a secret's expiry): the same codec as
+    /// its columns.
+    type JsonInstant: serde::Serialize + serde::de::DeserializeOwned + Send + Sync;
 
     /// The database's name, for messages ("SQLite", "PostgreSQL").
     const NAME: &'static str;
@@ -185,8 +205,21 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     const FOR_UPDATE: &'static str;
 
     /// The condition "`column` is one of the ids bound at `ids`" (a
-    /// [`Value::Ids`] placeholder).
+    /// [`Value::Ids`] or [`Value::Texts`] placeholder).
     fn any_of(column: &str, ids: &str) -> String;
+
+    /// A table expression named `alias` with one row per element of the
+    /// JSON array of objects bound at `param` (a [`Value::Json`]
+    /// placeholder) and one column per field: how one statement writes a
+    /// whole batch (SQLite's `json_each`, PostgreSQL's
+    /// `jsonb_to_recordset`).
+    fn json_records(param: &str, alias: &str, fields: &[(&str, Field)]) -> String;
+
+    /// An instant as [`Dialect::JsonInstant`].
+    fn json_instant(at: DateTime<Utc>) -> Self::JsonInstant;
+
+    /// An instant from [`Dialect::JsonInstant`].
+    fn from_json_instant(value: Self::JsonInstant) -> Result<DateTime<Utc>, StoreError>;
 
     /// `statement` (a write ending in `RETURNING ...`) extended to send
     /// `payload` (an SQL expression over the returned columns and the

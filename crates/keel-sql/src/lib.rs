@@ -31,10 +31,11 @@
 //! implements [`SqlBackend`] for its store and says which contracts it takes
 //! from the core with the matching macro ([`dead_letter_store!`],
 //! [`saga_store!`], [`inbox_store!`], [`fence_store!`], [`job_store!`],
-//! [`event_log_store!`], [`idempotency_store!`], [`outbox_store!`]), each of
-//! which writes the trait's forwarding impl and nothing else. Where a table
-//! needs what only the backend can do (the outbox's append and claim), the
-//! module says so with a trait of its own ([`outbox::OutboxBackend`]).
+//! [`event_log_store!`], [`idempotency_store!`], [`outbox_store!`],
+//! [`webhook_store!`]), each of which writes the trait's forwarding impl
+//! and nothing else. Where a table needs what only the backend can do (the
+//! outbox's append and claim, the webhook claim), the module says so with a
+//! trait of its own ([`outbox::OutboxBackend`], [`webhooks::WebhookBackend`]).
 
 pub mod backend;
 pub mod dead_letter;
@@ -49,9 +50,10 @@ pub mod jobs;
 pub mod outbox;
 pub mod retry;
 pub mod saga;
+pub mod webhooks;
 
 pub use backend::SqlBackend;
-pub use dialect::{Dialect, Exec, SqlRow, Value};
+pub use dialect::{Dialect, Exec, Field, SqlRow, Value};
 
 /// What the macros need to name from the calling crate.
 #[doc(hidden)]

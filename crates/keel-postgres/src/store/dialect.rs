@@ -6,7 +6,7 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_sql::backend::Wake;
-use keel_sql::{Dialect, SqlBackend, SqlRow, Value};
+use keel_sql::{Dialect, Field, SqlBackend, SqlRow, Value};
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
 use sqlx::postgres::{
@@ -26,6 +26,7 @@ type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
 impl Dialect for PgDialect {
     type Db = Postgres;
     type Row = PgRow;
+    type JsonInstant = DateTime<Utc>;
 
     const NAME: &'static str = "PostgreSQL";
     const FOR_UPDATE: &'static str = " FOR UPDATE";
@@ -51,6 +52,33 @@ impl Dialect for PgDialect {
         format!("{column} = ANY({ids})")
     }
 
+    fn json_records(param: &str, alias: &str, fields: &[(&str, Field)]) -> String {
+        let columns: Vec<String> = fields
+            .iter()
+            .map(|(name, field)| {
+                let ty = match field {
+                    Field::Int => "BIGINT",
+                    Field::Text => "TEXT",
+                    Field::Json => "JSONB",
+                    Field::Time => "TIMESTAMPTZ",
+                };
+                format!("{name} {ty}")
+            })
+            .collect();
+        format!(
+            "jsonb_to_recordset({param}::jsonb) AS {alias}({})",
+            columns.join(", ")
+        )
+    }
+
+    fn json_instant(at: DateTime<Utc>) -> DateTime<Utc> {
+        at
+    }
+
+    fn from_json_instant(at: DateTime<Utc>) -> Result<DateTime<Utc>, StoreError> {
+        Ok(at)
+    }
+
     fn error(err: sqlx::Error) -> StoreError {
         db_error(err)
     }
@@ -72,6 +100,7 @@ fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
             Value::Json(json) => query.bind(Jsonb(json)),
             Value::Time(at) => query.bind(at),
             Value::Ids(ids) => query.bind(ids),
+            Value::Texts(texts) => query.bind(texts),
         };
     }
     query
@@ -193,6 +222,7 @@ impl SqlBackend for PgStore {
         match wake {
             Wake::Sagas => Some(&self.channels.sagas),
             Wake::EventLog => Some(&self.channels.event_log),
+            Wake::Webhooks => Some(&self.channels.webhooks),
         }
     }
 }
@@ -205,3 +235,29 @@ keel_sql::inbox_store!(PgStore);
 keel_sql::outbox_store!(PgStore);
 keel_sql::job_store!(PgStore);
 keel_sql::saga_store!(PgStore);
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    /// Retryable, but not a conflict: the caller's retry policy decides.
+    fn pool_timeout() -> StoreError {
+        StoreError::Unavailable(sqlx::Error::PoolTimedOut.into())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_conflicts_are_retried_by_the_store() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = calls.clone();
+        let result: Result<(), _> = keel_sql::retry::retry::<PgDialect, _, _, _>("test", || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Err(pool_timeout()) }
+        })
+        .await;
+        assert!(result.is_err());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+}

@@ -71,7 +71,6 @@ mod dialect;
 pub(crate) mod error;
 mod options;
 mod outbox;
-pub(crate) mod retry;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -331,28 +330,4 @@ impl Store for PgStore {
         }
         Ok(())
     }
-}
-
-/// Sends a notification on `channel` inside `tx`: PostgreSQL delivers it
-/// when (and only if) the transaction commits, once per distinct payload.
-pub(crate) async fn notify(
-    tx: &mut <PgStore as Store>::Tx,
-    channel: &str,
-    payload: &str,
-) -> Result<(), StoreError> {
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(channel)
-        .bind(payload)
-        .execute(&mut **tx)
-        .await
-        .map_err(db_error)?;
-    Ok(())
-}
-
-/// Commits a transaction the store runs itself, resolving a lost `COMMIT`.
-pub(crate) async fn commit_own(
-    store: &PgStore,
-    tx: <PgStore as Store>::Tx,
-) -> Result<(), StoreError> {
-    store.commit_resolved(tx).await
 }

@@ -26,10 +26,3 @@ pub(crate) fn from_ms(ms: i64) -> Result<DateTime<Utc>, StoreError> {
 pub(crate) fn headers_to_json(headers: &Headers) -> Result<String, StoreError> {
     serde_json::to_string(headers).map_err(StoreError::other)
 }
-
-/// Row ids as a JSON array, for `id IN (SELECT value FROM json_each(?))`:
-/// one cached statement for any number of ids.
-pub(crate) fn ids_to_json(ids: &[i64]) -> String {
-    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
-    format!("[{}]", ids.join(","))
-}

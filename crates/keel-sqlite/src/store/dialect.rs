@@ -6,13 +6,13 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::AttemptError;
-use keel_sql::{Dialect, SqlBackend, SqlRow, Value};
+use keel_sql::{Dialect, Field, SqlBackend, SqlRow, Value};
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use sqlx::sqlite::{Sqlite, SqliteArguments, SqliteRow};
 
 use super::SqliteStore;
-use super::codec::{from_ms, ids_to_json, to_ms};
+use super::codec::{from_ms, to_ms};
 use super::error::{corrupt, db_error};
 
 /// SQLite's dialect of the shared SQL core.
@@ -24,6 +24,7 @@ type Query<'q> = sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>>;
 impl Dialect for SqliteDialect {
     type Db = Sqlite;
     type Row = SqliteRow;
+    type JsonInstant = i64;
 
     const NAME: &'static str = "SQLite";
     const FOR_UPDATE: &'static str = "";
@@ -39,6 +40,25 @@ impl Dialect for SqliteDialect {
 
     fn any_of(column: &str, ids: &str) -> String {
         format!("{column} IN (SELECT value FROM json_each({ids}))")
+    }
+
+    fn json_records(param: &str, alias: &str, fields: &[(&str, Field)]) -> String {
+        let columns: Vec<String> = fields
+            .iter()
+            .map(|(name, _)| format!("json_extract(value, '$.{name}') AS {name}"))
+            .collect();
+        format!(
+            "(SELECT {} FROM json_each({param})) AS {alias}",
+            columns.join(", ")
+        )
+    }
+
+    fn json_instant(at: DateTime<Utc>) -> i64 {
+        to_ms(at)
+    }
+
+    fn from_json_instant(ms: i64) -> Result<DateTime<Utc>, StoreError> {
+        from_ms(ms)
     }
 
     fn error(err: sqlx::Error) -> StoreError {
@@ -97,7 +117,8 @@ fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
             Value::Bytes(bytes) => query.bind(bytes),
             Value::Json(json) => query.bind(json),
             Value::Time(at) => query.bind(at.map(to_ms)),
-            Value::Ids(ids) => query.bind(ids_to_json(ids)),
+            Value::Ids(ids) => query.bind(serde_json::Value::from(ids.to_vec()).to_string()),
+            Value::Texts(texts) => query.bind(serde_json::Value::from(texts.to_vec()).to_string()),
         };
     }
     query
