@@ -3,7 +3,7 @@
 #
 # It installs and starts everything the tests need on loopback (PostgreSQL and
 # nats-server through scripts/services.sh), then runs: formatting, clippy with
-# warnings as errors, every test of every crate with every feature (against
+# warnings as errors, the docs with broken links as errors, every test of every crate with every feature (against
 # SQLite, the embedded broker, PostgreSQL and NATS JetStream), and the doc
 # tests. Set KEEL_TEST_QUICK=1 to skip fmt/clippy.
 set -euo pipefail
@@ -24,6 +24,8 @@ if [ "${KEEL_TEST_QUICK:-0}" != 1 ]; then
   cargo fmt --all -- --check
   log "cargo clippy --all-targets --all-features -D warnings"
   cargo clippy --workspace --all-targets --all-features -- -D warnings
+  log "cargo doc with warnings as errors (broken intra-doc links)"
+  RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
 fi
 
 log "headless Chromium and chromedriver for the console browser tests"

@@ -75,7 +75,7 @@ pub struct ServeArgs {
     pub admin_token_file: Option<PathBuf>,
     /// More `Host` names the admin API and console answer to (`name` or
     /// `name:port`, comma-separated; `*` for any), besides localhost,
-    /// 127.0.0.1 and [::1].
+    /// 127.0.0.1 and `[::1]`.
     #[arg(long, env = "KEEL_ALLOWED_HOSTS", value_delimiter = ',')]
     pub allowed_hosts: Vec<String>,
     /// A tenant's API key for webhook management, `tenant:key` (repeat the

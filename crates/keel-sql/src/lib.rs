@@ -50,6 +50,7 @@ pub mod jobs;
 pub mod outbox;
 pub mod retry;
 pub mod saga;
+pub mod schema;
 pub mod webhooks;
 
 pub use backend::SqlBackend;

@@ -49,8 +49,8 @@ pub const CSRF_FIELD: &str = "csrf";
 /// The largest form body read to find the CSRF field: 16 KiB.
 const MAX_FORM_BODY: usize = 16 * 1024;
 
-/// Who may use the admin API and the console; see the [module
-/// docs](self). Cheap to clone.
+/// Who may use the admin API and the console; see the module docs. Cheap
+/// to clone.
 #[derive(Debug, Clone)]
 pub struct AdminAccess {
     inner: Arc<AccessInner>,
@@ -397,7 +397,7 @@ fn harden(mode: &Mode, response: &mut Response) {
 }
 
 /// A tower layer that admits requests as [`AdminAccess`] says (see the
-/// [module docs](self)) and hardens every response's headers.
+/// module docs) and hardens every response's headers.
 #[derive(Debug, Clone)]
 pub struct AdminAuthLayer {
     access: AdminAccess,

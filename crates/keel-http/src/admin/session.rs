@@ -50,7 +50,7 @@ pub struct Notice {
     pub is_error: bool,
 }
 
-/// Issues and checks sessions; see the [module docs](self). Cheap to
+/// Issues and checks sessions; see the module docs. Cheap to
 /// clone; clones share revocations.
 #[derive(Clone)]
 pub struct Sessions {

@@ -58,7 +58,7 @@ const OVERFLOW_ANSWERS: usize = 64;
 const OVERFLOW_HEADER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Limits on every connection [`Drain::serve_with`] accepts; see the
-/// [module docs](self).
+/// module docs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectionLimits {
     header_read_timeout: Duration,

@@ -290,7 +290,7 @@ impl Store for PgStore {
     /// Runs `BEGIN` in a task of its own, so a caller dropped while waiting
     /// for it (a hang-up, a timeout) never cuts it in half: the task still
     /// gets the transaction, and dropping it there rolls it back the way
-    /// sqlx knows how (see [`guarded_pool_options`] for the half it does
+    /// sqlx knows how (see `guarded_pool_options` for the half it does
     /// not).
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         let pool = self.pool.clone();
@@ -309,25 +309,12 @@ impl Store for PgStore {
     }
 
     async fn ready(&self) -> Result<(), StoreError> {
-        let expected = Self::migrator()
-            .iter()
-            .filter(|m| !m.migration_type.is_down_migration())
-            .count();
-        let applied: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM _sqlx_migrations \
-             WHERE version BETWEEN $1 AND $2 AND success",
+        keel_sql::schema::check_migrated(
+            self,
+            &Self::migrator(),
+            VERSIONS,
+            &format!("postgres store schema {:?}", self.schema),
         )
-        .bind(VERSIONS.start())
-        .bind(VERSIONS.end())
-        .fetch_one(&self.pool)
         .await
-        .map_err(db_error)?;
-        if usize::try_from(applied).unwrap_or(0) < expected {
-            return Err(StoreError::other(format!(
-                "postgres store schema {:?} not migrated: {applied} of {expected} migrations applied",
-                self.schema
-            )));
-        }
-        Ok(())
     }
 }

@@ -233,24 +233,7 @@ impl Store for SqliteStore {
     }
 
     async fn ready(&self) -> Result<(), StoreError> {
-        let expected = Self::migrator()
-            .iter()
-            .filter(|m| !m.migration_type.is_down_migration())
-            .count();
-        let applied: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM _sqlx_migrations \
-             WHERE version BETWEEN ?1 AND ?2 AND success = 1",
-        )
-        .bind(VERSIONS.start())
-        .bind(VERSIONS.end())
-        .fetch_one(&self.reader)
-        .await
-        .map_err(db_error)?;
-        if usize::try_from(applied).unwrap_or(0) < expected {
-            return Err(StoreError::other(format!(
-                "sqlite store schema not migrated: {applied} of {expected} migrations applied"
-            )));
-        }
-        Ok(())
+        keel_sql::schema::check_migrated(self, &Self::migrator(), VERSIONS, "sqlite store schema")
+            .await
     }
 }
