@@ -3,9 +3,10 @@
 #
 # It installs and starts everything the tests need on loopback (PostgreSQL and
 # nats-server through scripts/services.sh), then runs: formatting, clippy with
-# warnings as errors, the docs with broken links as errors, every test of every crate with every feature (against
-# SQLite, the embedded broker, PostgreSQL and NATS JetStream), and the doc
-# tests. Set KEEL_TEST_QUICK=1 to skip fmt/clippy.
+# warnings as errors, the docs with broken links as errors, every test of
+# every crate with every feature (against SQLite, the embedded broker,
+# PostgreSQL and NATS JetStream), and the doc tests. Set KEEL_TEST_QUICK=1 to
+# skip fmt/clippy/doc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
