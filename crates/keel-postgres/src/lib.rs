@@ -17,6 +17,7 @@
 //! connection lost during `COMMIT` is an unknown outcome, which the store
 //! resolves for its own transactions by asking the server.
 
+mod event_log;
 pub mod store;
 pub mod wakeups;
 mod webhooks;

@@ -19,8 +19,6 @@ pub type Tx<B> = sqlx::Transaction<'static, Db<B>>;
 pub enum Wake {
     /// A saga was created or saved.
     Sagas,
-    /// An event was appended to a stream's log.
-    EventLog,
     /// Webhook deliveries were queued.
     Webhooks,
 }

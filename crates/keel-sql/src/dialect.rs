@@ -221,14 +221,13 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     /// An instant from [`Dialect::JsonInstant`].
     fn from_json_instant(value: Self::JsonInstant) -> Result<DateTime<Utc>, StoreError>;
 
-    /// `statement` (a write ending in `RETURNING ...`) extended to send
-    /// `payload` (an SQL expression over the returned columns and the
-    /// parameters) to the listeners of the channel bound at `channel` (a
-    /// placeholder), once per changed row, delivered when (and only if) it
-    /// commits; it still returns the same columns. The default leaves it
-    /// unchanged, for backends whose wake-ups are in-process.
-    fn signalling(statement: &str, channel: &str, payload: &str) -> String {
-        let _ = (channel, payload);
+    /// `statement` (a write ending in `RETURNING ...`) extended to wake the
+    /// listeners of the channel bound at `channel` (a placeholder) when it
+    /// changed a row, delivered when (and only if) it commits; it still
+    /// returns the same columns. The default leaves it unchanged, for
+    /// backends whose wake-ups are in-process.
+    fn signalling(statement: &str, channel: &str) -> String {
+        let _ = channel;
         statement.to_owned()
     }
 

@@ -10,7 +10,7 @@
 //! contiguous and in commit order, a rolled-back append leaves no hole, and
 //! the counter survives trimming, so seqs are never reused. Where readers
 //! live in several processes the append also signals `<seq> <stream>`,
-//! delivered at commit.
+//! delivered at commit. The append is the backend's ([`EventLogBackend`]).
 //!
 //! Retention is two batched deletes, by age ([`trim`]) and by count per
 //! stream ([`trim_keep_last`]), each bounded by `batch` so a trim never holds
@@ -20,22 +20,12 @@ use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::LoggedEvent;
 
-use crate::backend::{SqlBackend, Tx, Wake};
-use crate::dialect::{Dialect, Exec, SqlRow, Value};
+use std::future::Future;
+
+use crate::backend::{SqlBackend, Tx};
+use crate::dialect::{Dialect, SqlRow};
 use crate::error::{corrupt, sql_limit};
 use crate::retry::delete_batch;
-
-const BUMP_SQL: &str = "\
-INSERT INTO keel_event_log_streams (stream, last_seq) VALUES ($1, 1)
-ON CONFLICT (stream) DO UPDATE SET last_seq = keel_event_log_streams.last_seq + 1
-RETURNING last_seq";
-
-const INSERT_SQL: &str = "\
-INSERT INTO keel_event_log (stream, seq, event_type, data, at) VALUES ($1, $2, $3, $4, $5)
-RETURNING seq";
-
-/// What the append signals: `<seq> <stream>`.
-const PAYLOAD: &str = "CAST(seq AS TEXT) || ' ' || $1";
 
 const READ_SQL: &str = "\
 SELECT seq, event_type, data, at FROM keel_event_log
@@ -43,8 +33,24 @@ SELECT seq, event_type, data, at FROM keel_event_log
 
 const LAST_SEQ_SQL: &str = "SELECT last_seq FROM keel_event_log_streams WHERE stream = $1";
 
+/// What only the backend knows how to do with its event log.
+pub trait EventLogBackend: SqlBackend {
+    /// Bumps `stream`'s counter and inserts the event with the new seq
+    /// (`data` is its JSON text), in `tx`, waking the readers that must
+    /// learn of it at commit; returns the seq. (SQLite runs two statements;
+    /// PostgreSQL one, whose data-modifying CTEs also notify.)
+    fn append_row<'a>(
+        &'a self,
+        tx: &'a mut Tx<Self>,
+        stream: &'a str,
+        event_type: &'a str,
+        data: &'a str,
+        at: DateTime<Utc>,
+    ) -> impl Future<Output = Result<i64, StoreError>> + Send + 'a;
+}
+
 /// [`EventLogStore::event_log_append`](keel_messaging::store::EventLogStore::event_log_append).
-pub async fn append<B: SqlBackend>(
+pub async fn append<B: EventLogBackend>(
     store: &B,
     tx: &mut Tx<B>,
     stream: &str,
@@ -52,26 +58,9 @@ pub async fn append<B: SqlBackend>(
     data: &serde_json::Value,
 ) -> Result<i64, StoreError> {
     let data = serde_json::to_string(data).map_err(StoreError::other)?;
-    let bumped = B::Dialect::fetch_optional(Exec::Tx(&mut *tx), BUMP_SQL, &[stream.into()])
-        .await?
-        .ok_or_else(|| corrupt(B::Dialect::NAME, "event log counter", "no row returned"))?;
-    let seq = bumped.int("last_seq")?;
-    let mut params = vec![
-        stream.into(),
-        seq.into(),
-        event_type.into(),
-        Value::Json(&data),
-        B::Dialect::now().into(),
-    ];
-    let sql = match store.wake_channel(Wake::EventLog) {
-        Some(channel) => {
-            params.push(channel.into());
-            B::Dialect::signalling(INSERT_SQL, "$6", PAYLOAD)
-        }
-        None => INSERT_SQL.to_owned(),
-    };
-    B::Dialect::execute(Exec::Tx(tx), &sql, &params).await?;
-    Ok(seq)
+    store
+        .append_row(tx, stream, event_type, &data, B::Dialect::now())
+        .await
 }
 
 /// [`EventLogStore::event_log_read_after`](keel_messaging::store::EventLogStore::event_log_read_after).
@@ -140,7 +129,7 @@ pub async fn trim_keep_last<B: SqlBackend>(
 }
 
 /// Implements [`EventLogStore`](keel_messaging::store::EventLogStore) for a
-/// [`SqlBackend`] whose transaction is the core's [`Tx`].
+/// [`EventLogBackend`].
 #[macro_export]
 macro_rules! event_log_store {
     ($store:ty) => {

@@ -191,7 +191,7 @@ fn signalling<'a, B: SqlBackend>(
     match store.wake_channel(Wake::Sagas) {
         Some(channel) => {
             params.push(channel.into());
-            (B::Dialect::signalling(statement, CHANNEL, "''"), params)
+            (B::Dialect::signalling(statement, CHANNEL), params)
         }
         None => (statement.to_owned(), params),
     }

@@ -16,5 +16,7 @@ pub use broker::{SqliteBroker, SqliteBrokerOptions};
 pub mod store;
 #[cfg(feature = "store")]
 pub use store::{SqliteStore, SqliteStoreOptions};
+#[cfg(feature = "event-log")]
+mod event_log;
 #[cfg(feature = "webhooks")]
 mod webhooks;

@@ -37,10 +37,10 @@ impl Dialect for PgDialect {
         }
     }
 
-    fn signalling(statement: &str, channel: &str, payload: &str) -> String {
+    fn signalling(statement: &str, channel: &str) -> String {
         format!(
             "WITH changed AS ({statement}) \
-             SELECT changed.*, pg_notify({channel}, {payload}) FROM changed"
+             SELECT changed.*, pg_notify({channel}, '') FROM changed"
         )
     }
 
@@ -221,7 +221,6 @@ impl SqlBackend for PgStore {
     fn wake_channel(&self, wake: Wake) -> Option<&str> {
         match wake {
             Wake::Sagas => Some(&self.channels.sagas),
-            Wake::EventLog => Some(&self.channels.event_log),
             Wake::Webhooks => Some(&self.channels.webhooks),
         }
     }

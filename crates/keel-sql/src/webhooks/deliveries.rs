@@ -118,7 +118,7 @@ async fn enqueue_chunk<B: SqlBackend>(
     let sql = match store.wake_channel(Wake::Webhooks) {
         Some(channel) => {
             params.push(channel.into());
-            B::Dialect::signalling(&insert, &format!("${}", params.len()), "''")
+            B::Dialect::signalling(&insert, &format!("${}", params.len()))
         }
         None => insert,
     };
