@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 
 chaos() {
   local first="$1" last="$2" orders="${3:-200}"
-  cargo build -q -p keel --bin keel
+  cargo build -q -p keel --features chaos --bin keel
   local runs=0 failed=0 lost=0 dup=0 unexpected=0 stuck=0 recovered=0 unknown=0
   for seed in $(seq "$first" "$last"); do
     local json out="target/chaos-seed-$seed.log"

@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod backend;
+#[cfg(feature = "chaos")]
 pub mod chaos;
 pub mod demo;
 pub mod metrics_report;

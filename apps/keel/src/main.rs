@@ -1,13 +1,14 @@
 //! The `keel` binary: `keel demo` runs the reference shop on the embedded
 //! defaults and checks its invariants; `keel serve` runs it as a server;
-//! `keel chaos` runs the demo under seeded faults; `keel dlq`, `keel outbox`,
-//! `keel saga` and `keel webhooks` are the operator commands against a
-//! running server.
+//! `keel chaos` (feature `chaos`) runs the demo under seeded faults;
+//! `keel dlq`, `keel outbox`, `keel saga` and `keel webhooks` are the
+//! operator commands against a running server.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+#[cfg(feature = "chaos")]
 use keel::chaos::{self, ChaosArgs};
 use keel::demo::workload::WorkloadConfig;
 use keel::demo::{self, DemoConfig};
@@ -34,6 +35,7 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Run the demo's workload while crashing and restarting the system on
     /// a seeded schedule of faults, then check the invariants.
+    #[cfg(feature = "chaos")]
     Chaos(ChaosArgs),
     /// Dead letters on a running server: list, replay, discard.
     Dlq {
@@ -129,6 +131,7 @@ async fn demo_command(args: DemoArgs) -> anyhow::Result<bool> {
     Ok(report.invariants.ok)
 }
 
+#[cfg(feature = "chaos")]
 async fn chaos_command(args: ChaosArgs) -> anyhow::Result<bool> {
     let json = args.json;
     let report = chaos::run(args).await?;
@@ -145,6 +148,7 @@ fn main() -> ExitCode {
     match cli.command {
         // Chaos installs its own subscriber: it watches keel-messaging's
         // events to see its failpoints fire.
+        #[cfg(feature = "chaos")]
         Command::Chaos(_) => {
             chaos::init_tracing("off");
         }
@@ -166,6 +170,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Demo(args) => demo_command(args).await,
             Command::Serve(args) => serve::run(*args).await.map(|()| true),
+            #[cfg(feature = "chaos")]
             Command::Chaos(args) => chaos_command(args).await,
             Command::Dlq { client, command } => ops::run_dlq(&client, command).await.map(|()| true),
             Command::Outbox { client, command } => {

@@ -6,6 +6,8 @@
 //! Failpoints are process-global: nextest runs each test in its own
 //! process, so the tests here never see each other's failpoints.
 
+#![cfg(feature = "chaos")]
+
 use keel::chaos::schedule::Schedule;
 use keel::chaos::{self, ChaosArgs, ChaosReport};
 

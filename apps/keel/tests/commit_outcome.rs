@@ -5,7 +5,9 @@
 //! order, never none after a `2xx` and never two.
 //!
 //! The loss is the failpoint `keel-orders-commit-lost`; the shop runs in
-//! this process on SQLite and the embedded broker.
+//! this process on SQLite and the embedded broker (feature `chaos`).
+
+#![cfg(feature = "chaos")]
 
 mod common;
 

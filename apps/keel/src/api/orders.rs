@@ -255,29 +255,29 @@ async fn insert<S: ShopStore>(
     }
 }
 
-/// Commits the order's transaction. The failpoint `keel-orders-commit-lost`
-/// stands in for a connection lost during COMMIT: `return(committed)` after
-/// the commit landed, `return` before (rolled back); both report the
-/// outcome unknown, as the store would.
+/// Commits the order's transaction. With the `chaos` feature, the failpoint
+/// `keel-orders-commit-lost` stands in for a connection lost during COMMIT:
+/// `return(committed)` after the commit landed, `return` before (rolled
+/// back); both report the outcome unknown, as the store would.
 async fn commit<S: ShopStore>(
     state: &AppState<S>,
     tx: S::Tx,
     appended: Vec<keel_http::realtime::Appended>,
 ) -> Result<(), keel_messaging::StoreError> {
-    let lost = fail::eval("keel-orders-commit-lost", |arg| {
+    #[cfg(feature = "chaos")]
+    if let Some(landed) = fail::eval("keel-orders-commit-lost", |arg| {
         arg.as_deref() == Some("committed")
-    });
-    let Some(landed) = lost else {
-        return state.log.commit(tx, appended).await;
-    };
-    if landed {
-        state.log.commit(tx, appended).await?;
-    } else {
-        state.store.rollback(tx).await?;
+    }) {
+        if landed {
+            state.log.commit(tx, appended).await?;
+        } else {
+            state.store.rollback(tx).await?;
+        }
+        return Err(keel_messaging::StoreError::OutcomeUnknown(
+            "failpoint keel-orders-commit-lost".into(),
+        ));
     }
-    Err(keel_messaging::StoreError::OutcomeUnknown(
-        "failpoint keel-orders-commit-lost".into(),
-    ))
+    state.log.commit(tx, appended).await
 }
 
 /// `GET /orders/{id}`.
