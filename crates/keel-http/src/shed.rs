@@ -12,7 +12,7 @@
 //! (`503 Service Unavailable` + `Retry-After`), and *counts* it
 //! (`keel_http_shed_total`): silence is how overload becomes invisible.
 //!
-//! [`LoadShedLayer`] wraps a [`keel_policy::shed::LoadShed`] policy:
+//! [`HttpLoadShedLayer`] wraps a [`keel_policy::shed::LoadShed`] policy:
 //!
 //! | situation | answer |
 //! |---|---|
@@ -37,7 +37,7 @@
 //! [`Deadline`] if a [`DeadlineLayer`](crate::propagation::DeadlineLayer)
 //! runs outside this layer; otherwise, by default, the request's own
 //! `X-Request-Deadline-Unix-Ms`, capped at 30 s
-//! ([`deadline_header`](LoadShedLayer::deadline_header)), which then also
+//! ([`deadline_header`](HttpLoadShedLayer::deadline_header)), which then also
 //! becomes the handler's deadline. A malformed header is ignored here (the
 //! deadline layer answers it with `400`).
 //!
@@ -48,7 +48,7 @@
 //! ```
 //! use std::time::Duration;
 //! use axum::{Router, routing::get};
-//! use keel_http::shed::LoadShedLayer;
+//! use keel_http::shed::HttpLoadShedLayer;
 //! use keel_policy::shed::LoadShed;
 //!
 //! let shed = LoadShed::builder("api")
@@ -58,7 +58,7 @@
 //!     .unwrap();
 //! let app: Router = Router::new()
 //!     .route("/orders", get(|| async { "ok" }))
-//!     .layer(LoadShedLayer::new(shed));
+//!     .layer(HttpLoadShedLayer::new(shed));
 //! ```
 
 use std::future::Future;
@@ -88,7 +88,7 @@ pub const DEFAULT_HEADER_DEADLINE_MAX: Duration = Duration::from_secs(30);
 /// [module docs](self). Cheap to clone; clones share the policy and the
 /// counts.
 #[derive(Debug, Clone)]
-pub struct LoadShedLayer {
+pub struct HttpLoadShedLayer {
     shared: Arc<Shared>,
     header_max: Option<Duration>,
 }
@@ -102,7 +102,7 @@ struct Shared {
     expired_total: metrics::Counter,
 }
 
-/// What a [`LoadShedLayer`] has done, and what its policy holds now.
+/// What a [`HttpLoadShedLayer`] has done, and what its policy holds now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EdgeShedStats {
     /// Requests answered `503` because the queue was full or the wait too
@@ -114,7 +114,7 @@ pub struct EdgeShedStats {
     pub policy: LoadShedStats,
 }
 
-impl LoadShedLayer {
+impl HttpLoadShedLayer {
     /// A layer shedding with `shed`.
     pub fn new(shed: LoadShed) -> Self {
         let name: Name = Arc::clone(shed.name());
@@ -161,11 +161,11 @@ impl LoadShedLayer {
     }
 }
 
-impl<S> Layer<S> for LoadShedLayer {
-    type Service = LoadShedService<S>;
+impl<S> Layer<S> for HttpLoadShedLayer {
+    type Service = HttpLoadShedService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        LoadShedService {
+        HttpLoadShedService {
             inner,
             shared: Arc::clone(&self.shared),
             header_max: self.header_max,
@@ -173,15 +173,15 @@ impl<S> Layer<S> for LoadShedLayer {
     }
 }
 
-/// The service made by [`LoadShedLayer`].
+/// The service made by [`HttpLoadShedLayer`].
 #[derive(Debug, Clone)]
-pub struct LoadShedService<S> {
+pub struct HttpLoadShedService<S> {
     inner: S,
     shared: Arc<Shared>,
     header_max: Option<Duration>,
 }
 
-impl<S> LoadShedService<S> {
+impl<S> HttpLoadShedService<S> {
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -198,7 +198,7 @@ impl<S> LoadShedService<S> {
     }
 }
 
-impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for LoadShedService<S>
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for HttpLoadShedService<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
@@ -276,7 +276,7 @@ fn header_deadline(headers: &HeaderMap, max: Duration) -> Option<Deadline> {
     Some(Deadline::parse_header(value).ok()?.capped(max))
 }
 
-/// The response future of [`LoadShedService`].
+/// The response future of [`HttpLoadShedService`].
 pub struct ResponseFuture<E> {
     inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
 }
@@ -314,10 +314,10 @@ mod tests {
     #[test]
     fn deadline_header_can_be_turned_off() {
         let shed = LoadShed::builder("t").build().unwrap();
-        let layer = LoadShedLayer::new(shed).deadline_header(None);
+        let layer = HttpLoadShedLayer::new(shed).deadline_header(None);
         assert_eq!(layer.header_max, None);
         assert!(
-            LoadShedLayer::from_config(
+            HttpLoadShedLayer::from_config(
                 "t",
                 LoadShedConfig {
                     max_in_flight: 0,

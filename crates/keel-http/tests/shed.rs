@@ -14,7 +14,7 @@ use axum::routing::get;
 use keel_core::deadline::DEADLINE_HEADER;
 use keel_core::{Deadline, clock};
 use keel_http::problem::PROBLEM_JSON;
-use keel_http::shed::LoadShedLayer;
+use keel_http::shed::HttpLoadShedLayer;
 use keel_policy::shed::LoadShed;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -25,11 +25,11 @@ struct Gated {
     app: Router,
     gate: Arc<Semaphore>,
     started: Arc<AtomicUsize>,
-    layer: LoadShedLayer,
+    layer: HttpLoadShedLayer,
 }
 
 impl Gated {
-    fn new(layer: LoadShedLayer) -> Self {
+    fn new(layer: HttpLoadShedLayer) -> Self {
         let gate = Arc::new(Semaphore::new(0));
         let started = Arc::new(AtomicUsize::new(0));
         let app = Router::new()
@@ -108,7 +108,7 @@ async fn problem_of(response: Response) -> serde_json::Value {
 async fn the_request_past_slots_and_queue_gets_503_at_once_and_queued_ones_proceed() {
     const SLOTS: usize = 2;
     const QUEUE: usize = 2;
-    let gated = Gated::new(LoadShedLayer::new(policy(
+    let gated = Gated::new(HttpLoadShedLayer::new(policy(
         SLOTS,
         QUEUE,
         Duration::from_secs(30),
@@ -151,7 +151,11 @@ async fn the_request_past_slots_and_queue_gets_503_at_once_and_queued_ones_proce
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_is_shed_and_counted_exactly() {
-    let gated = Gated::new(LoadShedLayer::new(policy(3, 2, Duration::from_secs(30))));
+    let gated = Gated::new(HttpLoadShedLayer::new(policy(
+        3,
+        2,
+        Duration::from_secs(30),
+    )));
     let burst: Vec<_> = (0..20).map(|_| gated.spawn(work())).collect();
     // 5 admitted (3 running, 2 queued); 15 answered at once.
     gated.until(3, 2).await;
@@ -183,7 +187,11 @@ async fn a_burst_is_shed_and_counted_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_deadline_passes_while_queued_is_dropped_with_504() {
-    let gated = Gated::new(LoadShedLayer::new(policy(1, 4, Duration::from_secs(30))));
+    let gated = Gated::new(HttpLoadShedLayer::new(policy(
+        1,
+        4,
+        Duration::from_secs(30),
+    )));
     let first = gated.spawn(work());
     gated.until(1, 0).await;
 
@@ -213,7 +221,7 @@ async fn a_request_whose_deadline_passes_while_queued_is_dropped_with_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_current_deadline_bounds_the_wait_too() {
-    let layer = LoadShedLayer::new(policy(1, 4, Duration::from_secs(30))).deadline_header(None);
+    let layer = HttpLoadShedLayer::new(policy(1, 4, Duration::from_secs(30))).deadline_header(None);
     let gated = Gated::new(layer);
     // A deadline set by an outer layer (as `DeadlineLayer` does).
     let app = gated.app.clone().layer(axum::middleware::from_fn(
@@ -232,7 +240,11 @@ async fn the_current_deadline_bounds_the_wait_too() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_longer_than_the_latency_target_is_shed() {
-    let gated = Gated::new(LoadShedLayer::new(policy(1, 4, Duration::from_millis(100))));
+    let gated = Gated::new(HttpLoadShedLayer::new(policy(
+        1,
+        4,
+        Duration::from_millis(100),
+    )));
     let first = gated.spawn(work());
     gated.until(1, 0).await;
     let response = gated.app.clone().oneshot(work()).await.unwrap();
@@ -259,13 +271,13 @@ async fn overhead_of_the_shed_layer() {
         started.elapsed() / N
     }
     let bare = Router::new().route("/work", get(|| async { "ok" }));
-    let shed = bare.clone().layer(LoadShedLayer::new(
+    let shed = bare.clone().layer(HttpLoadShedLayer::new(
         LoadShed::builder("bench").build().unwrap(),
     ));
     let base = per_request(bare).await;
     let with = per_request(shed).await;
     println!(
-        "bare handler: {base:?}/request; with LoadShedLayer: {with:?}/request; overhead {:?}",
+        "bare handler: {base:?}/request; with HttpLoadShedLayer: {with:?}/request; overhead {:?}",
         with.saturating_sub(base)
     );
 }
