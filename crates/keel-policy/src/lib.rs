@@ -42,6 +42,8 @@ pub mod rate_limit;
 pub mod retry;
 #[cfg(feature = "shed")]
 pub mod shed;
+#[cfg(any(feature = "bulkhead", feature = "shed"))]
+pub mod slots;
 #[cfg(feature = "timeout")]
 pub mod timeout;
 

@@ -8,7 +8,8 @@ use keel_core::{Deadline, Name, Rejected, clock};
 use tokio::time::Instant;
 
 use super::BulkheadStats;
-use super::gate::{Gate, Shut};
+use crate::slots::gate::{Gate, Shut};
+use crate::slots::{Gated, Slot};
 
 /// What every compartment of one bulkhead obeys, and where it reports.
 #[derive(Debug)]
@@ -61,14 +62,9 @@ impl Drop for Permit<'_> {
     }
 }
 
-/// A slot held apart from any borrow (for tower services and keyed
-/// compartments), freed when dropped.
-#[derive(Debug)]
-pub(super) struct Slot(Arc<Compartment>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.gate.leave();
+impl Gated for Compartment {
+    fn gate(&self) -> &Gate {
+        &self.gate
     }
 }
 
@@ -103,14 +99,14 @@ impl Compartment {
     /// Like [`enter`](Self::enter), for a slot that outlives the borrow.
     pub(super) async fn enter_owned(self: Arc<Self>, rules: &Rules) -> Result<Slot, Rejected> {
         std::mem::forget(self.enter(rules).await?);
-        Ok(Slot(self))
+        Ok(Slot::entered(self))
     }
 
     /// Takes a free slot that outlives the borrow, without waiting.
     #[inline]
     pub(super) fn try_enter_owned(self: &Arc<Self>) -> Option<Slot> {
         std::mem::forget(self.try_enter()?);
-        Some(Slot(Arc::clone(self)))
+        Some(Slot::entered(Arc::clone(self) as Arc<dyn Gated>))
     }
 
     /// Whether a call that found no free slot may wait for one.

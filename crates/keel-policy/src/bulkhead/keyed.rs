@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use keel_core::{Name, PolicyError, Rejected};
 use parking_lot::RwLock;
 
-use super::{BulkheadConfig, BulkheadStats, Compartment, Rules, Slot};
+use super::{BulkheadConfig, BulkheadStats, Compartment, Rules};
+use crate::slots::Slot;
 
 /// A bulkhead per key, so one tenant saturating its slots does not take
 /// another's.

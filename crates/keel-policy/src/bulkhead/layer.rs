@@ -1,17 +1,15 @@
 //! The bulkhead as tower middleware.
 
 use std::fmt;
-use std::future::Future;
 use std::hash::Hash;
-use std::mem;
-use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 
-use keel_core::{BoxError, Rejected};
+use keel_core::BoxError;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::{Bulkhead, KeyedBulkhead, ResponseFuture, Slot};
+use super::{Bulkhead, KeyedBulkhead, ResponseFuture};
+use crate::slots::SlotService;
 
 /// Applies a [`Bulkhead`] to a tower service. Every service it makes shares
 /// the bulkhead's slots.
@@ -40,118 +38,7 @@ impl<S> Layer<S> for BulkheadLayer {
 /// The slot is taken in `poll_ready` (waiting there if the bulkhead allows
 /// waiting), so a full bulkhead answers at once: `poll_ready` is ready and
 /// the call fails with a boxed [`Rejected::BulkheadFull`].
-pub struct BulkheadService<S> {
-    inner: S,
-    bulkhead: Bulkhead,
-    admission: Admission,
-}
-
-type Waiting = Pin<Box<dyn Future<Output = Result<Slot, Rejected>> + Send>>;
-
-enum Admission {
-    Idle,
-    Waiting(Waiting),
-    Admitted(Slot),
-    Refused(Rejected),
-}
-
-impl<S> BulkheadService<S> {
-    /// Wraps `inner` in `bulkhead`.
-    pub fn new(inner: S, bulkhead: Bulkhead) -> Self {
-        Self {
-            inner,
-            bulkhead,
-            admission: Admission::Idle,
-        }
-    }
-
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service (a slot taken by `poll_ready` is freed).
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
-
-    fn admit(&self) -> Admission {
-        if let Some(slot) = self.bulkhead.try_enter_owned() {
-            Admission::Admitted(slot)
-        } else if self.bulkhead.can_queue() {
-            // Only a call that has to wait pays for boxing its wait.
-            Admission::Waiting(Box::pin(self.bulkhead.clone().enter_owned()))
-        } else {
-            Admission::Refused(self.bulkhead.refuse_full())
-        }
-    }
-}
-
-impl<S, Req> Service<Req> for BulkheadService<S>
-where
-    S: Service<Req>,
-    S::Error: Into<BoxError>,
-{
-    type Response = S::Response;
-    type Error = BoxError;
-    type Future = ResponseFuture<S::Future>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        loop {
-            match &mut self.admission {
-                Admission::Idle => self.admission = self.admit(),
-                Admission::Waiting(wait) => {
-                    self.admission = match ready!(wait.as_mut().poll(cx)) {
-                        Ok(slot) => Admission::Admitted(slot),
-                        Err(rejected) => Admission::Refused(rejected),
-                    };
-                }
-                Admission::Admitted(_) => return self.inner.poll_ready(cx).map_err(Into::into),
-                Admission::Refused(_) => return Poll::Ready(Ok(())),
-            }
-        }
-    }
-
-    fn call(&mut self, req: Req) -> Self::Future {
-        match mem::replace(&mut self.admission, Admission::Idle) {
-            Admission::Admitted(slot) => ResponseFuture::admitted(self.inner.call(req), slot),
-            Admission::Refused(rejected) => ResponseFuture::refused(rejected),
-            // Called without `poll_ready`: admit only if a slot is free now.
-            Admission::Idle | Admission::Waiting(_) => match self.bulkhead.try_enter_owned() {
-                Some(slot) => ResponseFuture::admitted(self.inner.call(req), slot),
-                None => ResponseFuture::refused(self.bulkhead.refuse_full()),
-            },
-        }
-    }
-}
-
-impl<S: Clone> Clone for BulkheadService<S> {
-    /// A clone shares the bulkhead but holds no slot of its own yet.
-    fn clone(&self) -> Self {
-        Self::new(self.inner.clone(), self.bulkhead.clone())
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for BulkheadService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let admission = match self.admission {
-            Admission::Idle => "idle",
-            Admission::Waiting(_) => "waiting",
-            Admission::Admitted(_) => "admitted",
-            Admission::Refused(_) => "refused",
-        };
-        f.debug_struct("BulkheadService")
-            .field("inner", &self.inner)
-            .field("bulkhead", &self.bulkhead)
-            .field("admission", &admission)
-            .finish()
-    }
-}
+pub type BulkheadService<S> = SlotService<S, Bulkhead>;
 
 /// Applies a [`KeyedBulkhead`] to a tower service, with the key (tenant,
 /// user, route) taken from each request by `key_of`.

@@ -46,8 +46,6 @@
 
 mod compartment;
 mod config;
-mod future;
-pub(crate) mod gate;
 mod keyed;
 mod layer;
 
@@ -56,9 +54,10 @@ use std::sync::Arc;
 
 use keel_core::{Name, PolicyError, Rejected};
 
-use compartment::{Compartment, Rules, Slot};
+pub use crate::slots::ResponseFuture;
+use crate::slots::{Admit, Slot};
+use compartment::{Compartment, Rules};
 pub use config::{BulkheadBuilder, BulkheadConfig};
-pub use future::ResponseFuture;
 pub use keyed::KeyedBulkhead;
 pub use layer::{BulkheadLayer, BulkheadService, KeyedBulkheadLayer, KeyedBulkheadService};
 
@@ -132,7 +131,9 @@ impl Bulkhead {
             .compartment
             .stats(self.shared.rules.max_concurrent)
     }
+}
 
+impl Admit for Bulkhead {
     fn try_enter_owned(&self) -> Option<Slot> {
         self.shared.compartment.try_enter_owned()
     }
@@ -141,7 +142,7 @@ impl Bulkhead {
         self.shared.compartment.can_queue()
     }
 
-    fn refuse_full(&self) -> Rejected {
+    fn refuse(&self) -> Rejected {
         self.shared.compartment.refuse_full(&self.shared.rules)
     }
 

@@ -7,8 +7,9 @@ use std::time::Duration;
 use keel_core::{Deadline, Name, PolicyError, Rejected, clock};
 use tokio::time::Instant;
 
-use super::gate::{Gate, Shut};
 use super::{LoadShedBuilder, LoadShedConfig, Telemetry};
+use crate::slots::gate::{Gate, Shut};
+use crate::slots::{Admit, Gated, Slot};
 
 /// Caps calls in flight, queues a latency target's worth behind them, and
 /// sheds the rest at once; see the [module docs](super).
@@ -102,13 +103,13 @@ impl LoadShed {
             return Ok(Permit(&self.shared.gate));
         }
         if !self.shared.gate.can_wait() {
-            return Err(self.shed());
+            return Err(self.refuse());
         }
         let (until, bound) = self.wait_bound();
         match self.shared.gate.wait(until).await {
             Ok(()) => Ok(Permit(&self.shared.gate)),
             Err(Shut::TimedOut) if bound == Bound::Deadline => Err(self.expire()),
-            Err(Shut::QueueFull | Shut::TimedOut) => Err(self.shed()),
+            Err(Shut::QueueFull | Shut::TimedOut) => Err(self.refuse()),
         }
     }
 
@@ -122,26 +123,6 @@ impl LoadShed {
             Some(deadline) if deadline.instant() <= own => (deadline.instant(), Bound::Deadline),
             _ => (own, Bound::LatencyTarget),
         }
-    }
-
-    pub(super) fn try_enter_owned(&self) -> Option<Slot> {
-        self.shared
-            .gate
-            .try_enter()
-            .then(|| Slot(Arc::clone(&self.shared)))
-    }
-
-    pub(super) fn can_queue(&self) -> bool {
-        self.shared.gate.can_wait()
-    }
-
-    pub(super) async fn enter_owned(self) -> Result<Slot, Rejected> {
-        std::mem::forget(self.enter().await?);
-        Ok(Slot(self.shared))
-    }
-
-    pub(super) fn shed(&self) -> Rejected {
-        self.shared.telemetry.shed(self.shared.retry_after)
     }
 
     fn expire(&self) -> Rejected {
@@ -165,13 +146,30 @@ impl Drop for Permit<'_> {
     }
 }
 
-/// A slot held apart from any borrow (for the tower service), freed when
-/// dropped.
-#[derive(Debug)]
-pub(super) struct Slot(Arc<Shared>);
+impl Gated for Shared {
+    fn gate(&self) -> &Gate {
+        &self.gate
+    }
+}
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.gate.leave();
+impl Admit for LoadShed {
+    fn try_enter_owned(&self) -> Option<Slot> {
+        self.shared
+            .gate
+            .try_enter()
+            .then(|| Slot::entered(Arc::clone(&self.shared) as Arc<dyn Gated>))
+    }
+
+    fn can_queue(&self) -> bool {
+        self.shared.gate.can_wait()
+    }
+
+    async fn enter_owned(self) -> Result<Slot, Rejected> {
+        std::mem::forget(self.enter().await?);
+        Ok(Slot::entered(self.shared))
+    }
+
+    fn refuse(&self) -> Rejected {
+        self.shared.telemetry.shed(self.shared.retry_after)
     }
 }

@@ -40,14 +40,6 @@
 //! ```
 
 mod config;
-mod future;
-// The admission core is the bulkhead's: shared when both features are on,
-// compiled here when `shed` is on alone.
-#[cfg(feature = "bulkhead")]
-use crate::bulkhead::gate;
-#[cfg(not(feature = "bulkhead"))]
-#[path = "../bulkhead/gate.rs"]
-mod gate;
 mod layer;
 mod load_shed;
 mod queue;
@@ -58,10 +50,9 @@ use std::time::Duration;
 
 use keel_core::{Name, Rejected};
 
+pub use crate::slots::ResponseFuture;
 pub use config::{LoadShedBuilder, LoadShedConfig, QueueBuilder, QueueConfig};
-pub use future::ResponseFuture;
 pub use layer::{LoadShedLayer, LoadShedService};
-use load_shed::Slot;
 pub use load_shed::{LoadShed, LoadShedStats};
 pub use queue::{BoundedQueue, QueueStats, Refused};
 

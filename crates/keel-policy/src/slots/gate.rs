@@ -1,6 +1,5 @@
 //! Counted slots with a bounded wait queue: the admission core shared by the
-//! bulkhead and load shedding (`shed` compiles this file itself when the
-//! `bulkhead` feature is off).
+//! bulkhead and load shedding.
 //!
 //! Taking and freeing a slot is one atomic operation each, with no lock,
 //! which is what keeps the happy path cheap. Waiters are woken in order

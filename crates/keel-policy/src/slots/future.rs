@@ -1,4 +1,5 @@
-//! The response future of [`BulkheadService`](super::BulkheadService).
+//! The response future of a [`SlotService`](super::SlotService): the
+//! bulkhead's and load shedding's.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -10,7 +11,7 @@ use pin_project_lite::pin_project;
 use super::Slot;
 
 pin_project! {
-    /// The response of a call through a [`BulkheadService`](super::BulkheadService):
+    /// The response of a call through a bulkhead or load-shedding service:
     /// the inner response, holding its slot until it completes, or a refusal.
     #[derive(Debug)]
     pub struct ResponseFuture<F> {
@@ -29,7 +30,7 @@ pin_project! {
 }
 
 impl<F> ResponseFuture<F> {
-    pub(super) fn admitted(future: F, slot: Slot) -> Self {
+    pub(crate) fn admitted(future: F, slot: Slot) -> Self {
         Self {
             state: State::Admitted {
                 future,
@@ -38,7 +39,7 @@ impl<F> ResponseFuture<F> {
         }
     }
 
-    pub(super) fn refused(rejected: Rejected) -> Self {
+    pub(crate) fn refused(rejected: Rejected) -> Self {
         Self {
             state: State::Refused { rejected },
         }
