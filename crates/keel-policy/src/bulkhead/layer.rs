@@ -37,14 +37,14 @@ impl<S> Layer<S> for BulkheadLayer {
 ///
 /// The slot is taken in `poll_ready` (waiting there if the bulkhead allows
 /// waiting), so a full bulkhead answers at once: `poll_ready` is ready and
-/// the call fails with a boxed [`Rejected::BulkheadFull`].
+/// the call fails with a boxed [`Rejected::BulkheadFull`](keel_core::Rejected::BulkheadFull).
 pub type BulkheadService<S> = SlotService<S, Bulkhead>;
 
 /// Applies a [`KeyedBulkhead`] to a tower service, with the key (tenant,
 /// user, route) taken from each request by `key_of`.
 ///
 /// The keyed services never wait: a request whose compartment is full is
-/// refused at once with a boxed [`Rejected::BulkheadFull`], so a noisy
+/// refused at once with a boxed [`Rejected::BulkheadFull`](keel_core::Rejected::BulkheadFull), so a noisy
 /// tenant gets fast `503`s instead of holding connections. (Waiting, if
 /// configured, applies to [`KeyedBulkhead::call`].)
 pub struct KeyedBulkheadLayer<K, F> {
