@@ -1,5 +1,5 @@
 //! What the bulkhead and load shedding share: counted slots with a bounded
-//! wait queue ([`gate`]), a slot held apart from any borrow ([`Slot`]), and
+//! wait queue (`gate`), a slot held apart from any borrow ([`Slot`]), and
 //! the tower service that takes a slot in `poll_ready` and holds it until
 //! the response is in ([`SlotService`]). The two policies differ only in
 //! how they refuse (a full bulkhead, an overloaded queue) and how long a
