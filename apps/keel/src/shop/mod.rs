@@ -18,6 +18,7 @@ pub mod pg;
 pub mod projection;
 pub mod saga;
 pub mod services;
+pub mod sql;
 
 use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroUsize};

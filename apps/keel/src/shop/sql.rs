@@ -1,0 +1,493 @@
+//! The shop's business SQL, written once for every backend on Keel's SQL
+//! core ([`keel_sql`]): [`ShopDb`] for any [`ShopBackend`].
+//!
+//! The statements are portable; what a backend adds is its schema's DDL,
+//! how it migrates when several processes start at once, and how it keeps
+//! an action and the compensation that tombstones its key apart
+//! ([`ShopBackend::lock_key`]). Several `keel serve` processes can share
+//! one PostgreSQL database, so every write here is safe when two of them
+//! race: a reservation claims its idempotency key *before* it touches stock
+//! (a concurrent retry with the same key waits on the unique index, then
+//! finds the key used and reserves nothing), stock only moves through
+//! conditional `UPDATE`s, and the projection claims the orders it settles
+//! with the dialect's `SKIP LOCKED`, so one settled order is announced once
+//! however many projections run. On SQLite the single writer serializes
+//! all of it.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+
+use async_trait::async_trait;
+use keel_messaging::StoreError;
+use keel_messaging::store::Store;
+use keel_sql::backend::{Row, Tx};
+use keel_sql::filter::Filter;
+use keel_sql::{Dialect, Exec, SqlBackend, SqlRow};
+
+use super::db::{Audit, AuditOrder, Capture, Effect, Reservation, Settled, ShopDb};
+use super::model::{DemoFault, Item, Order, OrderStatus};
+
+/// What a backend adds to the shop's SQL.
+pub trait ShopBackend: SqlBackend + Store<Tx = Tx<Self>> + Clone {
+    /// Connections free in the store's pool (readiness: pool exhaustion).
+    fn shop_connections_free(&self) -> usize;
+
+    /// Creates the shop's tables if missing, safely when several processes
+    /// start at once.
+    fn create_shop_tables(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Serializes, until `tx` ends, an action under `key` with the
+    /// compensation that may tombstone it, so a late action either lands
+    /// before the undo (and is undone) or sees the tombstone (and is
+    /// refused). SQLite's single writer does this already.
+    fn lock_key<'a>(
+        &'a self,
+        tx: &'a mut Tx<Self>,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
+}
+
+const ORDER_COLUMNS: &str = "id, customer_id, currency, items, total_cents, status, created_at";
+
+fn limit_param(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+fn order_from_row<D: Dialect>(row: &D::Row) -> Result<Order, StoreError> {
+    let items = row.text("items")?;
+    let status = row.text("status")?;
+    Ok(Order {
+        id: row.text("id")?,
+        customer_id: row.text("customer_id")?,
+        currency: row.text("currency")?,
+        items: serde_json::from_str(&items).map_err(StoreError::other)?,
+        total_cents: row.int("total_cents")?,
+        status: OrderStatus::parse(&status)
+            .ok_or_else(|| StoreError::other(format!("unknown order status `{status}`")))?,
+        created_at: row.text("created_at")?,
+    })
+}
+
+/// One row of `shop_effects`; `false` if `key` was already used. A
+/// concurrent transaction holding the same key makes this wait for its
+/// outcome, so two racing callers never both see `true`.
+async fn insert_effect<B: ShopBackend>(
+    on: Exec<'_, B::Dialect>,
+    key: &str,
+    order_id: &str,
+    step: &str,
+    compensation: bool,
+    amount: i64,
+    detail: &str,
+) -> Result<bool, StoreError> {
+    let params = [
+        key.into(),
+        order_id.into(),
+        step.into(),
+        compensation.into(),
+        amount.into(),
+        detail.into(),
+    ];
+    let inserted = B::Dialect::execute(
+        on,
+        "INSERT INTO shop_effects (idem_key, order_id, step, compensation, amount_cents, detail)
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (idem_key) DO NOTHING",
+        &params,
+    )
+    .await?;
+    Ok(inserted == 1)
+}
+
+/// Tombstones `action_key` (undone by `key`), under its lock; idempotent.
+async fn tombstone<B: ShopBackend>(
+    store: &B,
+    tx: &mut Tx<B>,
+    action_key: &str,
+    key: &str,
+) -> Result<(), StoreError> {
+    store.lock_key(tx, action_key).await?;
+    B::Dialect::execute(
+        Exec::Tx(tx),
+        "INSERT INTO shop_tombstones (idem_key, undone_by) VALUES ($1, $2)
+         ON CONFLICT (idem_key) DO NOTHING",
+        &[action_key.into(), key.into()],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Whether `key` is tombstoned; takes its lock first.
+async fn tombstoned<B: ShopBackend>(
+    store: &B,
+    tx: &mut Tx<B>,
+    key: &str,
+) -> Result<bool, StoreError> {
+    store.lock_key(tx, key).await?;
+    let row = B::Dialect::fetch_optional(
+        Exec::Tx(tx),
+        "SELECT idem_key FROM shop_tombstones WHERE idem_key = $1",
+        &[key.into()],
+    )
+    .await?;
+    Ok(row.is_some())
+}
+
+/// The effect of `step`'s action for `order_id`, if it happened, with its
+/// amount and detail.
+async fn action<B: ShopBackend>(
+    tx: &mut Tx<B>,
+    order_id: &str,
+    step: &str,
+) -> Result<Option<Row<B>>, StoreError> {
+    B::Dialect::fetch_optional(
+        Exec::Tx(tx),
+        "SELECT amount_cents, detail FROM shop_effects
+         WHERE order_id = $1 AND step = $2 AND NOT compensation",
+        &[order_id.into(), step.into()],
+    )
+    .await
+}
+
+/// Quantities per sku, summed over the items (one `UPDATE` per sku, in sku
+/// order, so two reservations never lock stock rows in opposite orders).
+fn wanted(items: &[Item]) -> BTreeMap<&str, i64> {
+    let mut wanted: BTreeMap<&str, i64> = BTreeMap::new();
+    for item in items {
+        *wanted.entry(item.sku.as_str()).or_default() += i64::from(item.qty);
+    }
+    wanted
+}
+
+#[async_trait]
+impl<B: ShopBackend> ShopDb for B {
+    fn connections_free(&self) -> usize {
+        self.shop_connections_free()
+    }
+
+    async fn migrate_shop(&self) -> Result<(), StoreError> {
+        self.create_shop_tables().await
+    }
+
+    async fn insert_order(
+        &self,
+        tx: &mut Self::Tx,
+        order: &Order,
+        event_id: &str,
+        fault: Option<DemoFault>,
+    ) -> Result<(), StoreError> {
+        let items = serde_json::to_string(&order.items).map_err(StoreError::other)?;
+        let fault = fault.and_then(|f| {
+            serde_json::to_value(f)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+        });
+        let params = [
+            order.id.as_str().into(),
+            order.customer_id.as_str().into(),
+            order.currency.as_str().into(),
+            items.as_str().into(),
+            order.total_cents.into(),
+            order.status.as_str().into(),
+            event_id.into(),
+            fault.as_deref().into(),
+            order.created_at.as_str().into(),
+        ];
+        B::Dialect::execute(
+            Exec::Tx(tx),
+            "INSERT INTO shop_orders (id, customer_id, currency, items, total_cents, status,
+                                      event_id, demo_fault, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            &params,
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn order(&self, id: &str) -> Result<Option<Order>, StoreError> {
+        let sql = format!("SELECT {ORDER_COLUMNS} FROM shop_orders WHERE id = $1");
+        let row = self.read_optional(&sql, &[id.into()]).await?;
+        row.as_ref().map(order_from_row::<B::Dialect>).transpose()
+    }
+
+    async fn order_by_event(&self, event_id: &str) -> Result<Option<Order>, StoreError> {
+        let sql = format!("SELECT {ORDER_COLUMNS} FROM shop_orders WHERE event_id = $1");
+        let row = self.read_optional(&sql, &[event_id.into()]).await?;
+        row.as_ref().map(order_from_row::<B::Dialect>).transpose()
+    }
+
+    async fn orders_after(
+        &self,
+        after: Option<&str>,
+        customer: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Order>, StoreError> {
+        let mut conditions = Filter::new();
+        conditions
+            .and("id >", Some(after.unwrap_or("")))
+            .and("customer_id =", customer);
+        let limit = conditions.param(limit_param(limit));
+        let sql = format!(
+            "SELECT {ORDER_COLUMNS} FROM shop_orders {} ORDER BY id LIMIT {limit}",
+            conditions.where_clause()
+        );
+        let rows = self.read_all(&sql, conditions.params()).await?;
+        rows.iter().map(order_from_row::<B::Dialect>).collect()
+    }
+
+    async fn order_counts(&self) -> Result<Vec<(OrderStatus, u64)>, StoreError> {
+        let rows = self
+            .read_all(
+                "SELECT status, COUNT(*) AS n FROM shop_orders GROUP BY status",
+                &[],
+            )
+            .await?;
+        let mut counts = Vec::new();
+        for row in rows {
+            if let Some(status) = OrderStatus::parse(&row.text("status")?) {
+                counts.push((status, u64::try_from(row.int("n")?).unwrap_or(0)));
+            }
+        }
+        Ok(counts)
+    }
+
+    async fn record_applied(
+        &self,
+        tx: &mut Self::Tx,
+        event_id: &str,
+        handler: &str,
+    ) -> Result<(), StoreError> {
+        B::Dialect::execute(
+            Exec::Tx(tx),
+            "INSERT INTO shop_applied (event_id, handler) VALUES ($1, $2)",
+            &[event_id.into(), handler.into()],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn settle_orders(
+        &self,
+        tx: &mut Self::Tx,
+        limit: usize,
+    ) -> Result<Vec<Settled>, StoreError> {
+        // SKIP LOCKED: another process's projection settling the same
+        // orders right now keeps them; after it commits, the re-checked
+        // status no longer matches, so nothing is announced twice.
+        let sql = format!(
+            "SELECT o.id, o.customer_id, s.status FROM shop_orders o JOIN keel_sagas s ON s.id = o.id
+              WHERE o.status IN ('pending', 'stuck')
+                AND s.status IN ('completed', 'compensated', 'stuck', 'cancelled')
+                AND s.status <> o.status
+              LIMIT $1{}",
+            B::Dialect::skip_locked(Some("o"))
+        );
+        let rows =
+            B::Dialect::fetch_all(Exec::Tx(&mut *tx), &sql, &[limit_param(limit).into()]).await?;
+        let mut settled = Vec::with_capacity(rows.len());
+        for row in rows {
+            let Some(status) = OrderStatus::parse(&row.text("status")?) else {
+                continue;
+            };
+            let order_id = row.text("id")?;
+            B::Dialect::execute(
+                Exec::Tx(&mut *tx),
+                "UPDATE shop_orders SET status = $1 WHERE id = $2",
+                &[status.as_str().into(), order_id.as_str().into()],
+            )
+            .await?;
+            settled.push(Settled {
+                order_id,
+                customer_id: row.text("customer_id")?,
+                status,
+            });
+        }
+        Ok(settled)
+    }
+
+    /// Stocks the skus not stocked yet: a shared database is seeded by the
+    /// first process, and one joining later must not restock what the
+    /// others already sold.
+    async fn seed_stock(&self, stock: &[(String, i64)]) -> Result<(), StoreError> {
+        let mut tx = self.begin_own().await?;
+        for (sku, available) in stock {
+            B::Dialect::execute(
+                Exec::Tx(&mut tx),
+                "INSERT INTO shop_stock (sku, available) VALUES ($1, $2)
+                 ON CONFLICT (sku) DO NOTHING",
+                &[sku.as_str().into(), (*available).into()],
+            )
+            .await?;
+        }
+        self.commit_own(tx).await
+    }
+
+    async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<Capture, StoreError> {
+        let mut tx = self.begin_own().await?;
+        if tombstoned(self, &mut tx, key).await? {
+            self.rollback(tx).await?;
+            return Ok(Capture::Undone);
+        }
+        let new = insert_effect::<B>(
+            Exec::Tx(&mut tx),
+            key,
+            order_id,
+            "capture_payment",
+            false,
+            amount,
+            "",
+        )
+        .await?;
+        self.commit_own(tx).await?;
+        Ok(Capture::Charged(new))
+    }
+
+    async fn refund(
+        &self,
+        key: &str,
+        order_id: &str,
+        action_key: &str,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.begin_own().await?;
+        tombstone(self, &mut tx, action_key, key).await?;
+        let refunded = match action::<B>(&mut tx, order_id, "capture_payment").await? {
+            Some(capture) => {
+                let amount = capture.int("amount_cents")?;
+                insert_effect::<B>(
+                    Exec::Tx(&mut tx),
+                    key,
+                    order_id,
+                    "capture_payment",
+                    true,
+                    -amount,
+                    "",
+                )
+                .await?
+            }
+            None => false,
+        };
+        self.commit_own(tx).await?;
+        Ok(refunded)
+    }
+
+    async fn reserve(
+        &self,
+        key: &str,
+        order_id: &str,
+        items: &[Item],
+    ) -> Result<Reservation, StoreError> {
+        let wanted = wanted(items);
+        let detail = serde_json::to_string(&wanted).map_err(StoreError::other)?;
+        let mut tx = self.begin_own().await?;
+        if tombstoned(self, &mut tx, key).await? {
+            self.rollback(tx).await?;
+            return Ok(Reservation::Undone);
+        }
+        // The key first: a concurrent call with the same key waits here
+        // until this one commits (then reserves nothing) or rolls back.
+        let reserve = Exec::Tx(&mut tx);
+        if !insert_effect::<B>(reserve, key, order_id, "reserve_stock", false, 0, &detail).await? {
+            self.rollback(tx).await?;
+            return Ok(Reservation::Reserved);
+        }
+        for (sku, qty) in &wanted {
+            let taken = B::Dialect::execute(
+                Exec::Tx(&mut tx),
+                "UPDATE shop_stock SET available = available - $1 WHERE sku = $2 AND available >= $1",
+                &[(*qty).into(), (*sku).into()],
+            )
+            .await?;
+            if taken == 0 {
+                self.rollback(tx).await?;
+                return Ok(Reservation::OutOfStock((*sku).to_owned()));
+            }
+        }
+        self.commit_own(tx).await?;
+        Ok(Reservation::Reserved)
+    }
+
+    async fn release(
+        &self,
+        key: &str,
+        order_id: &str,
+        action_key: &str,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.begin_own().await?;
+        tombstone(self, &mut tx, action_key, key).await?;
+        let Some(reservation) = action::<B>(&mut tx, order_id, "reserve_stock").await? else {
+            // Nothing to release, but the tombstone stands.
+            self.commit_own(tx).await?;
+            return Ok(false);
+        };
+        let undo = Exec::Tx(&mut tx);
+        if !insert_effect::<B>(undo, key, order_id, "reserve_stock", true, 0, "").await? {
+            self.commit_own(tx).await?;
+            return Ok(false);
+        }
+        let reserved: BTreeMap<String, i64> =
+            serde_json::from_str(&reservation.text("detail")?).map_err(StoreError::other)?;
+        for (sku, qty) in reserved {
+            B::Dialect::execute(
+                Exec::Tx(&mut tx),
+                "UPDATE shop_stock SET available = available + $1 WHERE sku = $2",
+                &[qty.into(), sku.as_str().into()],
+            )
+            .await?;
+        }
+        self.commit_own(tx).await?;
+        Ok(true)
+    }
+
+    async fn record_effect(
+        &self,
+        key: &str,
+        order_id: &str,
+        step: &str,
+    ) -> Result<bool, StoreError> {
+        let on = Exec::Pool(self.writer());
+        insert_effect::<B>(on, key, order_id, step, false, 0, "").await
+    }
+
+    async fn audit(&self) -> Result<Audit, StoreError> {
+        let mut audit = Audit::default();
+        let orders = "SELECT id, event_id, total_cents, status FROM shop_orders ORDER BY id";
+        for row in self.read_all(orders, &[]).await? {
+            audit.orders.push(AuditOrder {
+                id: row.text("id")?,
+                event_id: row.text("event_id")?,
+                total_cents: row.int("total_cents")?,
+                status: OrderStatus::parse(&row.text("status")?).unwrap_or(OrderStatus::Pending),
+            });
+        }
+        let applied = "SELECT event_id, handler FROM shop_applied ORDER BY seq";
+        for row in self.read_all(applied, &[]).await? {
+            audit
+                .applied
+                .push((row.text("event_id")?, row.text("handler")?));
+        }
+        let outbox = "SELECT event_id, published_at FROM keel_outbox";
+        for row in self.read_all(outbox, &[]).await? {
+            if row.time_opt("published_at")?.is_some() {
+                audit.published.push(row.text("event_id")?);
+            } else {
+                audit.unpublished += 1;
+            }
+        }
+        let effects =
+            "SELECT order_id, step, compensation, amount_cents FROM shop_effects ORDER BY seq";
+        for row in self.read_all(effects, &[]).await? {
+            audit.effects.push(Effect {
+                order_id: row.text("order_id")?,
+                step: row.text("step")?,
+                compensation: row.flag("compensation")?,
+                amount_cents: row.int("amount_cents")?,
+            });
+        }
+        for row in self
+            .read_all("SELECT id, status FROM keel_sagas", &[])
+            .await?
+        {
+            audit.sagas.push((row.text("id")?, row.text("status")?));
+        }
+        Ok(audit)
+    }
+}
