@@ -279,13 +279,15 @@ pub trait Dialect: Send + Sync + Sized + 'static {
 }
 
 /// Writes a dialect's [`Dialect::execute`], [`Dialect::fetch_all`] and
-/// [`Dialect::fetch_optional`] on sqlx, given a function `bind` in scope
-/// that binds `&[Value]` onto a `sqlx::query`, and the dialect's row type.
-/// (A macro rather than default methods: generic code over `D::Db` would
-/// need sqlx's executor bounds at every call site of the core.)
+/// [`Dialect::fetch_optional`] on sqlx: given the database and row types,
+/// and how the kinds that differ between databases are bound (`json`,
+/// `time`, `ids`, `texts`, each a closure from the [`Value`]'s content to
+/// something sqlx binds). The other kinds bind as themselves. (A macro
+/// rather than default methods: generic code over `D::Db` would need
+/// sqlx's executor bounds at every call site of the core.)
 #[macro_export]
 macro_rules! sqlx_execution {
-    ($row:ty) => {
+    ($db:ty, $row:ty, json: $json:expr, time: $time:expr, ids: $ids:expr, texts: $texts:expr $(,)?) => {
         fn execute<'a>(
             on: $crate::Exec<'a, Self>,
             sql: &'a str,
@@ -295,14 +297,12 @@ macro_rules! sqlx_execution {
         > + Send
         + 'a {
             async move {
-                let query = bind(::sqlx::query(sql), params);
+                let query = $crate::sqlx_execution!(@bind $db, sql, params, $json, $time, $ids, $texts);
                 let done = match on {
                     $crate::Exec::Pool(pool) => query.execute(pool).await,
                     $crate::Exec::Tx(tx) => query.execute(&mut **tx).await,
                 };
-                Ok(done
-                    .map_err(<Self as $crate::Dialect>::error)?
-                    .rows_affected())
+                Ok(done.map_err(<Self as $crate::Dialect>::error)?.rows_affected())
             }
         }
 
@@ -315,7 +315,7 @@ macro_rules! sqlx_execution {
         > + Send
         + 'a {
             async move {
-                let query = bind(::sqlx::query(sql), params);
+                let query = $crate::sqlx_execution!(@bind $db, sql, params, $json, $time, $ids, $texts);
                 match on {
                     $crate::Exec::Pool(pool) => query.fetch_all(pool).await,
                     $crate::Exec::Tx(tx) => query.fetch_all(&mut **tx).await,
@@ -336,7 +336,7 @@ macro_rules! sqlx_execution {
         > + Send
         + 'a {
             async move {
-                let query = bind(::sqlx::query(sql), params);
+                let query = $crate::sqlx_execution!(@bind $db, sql, params, $json, $time, $ids, $texts);
                 match on {
                     $crate::Exec::Pool(pool) => query.fetch_optional(pool).await,
                     $crate::Exec::Tx(tx) => query.fetch_optional(&mut **tx).await,
@@ -345,4 +345,20 @@ macro_rules! sqlx_execution {
             }
         }
     };
+    (@bind $db:ty, $sql:ident, $params:ident, $json:expr, $time:expr, $ids:expr, $texts:expr) => {{
+        let mut query = ::sqlx::query::<$db>($sql);
+        for param in $params {
+            query = match *param {
+                $crate::Value::Text(text) => query.bind(text),
+                $crate::Value::Int(int) => query.bind(int),
+                $crate::Value::Bool(flag) => query.bind(flag),
+                $crate::Value::Bytes(bytes) => query.bind(bytes),
+                $crate::Value::Json(json) => query.bind(($json)(json)),
+                $crate::Value::Time(at) => query.bind(($time)(at)),
+                $crate::Value::Ids(ids) => query.bind(($ids)(ids)),
+                $crate::Value::Texts(texts) => query.bind(($texts)(texts)),
+            };
+        }
+        query
+    }};
 }

@@ -4,8 +4,8 @@
 //! They share the database so that the order row and its outbox row, or the
 //! inbox row and the saga it starts, commit in one transaction. The SQL is
 //! written once, in `sql.rs`, on Keel's SQL core; this file holds the
-//! contract, SQLite's schema and SQLite's part of [`ShopBackend`] (`pg.rs`
-//! has PostgreSQL's).
+//! contract and SQLite's part of [`ShopBackend`] (`pg.rs` has
+//! PostgreSQL's).
 //!
 //! The dependencies' own tables live here too: `shop_stock` (inventory
 //! levels) and `shop_effects`, the ledger of every effect a dependency
@@ -27,7 +27,7 @@ use keel_sqlite::SqliteStore;
 use keel_sqlite::store::SqliteDialect;
 
 use super::model::{DemoFault, Item, Order, OrderStatus};
-use super::sql::ShopBackend;
+use super::sql::{ShopBackend, ShopTypes, shop_schema};
 
 /// An order whose fulfilment reached a new state.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,52 +186,20 @@ pub trait ShopDb: Store {
     async fn audit(&self) -> Result<Audit, StoreError>;
 }
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS shop_orders (
-    id          TEXT    PRIMARY KEY,
-    customer_id TEXT    NOT NULL,
-    currency    TEXT    NOT NULL,
-    items       TEXT    NOT NULL,
-    total_cents INTEGER NOT NULL,
-    status      TEXT    NOT NULL,
-    event_id    TEXT    NOT NULL UNIQUE,
-    demo_fault  TEXT,
-    created_at  TEXT    NOT NULL
-);
-CREATE INDEX IF NOT EXISTS shop_orders_customer ON shop_orders (customer_id, id);
-CREATE INDEX IF NOT EXISTS shop_orders_status ON shop_orders (status);
-CREATE TABLE IF NOT EXISTS shop_applied (
-    seq      INTEGER PRIMARY KEY AUTOINCREMENT,
-    event_id TEXT    NOT NULL,
-    handler  TEXT    NOT NULL
-);
-CREATE TABLE IF NOT EXISTS shop_stock (
-    sku       TEXT    PRIMARY KEY,
-    available INTEGER NOT NULL CHECK (available >= 0)
-);
-CREATE TABLE IF NOT EXISTS shop_effects (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
-    idem_key     TEXT    NOT NULL UNIQUE,
-    order_id     TEXT    NOT NULL,
-    step         TEXT    NOT NULL,
-    compensation INTEGER NOT NULL,
-    amount_cents INTEGER NOT NULL,
-    detail       TEXT    NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS shop_effects_order ON shop_effects (order_id, step);
-CREATE TABLE IF NOT EXISTS shop_tombstones (
-    idem_key  TEXT PRIMARY KEY,
-    undone_by TEXT NOT NULL
-);
-";
-
 impl ShopBackend for SqliteStore {
+    const TYPES: ShopTypes = ShopTypes {
+        key: "TEXT",
+        seq: "INTEGER PRIMARY KEY AUTOINCREMENT",
+        int: "INTEGER",
+        flag: "INTEGER",
+    };
+
     fn shop_connections_free(&self) -> usize {
         SqliteStore::connections_free(self)
     }
 
     async fn create_shop_tables(&self) -> Result<(), StoreError> {
-        sqlx::raw_sql(SCHEMA)
+        sqlx::raw_sql(&shop_schema(&Self::TYPES))
             .execute(self.pool())
             .await
             .map_err(<SqliteDialect as Dialect>::error)?;

@@ -15,58 +15,26 @@ use keel_postgres::PgStore;
 use keel_postgres::store::PgDialect;
 use keel_sql::Dialect;
 
-use super::sql::ShopBackend;
-
-/// The shop's tables. `CREATE ... IF NOT EXISTS` alone races between
-/// processes starting at once, hence the advisory lock in `migrate_shop`.
-const SCHEMA: &str = r#"
-CREATE TABLE IF NOT EXISTS shop_orders (
-    id          TEXT COLLATE "C" PRIMARY KEY,
-    customer_id TEXT COLLATE "C" NOT NULL,
-    currency    TEXT    NOT NULL,
-    items       TEXT    NOT NULL,
-    total_cents BIGINT  NOT NULL,
-    status      TEXT    NOT NULL,
-    event_id    TEXT    NOT NULL UNIQUE,
-    demo_fault  TEXT,
-    created_at  TEXT    NOT NULL
-);
-CREATE INDEX IF NOT EXISTS shop_orders_customer ON shop_orders (customer_id, id);
-CREATE INDEX IF NOT EXISTS shop_orders_status ON shop_orders (status);
-CREATE TABLE IF NOT EXISTS shop_applied (
-    seq      BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    event_id TEXT   NOT NULL,
-    handler  TEXT   NOT NULL
-);
-CREATE TABLE IF NOT EXISTS shop_stock (
-    sku       TEXT   PRIMARY KEY,
-    available BIGINT NOT NULL CHECK (available >= 0)
-);
-CREATE TABLE IF NOT EXISTS shop_effects (
-    seq          BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    idem_key     TEXT    NOT NULL UNIQUE,
-    order_id     TEXT    NOT NULL,
-    step         TEXT    NOT NULL,
-    compensation BOOLEAN NOT NULL,
-    amount_cents BIGINT  NOT NULL,
-    detail       TEXT    NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS shop_effects_order ON shop_effects (order_id, step);
-CREATE TABLE IF NOT EXISTS shop_tombstones (
-    idem_key  TEXT PRIMARY KEY,
-    undone_by TEXT NOT NULL
-);
-"#;
+use super::sql::{ShopBackend, ShopTypes, shop_schema};
 
 /// The advisory lock key serializing `migrate_shop` across processes
 /// (per schema: it is hashed with the schema name).
 const MIGRATE_LOCK: &str = "keel-shop-migrate";
 
 impl ShopBackend for PgStore {
+    const TYPES: ShopTypes = ShopTypes {
+        key: r#"TEXT COLLATE "C""#,
+        seq: "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+        int: "BIGINT",
+        flag: "BOOLEAN",
+    };
+
     fn shop_connections_free(&self) -> usize {
         PgStore::connections_free(self)
     }
 
+    /// `CREATE ... IF NOT EXISTS` alone races between processes starting
+    /// at once, hence the advisory lock.
     async fn create_shop_tables(&self) -> Result<(), StoreError> {
         let mut tx = self.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext(current_schema() || $1))")
@@ -74,7 +42,8 @@ impl ShopBackend for PgStore {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
-        for statement in SCHEMA.split(';').filter(|s| !s.trim().is_empty()) {
+        let schema = shop_schema(&Self::TYPES);
+        for statement in schema.split(';').filter(|s| !s.trim().is_empty()) {
             sqlx::query(statement).execute(&mut *tx).await.map_err(db)?;
         }
         self.commit_resolved(tx).await

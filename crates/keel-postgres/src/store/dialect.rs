@@ -6,12 +6,10 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_sql::backend::Wake;
-use keel_sql::{Dialect, Field, SqlBackend, SqlRow, Value};
+use keel_sql::{Dialect, Field, SqlBackend, SqlRow};
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
-use sqlx::postgres::{
-    PgArgumentBuffer, PgArguments, PgRow, PgTypeInfo, PgValueFormat, PgValueRef, Postgres,
-};
+use sqlx::postgres::{PgArgumentBuffer, PgRow, PgTypeInfo, PgValueFormat, PgValueRef, Postgres};
 use sqlx::{Column, Row, TypeInfo, ValueRef};
 
 use super::PgStore;
@@ -20,8 +18,6 @@ use super::error::{corrupt, db_error, is_conflict_store_error};
 /// PostgreSQL's dialect of the shared SQL core.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PgDialect;
-
-type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
 
 impl Dialect for PgDialect {
     type Db = Postgres;
@@ -87,23 +83,14 @@ impl Dialect for PgDialect {
         is_conflict_store_error(err)
     }
 
-    keel_sql::sqlx_execution!(PgRow);
-}
-
-fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
-    for param in params {
-        query = match *param {
-            Value::Text(text) => query.bind(text),
-            Value::Int(int) => query.bind(int),
-            Value::Bool(flag) => query.bind(flag),
-            Value::Bytes(bytes) => query.bind(bytes),
-            Value::Json(json) => query.bind(Jsonb(json)),
-            Value::Time(at) => query.bind(at),
-            Value::Ids(ids) => query.bind(ids),
-            Value::Texts(texts) => query.bind(texts),
-        };
-    }
-    query
+    keel_sql::sqlx_execution!(
+        Postgres,
+        PgRow,
+        json: |json: &'a str| Jsonb(json),
+        time: |at: Option<DateTime<Utc>>| at,
+        ids: |ids: &'a [i64]| ids,
+        texts: |texts: &'a [&'a str]| texts,
+    );
 }
 
 /// `JSONB`'s binary format: a version byte, then the document's text.

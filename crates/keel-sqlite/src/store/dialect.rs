@@ -6,10 +6,10 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::AttemptError;
-use keel_sql::{Dialect, Field, SqlBackend, SqlRow, Value};
+use keel_sql::{Dialect, Field, SqlBackend, SqlRow};
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
-use sqlx::sqlite::{Sqlite, SqliteArguments, SqliteRow};
+use sqlx::sqlite::{Sqlite, SqliteRow};
 
 use super::SqliteStore;
 use super::codec::{from_ms, to_ms};
@@ -18,8 +18,6 @@ use super::error::{corrupt, db_error};
 /// SQLite's dialect of the shared SQL core.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SqliteDialect;
-
-type Query<'q> = sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>>;
 
 impl Dialect for SqliteDialect {
     type Db = Sqlite;
@@ -69,7 +67,14 @@ impl Dialect for SqliteDialect {
         false
     }
 
-    keel_sql::sqlx_execution!(SqliteRow);
+    keel_sql::sqlx_execution!(
+        Sqlite,
+        SqliteRow,
+        json: |json: &'a str| json,
+        time: |at: Option<DateTime<Utc>>| at.map(to_ms),
+        ids: |ids: &[i64]| serde_json::Value::from(ids.to_vec()).to_string(),
+        texts: |texts: &[&str]| serde_json::Value::from(texts.to_vec()).to_string(),
+    );
 
     fn attempts_to_json(attempts: &[AttemptError]) -> Result<String, StoreError> {
         let stored: Vec<StoredAttempt> = attempts
@@ -106,22 +111,6 @@ struct StoredAttempt {
     attempt: u32,
     error: String,
     at_ms: i64,
-}
-
-fn bind<'q>(mut query: Query<'q>, params: &'q [Value<'q>]) -> Query<'q> {
-    for param in params {
-        query = match *param {
-            Value::Text(text) => query.bind(text),
-            Value::Int(int) => query.bind(int),
-            Value::Bool(flag) => query.bind(flag),
-            Value::Bytes(bytes) => query.bind(bytes),
-            Value::Json(json) => query.bind(json),
-            Value::Time(at) => query.bind(at.map(to_ms)),
-            Value::Ids(ids) => query.bind(serde_json::Value::from(ids.to_vec()).to_string()),
-            Value::Texts(texts) => query.bind(serde_json::Value::from(texts.to_vec()).to_string()),
-        };
-    }
-    query
 }
 
 impl SqlRow<SqliteDialect> for SqliteRow {
