@@ -67,3 +67,317 @@ impl ShopBackend for PgStore {
 fn db(err: sqlx::Error) -> StoreError {
     <PgDialect as Dialect>::error(err)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shop::db::{Capture, Reservation, ShopDb};
+    use crate::shop::model::{DemoFault, Item, Order, OrderStatus};
+
+    /// A store on a fresh schema of the test server, or `None` (skipped)
+    /// without one.
+    async fn store() -> Option<PgStore> {
+        let url = keel_testkit::services::postgres_url()?;
+        let schema = format!("keel_shop_t_{}", uuid::Uuid::now_v7().simple());
+        let store = PgStore::builder(url)
+            .schema(schema)
+            .max_connections(8)
+            .connect()
+            .await
+            .unwrap();
+        store.migrate_shop().await.unwrap();
+        store
+            .seed_stock(&[("tea".into(), 10), ("rare".into(), 1)])
+            .await
+            .unwrap();
+        Some(store)
+    }
+
+    fn item(sku: &str, qty: u32) -> Item {
+        Item::new(sku, qty, 100)
+    }
+
+    async fn available(store: &PgStore, sku: &str) -> i64 {
+        sqlx::query_scalar("SELECT available FROM shop_stock WHERE sku = $1")
+            .bind(sku)
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn reservations_are_all_or_nothing_and_deduped_by_key() {
+        let Some(store) = store().await else { return };
+        let r = store
+            .reserve("o1:reserve_stock", "o1", &[item("tea", 2), item("tea", 1)])
+            .await
+            .unwrap();
+        assert_eq!(r, Reservation::Reserved);
+        let r = store
+            .reserve("o1:reserve_stock", "o1", &[item("tea", 3)])
+            .await
+            .unwrap();
+        assert_eq!(r, Reservation::Reserved);
+        let r = store
+            .reserve("o2:reserve_stock", "o2", &[item("tea", 1), item("rare", 2)])
+            .await
+            .unwrap();
+        assert_eq!(r, Reservation::OutOfStock("rare".into()));
+        assert_eq!(available(&store, "tea").await, 7);
+        let release = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                let (key, action) = (
+                    format!("{o}:undo:reserve_stock"),
+                    format!("{o}:reserve_stock"),
+                );
+                store.release(&key, o, &action).await.unwrap()
+            }
+        };
+        assert!(release("o1").await);
+        assert!(!release("o1").await);
+        assert!(!release("o2").await);
+        assert_eq!(available(&store, "tea").await, 10);
+        // Seeding again (a second process starting) keeps the levels.
+        store
+            .reserve("o3:reserve_stock", "o3", &[item("tea", 4)])
+            .await
+            .unwrap();
+        store.seed_stock(&[("tea".into(), 10)]).await.unwrap();
+        assert_eq!(available(&store, "tea").await, 6);
+        store.migrate_shop().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn racing_calls_with_one_key_take_effect_once() {
+        let Some(store) = store().await else { return };
+        let mut calls = Vec::new();
+        for _ in 0..8 {
+            let s = store.clone();
+            calls.push(tokio::spawn(async move {
+                let reserved = s.reserve("o1:reserve_stock", "o1", &[item("tea", 3)]).await;
+                let captured = s.capture("o1:capture_payment", "o1", 500).await;
+                (reserved.unwrap(), captured.unwrap())
+            }));
+        }
+        let mut captures = 0;
+        for call in calls {
+            let (reserved, captured) = call.await.unwrap();
+            assert_eq!(reserved, Reservation::Reserved);
+            captures += usize::from(captured == Capture::Charged(true));
+        }
+        assert_eq!(captures, 1);
+        assert_eq!(available(&store, "tea").await, 7);
+        // The last unit of `rare`, wanted by many orders: sold once.
+        let mut calls = Vec::new();
+        for n in 0..8 {
+            let s = store.clone();
+            calls.push(tokio::spawn(async move {
+                s.reserve(
+                    &format!("r{n}:reserve_stock"),
+                    &format!("r{n}"),
+                    &[item("rare", 1)],
+                )
+                .await
+                .unwrap()
+            }));
+        }
+        let mut sold = 0;
+        for call in calls {
+            sold += usize::from(call.await.unwrap() == Reservation::Reserved);
+        }
+        assert_eq!(sold, 1);
+        assert_eq!(available(&store, "rare").await, 0);
+    }
+
+    #[tokio::test]
+    async fn a_late_action_racing_its_compensation_is_refunded_or_refused_never_left_standing() {
+        let Some(store) = store().await else { return };
+        for n in 0..16 {
+            let o = format!("late{n}");
+            let (s1, s2) = (store.clone(), store.clone());
+            let (o1, o2) = (o.clone(), o.clone());
+            let capture = tokio::spawn(async move {
+                s1.capture(&format!("{o1}:capture_payment"), &o1, 500)
+                    .await
+                    .unwrap()
+            });
+            let refund = tokio::spawn(async move {
+                let (key, action) = (
+                    format!("{o2}:undo:capture_payment"),
+                    format!("{o2}:capture_payment"),
+                );
+                s2.refund(&key, &o2, &action).await.unwrap()
+            });
+            let (captured, refunded) = (capture.await.unwrap(), refund.await.unwrap());
+            match captured {
+                Capture::Charged(true) => assert!(refunded, "{o}: charged after its refund"),
+                Capture::Undone => assert!(!refunded, "{o}: refunded a charge that never was"),
+                Capture::Charged(false) => panic!("{o}: first capture seen as a repeat"),
+            }
+            // Once refunded, the key stays refused.
+            let again = store
+                .capture(&format!("{o}:capture_payment"), &o, 500)
+                .await
+                .unwrap();
+            assert_ne!(again, Capture::Charged(true), "{o}");
+        }
+        let audit = store.audit().await.unwrap();
+        let money: i64 = audit.effects.iter().map(|e| e.amount_cents).sum();
+        assert_eq!(money, 0, "no charge left without its refund");
+        // A late reservation after its release is refused too.
+        assert!(
+            !store
+                .release("o9:undo:reserve_stock", "o9", "o9:reserve_stock")
+                .await
+                .unwrap()
+        );
+        let r = store
+            .reserve("o9:reserve_stock", "o9", &[item("tea", 1)])
+            .await
+            .unwrap();
+        assert_eq!(r, Reservation::Undone);
+    }
+
+    #[tokio::test]
+    async fn a_capture_is_charged_once_and_refunded_once_and_audited() {
+        let Some(store) = store().await else { return };
+        let capture = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .capture(&format!("{o}:capture_payment"), o, 500)
+                    .await
+                    .unwrap()
+            }
+        };
+        let refund = |o: &'static str| {
+            let store = store.clone();
+            async move {
+                let (key, action) = (
+                    format!("{o}:undo:capture_payment"),
+                    format!("{o}:capture_payment"),
+                );
+                store.refund(&key, o, &action).await.unwrap()
+            }
+        };
+        assert_eq!(capture("o1").await, Capture::Charged(true));
+        assert_eq!(capture("o1").await, Capture::Charged(false));
+        assert!(refund("o1").await);
+        assert!(!refund("o1").await);
+        assert!(!refund("o2").await);
+        let audit = store.audit().await.unwrap();
+        let money: i64 = audit.effects.iter().map(|e| e.amount_cents).sum();
+        assert_eq!(money, 0);
+        assert_eq!(audit.effects.len(), 2);
+        assert!(audit.effects[1].compensation);
+    }
+
+    async fn place(store: &PgStore, id: &str, saga_status: &str) {
+        let mut tx = store.begin().await.unwrap();
+        let order = Order {
+            id: id.into(),
+            customer_id: "c1".into(),
+            currency: "USD".into(),
+            items: vec![item("tea", 1)],
+            total_cents: 100,
+            status: OrderStatus::Pending,
+            created_at: crate::shop::db::now_rfc3339(),
+        };
+        store
+            .insert_order(&mut tx, &order, &format!("evt-{id}"), None)
+            .await
+            .unwrap();
+        sqlx::query(
+            "INSERT INTO keel_sagas (id, kind, status, step, data, attempts, next_attempt_at,
+                                     created_at, updated_at, version)
+             VALUES ($1, 'fulfilment', $2, 0, '{}', 0, now(), now(), now(), 1)",
+        )
+        .bind(id)
+        .bind(saga_status)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        store.commit(tx).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_order_is_settled_by_one_projection_at_a_time() {
+        let Some(store) = store().await else { return };
+        place(&store, "o1", "completed").await;
+        place(&store, "o2", "running").await;
+        let mut first = store.begin().await.unwrap();
+        let settled = store.settle_orders(&mut first, 10).await.unwrap();
+        assert_eq!(settled.len(), 1);
+        assert_eq!(settled[0].order_id, "o1");
+        assert_eq!(settled[0].status, OrderStatus::Completed);
+        // Another process's projection, meanwhile: o1 is taken.
+        let mut second = store.begin().await.unwrap();
+        assert!(
+            store
+                .settle_orders(&mut second, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        store.rollback(second).await.unwrap();
+        store.commit(first).await.unwrap();
+        let mut third = store.begin().await.unwrap();
+        assert!(
+            store
+                .settle_orders(&mut third, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        store.rollback(third).await.unwrap();
+        let order = store.order("o1").await.unwrap().unwrap();
+        assert_eq!(order.status, OrderStatus::Completed);
+    }
+
+    #[tokio::test]
+    async fn orders_page_by_id_and_customer() {
+        let Some(store) = store().await else { return };
+        let mut tx = store.begin().await.unwrap();
+        for (id, customer) in [("a-2", "c1"), ("a-10", "c2"), ("a_1", "c1"), ("B", "c1")] {
+            let order = Order {
+                id: id.into(),
+                customer_id: customer.into(),
+                currency: "USD".into(),
+                items: vec![item("tea", 1)],
+                total_cents: 100,
+                status: OrderStatus::Pending,
+                created_at: crate::shop::db::now_rfc3339(),
+            };
+            store
+                .insert_order(
+                    &mut tx,
+                    &order,
+                    &format!("evt-{id}"),
+                    Some(DemoFault::DeadLetter),
+                )
+                .await
+                .unwrap();
+        }
+        store.commit(tx).await.unwrap();
+        let ids = |orders: Vec<Order>| orders.into_iter().map(|o| o.id).collect::<Vec<_>>();
+        // Byte order, as on SQLite.
+        assert_eq!(
+            ids(store.orders_after(None, None, 10).await.unwrap()),
+            ["B", "a-10", "a-2", "a_1"]
+        );
+        assert_eq!(
+            ids(store
+                .orders_after(Some("a-10"), Some("c1"), 1)
+                .await
+                .unwrap()),
+            ["a-2"]
+        );
+        assert_eq!(store.order("a_1").await.unwrap().unwrap().customer_id, "c1");
+        assert!(store.order("zz").await.unwrap().is_none());
+        assert_eq!(
+            store.order_counts().await.unwrap(),
+            vec![(OrderStatus::Pending, 4)]
+        );
+    }
+}
