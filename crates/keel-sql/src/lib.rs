@@ -1,15 +1,15 @@
 //! Keel's storage logic, written once for every SQL database.
 //!
-//! The outbox, inbox, dead letters, sagas and fences mean the same thing on
-//! SQLite and on PostgreSQL: the same rows, the same status transitions, the
-//! same filters and the same rules. What differs is small and lives in each
-//! backend crate as its [`Dialect`]: how a value is bound and read back (an
-//! instant is Unix milliseconds on SQLite and `TIMESTAMPTZ` on PostgreSQL, a
-//! document is `TEXT` or `JSONB`), how an error is classified, which errors
-//! the store may retry by itself, and the few statements whose SQL text
-//! really differs, which is a clause (an index hint, `SKIP LOCKED`, a
-//! `NOTIFY`). Each backend
-//! crate keeps its own concurrency (SQLite's single writer and
+//! The outbox, inbox, dead letters, sagas, fences, idempotency keys, jobs,
+//! the event log and the webhook tables mean the same thing on SQLite and on
+//! PostgreSQL: the same rows, the same status transitions, the same filters
+//! and the same rules. What differs is small and lives in each backend crate
+//! as its [`Dialect`]: how a value is bound and read back (an instant is
+//! Unix milliseconds on SQLite and `TIMESTAMPTZ` on PostgreSQL, a document
+//! is `TEXT` or `JSONB`), how an error is classified, which errors the store
+//! may retry by itself, and the few places where the SQL text really
+//! differs, each a clause (an index hint, `SKIP LOCKED`, a `NOTIFY`). Each
+//! backend crate keeps its own concurrency (SQLite's single writer and
 //! `BEGIN IMMEDIATE`; PostgreSQL's advisory-lock claims and commit-outcome
 //! resolution) and its wake-ups.
 //!
@@ -34,8 +34,9 @@
 //! [`event_log_store!`], [`idempotency_store!`], [`outbox_store!`],
 //! [`webhook_store!`]), each of which writes the trait's forwarding impl
 //! and nothing else. Where a table needs what only the backend can do (the
-//! outbox's append and claim, the webhook claim), the module says so with a
-//! trait of its own ([`outbox::OutboxBackend`], [`webhooks::WebhookBackend`]).
+//! outbox's append and claim, the webhook claim, the event-log append), the
+//! module says so with a trait of its own ([`outbox::OutboxBackend`],
+//! [`webhooks::WebhookBackend`], [`event_log::EventLogBackend`]).
 
 pub mod backend;
 pub mod dead_letter;
