@@ -81,3 +81,50 @@ pub trait SqlBackend: Send + Sync + 'static {
         Self::Dialect::fetch_optional(Exec::Pool(self.reader()), sql, params)
     }
 }
+
+/// `statement` (a write ending in `RETURNING ...`) and its parameters,
+/// extended to wake other processes' workers for `wake` where `store` has a
+/// channel for it: the channel is bound as the next parameter
+/// ([`Dialect::signalling`]). Unchanged where wake-ups are in-process.
+pub fn signalled<'a, B: SqlBackend>(
+    store: &'a B,
+    wake: Wake,
+    statement: &str,
+    mut params: Vec<Value<'a>>,
+) -> (String, Vec<Value<'a>>) {
+    match store.wake_channel(wake) {
+        Some(channel) => {
+            params.push(channel.into());
+            let placeholder = format!("${}", params.len());
+            (B::Dialect::signalling(statement, &placeholder), params)
+        }
+        None => (statement.to_owned(), params),
+    }
+}
+
+/// What a conditional write that changed nothing means: `Ok(false)` if the
+/// row with `id` in `table` exists (the write's condition refused it),
+/// [`StoreError::NotFound`] naming `what` if it does not.
+pub async fn refused_or_missing<D: Dialect>(
+    on: Exec<'_, D>,
+    table: &str,
+    id: Value<'_>,
+    what: impl FnOnce() -> String,
+) -> Result<bool, StoreError> {
+    let sql = format!("SELECT id FROM {table} WHERE id = $1");
+    match D::fetch_optional(on, &sql, &[id]).await? {
+        Some(_) => Ok(false),
+        None => Err(StoreError::NotFound(what())),
+    }
+}
+
+/// Connections `pool` could hand out right now without waiting: the idle
+/// ones and those not opened yet. For readiness (pool exhaustion); reads no
+/// database.
+pub fn connections_free<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) -> usize {
+    let unopened = pool
+        .options()
+        .get_max_connections()
+        .saturating_sub(pool.size());
+    pool.num_idle() + unopened as usize
+}

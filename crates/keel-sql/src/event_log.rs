@@ -25,7 +25,7 @@ use std::future::Future;
 use crate::backend::{SqlBackend, Tx};
 use crate::dialect::{Dialect, SqlRow};
 use crate::error::{corrupt, sql_limit};
-use crate::retry::delete_batch;
+use crate::retry::{bounded_delete_sql, delete_batch};
 
 const READ_SQL: &str = "\
 SELECT seq, event_type, data, at FROM keel_event_log
@@ -95,11 +95,7 @@ pub async fn trim<B: SqlBackend>(
     before: DateTime<Utc>,
     batch: usize,
 ) -> Result<u64, StoreError> {
-    let sql = format!(
-        "DELETE FROM keel_event_log WHERE id IN (
-           SELECT id FROM keel_event_log WHERE at < $1 ORDER BY at, id LIMIT $2{})",
-        B::Dialect::skip_locked(None)
-    );
+    let sql = bounded_delete_sql::<B::Dialect>("keel_event_log", "id", "at < $1", "at, id");
     delete_batch(store, "event_log_trim", &sql, before.into(), batch).await
 }
 

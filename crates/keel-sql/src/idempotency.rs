@@ -29,7 +29,7 @@ use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, StoredResponse};
 use crate::backend::SqlBackend;
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
 use crate::error::corrupt;
-use crate::retry::{delete_batch, retry, write};
+use crate::retry::{bounded_delete_sql, delete_batch, retry, write};
 
 /// How often the decision starts over when the row keeps vanishing.
 const MAX_ROUNDS: usize = 8;
@@ -217,11 +217,11 @@ pub async fn prune<B: SqlBackend>(
     now: DateTime<Utc>,
     batch: usize,
 ) -> Result<u64, StoreError> {
-    let sql = format!(
-        "DELETE FROM keel_idempotency WHERE (principal, idem_key) IN (
-           SELECT principal, idem_key FROM keel_idempotency
-            WHERE expires_at <= $1 ORDER BY expires_at LIMIT $2{})",
-        B::Dialect::skip_locked(None)
+    let sql = bounded_delete_sql::<B::Dialect>(
+        "keel_idempotency",
+        "principal, idem_key",
+        "expires_at <= $1",
+        "expires_at",
     );
     delete_batch(store, "idempotency_prune", &sql, now.into(), batch).await
 }

@@ -13,7 +13,7 @@ use keel_messaging::StoreError;
 
 use crate::backend::{SqlBackend, Tx};
 use crate::dialect::{Dialect, Exec};
-use crate::retry::delete_batch;
+use crate::retry::{bounded_delete_sql, delete_batch};
 
 const RECORD_SQL: &str = "\
 INSERT INTO keel_inbox (event_id, handler, processed_at) VALUES ($1, $2, $3)
@@ -36,11 +36,11 @@ pub async fn prune<B: SqlBackend>(
     before: DateTime<Utc>,
     batch: usize,
 ) -> Result<u64, StoreError> {
-    let sql = format!(
-        "DELETE FROM keel_inbox WHERE (event_id, handler) IN (
-           SELECT event_id, handler FROM keel_inbox
-            WHERE processed_at < $1 ORDER BY processed_at LIMIT $2{})",
-        B::Dialect::skip_locked(None)
+    let sql = bounded_delete_sql::<B::Dialect>(
+        "keel_inbox",
+        "event_id, handler",
+        "processed_at < $1",
+        "processed_at",
     );
     delete_batch(store, "inbox_prune", &sql, before.into(), batch).await
 }

@@ -19,10 +19,10 @@ use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::{JobRecord, JobStatus};
 
-use crate::backend::{SqlBackend, Tx};
+use crate::backend::{SqlBackend, Tx, refused_or_missing};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
 use crate::error::corrupt;
-use crate::retry::{delete_batch, write};
+use crate::retry::{bounded_delete_sql, delete_batch, write};
 
 const COLUMNS: &str = "id, kind, idempotency_key, params, status, progress, result_location, \
                        error, created_at, updated_at, expires_at";
@@ -91,16 +91,11 @@ pub async fn update<B: SqlBackend>(store: &B, job: &JobRecord) -> Result<bool, S
     if write(store, "job_update", UPDATE_SQL, &params).await? == 1 {
         return Ok(true);
     }
-    let exists = B::Dialect::fetch_optional(
-        Exec::Pool(store.writer()),
-        "SELECT id FROM keel_jobs WHERE id = $1",
-        &[job.id.as_str().into()],
-    )
-    .await?;
-    match exists {
-        Some(_) => Ok(false),
-        None => Err(StoreError::NotFound(format!("job {:?}", job.id))),
-    }
+    let id = job.id.as_str().into();
+    refused_or_missing::<B::Dialect>(Exec::Pool(store.writer()), "keel_jobs", id, || {
+        format!("job {:?}", job.id)
+    })
+    .await
 }
 
 /// [`JobStore::job_prune`](keel_messaging::store::JobStore::job_prune).
@@ -109,11 +104,7 @@ pub async fn prune<B: SqlBackend>(
     before: DateTime<Utc>,
     batch: usize,
 ) -> Result<u64, StoreError> {
-    let sql = format!(
-        "DELETE FROM keel_jobs WHERE id IN (
-           SELECT id FROM keel_jobs WHERE expires_at < $1 ORDER BY expires_at LIMIT $2{})",
-        B::Dialect::skip_locked(None)
-    );
+    let sql = bounded_delete_sql::<B::Dialect>("keel_jobs", "id", "expires_at < $1", "expires_at");
     delete_batch(store, "job_prune", &sql, before.into(), batch).await
 }
 

@@ -27,7 +27,7 @@ use crate::backend::{Row, SqlBackend, Tx};
 use crate::dialect::{Dialect, SqlRow, Value};
 use crate::error::{corrupt, sql_limit, to_u64};
 use crate::filter::Filter;
-use crate::retry::{delete_batch, retry, write};
+use crate::retry::{bounded_delete_sql, delete_batch, retry, write};
 
 /// The columns a claim returns, in [`OutboxBackend::claim_rows`].
 pub const PENDING_COLUMNS: &str =
@@ -177,12 +177,7 @@ pub async fn release_failed<B: SqlBackend>(
 
 /// The prune statement: a bounded batch of published rows.
 pub fn prune_sql<D: Dialect>() -> String {
-    format!(
-        "DELETE FROM keel_outbox WHERE id IN (
-           SELECT id FROM keel_outbox WHERE published_at < $1
-            ORDER BY published_at LIMIT $2{})",
-        D::skip_locked(None)
-    )
+    bounded_delete_sql::<D>("keel_outbox", "id", "published_at < $1", "published_at")
 }
 
 /// [`OutboxStore::outbox_prune`](keel_messaging::store::OutboxStore::outbox_prune).

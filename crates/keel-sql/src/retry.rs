@@ -68,7 +68,24 @@ pub async fn write<B: SqlBackend>(
     retry::<B::Dialect, _, _, _>(what, || store.write(sql, params)).await
 }
 
-/// Runs one bounded delete, `sql` with the cut-off as `$1` and the batch
+/// The statement of one bounded delete: the first `$2` rows of `table`, by
+/// `order`, that match `condition` (on the cut-off `$1`), each named by
+/// its `key` columns (one, or several such as `event_id, handler`),
+/// skipping rows another writer holds ([`Dialect::skip_locked`]).
+pub fn bounded_delete_sql<D: Dialect>(
+    table: &str,
+    key: &str,
+    condition: &str,
+    order: &str,
+) -> String {
+    format!(
+        "DELETE FROM {table} WHERE ({key}) IN (
+           SELECT {key} FROM {table} WHERE {condition} ORDER BY {order} LIMIT $2{})",
+        D::skip_locked(None)
+    )
+}
+
+/// Runs one bounded delete ([`bounded_delete_sql`]), `sql` with the cut-off as `$1` and the batch
 /// size as `$2`; returns how many rows went (none when `batch` is 0). Every
 /// prune and trim is one of these, so none holds locks for longer than one
 /// small batch.

@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::{SagaFilter, SagaRecord, SagaStatus};
 
-use crate::backend::{SqlBackend, Tx, Wake};
+use crate::backend::{SqlBackend, Tx, Wake, refused_or_missing, signalled};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
 use crate::error::{corrupt, sql_limit, to_u32, to_u64};
 use crate::filter::Filter;
@@ -41,9 +41,6 @@ UPDATE keel_sagas
  WHERE id = $1 AND version = $10
 RETURNING id";
 
-/// The placeholder of the wake-up channel, after the 13 of either write.
-const CHANNEL: &str = "$14";
-
 const COUNTS_SQL: &str =
     "SELECT status, COUNT(*) AS n FROM keel_sagas GROUP BY status ORDER BY status";
 
@@ -70,7 +67,7 @@ pub async fn insert<B: SqlBackend>(
 ) -> Result<bool, StoreError> {
     let data = serde_json::to_string(&saga.data).map_err(StoreError::other)?;
     let params = record_params(saga, &data, saga.created_at.into(), saga.updated_at.into());
-    let (sql, params) = signalling::<B>(store, INSERT_SQL, params);
+    let (sql, params) = signalled(store, Wake::Sagas, INSERT_SQL, params);
     let inserted = B::Dialect::fetch_optional(Exec::Tx(tx), &sql, &params).await?;
     Ok(inserted.is_some())
 }
@@ -87,7 +84,7 @@ pub async fn save<B: SqlBackend>(store: &B, saga: &SagaRecord) -> Result<bool, S
     let data = serde_json::to_string(&saga.data).map_err(StoreError::other)?;
     let expected_version = saga.version.saturating_sub(1);
     let params = record_params(saga, &data, saga.updated_at.into(), expected_version.into());
-    let (sql, params) = signalling::<B>(store, SAVE_SQL, params);
+    let (sql, params) = signalled(store, Wake::Sagas, SAVE_SQL, params);
     let saved = retry::<B::Dialect, _, _, _>("saga_save", || {
         B::Dialect::fetch_optional(Exec::Pool(store.writer()), &sql, &params)
     })
@@ -96,16 +93,11 @@ pub async fn save<B: SqlBackend>(store: &B, saga: &SagaRecord) -> Result<bool, S
         return Ok(true);
     }
     // Lost the race, or there was nothing to save.
-    let exists = B::Dialect::fetch_optional(
-        Exec::Pool(store.writer()),
-        "SELECT id FROM keel_sagas WHERE id = $1",
-        &[saga.id.as_str().into()],
-    )
-    .await?;
-    match exists {
-        Some(_) => Ok(false),
-        None => Err(StoreError::NotFound(format!("saga {}", saga.id))),
-    }
+    let id = saga.id.as_str().into();
+    refused_or_missing::<B::Dialect>(Exec::Pool(store.writer()), "keel_sagas", id, || {
+        format!("saga {}", saga.id)
+    })
+    .await
 }
 
 /// [`SagaStore::saga_due`](keel_messaging::store::SagaStore::saga_due).
@@ -179,22 +171,6 @@ fn record_params<'a>(
         saga.outcome_unknown.into(),
         saga.first_attempt_at.into(),
     ]
-}
-
-/// The write and its parameters, extended to wake other processes' saga
-/// workers where the backend has a channel for it.
-fn signalling<'a, B: SqlBackend>(
-    store: &'a B,
-    statement: &str,
-    mut params: Vec<Value<'a>>,
-) -> (String, Vec<Value<'a>>) {
-    match store.wake_channel(Wake::Sagas) {
-        Some(channel) => {
-            params.push(channel.into());
-            (B::Dialect::signalling(statement, CHANNEL), params)
-        }
-        None => (statement.to_owned(), params),
-    }
 }
 
 fn saga_from_row<D: Dialect>(row: &D::Row) -> Result<SagaRecord, StoreError> {

@@ -194,10 +194,6 @@ impl ShopBackend for SqliteStore {
         flag: "INTEGER",
     };
 
-    fn shop_connections_free(&self) -> usize {
-        SqliteStore::connections_free(self)
-    }
-
     async fn create_shop_tables(&self) -> Result<(), StoreError> {
         sqlx::raw_sql(&shop_schema(&Self::TYPES))
             .execute(self.pool())

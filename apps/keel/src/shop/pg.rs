@@ -29,10 +29,6 @@ impl ShopBackend for PgStore {
         flag: "BOOLEAN",
     };
 
-    fn shop_connections_free(&self) -> usize {
-        PgStore::connections_free(self)
-    }
-
     /// `CREATE ... IF NOT EXISTS` alone races between processes starting
     /// at once, hence the advisory lock.
     async fn create_shop_tables(&self) -> Result<(), StoreError> {

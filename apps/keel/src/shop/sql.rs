@@ -89,9 +89,6 @@ pub trait ShopBackend: SqlBackend + Store<Tx = Tx<Self>> + Clone {
     /// How it spells the shop's column types.
     const TYPES: ShopTypes;
 
-    /// Connections free in the store's pool (readiness: pool exhaustion).
-    fn shop_connections_free(&self) -> usize;
-
     /// Creates the shop's tables ([`shop_schema`]) if missing, safely when
     /// several processes start at once.
     fn create_shop_tables(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -221,7 +218,7 @@ fn wanted(items: &[Item]) -> BTreeMap<&str, i64> {
 #[async_trait]
 impl<B: ShopBackend> ShopDb for B {
     fn connections_free(&self) -> usize {
-        self.shop_connections_free()
+        keel_sql::backend::connections_free(self.writer())
     }
 
     async fn migrate_shop(&self) -> Result<(), StoreError> {

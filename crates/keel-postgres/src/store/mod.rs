@@ -162,12 +162,7 @@ impl PgStore {
     /// idle ones and those not opened yet. For readiness (pool
     /// exhaustion); reads no database.
     pub fn connections_free(&self) -> usize {
-        let unopened = self
-            .pool
-            .options()
-            .get_max_connections()
-            .saturating_sub(self.pool.size());
-        self.pool.num_idle() + unopened as usize
+        keel_sql::backend::connections_free(&self.pool)
     }
 
     /// What this server is configured with that breaks Keel's "nothing

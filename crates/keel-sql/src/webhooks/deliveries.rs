@@ -14,7 +14,7 @@ use keel_messaging::store::{
 
 use super::endpoints::{all_endpoints_sql, endpoint_from_row};
 use super::{DELIVERY_COLUMNS, ENDPOINT_COLUMNS, WebhookBackend, not_found_endpoint};
-use crate::backend::{SqlBackend, Tx, Wake};
+use crate::backend::{SqlBackend, Tx, Wake, refused_or_missing, signalled};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
 use crate::error::{corrupt, sql_limit, to_u32};
 use crate::filter::Filter;
@@ -115,13 +115,7 @@ async fn enqueue_chunk<B: SqlBackend>(
          RETURNING status",
         rows.join(", ")
     );
-    let sql = match store.wake_channel(Wake::Webhooks) {
-        Some(channel) => {
-            params.push(channel.into());
-            B::Dialect::signalling(&insert, &format!("${}", params.len()))
-        }
-        None => insert,
-    };
+    let (sql, params) = signalled(store, Wake::Webhooks, &insert, params);
     let created = B::Dialect::fetch_all(Exec::Tx(tx), &sql, &params).await?;
     let mut pending = 0;
     for row in &created {
@@ -253,14 +247,11 @@ pub async fn resend<B: SqlBackend>(
     if write(store, "webhook_resend", RESEND_SQL, &params).await? == 1 {
         return Ok(true);
     }
-    let sql = "SELECT id FROM keel_webhook_deliveries WHERE id = $1";
-    match B::Dialect::fetch_optional(Exec::Pool(store.writer()), sql, &[delivery_id.into()]).await?
-    {
-        Some(_) => Ok(false),
-        None => Err(StoreError::NotFound(format!(
-            "webhook delivery {delivery_id}"
-        ))),
-    }
+    let on = Exec::Pool(store.writer());
+    refused_or_missing::<B::Dialect>(on, "keel_webhook_deliveries", delivery_id.into(), || {
+        format!("webhook delivery {delivery_id}")
+    })
+    .await
 }
 
 /// [`WebhookStore::webhook_replay`](keel_messaging::store::WebhookStore::webhook_replay):

@@ -6,8 +6,8 @@ use keel_messaging::StoreError;
 use keel_messaging::store::{WebhookEndpoint, WebhookFormat, WebhookSecret};
 use serde::{Deserialize, Serialize};
 
-use super::{ENDPOINT_COLUMNS, not_found_endpoint};
-use crate::backend::{SqlBackend, Tx};
+use super::{ENDPOINT_COLUMNS, endpoint_name, not_found_endpoint};
+use crate::backend::{SqlBackend, refused_or_missing};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
 use crate::error::corrupt;
 use crate::retry::{retry, write};
@@ -218,13 +218,12 @@ pub async fn endpoint_disable<B: SqlBackend>(
         let mut tx = store.begin_own().await?;
         let params = [id.into(), reason.into(), at.into()];
         if B::Dialect::execute(Exec::Tx(&mut tx), DISABLE_SQL, &params).await? == 0 {
-            let exists = endpoint_exists::<B>(&mut tx, id).await?;
+            let on = Exec::Tx(&mut tx);
+            let answer =
+                refused_or_missing::<B::Dialect>(on, ENDPOINTS, id.into(), || endpoint_name(id))
+                    .await;
             tx.rollback().await.map_err(B::Dialect::error)?;
-            return if exists {
-                Ok(false)
-            } else {
-                Err(not_found_endpoint(id))
-            };
+            return answer;
         }
         let params = [id.into(), at.into()];
         let parked =
@@ -246,11 +245,8 @@ pub async fn endpoint_enable<B: SqlBackend>(
     if write(store, "webhook_endpoint_enable", ENABLE_SQL, &params).await? == 1 {
         return Ok(true);
     }
-    let sql = "SELECT id FROM keel_webhook_endpoints WHERE id = $1";
-    match B::Dialect::fetch_optional(Exec::Pool(store.writer()), sql, &[id.into()]).await? {
-        Some(_) => Ok(false),
-        None => Err(not_found_endpoint(id)),
-    }
+    let on = Exec::Pool(store.writer());
+    refused_or_missing::<B::Dialect>(on, ENDPOINTS, id.into(), || endpoint_name(id)).await
 }
 
 /// [`WebhookStore::webhook_endpoint_delete`](keel_messaging::store::WebhookStore::webhook_endpoint_delete):
@@ -274,12 +270,8 @@ pub async fn endpoint_delete<B: SqlBackend>(store: &B, id: &str) -> Result<bool,
     .await
 }
 
-async fn endpoint_exists<B: SqlBackend>(tx: &mut Tx<B>, id: &str) -> Result<bool, StoreError> {
-    let sql = "SELECT id FROM keel_webhook_endpoints WHERE id = $1";
-    Ok(B::Dialect::fetch_optional(Exec::Tx(tx), sql, &[id.into()])
-        .await?
-        .is_some())
-}
+/// The endpoints' table.
+const ENDPOINTS: &str = "keel_webhook_endpoints";
 
 pub(super) fn endpoint_from_row<D: Dialect>(row: &D::Row) -> Result<WebhookEndpoint, StoreError> {
     let event_types = row.json("event_types")?;

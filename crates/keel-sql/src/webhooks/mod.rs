@@ -66,8 +66,13 @@ pub trait WebhookBackend: SqlBackend {
     ) -> impl Future<Output = Result<Vec<Row<Self>>, StoreError>> + Send + 'a;
 }
 
+/// How a `NotFound` names an endpoint.
+pub(crate) fn endpoint_name(id: &str) -> String {
+    format!("webhook endpoint {id:?}")
+}
+
 pub(crate) fn not_found_endpoint(id: &str) -> StoreError {
-    StoreError::NotFound(format!("webhook endpoint {id:?}"))
+    StoreError::NotFound(endpoint_name(id))
 }
 
 /// Implements [`WebhookStore`](keel_messaging::store::WebhookStore) for a

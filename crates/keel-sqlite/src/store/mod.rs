@@ -163,12 +163,7 @@ impl SqliteStore {
     /// idle ones and those not opened yet. For readiness (pool
     /// exhaustion); reads no database.
     pub fn connections_free(&self) -> usize {
-        let pool = &self.writer;
-        let unopened = pool
-            .options()
-            .get_max_connections()
-            .saturating_sub(pool.size());
-        pool.num_idle() + unopened as usize
+        keel_sql::backend::connections_free(&self.writer)
     }
 
     /// The pool for reads outside a transaction; its connections refuse
