@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use keel_http::propagation::{HttpCallError, PropagatingClient};
+use keel_client::{HttpCallError, PropagatingClient};
 
 /// A service on loopback that answers `503` whenever `fails(n)` says so for
 /// its n-th request; returns its URL and its request counter.

@@ -27,6 +27,8 @@ if [ "${KEEL_TEST_QUICK:-0}" != 1 ]; then
   cargo clippy --workspace --all-targets --all-features -- -D warnings
   log "cargo doc with warnings as errors (broken intra-doc links)"
   RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
+  log "every crate with each feature alone, and no unused dependency"
+  scripts/features.sh
 fi
 
 log "headless Chromium and chromedriver for the console browser tests"

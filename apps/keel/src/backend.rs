@@ -407,7 +407,7 @@ pub struct WakeTargets {
     /// The webhook delivery worker.
     pub webhooks: Vec<Box<dyn Fn() + Send + Sync>>,
     /// Event-log readers: the log's notifier.
-    pub event_log: Option<Arc<dyn keel_http::realtime::Notifier>>,
+    pub event_log: Option<Arc<dyn keel_realtime::Notifier>>,
 }
 
 impl std::fmt::Debug for WakeTargets {
@@ -466,7 +466,7 @@ pub fn spawn_wakeups<S: ShopStore>(store: &S, targets: WakeTargets) -> Option<Wa
                 // A reconnect (`None`) cannot name its streams: readers
                 // find missed events at their next poll.
                 let Some(wake) = wake else { return };
-                if let Ok(stream) = keel_http::realtime::StreamId::new(wake.stream) {
+                if let Ok(stream) = keel_realtime::StreamId::new(wake.stream) {
                     notifier.notify(&stream, wake.seq);
                 }
             });

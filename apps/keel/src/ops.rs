@@ -11,7 +11,7 @@
 use std::fmt::Write as _;
 
 use anyhow::Context as _;
-use keel_http::admin::{ActionJson, DeadLetterJson, DeliveryJson, Listing, ParkedJson, SagaJson};
+use keel_admin::{ActionJson, DeadLetterJson, DeliveryJson, Listing, ParkedJson, SagaJson};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -411,7 +411,7 @@ impl AdminClient {
             let (cookie, csrf) = self.session().await?;
             request = request
                 .header(reqwest::header::COOKIE, cookie)
-                .header(keel_http::admin::CSRF_HEADER, csrf);
+                .header(keel_admin::CSRF_HEADER, csrf);
         }
         self.send(request).await
     }
@@ -724,7 +724,7 @@ fn action_line(a: &ActionJson, what: &str) -> String {
 #[cfg(test)]
 mod tests {
     use chrono::{TimeZone, Utc};
-    use keel_http::admin::AttemptJson;
+    use keel_admin::AttemptJson;
     use keel_messaging::store::{DeadLetterStatus, DeliveryStatus, SagaStatus};
 
     use super::*;

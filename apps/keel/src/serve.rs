@@ -12,20 +12,20 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{MethodRouter, delete, get, post};
+use keel_admin::console::Console;
+use keel_admin::{Admin, AdminToken, BrokerLag};
 use keel_http::access::{AllowedHosts, ApiKeyLayer, ApiKeys, FailureThrottle};
-use keel_http::admin::{Admin, AdminToken, BrokerLag};
-use keel_http::console::Console;
 use keel_http::health::{
     ConnectionLimits, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_POOL_EXHAUSTION_GRACE, Health,
 };
 use keel_http::jobs::{JobRequested, Jobs, JobsOptions};
-use keel_http::webhooks::WebhookReceiver;
-use keel_http::webhooks::sealing::SecretSealer;
-use keel_http::webhooks::signing::Secret;
 use keel_messaging::Outbox;
 use keel_messaging::broker::Broker;
 use keel_messaging::consumer::{Consumer, Group};
+use keel_webhooks::WebhookReceiver;
+use keel_webhooks::sealing::SecretSealer;
+use keel_webhooks::signing::Secret;
 use serde::Deserialize;
 
 use crate::api::openapi;
@@ -384,12 +384,12 @@ impl ServeArgs {
         let max_streams_per_client = self
             .max_streams_per_client
             .or(file.max_streams_per_client)
-            .unwrap_or(keel_http::realtime::DEFAULT_MAX_PER_CLIENT);
+            .unwrap_or(keel_realtime::DEFAULT_MAX_PER_CLIENT);
         if max_streams_per_client == 0 {
             return Err(invalid("max-streams-per-client", "must be at least 1"));
         }
         let ws_allowed_origins = pick(self.ws_allowed_origins.clone(), file.ws_allowed_origins);
-        keel_http::realtime::RealtimeOptions::new()
+        keel_realtime::RealtimeOptions::new()
             .allowed_origins(ws_allowed_origins.iter().cloned())
             .validate()
             .map_err(|e| invalid("ws-allowed-origins", e.to_string()))?;
@@ -476,7 +476,7 @@ fn connection_limits(
         .idle_timeout(idle_secs.map_or(DEFAULT_IDLE_TIMEOUT, Duration::from_secs))
         .validate()
         .map_err(|e| invalid("connection limits", e.to_string()))?;
-    let poll = keel_http::realtime::DEFAULT_POLL_TIMEOUT;
+    let poll = keel_realtime::DEFAULT_POLL_TIMEOUT;
     if limits.idle() <= poll {
         return Err(invalid(
             "idle-timeout-secs",

@@ -9,8 +9,8 @@ use axum::body::Bytes;
 use axum::http::HeaderMap;
 use cloudevents::{AttributesReader, Data, Event};
 use common::{ACME_KEY, Received, Server, eventually, ok_receiver, order, place, serve};
-use keel_http::webhooks::WebhookReceiver;
-use keel_http::webhooks::signing::Secret;
+use keel_webhooks::WebhookReceiver;
+use keel_webhooks::signing::Secret;
 use serde_json::{Value, json};
 
 /// Registers an endpoint in `format`; returns its signing secret.

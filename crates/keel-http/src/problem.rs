@@ -95,11 +95,11 @@ impl From<Rejected> for Problem {
     }
 }
 
-#[cfg(feature = "propagation")]
-impl From<&crate::propagation::HttpCallError> for Problem {
+#[cfg(feature = "client")]
+impl From<&keel_client::HttpCallError> for Problem {
     /// A failed dependency call, answered without leaking its URL or body.
-    fn from(err: &crate::propagation::HttpCallError) -> Self {
-        use crate::propagation::HttpCallError as E;
+    fn from(err: &keel_client::HttpCallError) -> Self {
+        use keel_client::HttpCallError as E;
         match err {
             E::Rejected(rejected) => Self::from_rejected(rejected),
             E::Timeout { .. } => Self::new(

@@ -8,7 +8,9 @@
 
 #[cfg(feature = "broker")]
 pub mod broker;
+#[cfg(any(feature = "store", feature = "broker"))]
 mod pool;
+#[cfg(any(feature = "store", feature = "broker"))]
 mod private_file;
 #[cfg(feature = "broker")]
 pub use broker::{SqliteBroker, SqliteBrokerOptions};

@@ -12,8 +12,8 @@ use axum::routing::{get, post};
 use keel_http::idempotency::{IdempotencyLayer, IdempotencyOptions};
 use keel_http::pagination::Pagination;
 use keel_http::propagation::{DeadlineLayer, TraceContextLayer};
-use keel_http::realtime::{EventLog, Realtime, RealtimeOptions, StreamId};
 use keel_messaging::Outbox;
+use keel_realtime::{EventLog, Realtime, RealtimeOptions, StreamId};
 
 use crate::shop::ShopStore;
 use crate::shop::model::MAX_BODY_BYTES;
@@ -110,10 +110,7 @@ pub fn public_router<S: ShopStore>(
             RealtimeOptions::new()
                 .allow_missing_origin(true)
                 .allowed_origins(limits.ws_origins.iter().cloned())
-                .max_connections(
-                    limits.streams_per_client,
-                    keel_http::realtime::DEFAULT_MAX_TOTAL,
-                ),
+                .max_connections(limits.streams_per_client, keel_realtime::DEFAULT_MAX_TOTAL),
         )
         .drain(drain)
         .build()

@@ -262,7 +262,7 @@ async fn insert<S: ShopStore>(
 async fn commit<S: ShopStore>(
     state: &AppState<S>,
     tx: S::Tx,
-    appended: Vec<keel_http::realtime::Appended>,
+    appended: Vec<keel_realtime::Appended>,
 ) -> Result<(), keel_messaging::StoreError> {
     #[cfg(feature = "chaos")]
     if let Some(landed) = fail::eval("keel-orders-commit-lost", |arg| {

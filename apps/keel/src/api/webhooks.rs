@@ -17,7 +17,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel_http::access::Tenant;
 use keel_http::problem::Problem;
-use keel_http::webhooks::{
+use keel_webhooks::{
     DeliveryFilter, Endpoints, NewEndpoint, VerifiedWebhook, WebhookDelivery, WebhookEndpoint,
     WebhookError, WebhookFormat, WebhookReceiver, WebhookRejection,
 };

@@ -16,10 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use keel_http::webhooks::NewEndpoint;
 use keel_messaging::broker::Broker;
 use keel_sqlite::store::SqliteSynchronous;
 use keel_sqlite::{SqliteBroker, SqliteBrokerOptions, SqliteStore};
+use keel_webhooks::NewEndpoint;
 use tokio::sync::watch;
 
 use crate::backend::{self, Backend, BackendOptions, OnStore, OpenedStore};

@@ -29,16 +29,16 @@ use std::time::Duration;
 use axum::Router;
 use keel_http::health::{ConnectionLimits, Drain};
 use keel_http::pagination::{CursorCodec, Pagination};
-use keel_http::realtime::EventLog;
-use keel_http::webhooks::sealing::SecretSealer;
-use keel_http::webhooks::ssrf::{IpNetwork, SsrfGuard};
-use keel_http::webhooks::{DeliveryWorker, Endpoints, WebhookOutbox, WorkerOptions};
 use keel_messaging::broker::Broker;
 use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
 use keel_messaging::saga::SagaOrchestrator;
 use keel_messaging::store::{EventLogStore, IdempotencyStore, JobStore, WebhookStore};
 use keel_messaging::{DeadLetters, MessagingStore, Outbox, OutboxRelay};
 use keel_policy::breaker::{BreakerRegistry, CircuitBreakerConfig, SlidingWindow};
+use keel_realtime::EventLog;
+use keel_webhooks::sealing::SecretSealer;
+use keel_webhooks::ssrf::{IpNetwork, SsrfGuard};
+use keel_webhooks::{DeliveryWorker, Endpoints, WebhookOutbox, WorkerOptions};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
@@ -134,7 +134,7 @@ impl Default for SystemConfig {
             cursor_key: keel_core::id::new_id().simple().to_string().into_bytes(),
             secrets: SecretSealer::plaintext(),
             connection_limits: ConnectionLimits::default(),
-            streams_per_client: keel_http::realtime::DEFAULT_MAX_PER_CLIENT,
+            streams_per_client: keel_realtime::DEFAULT_MAX_PER_CLIENT,
             ws_origins: Vec::new(),
             max_deliveries: 5,
             lb_notice: Duration::ZERO,

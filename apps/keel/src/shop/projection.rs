@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use keel_http::realtime::{EventLog, StreamId};
-use keel_http::webhooks::{DeliveryWorker, WebhookEvent, WebhookOutbox};
+use keel_realtime::{EventLog, StreamId};
+use keel_webhooks::{DeliveryWorker, WebhookEvent, WebhookOutbox};
 use tokio::sync::watch;
 
 use super::ShopStore;

@@ -16,8 +16,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use keel_client::{Dependency, HttpCallError, PropagatingClient};
 use keel_core::{Classified, Classify};
-use keel_http::propagation::{Dependency, HttpCallError, PropagatingClient};
 use keel_messaging::saga::{Backoff, SagaDefinition, SagaError, Step, StepContext};
 use keel_policy::ConfigError;
 use keel_policy::breaker::BreakerRegistry;

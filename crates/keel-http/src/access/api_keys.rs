@@ -147,7 +147,7 @@ impl ApiKeys {
 }
 
 /// The token of `Authorization: Bearer <token>`, if present.
-pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())

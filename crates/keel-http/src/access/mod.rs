@@ -9,7 +9,8 @@
 //! - [`ApiKeys`] and [`ApiKeyLayer`]: callers that are tenants, each with
 //!   its own key; the layer puts the [`Tenant`] in the request so handlers
 //!   scope every read and write to it.
-//! - [`client_ip`]: the peer address hyper accepted the connection from.
+//! - [`client_ip`]: the peer address hyper accepted the connection from;
+//!   [`bearer`] and [`digest`]: the presented token and what is compared.
 
 mod api_keys;
 mod hosts;
@@ -20,14 +21,14 @@ use std::net::{IpAddr, SocketAddr};
 use axum::extract::ConnectInfo;
 use axum::http::Extensions;
 
-pub(crate) use api_keys::bearer;
+pub use api_keys::bearer;
 pub use api_keys::{ApiKeyLayer, ApiKeys, ApiKeysError, RequireApiKey, Tenant};
 pub use hosts::{AllowedHosts, InvalidHost};
 pub use throttle::{DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES, FailureThrottle, Throttled};
 
 /// The SHA-256 digest of a credential: what is kept and compared, in
 /// constant time, instead of the credential.
-pub(crate) fn digest(value: &str) -> [u8; 32] {
+pub fn digest(value: &str) -> [u8; 32] {
     use sha2::Digest as _;
     sha2::Sha256::digest(value.as_bytes()).into()
 }

@@ -113,6 +113,7 @@ mod prune;
 mod service;
 mod settle;
 
+#[cfg(feature = "jobs")]
 pub(crate) use key::parse_key;
 pub use key::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyRejection, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;

@@ -30,26 +30,18 @@
 //!
 //! Nothing extra is needed for that, and nothing must get in its way: when a
 //! connection closes, hyper drops the request's future, and with it every
-//! future it is awaiting, outgoing HTTP calls through [`PropagatingClient`]
-//! included (a dropped reqwest future aborts its request). The one way to
+//! future it is awaiting, outgoing HTTP calls through `keel-client`'s
+//! `PropagatingClient` included (a dropped reqwest future aborts its request). The one way to
 //! break this is `tokio::spawn`-ing work from a handler: a spawned task
 //! outlives the request. [`DeadlineLayer`] counts such cancellations in
 //! `keel_http_requests_cancelled_total`.
 //!
 //! # Client side
 //!
-//! [`PropagatingClient`] wraps a `reqwest::Client`. Every request carries the
-//! current deadline (tightened to the client's own timeout) and a child
-//! `traceparent`; a call with no more than 50 ms left is refused with
-//! [`Rejected::DeadlineExceeded`](keel_core::Rejected::DeadlineExceeded)
-//! without leaving the process; the request timeout is
-//! `min(own timeout, time left)`. Failures come back as [`HttpCallError`],
-//! classified for retries and breakers ([`keel_core::Classify`]).
-//!
-//! [`Dependency`] puts one downstream service behind its own policies:
-//! a total timeout, retries with a budget, **its own** circuit breaker, a
-//! bulkhead and a per-attempt timeout, so a failing payments service opens
-//! the payments breaker and nothing else.
+//! The calling half lives in the `keel-client` crate, which needs no axum:
+//! its `PropagatingClient` sends the current deadline (tightened to its own
+//! timeout) and a child `traceparent` on every call, and refuses a call
+//! with too little time left.
 //!
 //! # Order of layers
 //!
@@ -66,16 +58,10 @@
 //!     .layer(TraceContextLayer::new());
 //! ```
 
-mod client;
 mod deadline;
-mod dependency;
-mod error;
 mod trace;
 
-pub use client::{DEFAULT_CLIENT_TIMEOUT, ERROR_BODY_LIMIT, PropagatingClient};
 pub use deadline::{DEFAULT_MAX_DEADLINE, DeadlineLayer, DeadlineService};
-pub use dependency::{Dependency, DependencyBuilder, DependencyConfig};
-pub use error::{HttpCallError, parse_retry_after};
 pub use trace::{TRACE_ID_HEADER, TRACERESPONSE_HEADER, TraceContextLayer, TraceContextService};
 
 use std::future::Future;

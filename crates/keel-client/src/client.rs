@@ -1,0 +1,180 @@
+//! [`PropagatingClient`]: a `reqwest::Client` that carries the deadline and
+//! the trace on, and will not start a call that cannot finish in time.
+
+use std::time::Duration;
+
+use http::HeaderValue;
+use keel_core::deadline::{DEADLINE_HEADER, MIN_TIME_TO_START};
+use keel_core::trace::TRACEPARENT_HEADER;
+use keel_core::{Deadline, Rejected, TraceParent};
+
+use crate::dependency::DependencyBuilder;
+use crate::error::{HttpCallError, parse_retry_after};
+
+/// The client's own time limit per request when none is set: 10 s. The
+/// current deadline shortens it.
+pub const DEFAULT_CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most of an error response's body kept in
+/// [`HttpCallError::Status`]: 4 KiB.
+pub const ERROR_BODY_LIMIT: usize = 4 * 1024;
+
+/// A `reqwest::Client` that propagates the request's deadline and trace on
+/// every call. Cheap to clone.
+///
+/// For each request it:
+///
+/// 1. refuses with [`Rejected::DeadlineExceeded`] if no more than
+///    [`min_time_to_start`](Self::min_time_to_start) (50 ms) is left before
+///    the current [`Deadline`]: nothing is sent;
+/// 2. sets the request timeout to `min(own timeout, time left)`, and sends
+///    the deadline that makes, `X-Request-Deadline-Unix-Ms`, so the
+///    dependency stops when we stop waiting;
+/// 3. sends `traceparent` as a new child span of the current
+///    [`TraceParent`] (a new trace without one);
+/// 4. turns an error status into [`HttpCallError::Status`], with its
+///    `Retry-After` and the start of its body.
+///
+/// The deadline and trace headers overwrite any the request already has.
+///
+/// ```no_run
+/// use keel_client::PropagatingClient;
+///
+/// # async fn pricing() -> Result<(), keel_client::HttpCallError> {
+/// let client = PropagatingClient::new(reqwest::Client::new());
+/// // Inside a handler behind `DeadlineLayer` and `TraceContextLayer`:
+/// let price = client.send(client.inner().get("http://127.0.0.1:8081/price")).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PropagatingClient {
+    client: reqwest::Client,
+    timeout: Duration,
+    min_time_to_start: Duration,
+}
+
+impl PropagatingClient {
+    /// Wraps `client`, with the default timeout of 10 s and a minimum of
+    /// 50 ms left to start a call.
+    pub fn new(client: reqwest::Client) -> Self {
+        Self {
+            client,
+            timeout: DEFAULT_CLIENT_TIMEOUT,
+            min_time_to_start: MIN_TIME_TO_START,
+        }
+    }
+
+    /// The longest a request may take when the deadline allows more
+    /// (default [`DEFAULT_CLIENT_TIMEOUT`]). Zero is replaced by the default.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = if timeout.is_zero() {
+            DEFAULT_CLIENT_TIMEOUT
+        } else {
+            timeout
+        };
+        self
+    }
+
+    /// Refuses to start a call when no more than this is left before the
+    /// deadline (default [`MIN_TIME_TO_START`], 50 ms).
+    #[must_use]
+    pub fn min_time_to_start(mut self, min: Duration) -> Self {
+        self.min_time_to_start = min;
+        self
+    }
+
+    /// The wrapped client, to build requests with.
+    pub fn inner(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// A [`Dependency`](super::Dependency) named `name` that calls through
+    /// this client, to configure and build.
+    pub fn dependency(&self, name: &str) -> DependencyBuilder {
+        DependencyBuilder::new(name, self.clone())
+    }
+
+    /// Builds and sends a request; see [`execute`](Self::execute).
+    pub async fn send(
+        &self,
+        builder: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, HttpCallError> {
+        let request = builder
+            .build()
+            .map_err(|source| HttpCallError::Invalid { source })?;
+        self.execute(request).await
+    }
+
+    /// Sends `request` with the deadline and trace headers, or refuses it
+    /// if too little time is left; an error status is an error.
+    pub async fn execute(
+        &self,
+        mut request: reqwest::Request,
+    ) -> Result<reqwest::Response, HttpCallError> {
+        let current = Deadline::current();
+        let mut allowed = self.timeout;
+        if let Some(deadline) = current {
+            let remaining = deadline.remaining();
+            if remaining <= self.min_time_to_start {
+                metrics::counter!("keel_http_client_refused_total", "reason" => "deadline")
+                    .increment(1);
+                tracing::debug!(
+                    url = %request.url(),
+                    ?remaining,
+                    "too little time left before the deadline: call not started"
+                );
+                return Err(HttpCallError::Rejected(Rejected::DeadlineExceeded));
+            }
+            allowed = allowed.min(remaining);
+        }
+        if let Some(&own) = request.timeout() {
+            allowed = allowed.min(own);
+        }
+        *request.timeout_mut() = Some(allowed);
+        let deadline = Deadline::after(allowed).min_with(current);
+        let span = TraceParent::current().map_or_else(TraceParent::new_root, |t| t.child());
+        let headers = request.headers_mut();
+        if let Ok(value) = HeaderValue::from_str(&deadline.to_header_value()) {
+            headers.insert(DEADLINE_HEADER, value);
+        }
+        if let Ok(value) = HeaderValue::from_str(&span.to_string()) {
+            headers.insert(TRACEPARENT_HEADER, value);
+        }
+        let url = request.url().clone();
+        let response = self
+            .client
+            .execute(request)
+            .await
+            .map_err(|source| HttpCallError::from_reqwest(source, allowed))?;
+        let status = response.status();
+        if status.is_client_error() || status.is_server_error() {
+            let retry_after = parse_retry_after(response.headers());
+            let body = body_excerpt(response).await;
+            tracing::debug!(%url, %status, ?retry_after, "dependency answered with an error status");
+            return Err(HttpCallError::Status {
+                status,
+                url: url.to_string(),
+                retry_after,
+                body,
+            });
+        }
+        Ok(response)
+    }
+}
+
+/// The start of a response body, at most [`ERROR_BODY_LIMIT`] bytes; what
+/// cannot be read in time is left out.
+async fn body_excerpt(mut response: reqwest::Response) -> String {
+    let mut bytes = Vec::new();
+    while bytes.len() < ERROR_BODY_LIMIT {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = ERROR_BODY_LIMIT - bytes.len();
+                bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}

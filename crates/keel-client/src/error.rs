@@ -1,0 +1,242 @@
+//! [`HttpCallError`]: what went wrong with an outgoing HTTP call, classified
+//! for retries and breakers.
+
+use std::time::Duration;
+
+use http::{HeaderMap, StatusCode, header};
+use keel_core::{Classify, ErrorClass, PolicyError, Rejected};
+
+/// Why an outgoing call through a [`PropagatingClient`](super::PropagatingClient)
+/// or a [`Dependency`](super::Dependency) failed.
+///
+/// Its [`Classify`] class decides what retries and breakers do:
+///
+/// | failure | class | retried | counts against the breaker |
+/// |---|---|---|---|
+/// | [`Connect`](Self::Connect): no connection | `Retryable` | yes | yes |
+/// | [`Status`](Self::Status) 5xx or 429 | `Retryable`, with its `Retry-After` | yes | yes |
+/// | [`Status`](Self::Status) other 4xx | `Permanent` | no | no (the dependency answered) |
+/// | [`Timeout`](Self::Timeout) after sending | `OutcomeUnknown` | only if idempotent | yes |
+/// | [`Transport`](Self::Transport) after sending | `OutcomeUnknown` | only if idempotent | yes |
+/// | [`Invalid`](Self::Invalid) request | `Permanent` | no | no |
+/// | [`Rejected`](Self::Rejected) by a policy | `Rejected` | no | no |
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HttpCallError {
+    /// A policy refused the call or stopped it: too little time left before
+    /// the deadline, circuit open, bulkhead full, timed out.
+    #[error(transparent)]
+    Rejected(#[from] Rejected),
+    /// No connection could be made: the request never left, so it is safe
+    /// to try again (elsewhere, or later).
+    #[error("could not connect: {source}; the request was not sent, so it is safe to retry")]
+    Connect {
+        /// The transport error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The request was sent and no complete answer came within the time
+    /// allowed (`min(own timeout, time left before the deadline)`). It may
+    /// or may not have taken effect.
+    #[error(
+        "no answer within {after:?}: {source}; the request may or may not have taken effect, \
+         so only retry it if it is idempotent"
+    )]
+    Timeout {
+        /// The time allowed.
+        after: Duration,
+        /// The transport error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The connection failed after the request was sent (reset, closed
+    /// mid-response). It may or may not have taken effect.
+    #[error(
+        "the connection failed after the request was sent: {source}; it may or may not have \
+         taken effect, so only retry it if it is idempotent"
+    )]
+    Transport {
+        /// The transport error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The dependency answered with an error status.
+    #[error("{url} answered {status}{}", retry_after.map(|d| format!(" (retry after {d:?})")).unwrap_or_default())]
+    Status {
+        /// The status.
+        status: StatusCode,
+        /// The URL called.
+        url: String,
+        /// The `Retry-After` it sent, if any, as a delay from now.
+        retry_after: Option<Duration>,
+        /// The start of the response body (at most
+        /// [`ERROR_BODY_LIMIT`](super::ERROR_BODY_LIMIT) bytes, lossily
+        /// decoded), for logs and problem details.
+        body: String,
+    },
+    /// The request could not be built or sent as asked (a bad URL, a body
+    /// that cannot be cloned for a retry, a redirect loop). Fix the caller.
+    #[error("invalid request: {source}; fix the request, retrying will not help")]
+    Invalid {
+        /// The error.
+        #[source]
+        source: reqwest::Error,
+    },
+}
+
+impl HttpCallError {
+    /// The status the dependency answered with, if it answered.
+    pub fn status(&self) -> Option<StatusCode> {
+        match self {
+            Self::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The policy's refusal, if that is what this is.
+    pub fn rejected(&self) -> Option<&Rejected> {
+        match self {
+            Self::Rejected(rejected) => Some(rejected),
+            _ => None,
+        }
+    }
+
+    /// Classifies a transport error from reqwest; `allowed` is the time the
+    /// request was given.
+    pub(crate) fn from_reqwest(source: reqwest::Error, allowed: Duration) -> Self {
+        if source.is_builder() || source.is_redirect() {
+            Self::Invalid { source }
+        } else if source.is_connect() {
+            // A connect timeout is a connect error: nothing was sent.
+            Self::Connect { source }
+        } else if source.is_timeout() {
+            Self::Timeout {
+                after: allowed,
+                source,
+            }
+        } else {
+            Self::Transport { source }
+        }
+    }
+}
+
+impl Classify for HttpCallError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            Self::Rejected(rejected) => rejected.class(),
+            Self::Connect { .. } => ErrorClass::Retryable,
+            Self::Timeout { .. } | Self::Transport { .. } => ErrorClass::OutcomeUnknown,
+            Self::Status { status, .. } => {
+                if status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS {
+                    ErrorClass::Retryable
+                } else {
+                    ErrorClass::Permanent
+                }
+            }
+            Self::Invalid { .. } => ErrorClass::Permanent,
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Rejected(rejected) => rejected.retry_after(),
+            Self::Status { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+impl From<PolicyError<HttpCallError>> for HttpCallError {
+    /// Flattens a policy's result: the call's own error as itself, a
+    /// refusal as [`HttpCallError::Rejected`].
+    fn from(err: PolicyError<HttpCallError>) -> Self {
+        match err {
+            PolicyError::Inner(inner) => inner,
+            PolicyError::Rejected(rejected) => Self::Rejected(rejected),
+        }
+    }
+}
+
+/// The longest `Retry-After` read from a response: a day. Longer values
+/// are clamped (the retry policy gives up on anything past its own bound).
+const RETRY_AFTER_CAP: Duration = Duration::from_secs(86_400);
+
+/// Reads `Retry-After` as a delay from now: delay-seconds (`120`) or an
+/// HTTP-date (`Sun, 06 Nov 1994 08:49:37 GMT`, zero if already past).
+/// `None` if absent or malformed; capped at one day.
+///
+/// ```
+/// use std::time::Duration;
+/// use http::HeaderMap;
+/// use keel_client::parse_retry_after;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("retry-after", "3".parse().unwrap());
+/// assert_eq!(parse_retry_after(&headers), Some(Duration::from_secs(3)));
+/// headers.insert("retry-after", "Sun, 06 Nov 1994 08:49:37 GMT".parse().unwrap());
+/// assert_eq!(parse_retry_after(&headers), Some(Duration::ZERO));
+/// headers.insert("retry-after", "soon".parse().unwrap());
+/// assert_eq!(parse_retry_after(&headers), None);
+/// ```
+pub fn parse_retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
+    let delay = if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        Duration::from_secs(value.parse::<u64>().unwrap_or(u64::MAX))
+    } else {
+        let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+        let at_ms = u64::try_from(at.timestamp_millis()).unwrap_or(0);
+        Duration::from_millis(at_ms.saturating_sub(keel_core::clock::unix_millis()))
+    };
+    Some(delay.min(RETRY_AFTER_CAP))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: u16) -> HttpCallError {
+        HttpCallError::Status {
+            status: StatusCode::from_u16(code).unwrap(),
+            url: "http://127.0.0.1/x".to_owned(),
+            retry_after: None,
+            body: String::new(),
+        }
+    }
+
+    #[test]
+    fn statuses_are_classified() {
+        assert_eq!(status(503).class(), ErrorClass::Retryable);
+        assert_eq!(status(500).class(), ErrorClass::Retryable);
+        assert_eq!(status(429).class(), ErrorClass::Retryable);
+        assert_eq!(status(404).class(), ErrorClass::Permanent);
+        assert_eq!(status(400).class(), ErrorClass::Permanent);
+        let refused = HttpCallError::from(PolicyError::Rejected(Rejected::DeadlineExceeded));
+        assert_eq!(refused.class(), ErrorClass::Rejected);
+        assert_eq!(refused.rejected(), Some(&Rejected::DeadlineExceeded));
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(parse_retry_after(&headers), None);
+        headers.insert(
+            header::RETRY_AFTER,
+            "99999999999999999999999".parse().unwrap(),
+        );
+        assert_eq!(parse_retry_after(&headers), Some(RETRY_AFTER_CAP));
+        let future = chrono::DateTime::from_timestamp_millis(
+            i64::try_from(keel_core::clock::unix_millis()).unwrap() + 120_000,
+        )
+        .unwrap()
+        .format("%a, %d %b %Y %H:%M:%S GMT")
+        .to_string();
+        headers.insert(header::RETRY_AFTER, future.parse().unwrap());
+        let delay = parse_retry_after(&headers).unwrap();
+        assert!(
+            delay > Duration::from_secs(110) && delay <= Duration::from_secs(120),
+            "{delay:?}"
+        );
+        headers.insert(header::RETRY_AFTER, "-5".parse().unwrap());
+        assert_eq!(parse_retry_after(&headers), None);
+    }
+}

@@ -1,0 +1,38 @@
+//! Keel's HTTP client: outgoing calls that carry the deadline and the trace
+//! on, refuse to start when they cannot finish in time, and sit behind one
+//! policy pipeline per dependency.
+//!
+//! It needs no server framework: a service that only *calls* others (a
+//! worker, a CLI, a saga step) uses it without axum. The server half of
+//! propagation (reading the deadline and `traceparent` of an incoming
+//! request) is `keel-http`'s `propagation` module; together they give every
+//! hop the same deadline and the same trace.
+//!
+//! # The client
+//!
+//! [`PropagatingClient`] wraps a `reqwest::Client`. Every request carries the
+//! current deadline (tightened to the client's own timeout) and a child
+//! `traceparent`; a call with no more than 50 ms left is refused with
+//! [`Rejected::DeadlineExceeded`](keel_core::Rejected::DeadlineExceeded)
+//! without leaving the process; the request timeout is
+//! `min(own timeout, time left)`. Failures come back as [`HttpCallError`],
+//! classified for retries and breakers ([`keel_core::Classify`]).
+//!
+//! A dropped call future aborts its request, so when the request that made
+//! the call is cancelled (its client hung up, its deadline passed), the
+//! call below it stops too.
+//!
+//! # One pipeline per dependency
+//!
+//! [`Dependency`] puts one downstream service behind its own policies:
+//! a total timeout, retries with a budget, **its own** circuit breaker, a
+//! bulkhead and a per-attempt timeout, so a failing payments service opens
+//! the payments breaker and nothing else.
+
+mod client;
+mod dependency;
+mod error;
+
+pub use client::{DEFAULT_CLIENT_TIMEOUT, ERROR_BODY_LIMIT, PropagatingClient};
+pub use dependency::{Dependency, DependencyBuilder, DependencyConfig};
+pub use error::{HttpCallError, parse_retry_after};
