@@ -332,11 +332,7 @@ async fn checked_csrf(
 type Refused = Box<Response>;
 
 fn refusal(status: StatusCode, kind: &str, detail: &str) -> Refused {
-    Box::new(
-        Problem::new(status, detail)
-            .with_type(format!("urn:keel:problem:{kind}"))
-            .into_response(),
-    )
+    Box::new(Problem::new(status, detail).typed(kind).into_response())
 }
 
 /// What a layer guards.

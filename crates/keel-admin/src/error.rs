@@ -35,6 +35,10 @@ pub enum AdminError {
     /// The store is unavailable or busy; try again (`503`).
     #[error("the store is unavailable: {0}")]
     Unavailable(String),
+    /// The store lost a commit: the action may or may not have happened
+    /// (`503`, like every lost commit; read back before acting again).
+    #[error("the outcome is unknown: {0}")]
+    OutcomeUnknown(String),
     /// Anything else (`500`; the detail is logged, not sent).
     #[error("{0}")]
     Internal(String),
@@ -49,7 +53,7 @@ impl AdminError {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::NotConfigured(_) => StatusCode::NOT_IMPLEMENTED,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable(_) | Self::OutcomeUnknown(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -73,12 +77,10 @@ impl From<AdminError> for Problem {
         match err {
             AdminError::Internal(detail) => Problem::internal(detail),
             AdminError::Unavailable(detail) => {
-                tracing::warn!(error = %detail, "admin: store unavailable");
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the store is unavailable; try again shortly",
-                )
-                .with_retry_after(std::time::Duration::from_secs(1))
+                Problem::from_store(&StoreError::Unavailable(detail.into()))
+            }
+            AdminError::OutcomeUnknown(detail) => {
+                Problem::from_store(&StoreError::OutcomeUnknown(detail.into()))
             }
             other => Problem::new(other.status(), other.to_string()),
         }
@@ -97,6 +99,7 @@ impl From<StoreError> for AdminError {
             StoreError::NotFound(what) => Self::NotFound(what),
             StoreError::Conflict(what) => Self::Conflict(what),
             other if other.class() == ErrorClass::Retryable => Self::Unavailable(other.to_string()),
+            StoreError::OutcomeUnknown(e) => Self::OutcomeUnknown(e.to_string()),
             other => Self::Internal(other.to_string()),
         }
     }

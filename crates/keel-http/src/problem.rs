@@ -5,13 +5,39 @@
 //! tells it what to do: `503` + `Retry-After` (come back later), `429`
 //! (slow down), `504` (the deadline passed), and bad input to a `4xx` with a
 //! message saying what was wrong.
+//!
+//! Problem types follow one scheme, [`problem_type`]:
+//! `urn:keel:problem:<name>` for a refusal any component may give (a
+//! policy's, the deadline's, the store's, a dependency's), and
+//! `urn:keel:problem:<area>:<name>` for one component's own
+//! (`idempotency:key_reused`, `jobs:expired`, `webhook:stale_timestamp`),
+//! names in snake case. [`JsonBody`] reads a JSON request body and refuses
+//! a bad one with a problem, so handlers never parse JSON by hand.
 
 use std::time::Duration;
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel_core::Rejected;
+use keel_messaging::StoreError;
 use serde::Serialize;
+
+mod json;
+
+pub use json::{JsonBody, parse_json};
+
+/// A problem type in Keel's one scheme: `urn:keel:problem:` and `name`,
+/// which is a snake-case name or `area:name` (a `-` becomes `_`).
+///
+/// ```
+/// use keel_http::problem::problem_type;
+///
+/// assert_eq!(problem_type("circuit_open"), "urn:keel:problem:circuit_open");
+/// assert_eq!(problem_type("jobs:key-reused"), "urn:keel:problem:jobs:key_reused");
+/// ```
+pub fn problem_type(name: &str) -> String {
+    format!("urn:keel:problem:{}", name.replace('-', "_"))
+}
 
 /// The media type of a problem body.
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -69,6 +95,11 @@ impl Problem {
         self
     }
 
+    /// Sets the problem type to [`problem_type`]`(name)`.
+    pub fn typed(self, name: &str) -> Self {
+        self.with_type(problem_type(name))
+    }
+
     /// Sets `Retry-After`.
     pub fn with_retry_after(mut self, after: Duration) -> Self {
         self.retry_after = Some(after);
@@ -82,10 +113,60 @@ impl Problem {
             Rejected::DeadlineExceeded | Rejected::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             _ => StatusCode::SERVICE_UNAVAILABLE,
         };
-        let mut problem = Self::new(status, rejected.to_string())
-            .with_type(format!("urn:keel:problem:{}", rejected.kind()));
+        let mut problem = Self::new(status, rejected.to_string()).typed(rejected.kind());
         problem.retry_after = rejected.retry_after();
         problem
+    }
+
+    /// The problem for a store failure, the same from every component:
+    ///
+    /// | failure | status | type |
+    /// |---|---|---|
+    /// | unavailable (nothing committed) | `503` + `Retry-After: 1` | `store_unavailable` |
+    /// | commit outcome unknown (a lost `COMMIT`) | `503` + `Retry-After: 1` | `commit_outcome_unknown` |
+    /// | conflict | `409` | `conflict` |
+    /// | not found | `404` | `not_found` |
+    /// | anything else | `500`, logged, not detailed | `internal` |
+    ///
+    /// A lost commit is a `503`, never a `500`: the client's retry is what
+    /// resolves it (with the same `Idempotency-Key` it finds what landed),
+    /// and the detail says to read back before writing anew.
+    pub fn from_store(err: &StoreError) -> Self {
+        let retry_soon = |status, name: &str, detail: &str| {
+            Self::new(status, detail)
+                .typed(name)
+                .with_retry_after(Duration::from_secs(1))
+        };
+        match err {
+            StoreError::Unavailable(_) => {
+                tracing::warn!(error = %err, "store unavailable");
+                retry_soon(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    "the store is unavailable; nothing was committed, retry shortly",
+                )
+            }
+            StoreError::OutcomeUnknown(_) => {
+                tracing::error!(error = %err, "commit outcome unknown");
+                retry_soon(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "commit_outcome_unknown",
+                    "the write may or may not have been committed; retry with the same \
+                     Idempotency-Key, or read back before writing again",
+                )
+            }
+            StoreError::Conflict(what) => {
+                Self::new(StatusCode::CONFLICT, what.clone()).typed("conflict")
+            }
+            StoreError::NotFound(what) => Self::not_found(what.clone()).typed("not_found"),
+            _ => Self::internal(err).typed("internal"),
+        }
+    }
+}
+
+impl From<&StoreError> for Problem {
+    fn from(err: &StoreError) -> Self {
+        Self::from_store(err)
     }
 }
 
@@ -106,13 +187,13 @@ impl From<&keel_client::HttpCallError> for Problem {
                 StatusCode::GATEWAY_TIMEOUT,
                 "a dependency did not answer in time",
             )
-            .with_type("urn:keel:problem:dependency_timeout"),
+            .typed("dependency_timeout"),
             _ => {
                 let mut problem = Self::new(
                     StatusCode::BAD_GATEWAY,
                     "a dependency failed; try again later",
                 )
-                .with_type("urn:keel:problem:dependency_failed");
+                .typed("dependency_failed");
                 problem.retry_after = keel_core::Classify::retry_after(err);
                 problem
             }
@@ -158,5 +239,34 @@ mod tests {
         assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");
         assert_eq!(Problem::from(Rejected::DeadlineExceeded).status, 504);
+    }
+
+    #[test]
+    fn a_lost_commit_is_a_503_to_retry_not_a_500() {
+        let lost = StoreError::OutcomeUnknown("connection reset during COMMIT".into());
+        let problem = Problem::from(&lost);
+        assert_eq!(problem.status, 503);
+        assert_eq!(problem.kind, "urn:keel:problem:commit_outcome_unknown");
+        assert_eq!(problem.retry_after, Some(Duration::from_secs(1)));
+        let down = Problem::from(&StoreError::Unavailable("busy".into()));
+        assert_eq!(
+            (down.status, down.kind.as_str()),
+            (503, "urn:keel:problem:store_unavailable")
+        );
+        assert_eq!(
+            Problem::from(&StoreError::Conflict("id".into())).status,
+            409
+        );
+        assert_eq!(
+            Problem::from(&StoreError::NotFound("id".into())).status,
+            404
+        );
+        let bug = Problem::from(&StoreError::Other("schema".into()));
+        assert_eq!(bug.status, 500);
+        assert_eq!(
+            bug.detail.as_deref(),
+            Some("internal error"),
+            "internals never leak"
+        );
     }
 }

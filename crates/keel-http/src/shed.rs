@@ -256,7 +256,7 @@ impl Shared {
                      dropped without running; the service is overloaded, retry later with a \
                      later deadline",
                 )
-                .with_type("urn:keel:problem:deadline_exceeded")
+                .typed("deadline_exceeded")
                 .into_response()
             }
             other => {

@@ -98,18 +98,8 @@ pub(crate) fn refuse(transport: &'static str, rejection: RealtimeRejection) -> R
 /// help, `500` (logged, not detailed) otherwise.
 pub(crate) fn store_failure(transport: &'static str, err: &StoreError) -> Response {
     metrics::counter!("keel_realtime_store_errors_total", "transport" => transport).increment(1);
-    match err {
-        StoreError::Unavailable(_) => {
-            tracing::warn!(transport, error = %err, "event log unavailable");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the event log is busy; retry shortly",
-            )
-            .with_retry_after(Duration::from_secs(1))
-            .into_response()
-        }
-        _ => Problem::internal(err).into_response(),
-    }
+    tracing::debug!(transport, "event log failed");
+    Problem::from_store(err).into_response()
 }
 
 /// Parses a cursor: a non-negative decimal seq of at most

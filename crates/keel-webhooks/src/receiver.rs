@@ -506,10 +506,8 @@ impl IntoResponse for WebhookRejection {
             )
                 .into_response();
         }
-        let mut problem = Problem::new(self.status(), self.to_string()).with_type(format!(
-            "urn:keel:problem:webhook-{}",
-            self.kind().replace('_', "-")
-        ));
+        let mut problem = Problem::new(self.status(), self.to_string())
+            .typed(&format!("webhook:{}", self.kind()));
         if matches!(self, Self::Busy | Self::Unavailable) {
             problem = problem.with_retry_after(BUSY_RETRY_AFTER);
         }

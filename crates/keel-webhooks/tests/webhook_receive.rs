@@ -311,7 +311,7 @@ async fn expect_problem(router: &Router, request: Request<Body>, status: StatusC
         problem["type"]
             .as_str()
             .unwrap_or_default()
-            .starts_with("urn:keel:problem:webhook-")
+            .starts_with("urn:keel:problem:webhook:")
     );
 }
 

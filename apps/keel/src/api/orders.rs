@@ -50,27 +50,7 @@ fn store_failed(err: impl std::fmt::Display) -> Response {
 /// Parses and validates a `NewOrder` body: `400` for malformed JSON or a
 /// wrong content type, `422` for a well-formed order that breaks a rule.
 pub fn parse_new_order(headers: &HeaderMap, body: &[u8]) -> Result<NewOrder, Problem> {
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.split(';')
-                .next()
-                .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
-        });
-    if !json {
-        return Err(Problem::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "send the order as Content-Type: application/json",
-        ));
-    }
-    let order: NewOrder = serde_json::from_slice(body).map_err(|e| {
-        if e.is_data() {
-            unprocessable(format!("the order does not fit the schema: {e}"))
-        } else {
-            Problem::bad_request(format!("malformed JSON: {e}"))
-        }
-    })?;
+    let order: NewOrder = keel_http::problem::parse_json(headers, body)?;
     order.validate().map_err(|e| unprocessable(e.to_string()))?;
     Ok(order)
 }

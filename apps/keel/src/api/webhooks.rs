@@ -13,7 +13,7 @@ use axum::body::Bytes;
 use std::sync::Arc;
 
 use axum::extract::{Extension, FromRef, Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use keel_http::access::Tenant;
 use keel_http::problem::Problem;
@@ -201,30 +201,6 @@ pub fn problem(err: WebhookError) -> Response {
     }
 }
 
-fn json_body<T: serde::de::DeserializeOwned>(
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<T, Problem> {
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"));
-    if !json {
-        return Err(Problem::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "send JSON (Content-Type: application/json)",
-        ));
-    }
-    serde_json::from_slice(body).map_err(|e| {
-        let status = if e.is_data() {
-            StatusCode::UNPROCESSABLE_ENTITY
-        } else {
-            StatusCode::BAD_REQUEST
-        };
-        Problem::new(status, format!("invalid body: {e}"))
-    })
-}
-
 /// `POST /webhook-endpoints`.
 #[utoipa::path(post, path = "/webhook-endpoints", request_body = CreateEndpoint,
     responses(
@@ -241,7 +217,7 @@ pub async fn create_endpoint<S: ShopStore>(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let req: CreateEndpoint = match json_body(&headers, &body) {
+    let req: CreateEndpoint = match keel_http::problem::parse_json(&headers, &body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -255,7 +231,7 @@ pub async fn create_endpoint<S: ShopStore>(
                     owned.len()
                 ),
             )
-            .with_type("urn:keel:problem:endpoint_limit")
+            .typed("endpoint_limit")
             .into_response();
         }
         Ok(_) => {}

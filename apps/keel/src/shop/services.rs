@@ -145,7 +145,7 @@ fn undone(key: &str) -> Response {
         StatusCode::CONFLICT,
         format!("`{key}` was compensated before this request arrived: refused"),
     )
-    .with_type("urn:keel:shop:undone")
+    .typed("shop:undone")
     .into_response()
 }
 
@@ -251,7 +251,7 @@ async fn reserve<S: ShopDb>(
         Ok(Reservation::Undone) => undone(&key),
         Ok(Reservation::OutOfStock(sku)) => {
             Problem::new(StatusCode::CONFLICT, format!("out of stock: {sku}"))
-                .with_type("urn:keel:shop:out-of-stock")
+                .typed("shop:out_of_stock")
                 .into_response()
         }
         Err(e) => unavailable(e),

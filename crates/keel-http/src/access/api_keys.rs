@@ -193,7 +193,7 @@ impl ApiKeyLayer {
                     StatusCode::UNAUTHORIZED,
                     "send your API key: `Authorization: Bearer <key>`",
                 )
-                .with_type("urn:keel:problem:api_key_required")
+                .typed("api_key_required")
                 .into_response();
                 response.headers_mut().insert(
                     header::WWW_AUTHENTICATE,

@@ -521,7 +521,7 @@ async fn readyz(State(health): State<Health>) -> Response {
         Err(not_ready) => {
             tracing::debug!(reason = %not_ready, "readiness check failed: 503");
             Problem::new(StatusCode::SERVICE_UNAVAILABLE, not_ready.to_string())
-                .with_type("urn:keel:problem:not_ready")
+                .typed("not_ready")
                 .into_response()
         }
     })

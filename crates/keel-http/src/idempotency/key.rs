@@ -188,7 +188,7 @@ impl IdempotencyRejection {
     /// The problem this refusal answers with.
     pub fn to_problem(&self) -> Problem {
         let mut problem = Problem::new(self.status(), self.to_string())
-            .with_type(format!("urn:keel:problem:idempotency:{}", self.kind()));
+            .typed(&format!("idempotency:{}", self.kind()));
         if let Self::InFlight { retry_after }
         | Self::StoreUnavailable { retry_after }
         | Self::LockLost { retry_after } = self

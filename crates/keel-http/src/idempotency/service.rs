@@ -312,7 +312,7 @@ fn store_failure(err: &StoreError) -> Response<Body> {
             }
             .into_response()
         }
-        other => Problem::internal(other).into_response(),
+        other => Problem::from_store(other).into_response(),
     }
 }
 

@@ -1,6 +1,5 @@
 //! What can go wrong with a job, and the HTTP answer to each.
 
-use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -109,7 +108,9 @@ impl JobError {
             Self::NotFound { .. } => StatusCode::NOT_FOUND,
             Self::Expired { .. } => StatusCode::GONE,
             Self::AlreadyFinal { .. } => StatusCode::CONFLICT,
-            Self::Store(StoreError::Unavailable(_)) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Store(StoreError::Unavailable(_) | StoreError::OutcomeUnknown(_)) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Store(_) | Self::Outbox(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -140,17 +141,11 @@ impl IntoResponse for JobError {
         } else {
             tracing::debug!(reason = self.kind(), error = %self, "job request refused");
         }
-        let problem = match &self {
-            Self::Store(StoreError::Unavailable(_)) => Problem::new(
-                status,
-                "the job store is unavailable; nothing changed, retry later",
-            )
-            .with_retry_after(Duration::from_secs(1)),
-            Self::Store(_) | Self::Outbox(_) => Problem::internal(&self),
-            _ => Problem::new(status, self.to_string()),
-        };
-        problem
-            .with_type(format!("urn:keel:problem:jobs:{}", self.kind()))
-            .into_response()
+        match &self {
+            Self::Store(err) => Problem::from_store(err),
+            Self::Outbox(_) => Problem::internal(&self).typed("internal"),
+            _ => Problem::new(status, self.to_string()).typed(&format!("jobs:{}", self.kind())),
+        }
+        .into_response()
     }
 }

@@ -321,7 +321,7 @@ impl IntoResponse for PageRejection {
         metrics::counter!("keel_pagination_rejected_total", "reason" => self.kind()).increment(1);
         tracing::debug!(reason = self.kind(), error = %self, "page request refused");
         Problem::new(StatusCode::BAD_REQUEST, self.to_string())
-            .with_type(format!("urn:keel:problem:pagination:{}", self.kind()))
+            .typed(&format!("pagination:{}", self.kind()))
             .into_response()
     }
 }
