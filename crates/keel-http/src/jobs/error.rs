@@ -1,6 +1,5 @@
 //! What can go wrong with a job, and the HTTP answer to each.
 
-
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use keel_core::{Classify, ErrorClass};
