@@ -46,6 +46,11 @@ async fn service(fails: fn(u64) -> bool) -> anyhow::Result<(String, Arc<AtomicU6
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    run().await
+}
+
+/// The whole example; the test below runs it too.
+async fn run() -> anyhow::Result<()> {
     let client = PropagatingClient::new(reqwest::Client::new());
 
     // 1. Flaky: every other request fails, and the retry hides it.
@@ -75,4 +80,12 @@ async fn main() -> anyhow::Result<()> {
         reached.load(Ordering::SeqCst)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_to_the_end() {
+        super::run().await.expect("the example runs");
+    }
 }

@@ -353,10 +353,10 @@ async fn open_store(options: &BackendOptions) -> Result<OpenedStore, StoreError>
         Database::Sqlite(path) => Ok(OpenedStore::Sqlite(SqliteStore::open(path).await?)),
         #[cfg(feature = "postgres")]
         Database::Postgres(url) => {
-            let store = keel_postgres::PgStore::builder(url.clone())
+            let store = keel_postgres::PgStore::options()
                 .schema(options.pg_schema.clone())
                 .max_connections(options.pg_max_connections)
-                .connect()
+                .open(url)
                 .await?;
             for warning in store.durability_warnings().await? {
                 tracing::warn!("PostgreSQL durability: {warning}");
@@ -377,11 +377,10 @@ async fn open_broker(options: &BackendOptions) -> Result<Arc<dyn Broker>, Broker
         BrokerKind::Embedded(path) => Ok(Arc::new(open_embedded_broker(path).await?)),
         #[cfg(feature = "nats")]
         BrokerKind::Nats(url) => Ok(Arc::new(
-            keel_nats::NatsBroker::connect(
-                url,
-                keel_nats::NatsBrokerOptions::new().stream_prefix(options.stream_prefix.clone()),
-            )
-            .await?,
+            keel_nats::NatsBrokerOptions::new()
+                .stream_prefix(options.stream_prefix.clone())
+                .open(url)
+                .await?,
         )),
         #[cfg(not(feature = "nats"))]
         BrokerKind::Nats(url) => Err(BrokerError::Other(

@@ -115,10 +115,10 @@ impl Cluster {
     }
 
     async fn store(&self) -> PgStore {
-        PgStore::builder(self.pg_url.clone())
+        PgStore::options()
             .schema(self.schema.clone())
             .max_connections(4)
-            .connect()
+            .open(&self.pg_url)
             .await
             .expect("open the shared schema")
     }

@@ -272,20 +272,26 @@ async fn html_of(client: &Client, css: &str) -> String {
     panic!("could not read `{css}`");
 }
 
-async fn notice(client: &Client) -> String {
-    for _ in 0..20 {
-        let element = client
+/// The notice once it starts with `prefix`. A click on a form button
+/// returns before the page it posts to has loaded on a busy machine, so the
+/// notice read right after it can still be the last page's.
+async fn notice_starting(client: &Client, prefix: &str) -> String {
+    let mut text = String::new();
+    for _ in 0..100 {
+        let found = client
             .wait()
             .at_most(Duration::from_secs(10))
             .for_element(Locator::Css("#notice"))
             .await
             .expect("a notice after the action");
-        if let Ok(text) = element.text().await {
+        // A stale element (the page was replaced meanwhile) reads as an error.
+        text = found.text().await.unwrap_or_default();
+        if text.starts_with(prefix) {
             return text;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("could not read the notice");
+    panic!("the notice still reads {text:?}, not {prefix:?}...");
 }
 
 async fn gone(client: &Client, css: &str) {
@@ -353,7 +359,10 @@ async fn an_operator_replays_a_dead_letter_and_retries_a_stuck_saga_in_the_brows
         "button[data-action=replay][data-dead-letter-id='billing:a']",
     )
     .await;
-    assert_eq!(notice(c).await, "Replayed dead letter billing:a");
+    assert_eq!(
+        notice_starting(c, "Replayed dead letter").await,
+        "Replayed dead letter billing:a"
+    );
     gone(c, "tr[data-dead-letter-id='billing:a']").await;
     let letter = app
         .api(reqwest::Method::GET, "/admin/api/dead-letters/billing:a")
@@ -368,10 +377,7 @@ async fn an_operator_replays_a_dead_letter_and_retries_a_stuck_saga_in_the_brows
     // The refund works again: retry the stuck saga; it compensates.
     app.refund_broken.store(false, Ordering::SeqCst);
     click(c, "button[data-action=retry][data-saga-id='order-7']").await;
-    assert!(
-        notice(c).await.starts_with("Retried saga order-7"),
-        "the page says what it did"
-    );
+    notice_starting(c, "Retried saga order-7").await;
     app.eventually("/admin/api/sagas/order-7", |s| s["status"] == "compensated")
         .await;
     gone(c, "tr[data-saga-id='order-7']").await;

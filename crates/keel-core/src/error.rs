@@ -202,16 +202,18 @@ pub fn find_cause<'a, T: StdError + 'static>(err: &'a (dyn StdError + 'static)) 
 }
 
 /// Formats an error with all its causes, `outer: inner: root`, for logs and
-/// problem bodies.
+/// problem bodies. A wrapper that shows its cause's text and also returns
+/// it as its source ([`Classified`] does, so the cause stays findable) is
+/// printed once, not twice.
 pub fn report(err: &(dyn StdError + 'static)) -> String {
-    let mut out = String::new();
-    for (i, cause) in causes(err).enumerate() {
-        if i > 0 {
-            out.push_str(": ");
+    let mut parts: Vec<String> = Vec::new();
+    for cause in causes(err) {
+        let text = cause.to_string();
+        if parts.last() != Some(&text) {
+            parts.push(text);
         }
-        out.push_str(&cause.to_string());
     }
-    out
+    parts.join(": ")
 }
 
 /// An error wrapped with the class its producer knows it has.
@@ -527,6 +529,13 @@ mod tests {
         let err = Outer(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
         assert_eq!(classify(&err), ErrorClass::OutcomeUnknown);
         assert_eq!(report(&err), "outer: connection reset");
+    }
+
+    #[test]
+    fn a_classified_error_is_reported_once_and_its_cause_stays_findable() {
+        let err = Classified::permanent(Rejected::DeadlineExceeded);
+        assert_eq!(report(&err), Rejected::DeadlineExceeded.to_string());
+        assert!(find_cause::<Rejected>(&err).is_some());
     }
 
     #[derive(Debug, thiserror::Error)]

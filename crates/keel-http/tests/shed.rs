@@ -254,30 +254,3 @@ async fn waiting_longer_than_the_latency_target_is_shed() {
     gated.gate.add_permits(1);
     first.await.unwrap();
 }
-
-/// Per-request cost of the layer when a slot is free, in process. A
-/// measurement, not a check: `cargo test --release -p keel-http
-/// --no-default-features --features shed --test shed -- --ignored --nocapture overhead`.
-#[tokio::test]
-#[ignore = "a measurement; run in release"]
-async fn overhead_of_the_shed_layer() {
-    async fn per_request(app: Router) -> Duration {
-        const N: u32 = 100_000;
-        let started = clock::now();
-        for _ in 0..N {
-            let response = app.clone().oneshot(work()).await.unwrap();
-            assert_eq!(response.status(), StatusCode::OK);
-        }
-        started.elapsed() / N
-    }
-    let bare = Router::new().route("/work", get(|| async { "ok" }));
-    let shed = bare.clone().layer(HttpLoadShedLayer::new(
-        LoadShed::builder("bench").build().unwrap(),
-    ));
-    let base = per_request(bare).await;
-    let with = per_request(shed).await;
-    println!(
-        "bare handler: {base:?}/request; with HttpLoadShedLayer: {with:?}/request; overhead {:?}",
-        with.saturating_sub(base)
-    );
-}

@@ -25,7 +25,7 @@ use futures_util::StreamExt;
 use futures_util::future::join_all;
 use keel_core::clock;
 use keel_messaging::broker::{Broker, Message, SubscribeOptions};
-use keel_nats::{NatsBroker, NatsBrokerOptions};
+use keel_nats::NatsBrokerOptions;
 
 const BATCH: usize = 100;
 const PAYLOAD: &[u8] = &[b'x'; 256];
@@ -77,7 +77,9 @@ fn benches(c: &mut Criterion) {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let prefix = format!("bench{}", std::process::id());
     let (broker, context, raw_stream) = rt.block_on(async {
-        let broker = NatsBroker::connect(&url, NatsBrokerOptions::new().stream_prefix(&prefix))
+        let broker = NatsBrokerOptions::new()
+            .stream_prefix(&prefix)
+            .open(&url)
             .await
             .expect("connect keel");
         let client = async_nats::connect(&url).await.expect("connect raw");

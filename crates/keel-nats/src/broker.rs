@@ -53,9 +53,18 @@ impl std::fmt::Debug for NatsBroker {
 }
 
 impl NatsBroker {
-    /// Connects to the NATS server at `url` (e.g. `nats://127.0.0.1:4222`).
-    /// The client reconnects on its own after a server restart.
-    pub async fn connect(url: &str, options: NatsBrokerOptions) -> Result<Self, BrokerError> {
+    /// Opens the broker on the NATS server at `url` (e.g.
+    /// `nats://127.0.0.1:4222`) with the default [`NatsBrokerOptions`]. The
+    /// client reconnects on its own after a server restart.
+    pub async fn open(url: &str) -> Result<Self, BrokerError> {
+        NatsBrokerOptions::new().open(url).await
+    }
+
+    /// See [`NatsBrokerOptions::open`].
+    pub(crate) async fn connect(
+        url: &str,
+        options: NatsBrokerOptions,
+    ) -> Result<Self, BrokerError> {
         check_prefix(&options.stream_prefix)?;
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(options.request_timeout)

@@ -57,9 +57,9 @@
 //!
 //! ```no_run
 //! use keel_messaging::broker::{Broker, Message, SubscribeOptions};
-//! use keel_nats::{NatsBroker, NatsBrokerOptions};
+//! use keel_nats::NatsBroker;
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let broker = NatsBroker::connect("nats://127.0.0.1:4222", NatsBrokerOptions::new()).await?;
+//! let broker = NatsBroker::open("nats://127.0.0.1:4222").await?;
 //! broker.publish(&[Message::new("evt-1", "orders", "order-7", "placed")]).await?;
 //! let mut sub = broker.subscribe(SubscribeOptions::new("orders", "billing")).await?;
 //! for delivery in sub.receive(16, std::time::Duration::from_secs(1)).await? {

@@ -2,6 +2,10 @@
 
 use std::time::Duration;
 
+use keel_messaging::broker::BrokerError;
+
+use crate::NatsBroker;
+
 /// How a [`NatsBroker`](crate::NatsBroker) lays out and uses JetStream.
 ///
 /// The defaults suit a production server; tests give every scenario its own
@@ -45,6 +49,13 @@ impl Default for NatsBrokerOptions {
 }
 
 impl NatsBrokerOptions {
+    /// Opens the broker on the NATS server at `url` (e.g.
+    /// `nats://127.0.0.1:4222`) with these options. The client reconnects
+    /// on its own after a server restart.
+    pub async fn open(self, url: &str) -> Result<NatsBroker, BrokerError> {
+        NatsBroker::connect(url, self).await
+    }
+
     /// The defaults.
     pub fn new() -> Self {
         Self::default()

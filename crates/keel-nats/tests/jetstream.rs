@@ -16,7 +16,6 @@ use common::{ServerLock, fresh_broker, test_options};
 use keel_core::clock;
 use keel_core::{Classify, ErrorClass};
 use keel_messaging::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
-use keel_nats::NatsBroker;
 use keel_testkit::broker_suite::OrderChecker;
 use keel_testkit::ledger::Ledger;
 use keel_testkit::services::{self, Service};
@@ -66,7 +65,11 @@ async fn publisher_dedupe_holds_across_connections() {
             .collect()
     };
     first.publish(&batch("first")).await.expect("publish");
-    let second = NatsBroker::connect(&first.url, first.broker.options().clone())
+    let second = first
+        .broker
+        .options()
+        .clone()
+        .open(&first.url)
         .await
         .expect("a second connection");
     let mut again = batch("second");
@@ -165,7 +168,11 @@ async fn per_key_order_holds_across_connections() {
     let Some(first) = fresh_broker().await else {
         return;
     };
-    let second = NatsBroker::connect(&first.url, first.broker.options().clone())
+    let second = first
+        .broker
+        .options()
+        .clone()
+        .open(&first.url)
         .await
         .expect("a second connection");
     let topic = "accounts";
@@ -274,11 +281,7 @@ async fn a_server_restart_loses_nothing() {
         return;
     };
     let _exclusive = ServerLock::exclusive().await;
-    let broker = Arc::new(
-        NatsBroker::connect(&url, test_options())
-            .await
-            .expect("connect"),
-    );
+    let broker = Arc::new(test_options().open(&url).await.expect("connect"));
     let topic = "ledger";
     let ledger = Ledger::with_handlers(["effects"]);
     let messages: Vec<Message> = (0..MESSAGES)

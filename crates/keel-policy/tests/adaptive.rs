@@ -3,9 +3,6 @@
 //! under steady timeouts instead of running away to its maximum.
 #![cfg(feature = "adaptive")]
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -14,8 +11,7 @@ use keel_core::{BoxError, Classified, Classify, ErrorClass, PolicyError, Rejecte
 use keel_policy::adaptive::{
     AdaptiveLimit, AdaptiveLimitLayer, AimdConfig, GradientConfig, LimitAlgorithm, Sample,
 };
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use parking_lot::Mutex;
+use keel_testkit::metrics::MetricsRecorder;
 use tokio::time::sleep;
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -259,49 +255,16 @@ async fn a_custom_algorithm_stays_within_the_bounds() {
     }
 }
 
-/// Records gauges and counters by name, for asserting on metrics.
-#[derive(Default)]
-struct Recorded(Mutex<HashMap<String, Arc<AtomicU64>>>);
-
-impl Recorded {
-    fn cell(&self, key: &Key) -> Arc<AtomicU64> {
-        Arc::clone(self.0.lock().entry(key.name().to_string()).or_default())
-    }
-
-    fn gauge(&self, name: &str) -> f64 {
-        f64::from_bits(self.0.lock()[name].load(Ordering::Relaxed))
-    }
-
-    fn counter(&self, name: &str) -> u64 {
-        self.0.lock()[name].load(Ordering::Relaxed)
-    }
-}
-
-impl Recorder for Recorded {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        Counter::from_arc(self.cell(key))
-    }
-
-    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::from_arc(self.cell(key))
-    }
-
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn the_limit_is_published_as_a_gauge() {
-    let recorded = Recorded::default();
+    let recorded = MetricsRecorder::new();
     let limit = metrics::with_local_recorder(&recorded, || aimd(10));
-    assert_eq!(recorded.gauge("keel_adaptive_limit"), 10.0);
+    assert_eq!(recorded.gauge("keel_adaptive_limit,name=dep"), 10.0);
     rounds(&limit, 5, Ending::Ok(ms(10))).await;
-    assert_eq!(recorded.gauge("keel_adaptive_limit"), limit.limit() as f64);
+    assert_eq!(
+        recorded.gauge("keel_adaptive_limit,name=dep"),
+        limit.limit() as f64
+    );
     assert!(limit.limit() > 10);
     let tight = metrics::with_local_recorder(&recorded, || {
         AdaptiveLimit::builder("tight")
@@ -318,7 +281,10 @@ async fn the_limit_is_published_as_a_gauge() {
             .await
             .is_err()
     );
-    assert_eq!(recorded.counter("keel_adaptive_rejected_total"), 1);
+    assert_eq!(
+        recorded.counter("keel_adaptive_rejected_total,name=tight"),
+        1
+    );
 }
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::future::{Ready, ready};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -13,49 +13,11 @@ use keel_core::{BoxError, Classified, ErrorClass, PolicyError, Rejected, clock};
 use keel_policy::balance::{
     BalanceConfig, BalanceService, Balancer, BalancerBuilder, Picked, Strategy,
 };
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use keel_testkit::metrics::MetricsRecorder;
 use parking_lot::Mutex;
 use proptest::prelude::*;
 use tokio::time::advance;
 use tower::{Service, ServiceExt, service_fn};
-
-/// Records counters and gauges so tests can assert on what operators see.
-#[derive(Default)]
-struct Metrics(Mutex<HashMap<String, Arc<AtomicU64>>>);
-
-impl Metrics {
-    fn handle(&self, key: &Key) -> Arc<AtomicU64> {
-        let mut name = key.name().to_string();
-        for label in key.labels() {
-            name.push_str(&format!(",{}={}", label.key(), label.value()));
-        }
-        self.0.lock().entry(name).or_default().clone()
-    }
-    fn counter(&self, key: &str) -> u64 {
-        self.0
-            .lock()
-            .get(key)
-            .map_or(0, |c| c.load(Ordering::SeqCst))
-    }
-    fn gauge(&self, key: &str) -> f64 {
-        f64::from_bits(self.counter(key))
-    }
-}
-
-impl Recorder for Metrics {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        Counter::from_arc(self.handle(key))
-    }
-    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::from_arc(self.handle(key))
-    }
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
 
 fn builder() -> BalancerBuilder {
     Balancer::builder("pricing").seed(42)
@@ -176,7 +138,7 @@ async fn peak_ewma_also_counts_requests_in_flight() {
 
 #[tokio::test(start_paused = true)]
 async fn five_consecutive_failures_eject_an_endpoint() {
-    let metrics = Metrics::default();
+    let metrics = MetricsRecorder::new();
     let balancer =
         metrics::with_local_recorder(&metrics, || even().build_with(endpoints(3))).unwrap();
     let sick = "10.0.0.1".to_string();
@@ -274,7 +236,7 @@ async fn time_healthy_in_the_pool_forgives_past_ejections() {
 
 #[tokio::test(start_paused = true)]
 async fn an_ejected_endpoint_returns_after_its_time() {
-    let metrics = Metrics::default();
+    let metrics = MetricsRecorder::new();
     let balancer =
         metrics::with_local_recorder(&metrics, || even().build_with(endpoints(3))).unwrap();
     let sick = "10.0.0.0".to_string();

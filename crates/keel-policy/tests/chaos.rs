@@ -4,48 +4,15 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use keel_core::{BoxError, ErrorClass, PolicyError, Rejected, clock, error::classify};
 use keel_policy::chaos::{
     ChaosExperiment, EXPERIMENT_HEADER, FaultInjection, FaultInjectionConfig,
 };
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use parking_lot::Mutex;
+use keel_testkit::metrics::MetricsRecorder;
 use tower::{Layer, Service, ServiceExt, service_fn};
-
-/// Records counters so tests can assert on what operators would see.
-#[derive(Default)]
-struct Counters(Mutex<HashMap<String, Arc<AtomicU64>>>);
-
-impl Counters {
-    fn get(&self, key: &str) -> u64 {
-        self.0
-            .lock()
-            .get(key)
-            .map_or(0, |c| c.load(Ordering::SeqCst))
-    }
-}
-
-impl Recorder for Counters {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        let mut name = key.name().to_string();
-        for label in key.labels() {
-            name.push_str(&format!(",{}={}", label.key(), label.value()));
-        }
-        Counter::from_arc(self.0.lock().entry(name).or_default().clone())
-    }
-    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::noop()
-    }
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
 
 const EXPERIMENT: &str = "pricing-latency";
 
@@ -110,7 +77,7 @@ async fn scoped_traffic_gets_the_delay() {
 
 #[tokio::test(start_paused = true)]
 async fn scoped_traffic_gets_the_abort_and_the_dependency_is_not_called() {
-    let counters = Counters::default();
+    let counters = MetricsRecorder::new();
     let chaos = metrics::with_local_recorder(&counters, || {
         FaultInjection::builder("pricing")
             .abort(100.0)
@@ -128,11 +95,11 @@ async fn scoped_traffic_gets_the_abort_and_the_dependency_is_not_called() {
     }
     assert_eq!(pricing.calls(), 0);
     assert_eq!(
-        counters.get("keel_fault_injected_total,name=pricing,kind=abort"),
+        counters.counter("keel_fault_injected_total,name=pricing,kind=abort"),
         1
     );
     assert_eq!(
-        counters.get("keel_fault_injected_total,name=pricing,kind=delay"),
+        counters.counter("keel_fault_injected_total,name=pricing,kind=delay"),
         0
     );
 }

@@ -2,48 +2,13 @@
 //! which must not, and that every one served is counted.
 #![cfg(feature = "fallback")]
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use keel_core::{BoxError, Classified, ErrorClass, PolicyError, Rejected};
 use keel_policy::fallback::{Fallback, FallbackConfig};
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use parking_lot::Mutex;
+use keel_testkit::metrics::MetricsRecorder;
 use tower::{Layer, Service, ServiceExt, service_fn};
-
-/// Records counters so tests can assert on what operators would see.
-#[derive(Default)]
-struct Counters(Mutex<HashMap<String, Arc<AtomicU64>>>);
-
-impl Counters {
-    fn get(&self, key: &str) -> u64 {
-        self.0
-            .lock()
-            .get(key)
-            .map_or(0, |c| c.load(Ordering::SeqCst))
-    }
-}
-
-impl Recorder for Counters {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        let mut name = key.name().to_string();
-        for label in key.labels() {
-            name.push_str(&format!(",{}={}", label.key(), label.value()));
-        }
-        Counter::from_arc(self.0.lock().entry(name).or_default().clone())
-    }
-    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::noop()
-    }
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
 
 type Error = PolicyError<Classified>;
 
@@ -73,7 +38,7 @@ impl Dependency {
 
 #[tokio::test]
 async fn a_breaker_rejection_is_served_the_fallback() {
-    let counters = Counters::default();
+    let counters = MetricsRecorder::new();
     let fallback =
         metrics::with_local_recorder(&counters, || Fallback::builder("pricing").build()).unwrap();
     let dependency = Dependency {
@@ -99,14 +64,14 @@ async fn a_breaker_rejection_is_served_the_fallback() {
     );
     assert_eq!(dependency.calls.load(Ordering::SeqCst), 0);
     assert_eq!(
-        counters.get("keel_fallback_total,name=pricing,class=rejected"),
+        counters.counter("keel_fallback_total,name=pricing,class=rejected"),
         1
     );
 }
 
 #[tokio::test]
 async fn a_permanent_error_passes_through() {
-    let counters = Counters::default();
+    let counters = MetricsRecorder::new();
     let fallback =
         metrics::with_local_recorder(&counters, || Fallback::builder("catalog").build()).unwrap();
     let served = AtomicUsize::new(0);
@@ -125,7 +90,7 @@ async fn a_permanent_error_passes_through() {
     );
     assert_eq!(served.load(Ordering::SeqCst), 0);
     assert_eq!(
-        counters.get("keel_fallback_total,name=catalog,class=permanent"),
+        counters.counter("keel_fallback_total,name=catalog,class=permanent"),
         0
     );
 }
@@ -161,7 +126,7 @@ async fn a_real_timeout_and_a_real_deadline_are_served() {
 
 #[tokio::test]
 async fn retryable_and_outcome_unknown_failures_are_served_and_counted_by_class() {
-    let counters = Counters::default();
+    let counters = MetricsRecorder::new();
     let fallback =
         metrics::with_local_recorder(&counters, || Fallback::builder("recs").build()).unwrap();
     let refused = || async { Err::<u32, _>(Classified::retryable("connection refused")) };
@@ -170,11 +135,11 @@ async fn retryable_and_outcome_unknown_failures_are_served_and_counted_by_class(
     assert_eq!(fallback.call_or(reset, 0).await.unwrap(), 0);
     assert_eq!(fallback.call_or(reset, 0).await.unwrap(), 0);
     assert_eq!(
-        counters.get("keel_fallback_total,name=recs,class=retryable"),
+        counters.counter("keel_fallback_total,name=recs,class=retryable"),
         1
     );
     assert_eq!(
-        counters.get("keel_fallback_total,name=recs,class=outcome_unknown"),
+        counters.counter("keel_fallback_total,name=recs,class=outcome_unknown"),
         2
     );
 }

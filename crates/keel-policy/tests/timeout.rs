@@ -10,10 +10,7 @@ use std::time::Duration;
 use keel_core::clock;
 use keel_core::{BoxError, Deadline, PolicyError, Rejected};
 use keel_policy::timeout::{Timeout, TimeoutConfig};
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use keel_testkit::metrics::MetricsRecorder;
 use tokio::time::{advance, sleep};
 use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
 
@@ -35,38 +32,6 @@ impl Drop for DropFlag {
 }
 
 type Result<T> = std::result::Result<T, PolicyError<std::io::Error>>;
-
-/// Records counters so tests can assert on what operators would see.
-#[derive(Default)]
-struct Counters(Mutex<HashMap<String, Arc<AtomicU64>>>);
-
-impl Counters {
-    fn get(&self, key: &str) -> u64 {
-        self.0
-            .lock()
-            .get(key)
-            .map_or(0, |c| c.load(Ordering::SeqCst))
-    }
-}
-
-impl Recorder for Counters {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        let mut name = key.name().to_string();
-        for label in key.labels() {
-            name.push_str(&format!(",{}={}", label.key(), label.value()));
-        }
-        Counter::from_arc(self.0.lock().entry(name).or_default().clone())
-    }
-    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::noop()
-    }
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
 
 #[tokio::test(start_paused = true)]
 async fn fast_calls_pass_through_with_their_own_errors() {
@@ -404,14 +369,14 @@ async fn an_elapsed_deadline_refuses_even_with_zero_minimum() {
 
 #[tokio::test(start_paused = true)]
 async fn every_stop_is_counted_by_reason() {
-    let counters = Counters::default();
+    let counters = MetricsRecorder::new();
     let t = metrics::with_local_recorder(&counters, || timeout("pricing", ms(700)));
     let _: Result<()> = t.call(pending).await;
     let _: Result<()> = Deadline::after(ms(300)).scope(t.call(pending)).await;
     let _: Result<()> = Deadline::after(ms(10)).scope(t.call(pending)).await;
     let _: Result<()> = t.call(|| async { Ok(()) }).await;
     let key = |reason: &str| format!("keel_timeout_total,name=pricing,reason={reason}");
-    assert_eq!(counters.get(&key("timeout")), 1);
-    assert_eq!(counters.get(&key("deadline_exceeded")), 1);
-    assert_eq!(counters.get(&key("too_late_to_start")), 1);
+    assert_eq!(counters.counter(&key("timeout")), 1);
+    assert_eq!(counters.counter(&key("deadline_exceeded")), 1);
+    assert_eq!(counters.counter(&key("too_late_to_start")), 1);
 }

@@ -48,7 +48,7 @@ use keel_messaging::consumer::{Consumer, Group};
 use keel_messaging::envelope::{Envelope, Event, EventMeta};
 use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::Store;
-use keel_nats::{NatsBroker, NatsBrokerOptions};
+use keel_nats::NatsBrokerOptions;
 use keel_postgres::{PgStore, PgWakeups};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -155,9 +155,9 @@ struct Fixture {
 impl Fixture {
     async fn new(url: String) -> Self {
         let schema = format!("keel_bench_{}", uuid::Uuid::now_v7().simple());
-        let store = PgStore::builder(url.as_str())
+        let store = PgStore::options()
             .schema(schema)
-            .connect()
+            .open(url.as_str())
             .await
             .expect("store");
         sqlx::query("CREATE TABLE raw (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, body BYTEA NOT NULL)")
@@ -292,7 +292,9 @@ async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
     let url = std::env::var(keel_testkit::services::NATS_URL).ok()?;
     let prefix = format!("bench_{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
     let broker: Arc<dyn Broker> = Arc::new(
-        NatsBroker::connect(&url, NatsBrokerOptions::new().stream_prefix(prefix))
+        NatsBrokerOptions::new()
+            .stream_prefix(prefix)
+            .open(&url)
             .await
             .expect("connect to NATS"),
     );
@@ -346,9 +348,9 @@ async fn spawn_relay(
 /// commits one event to `topic` per millisecond; returns each event id with
 /// the time its commit returned.
 async fn append_at_1khz(fx: &Fixture, topic: &str) -> Vec<(String, Instant)> {
-    let producer = PgStore::builder(fx.url.as_str())
+    let producer = PgStore::options()
         .schema(fx.store.schema())
-        .connect()
+        .open(fx.url.as_str())
         .await
         .expect("producer store");
     let producer_outbox = Outbox::new(producer.clone());

@@ -22,5 +22,5 @@ pub mod store;
 pub mod wakeups;
 mod webhooks;
 
-pub use store::{Channels, InvalidSchema, PgStore, PgStoreBuilder, TxOutcome};
+pub use store::{Channels, InvalidSchema, PgStore, PgStoreOptions, TxOutcome};
 pub use wakeups::{EventLogWake, PgWakeups, PgWakeupsBuilder};

@@ -39,10 +39,10 @@ async fn cancel_a_begin_mid_flight(store: &PgStore) {
 async fn one_connection_store() -> Option<(PgStore, common::ServerLease)> {
     let (store, lease) = common::fresh_store().await?;
     let url = keel_testkit::services::postgres_url().expect("url");
-    let single = PgStore::builder(url)
+    let single = PgStore::options()
         .schema(store.schema())
         .max_connections(1)
-        .connect()
+        .open(&url)
         .await
         .expect("connect");
     sqlx::query("CREATE TABLE notes (body TEXT NOT NULL)")

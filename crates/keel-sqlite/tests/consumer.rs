@@ -3,10 +3,9 @@
 //! users — charged once, nothing lost, order kept — not just return values.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, RwLock};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,6 +21,8 @@ use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::{DeadLetterFilter, DeadLetterStore, Store};
 use keel_sqlite::broker::SqliteBroker;
 use keel_sqlite::store::SqliteStore;
+use keel_testkit::eventually;
+use keel_testkit::metrics::MetricsRecorder;
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use tempfile::TempDir;
@@ -50,7 +51,7 @@ struct Fixture {
 }
 
 async fn fixture() -> Fixture {
-    let _ = metrics::set_global_recorder(TestRecorder);
+    MetricsRecorder::global();
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("app.db")).await.unwrap();
     sqlx::query(
@@ -159,98 +160,9 @@ impl Running {
     }
 }
 
-/// Polls `check` until it holds, failing the test after `secs` seconds.
-async fn eventually<F, Fut>(what: &str, secs: u64, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-// ------------------------------------------------------------- recorder --
-
-/// A counter's metric name and group label.
-type CounterKey = (String, String);
-
-/// Counters by (name, group label), for the metric assertions.
-static COUNTERS: LazyLock<RwLock<HashMap<CounterKey, Arc<AtomicU64>>>> =
-    LazyLock::new(Default::default);
-
-struct TestRecorder;
-
-struct CounterCell(Arc<AtomicU64>);
-
-impl metrics::CounterFn for CounterCell {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::SeqCst);
-    }
-    fn absolute(&self, value: u64) {
-        self.0.fetch_max(value, Ordering::SeqCst);
-    }
-}
-
-impl metrics::Recorder for TestRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let group = key
-            .labels()
-            .find(|l| l.key() == "group")
-            .map(|l| l.value().to_owned())
-            .unwrap_or_default();
-        let cell = COUNTERS
-            .write()
-            .unwrap()
-            .entry((key.name().to_owned(), group))
-            .or_default()
-            .clone();
-        metrics::Counter::from_arc(Arc::new(CounterCell(cell)))
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
-
+/// The counter `name` of consumer group `group`.
 fn counter(name: &str, group: &str) -> u64 {
-    COUNTERS
-        .read()
-        .unwrap()
-        .get(&(name.to_owned(), group.to_owned()))
-        .map_or(0, |c| c.load(Ordering::SeqCst))
+    MetricsRecorder::global().sum(name, &format!("group={group}"))
 }
 
 // ------------------------------------------------ crash-before-ack broker --
@@ -358,7 +270,7 @@ async fn the_handler_is_idempotent_under_triple_delivery() {
             .build()
             .unwrap(),
     );
-    eventually("two duplicates", 20, || async {
+    eventually("two duplicates", Duration::from_secs(20), || async {
         counter("keel_consumer_duplicates_total", group) >= 2
     })
     .await;
@@ -417,10 +329,14 @@ async fn a_poison_message_is_dead_lettered_after_5_deliveries_without_blocking_o
             .unwrap(),
     );
     let store = f.store.clone();
-    eventually("the poison message dead-lettered", 20, || {
-        let store = store.clone();
-        async move { store.dead_letter_counts().await.unwrap().len() == 1 }
-    })
+    eventually(
+        "the poison message dead-lettered",
+        Duration::from_secs(20),
+        || {
+            let store = store.clone();
+            async move { store.dead_letter_counts().await.unwrap().len() == 1 }
+        },
+    )
     .await;
     running.stop().await;
 
@@ -489,7 +405,7 @@ async fn malformed_and_unknown_type_messages_are_dead_lettered_at_once() {
     let store = f.store.clone();
     eventually(
         "both bad messages dead-lettered and the good one applied",
-        20,
+        Duration::from_secs(20),
         || {
             let store = store.clone();
             async move {
@@ -546,15 +462,21 @@ async fn an_expired_message_is_dropped_and_counted_not_processed() {
             .build()
             .unwrap(),
     );
-    eventually("the expired message counted", 20, || async {
-        counter("keel_consumer_expired_total", group) == 1
-    })
+    eventually(
+        "the expired message counted",
+        Duration::from_secs(20),
+        || async { counter("keel_consumer_expired_total", group) == 1 },
+    )
     .await;
     let store = f.store.clone();
-    eventually("the timely message applied", 20, || {
-        let store = store.clone();
-        async move { !ledger(&store, group).await.is_empty() }
-    })
+    eventually(
+        "the timely message applied",
+        Duration::from_secs(20),
+        || {
+            let store = store.clone();
+            async move { !ledger(&store, group).await.is_empty() }
+        },
+    )
     .await;
     running.stop().await;
     assert_eq!(ledger(&f.store, group).await, [("TIMELY".to_owned(), 2)]);
@@ -596,7 +518,7 @@ async fn lease_extension_keeps_a_slow_handlers_message_from_redelivery() {
         )
     });
     let store = f.store.clone();
-    eventually("the slow handler applied", 20, || {
+    eventually("the slow handler applied", Duration::from_secs(20), || {
         let store = store.clone();
         async move { !ledger(&store, group).await.is_empty() }
     })
@@ -666,10 +588,14 @@ async fn graceful_shutdown_loses_nothing() {
             .unwrap(),
     );
     let store = f.store.clone();
-    eventually("every message applied after the restarts", 30, || {
-        let store = store.clone();
-        async move { ledger(&store, group).await.len() >= n as usize }
-    })
+    eventually(
+        "every message applied after the restarts",
+        Duration::from_secs(30),
+        || {
+            let store = store.clone();
+            async move { ledger(&store, group).await.len() >= n as usize }
+        },
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     running.stop().await;
@@ -722,7 +648,7 @@ async fn end_to_end_every_committed_event_is_applied_once_in_per_key_order() {
     }
     let store = f.store.clone();
     let total = keys.len() * rounds as usize;
-    eventually("every event applied", 30, || {
+    eventually("every event applied", Duration::from_secs(30), || {
         let store = store.clone();
         async move { ledger(&store, group).await.len() >= total }
     })
@@ -761,7 +687,7 @@ async fn two_groups_each_apply_the_event_once() {
             .unwrap(),
     );
     let store = f.store.clone();
-    eventually("both groups applied", 20, || {
+    eventually("both groups applied", Duration::from_secs(20), || {
         let store = store.clone();
         async move {
             ledger(&store, "billing-two").await.len() == 1
@@ -790,7 +716,7 @@ async fn the_consumer_prunes_old_inbox_rows() {
             .unwrap(),
     );
     let store = f.store.clone();
-    eventually("both applied", 20, || {
+    eventually("both applied", Duration::from_secs(20), || {
         let store = store.clone();
         async move { ledger(&store, group).await.len() == 2 }
     })
@@ -813,7 +739,7 @@ async fn the_consumer_prunes_old_inbox_rows() {
             .unwrap(),
     );
     let store = f.store.clone();
-    eventually("the old row pruned", 20, || {
+    eventually("the old row pruned", Duration::from_secs(20), || {
         let store = store.clone();
         async move {
             let n: i64 = sqlx::query("SELECT COUNT(*) FROM keel_inbox WHERE handler = ?")

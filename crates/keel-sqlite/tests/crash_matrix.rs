@@ -484,7 +484,8 @@ async fn open(world: &World) -> (SqliteStore, Arc<SqliteBroker>) {
             .expect("schema");
     }
     let options = SqliteBrokerOptions::new().poll_interval(Duration::from_millis(20));
-    let broker = SqliteBroker::open_with(world.path("broker.db"), options)
+    let broker = options
+        .open(world.path("broker.db"))
         .await
         .expect("open broker");
     (store, Arc::new(broker))

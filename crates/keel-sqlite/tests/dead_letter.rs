@@ -13,6 +13,7 @@ use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::{DeadLetterFilter, DeadLetterStatus, OutboxStore, Store};
 use keel_sqlite::broker::SqliteBroker;
 use keel_sqlite::store::SqliteStore;
+use keel_testkit::eventually;
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use tempfile::TempDir;
@@ -145,26 +146,11 @@ impl Fixture {
         let running = tokio::spawn(consumer.run(async move {
             let _ = stopped.await;
         }));
-        eventually(done).await;
+        eventually("the condition", Duration::from_secs(20), done).await;
         // Time for stray duplicates to show up if there were any.
         tokio::time::sleep(Duration::from_millis(300)).await;
         let _ = stop.send(());
         running.await.unwrap();
-    }
-}
-
-async fn eventually<F, Fut>(mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "condition not reached in time"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

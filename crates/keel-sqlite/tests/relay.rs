@@ -1,7 +1,6 @@
 //! The outbox and its relay on the real embedded backends, crashes included.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
@@ -17,6 +16,7 @@ use keel_messaging::outbox::{Outbox, OutboxError, OutboxRelay, RelayError};
 use keel_messaging::store::{OutboxStore, Store};
 use keel_sqlite::broker::{SqliteBroker, SqliteBrokerOptions};
 use keel_sqlite::store::SqliteStore;
+use keel_testkit::eventually;
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use tempfile::TempDir;
@@ -203,21 +203,6 @@ async fn drain_topic(broker: &SqliteBroker, group: &str) -> Vec<Message> {
     }
 }
 
-async fn eventually<F, Fut>(what: &str, secs: u64, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn charge_group() -> Group<Tx> {
     Group::new(TOPIC, "billing").on_event(|tx: &mut Tx, ev: OrderPlaced, _env| {
         Box::pin(async move {
@@ -283,7 +268,7 @@ async fn the_outbox_republishes_after_a_relay_crash_and_the_consumer_applies_onc
     }));
     // Both copies reach the consumer (fresh ids defeat the broker's dedupe):
     // the second must be a no-op.
-    eventually("the charge applied", 20, || async {
+    eventually("the charge applied", Duration::from_secs(20), || async {
         !f.charges().await.is_empty()
     })
     .await;
@@ -435,12 +420,11 @@ async fn note_in(outbox: &Outbox<SqliteStore>, tx: &mut Tx, order: &str, note: S
 async fn one_poison_row_is_parked_and_every_other_row_is_published() {
     let f = fixture().await;
     let small = Arc::new(
-        SqliteBroker::open_with(
-            f._dir.path().join("small-broker.db"),
-            SqliteBrokerOptions::new().max_message_bytes(SMALL_BROKER_LIMIT),
-        )
-        .await
-        .unwrap(),
+        SqliteBrokerOptions::new()
+            .max_message_bytes(SMALL_BROKER_LIMIT)
+            .open(f._dir.path().join("small-broker.db"))
+            .await
+            .unwrap(),
     );
     let tap = Arc::new(Tap::default());
     let broker = Arc::new(TappedBroker {
@@ -517,12 +501,11 @@ async fn one_poison_row_is_parked_and_every_other_row_is_published() {
 async fn append_refuses_an_event_over_the_brokers_limit() {
     let f = fixture().await;
     let small = Arc::new(
-        SqliteBroker::open_with(
-            f._dir.path().join("small-broker.db"),
-            SqliteBrokerOptions::new().max_message_bytes(SMALL_BROKER_LIMIT),
-        )
-        .await
-        .unwrap(),
+        SqliteBrokerOptions::new()
+            .max_message_bytes(SMALL_BROKER_LIMIT)
+            .open(f._dir.path().join("small-broker.db"))
+            .await
+            .unwrap(),
     );
     let outbox = Outbox::new(f.store.clone()).with_broker(small);
     let mut tx = f.store.begin().await.unwrap();
@@ -612,7 +595,7 @@ async fn two_relays_publish_every_row_once_in_per_key_order() {
         }
         f.outbox.commit(tx).await.unwrap();
     }
-    eventually("everything published", 20, || async {
+    eventually("everything published", Duration::from_secs(20), || async {
         f.unpublished().await == 0
     })
     .await;
@@ -669,77 +652,4 @@ async fn prune_deletes_old_published_rows_in_bounded_batches() {
         .get(0);
     assert_eq!(left, 1, "the unpublished row is never pruned");
     assert_eq!(f.unpublished().await, 1);
-}
-
-/// Rough throughput figures (not a benchmark; BENCHMARKS.md has those):
-/// `cargo test --release -p keel-sqlite --test relay -- --ignored --nocapture`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement, run by hand in release mode"]
-async fn measure_relay_and_consumer_throughput() {
-    let f = fixture().await;
-    let n = 5_000;
-    sqlx::query("CREATE TABLE raw (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")
-        .execute(f.store.pool())
-        .await
-        .unwrap();
-    let body = vec![b'x'; 200];
-    let started = tokio::time::Instant::now();
-    for i in 0..n {
-        let mut tx = f.store.begin().await.unwrap();
-        sqlx::query("INSERT INTO raw (id, body) VALUES (?, ?)")
-            .bind(i)
-            .bind(&body)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        f.store.commit(tx).await.unwrap();
-    }
-    let raw = n as f64 / started.elapsed().as_secs_f64();
-
-    let started = tokio::time::Instant::now();
-    for chunk in 0..n / 100 {
-        let mut tx = f.store.begin().await.unwrap();
-        for i in 0..100 {
-            let placed = OrderPlaced {
-                order_id: format!("K{}", (chunk * 100 + i) % 16),
-                total_minor: i,
-            };
-            f.outbox
-                .append_event(&mut tx, TOPIC, "/s", &placed, EventMeta::new(1))
-                .await
-                .unwrap();
-        }
-        f.store.commit(tx).await.unwrap();
-    }
-    let append = n as f64 / started.elapsed().as_secs_f64();
-
-    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
-        .build()
-        .unwrap();
-    let started = tokio::time::Instant::now();
-    while relay.run_once().await.unwrap() > 0 {}
-    let relayed = n as f64 / started.elapsed().as_secs_f64();
-
-    let consumer = Consumer::builder(f.store.clone(), Arc::clone(&f.broker))
-        .group(charge_group())
-        .build()
-        .unwrap();
-    let started = tokio::time::Instant::now();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(consumer.run(async move {
-        let _ = stopped.await;
-    }));
-    eventually("all consumed", 600, || async {
-        f.charges().await.len() == n as usize
-    })
-    .await;
-    let consumed = n as f64 / started.elapsed().as_secs_f64();
-    let _ = stop.send(());
-    running.await.unwrap();
-    println!(
-        "raw insert+commit: {raw:.0}/s; outbox append (100/tx): {append:.0}/s; \
-         relay: {relayed:.0}/s ({:.2}x raw); consumer with inbox: {consumed:.0}/s ({:.2}x raw)",
-        relayed / raw,
-        consumed / raw
-    );
 }

@@ -12,6 +12,9 @@
 //! [`services`] hands tests the PostgreSQL and NATS servers that
 //! `scripts/services.sh` runs, and fails loudly in CI when they are missing;
 //! [`browser`] starts chromedriver for the console's browser tests.
+//!
+//! [`eventually`] waits for what another task does; [`metrics`] (feature
+//! `metrics`) records what the code under test emits, for assertions.
 
 #[cfg(feature = "broker-suite")]
 pub mod broker_suite;
@@ -19,13 +22,18 @@ pub mod broker_suite;
 pub mod browser;
 #[cfg(feature = "store-suite")]
 pub mod event_log_suite;
+mod eventually;
 #[cfg(feature = "store-suite")]
 pub mod idempotency_suite;
 #[cfg(feature = "store-suite")]
 pub mod jobs_suite;
 pub mod ledger;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod services;
 #[cfg(feature = "store-suite")]
 pub mod store_suite;
 #[cfg(feature = "store-suite")]
 pub mod webhook_suite;
+
+pub use eventually::{POLL_INTERVAL, eventually};

@@ -30,19 +30,19 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderValue, header};
+use axum::http::HeaderValue;
 use chrono::{DateTime, Utc};
-use keel_messaging::store::{
-    ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookStore,
-};
+use keel_messaging::store::{ClaimedDelivery, DeliveryOutcome, DeliveryStatus, WebhookStore};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::attempt::{self, AttemptResult, Limits};
+use super::attempt::Limits;
 use super::error::WebhookError;
 use super::options::{DisableReason, EndpointDisabled, WorkerOptions};
-use super::signing::{Secret, signature_headers};
-use super::wire;
+
+mod send;
+
+use send::attempt_one;
 
 /// How often recording a batch of outcomes is tried before it is given up
 /// (the leases then expire and the deliveries are sent again).
@@ -502,126 +502,4 @@ impl<S: WebhookStore> DeliveryWorker<S> {
 
 fn window_passed(since: DateTime<Utc>, now: DateTime<Utc>, window: Duration) -> bool {
     chrono::Duration::from_std(window).is_ok_and(|window| now - since >= window)
-}
-
-/// Signs, sends and judges one delivery.
-async fn attempt_one<S: WebhookStore>(inner: Arc<Inner<S>>, claimed: ClaimedDelivery) -> Finished {
-    let ClaimedDelivery { delivery, endpoint } = claimed;
-    let opts = &inner.options;
-    let started = opts.clock.now();
-    let number = delivery.attempts.saturating_add(1);
-
-    let mut headers = HeaderMap::with_capacity(12);
-    headers.insert(header::USER_AGENT, inner.user_agent.clone());
-    let mut permanent = false;
-    let rendered = if delivery.payload.len() > opts.max_payload {
-        Err(format!(
-            "payload is {} bytes; the limit is {}",
-            delivery.payload.len(),
-            opts.max_payload
-        ))
-    } else {
-        wire::render(endpoint.format, &delivery.payload).map_err(|e| e.to_string())
-    };
-    let result = match rendered {
-        Err(why) => {
-            permanent = true;
-            AttemptResult::failed(&endpoint.url, why)
-        }
-        Ok(wire) => {
-            headers.extend(wire.headers.into_iter().map(|(k, v)| (Some(k), v)));
-            let secrets: Vec<Secret> = endpoint
-                .active_secrets(started)
-                .filter_map(|s| match opts.sealer.open(&s.secret) {
-                    Ok(secret) => Secret::parse(&secret).ok(),
-                    Err(err) => {
-                        tracing::error!(endpoint = %endpoint.id, error = %err, "cannot open an endpoint secret");
-                        None
-                    }
-                })
-                .collect();
-            match signature_headers(
-                &opts.scheme,
-                &secrets,
-                &delivery.event_id,
-                started.timestamp(),
-                &wire.body,
-            ) {
-                Ok(signature) => {
-                    headers.extend(signature.into_iter().map(|(k, v)| (Some(k), v)));
-                    attempt::post(
-                        &inner.client,
-                        &opts.guard,
-                        &endpoint.url,
-                        &headers,
-                        wire.body,
-                        inner.limits,
-                        opts.clock.unix_millis(),
-                    )
-                    .await
-                }
-                Err(err) => AttemptResult::failed(&endpoint.url, err.to_string()),
-            }
-        }
-    };
-
-    let finished_at = opts.clock.now();
-    let success = result.status.is_some_and(|s| (200..300).contains(&s));
-    let gone = result.status == Some(410);
-    let mut exhausted = false;
-    let (status, next_attempt_at) = if success {
-        (DeliveryStatus::Succeeded, None)
-    } else if gone {
-        (DeliveryStatus::Disabled, None)
-    } else if permanent {
-        (DeliveryStatus::Failed, None)
-    } else {
-        match opts.backoff.delay(number - 1) {
-            Some(delay) => {
-                let asked = result
-                    .retry_after
-                    .map(|r| r.min(opts.max_retry_after))
-                    .unwrap_or_default();
-                let wait = delay.max(asked);
-                let wait = chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
-                (DeliveryStatus::Pending, Some(finished_at + wait))
-            }
-            None => {
-                exhausted = true;
-                (DeliveryStatus::Failed, None)
-            }
-        }
-    };
-    if result.refused {
-        tracing::warn!(endpoint = %endpoint.id, error = ?result.error, "webhook attempt refused by the SSRF guard");
-    }
-    let request_headers = headers
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_owned(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            )
-        })
-        .collect();
-    Finished {
-        outcome: DeliveryOutcome {
-            attempt: DeliveryAttempt {
-                delivery_id: delivery.id,
-                attempt: number,
-                at: started,
-                url: result.url,
-                request_headers,
-                response_status: result.status,
-                response_body: result.body,
-                latency: result.latency,
-                error: result.error,
-            },
-            status,
-            next_attempt_at,
-        },
-        endpoint_id: endpoint.id,
-        url: endpoint.url,
-        exhausted,
-    }
 }

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -19,6 +19,7 @@ use hmac::{Hmac, Mac};
 use keel_messaging::Store;
 use keel_policy::retry::Backoff;
 use keel_sqlite::SqliteStore;
+use keel_testkit::metrics::MetricsRecorder;
 use keel_webhooks::signing::{Secret, SignatureScheme, Verifier, VerifyError};
 use keel_webhooks::ssrf::SsrfGuard;
 use keel_webhooks::{
@@ -87,8 +88,6 @@ struct HooksInner {
     fallback: Mutex<Reply>,
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
-    count: AtomicUsize,
-    keep: AtomicBool,
 }
 
 impl Hooks {
@@ -100,8 +99,6 @@ impl Hooks {
                 fallback: Mutex::new(Reply::status(200).body("ok")),
                 in_flight: AtomicUsize::new(0),
                 max_in_flight: AtomicUsize::new(0),
-                count: AtomicUsize::new(0),
-                keep: AtomicBool::new(true),
             }),
         };
         let listener = TcpListener::bind("127.0.0.1:0")
@@ -127,15 +124,6 @@ impl Hooks {
         self.inner.received.lock().clone()
     }
 
-    fn count(&self) -> usize {
-        self.inner.count.load(Ordering::SeqCst)
-    }
-
-    /// Counts requests without keeping them (for the throughput test).
-    fn count_only(&self) {
-        self.inner.keep.store(false, Ordering::SeqCst);
-    }
-
     fn max_in_flight(&self) -> usize {
         self.inner.max_in_flight.load(Ordering::SeqCst)
     }
@@ -144,14 +132,11 @@ impl Hooks {
 async fn answer(State(hooks): State<Hooks>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let now = hooks.inner.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
     hooks.inner.max_in_flight.fetch_max(now, Ordering::SeqCst);
-    if hooks.inner.keep.load(Ordering::Relaxed) {
-        hooks.inner.received.lock().push(Received {
-            path: uri.path().to_owned(),
-            headers,
-            body,
-        });
-    }
-    hooks.inner.count.fetch_add(1, Ordering::SeqCst);
+    hooks.inner.received.lock().push(Received {
+        path: uri.path().to_owned(),
+        headers,
+        body,
+    });
     let reply = hooks
         .inner
         .script
@@ -177,79 +162,9 @@ async fn answer(State(hooks): State<Hooks>, uri: Uri, headers: HeaderMap, body: 
 
 // ---------------------------------------------------------------- metrics
 
-/// Counters by name and labels (`k=v,k=v`), for the metric assertions.
-/// Under nextest every test is its own process; under `cargo test` they
-/// share it, so assertions say "at least".
-type Counters = std::collections::HashMap<(String, String), Arc<AtomicU64>>;
-static COUNTERS: std::sync::LazyLock<Mutex<Counters>> = std::sync::LazyLock::new(Default::default);
-
-struct TestRecorder;
-
-struct CounterCell(Arc<AtomicU64>);
-
-impl metrics::CounterFn for CounterCell {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::SeqCst);
-    }
-    fn absolute(&self, value: u64) {
-        self.0.fetch_max(value, Ordering::SeqCst);
-    }
-}
-
-impl metrics::Recorder for TestRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let labels: Vec<String> = key
-            .labels()
-            .map(|l| format!("{}={}", l.key(), l.value()))
-            .collect();
-        let cell = COUNTERS
-            .lock()
-            .entry((key.name().to_owned(), labels.join(",")))
-            .or_default()
-            .clone();
-        metrics::Counter::from_arc(Arc::new(CounterCell(cell)))
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
-
-/// The counter `name` with labels starting with `labels`, summed.
-fn counter(name: &str, labels: &str) -> u64 {
-    COUNTERS
-        .lock()
-        .iter()
-        .filter(|((n, l), _)| n == name && l.starts_with(labels))
-        .map(|(_, c)| c.load(Ordering::SeqCst))
-        .sum()
+/// The counter `name` with the label `label` (`key=value`), summed.
+fn counter(name: &str, label: &str) -> u64 {
+    MetricsRecorder::global().sum(name, label)
 }
 
 // ---------------------------------------------------------------- fixture
@@ -275,7 +190,7 @@ struct Fx {
 }
 
 async fn fx() -> Fx {
-    let _ = metrics::set_global_recorder(TestRecorder);
+    MetricsRecorder::global();
     let dir = tempfile::tempdir().expect("temp dir");
     let store = SqliteStore::open(dir.path().join("keel.db"))
         .await
@@ -1311,77 +1226,4 @@ async fn invalid_worker_options_are_refused() {
         let err = DeliveryWorker::new(f.store.clone(), options).expect_err("invalid");
         assert!(matches!(err, WebhookError::Config(_)), "{err}");
     }
-}
-
-/// Deliveries per second to a loopback receiver, end to end: claim from
-/// SQLite, sign, POST over HTTP/1.1 with keep-alive, record every attempt.
-///
-/// `cargo test --release -p keel-webhooks --test webhook_send -- --ignored
-///  --nocapture throughput`
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement: run in release"]
-async fn throughput() {
-    const N: usize = 20_000;
-    let f = fx().await;
-    f.hooks.fallback(Reply::status(200));
-    f.hooks.count_only();
-    for i in 0..4 {
-        f.endpoint(&format!("/e{i}")).await;
-    }
-    let events: Vec<_> = (0..N / 4).map(|i| event(&format!("evt_{i}"))).collect();
-    let enqueue_started = tokio::time::Instant::now();
-    for chunk in events.chunks(1000) {
-        f.send(chunk).await;
-    }
-    let enqueue = enqueue_started.elapsed();
-    let worker = DeliveryWorker::new(
-        f.store.clone(),
-        f.options()
-            .per_endpoint(128)
-            .batch(256)
-            .max_in_flight(512)
-            .poll_interval(Duration::from_millis(5)),
-    )
-    .expect("worker");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let cpu_before = process_cpu_seconds();
-    let started = tokio::time::Instant::now();
-    let running = worker.spawn(async move {
-        let _ = stopped.await;
-    });
-    while f.hooks.count() < N {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    stop.send(()).expect("stop");
-    let report = running.await.expect("worker");
-    let elapsed = started.elapsed();
-    let cpu = process_cpu_seconds()
-        .zip(cpu_before)
-        .map(|(after, before)| after - before);
-    assert_eq!(report.succeeded, N);
-    println!(
-        "webhook throughput: {N} deliveries to 4 loopback endpoints in {elapsed:?} = {:.0}/s \
-         (enqueue: {:.0}/s)",
-        N as f64 / elapsed.as_secs_f64(),
-        N as f64 / enqueue.as_secs_f64()
-    );
-    if let Some(cpu) = cpu {
-        println!(
-            "CPU (sender, receiver and store together): {cpu:.2} s = {:.0} µs per delivery; \
-             two idle cores would sustain about {:.0}/s",
-            cpu / N as f64 * 1e6,
-            2.0 * N as f64 / cpu
-        );
-    }
-}
-
-/// User plus system CPU time of this process, from `/proc/self/stat`
-/// (Linux), to report the cost per delivery independent of other load.
-fn process_cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    let after_name = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = after_name.split_whitespace().collect();
-    // Fields 14 and 15 of the file (utime, stime), counted after the name.
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / 100.0)
 }

@@ -29,13 +29,11 @@ impl Files {
             .synchronous(SqliteSynchronous::Normal)
             .open(dir.join("keel.db"))
             .await?;
-        let broker = SqliteBroker::open_with(
-            dir.join("broker.db"),
-            SqliteBrokerOptions::new()
-                .synchronous(SqliteSynchronous::Normal)
-                .poll_interval(Duration::from_millis(20)),
-        )
-        .await?;
+        let broker = SqliteBrokerOptions::new()
+            .synchronous(SqliteSynchronous::Normal)
+            .poll_interval(Duration::from_millis(20))
+            .open(dir.join("broker.db"))
+            .await?;
         Ok(Self {
             store,
             broker: Arc::new(broker),

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use keel_messaging::broker::Broker;
 use keel_sqlite::store::SqliteSynchronous;
-use keel_sqlite::{SqliteBroker, SqliteBrokerOptions, SqliteStore};
+use keel_sqlite::{SqliteBrokerOptions, SqliteStore};
 use keel_webhooks::NewEndpoint;
 use tokio::sync::watch;
 
@@ -65,13 +65,11 @@ pub async fn open_embedded(
         .synchronous(SqliteSynchronous::Normal)
         .open(dir.join("keel.db"))
         .await?;
-    let broker = SqliteBroker::open_with(
-        dir.join("broker.db"),
-        SqliteBrokerOptions::new()
-            .synchronous(SqliteSynchronous::Normal)
-            .poll_interval(Duration::from_millis(20)),
-    )
-    .await?;
+    let broker = SqliteBrokerOptions::new()
+        .synchronous(SqliteSynchronous::Normal)
+        .poll_interval(Duration::from_millis(20))
+        .open(dir.join("broker.db"))
+        .await?;
     Ok((store, Arc::new(broker)))
 }
 

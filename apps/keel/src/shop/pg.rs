@@ -75,10 +75,10 @@ mod tests {
     async fn store() -> Option<PgStore> {
         let url = keel_testkit::services::postgres_url()?;
         let schema = format!("keel_shop_t_{}", uuid::Uuid::now_v7().simple());
-        let store = PgStore::builder(url)
+        let store = PgStore::options()
             .schema(schema)
             .max_connections(8)
-            .connect()
+            .open(&url)
             .await
             .unwrap();
         store.migrate_shop().await.unwrap();

@@ -103,19 +103,13 @@ pub fn serve(extra: &[&str]) -> Server {
     }
 }
 
-/// Polls `check` every 100 ms until it holds; panics after 30 s.
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
+/// Polls `check` until it holds; panics after 30 s.
+pub async fn eventually<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    for _ in 0..300 {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    panic!("timed out waiting for {what}");
+    keel_testkit::eventually(what, std::time::Duration::from_secs(30), check).await;
 }
 
 /// What a [`receiver`] got: each request's headers and body, in order.

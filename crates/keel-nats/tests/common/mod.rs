@@ -95,7 +95,8 @@ impl Broker for TestBroker {
 pub async fn fresh_broker() -> Option<TestBroker> {
     let url = keel_testkit::services::nats_url()?;
     let lock = ServerLock::shared().await;
-    let broker = NatsBroker::connect(&url, test_options())
+    let broker = test_options()
+        .open(&url)
         .await
         .expect("connect to the test NATS server");
     Some(TestBroker {

@@ -12,7 +12,7 @@
 //! use keel_postgres::PgStore;
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-//! let store = PgStore::connect("postgres://keel@127.0.0.1/keel").await?;
+//! let store = PgStore::open("postgres://keel@127.0.0.1/keel").await?;
 //! let mut tx = store.begin().await?;
 //! sqlx::query("INSERT INTO public.orders (id, total_minor) VALUES ($1, $2)")
 //!     .bind("A-4471")
@@ -34,7 +34,7 @@
 //! # Schema
 //!
 //! Every object lives in one schema (default `keel`, see
-//! [`PgStoreBuilder::schema`]), created on connect, and every connection of
+//! [`PgStoreOptions::schema`]), created on connect, and every connection of
 //! the pool starts with `search_path = <schema>, public`: Keel's tables are
 //! found unqualified, and your own tables in `public` still are too. Tables
 //! are prefixed `keel_` so that they never shadow one of yours. Migrations
@@ -83,7 +83,7 @@ use sqlx::postgres::{PgPool, Postgres};
 
 pub use dialect::PgDialect;
 pub(crate) use options::guarded_pool_options;
-pub use options::{InvalidSchema, PgStoreBuilder};
+pub use options::{InvalidSchema, PgStoreOptions};
 
 use error::{commit_error, db_error, is_connection_lost};
 
@@ -140,15 +140,15 @@ pub enum TxOutcome {
 }
 
 impl PgStore {
-    /// Connects to `url` with the default [`PgStoreBuilder`] options (schema
-    /// `keel`, 10 connections) and migrates.
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Self::builder(url).connect().await
+    /// Opens the store at `url` with the default [`PgStoreOptions`]
+    /// (schema `keel`, 10 connections) and migrates.
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        PgStoreOptions::new().open(url).await
     }
 
-    /// Options for connecting.
-    pub fn builder(url: impl Into<String>) -> PgStoreBuilder {
-        PgStoreBuilder::new(url)
+    /// Options for opening a store: `PgStore::options()…open(url)`.
+    pub fn options() -> PgStoreOptions {
+        PgStoreOptions::new()
     }
 
     /// The pool: every connection has Keel's schema first in its

@@ -31,17 +31,16 @@ pub struct InvalidSchema(pub String);
 /// use std::time::Duration;
 /// use keel_postgres::PgStore;
 ///
-/// let store = PgStore::builder("postgres://keel@127.0.0.1/keel")
+/// let store = PgStore::options()
 ///     .schema("orders_keel")
 ///     .max_connections(20)
 ///     .acquire_timeout(Duration::from_secs(2))
-///     .connect()
+///     .open("postgres://keel@127.0.0.1/keel")
 ///     .await?;
 /// # drop(store); Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct PgStoreBuilder {
-    url: String,
+pub struct PgStoreOptions {
     schema: String,
     max_connections: u32,
     min_connections: u32,
@@ -52,14 +51,19 @@ pub struct PgStoreBuilder {
     max_lifetime: Duration,
 }
 
-impl PgStoreBuilder {
-    /// The defaults for `url`: schema `keel`, at most 10 connections (none
+impl Default for PgStoreOptions {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PgStoreOptions {
+    /// The defaults: schema `keel`, at most 10 connections (none
     /// kept idle), a 5 s acquire timeout, migrations on connect,
     /// `application_name = keel`, sessions ended by the server after 60 s
     /// idle inside a transaction and replaced after 30 minutes.
-    pub fn new(url: impl Into<String>) -> Self {
+    pub fn new() -> Self {
         Self {
-            url: url.into(),
             schema: "keel".to_owned(),
             max_connections: 10,
             min_connections: 0,
@@ -131,11 +135,11 @@ impl PgStoreBuilder {
         self
     }
 
-    /// The connect options every connection of the store uses (the URL
+    /// The connect options every connection of the store uses (`url`
     /// with Keel's `search_path` and application name).
-    pub fn connect_options(&self) -> Result<PgConnectOptions, StoreError> {
+    pub fn connect_options(&self, url: &str) -> Result<PgConnectOptions, StoreError> {
         validate_schema(&self.schema)?;
-        let options = PgConnectOptions::from_str(&self.url).map_err(StoreError::other)?;
+        let options = PgConnectOptions::from_str(url).map_err(StoreError::other)?;
         Ok(options.application_name(&self.application_name).options([
             ("search_path", format!("{},public", self.schema)),
             (
@@ -145,10 +149,10 @@ impl PgStoreBuilder {
         ]))
     }
 
-    /// Connects (lazily: the pool opens connections as needed), creates
-    /// the schema and migrates unless told not to.
-    pub async fn connect(self) -> Result<PgStore, StoreError> {
-        let options = self.connect_options()?;
+    /// Opens the store at `url` (lazily: the pool opens connections as
+    /// needed), creating the schema and migrating unless told not to.
+    pub async fn open(self, url: &str) -> Result<PgStore, StoreError> {
+        let options = self.connect_options(url)?;
         let pool = guarded_pool_options()
             .max_connections(self.max_connections)
             .min_connections(self.min_connections)
@@ -265,8 +269,10 @@ mod tests {
 
     #[test]
     fn connect_options_carry_the_search_path() {
-        let builder = PgStoreBuilder::new("postgres://keel@127.0.0.1:5432/keel").schema("k1");
-        let options = builder.connect_options().expect("options");
+        let builder = PgStoreOptions::new().schema("k1");
+        let options = builder
+            .connect_options("postgres://keel@127.0.0.1:5432/keel")
+            .expect("options");
         assert_eq!(options.get_database(), Some("keel"));
         assert!(format!("{options:?}").contains("search_path=k1,public"));
     }

@@ -47,10 +47,10 @@ pub async fn fresh_store_alone() -> Option<(PgStore, ServerLease)> {
 
 /// A store on `schema` (another pool on the same schema when it exists).
 pub async fn store_in(url: &str, schema: &str) -> PgStore {
-    PgStore::builder(url)
+    PgStore::options()
         .schema(schema)
         .max_connections(8)
-        .connect()
+        .open(url)
         .await
         .expect("connect to the test PostgreSQL")
 }

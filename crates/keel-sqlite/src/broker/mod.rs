@@ -148,13 +148,16 @@ impl SqliteBroker {
     /// Opens (creating if needed) the broker in the database file at `path`,
     /// with the default options.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, BrokerError> {
-        Self::open_with(path, SqliteBrokerOptions::default()).await
+        SqliteBrokerOptions::default().open(path).await
     }
 
-    /// Opens (creating if needed) the broker in the database file at `path`:
-    /// WAL mode, the options' `synchronous` setting and pool size, a 5 s busy
-    /// timeout for writers in other processes.
-    pub async fn open_with(
+    /// Options for opening a broker: `SqliteBroker::options()…open(path)`.
+    pub fn options() -> SqliteBrokerOptions {
+        SqliteBrokerOptions::new()
+    }
+
+    /// See [`SqliteBrokerOptions::open`].
+    pub(crate) async fn open_file(
         path: impl AsRef<Path>,
         options: SqliteBrokerOptions,
     ) -> Result<Self, BrokerError> {
@@ -174,17 +177,17 @@ impl SqliteBroker {
             .connect_with(connect)
             .await
             .map_err(|e| db_error("open", e))?;
-        Self::from_pool_with(pool, options).await
+        Self::on_pool(pool, options).await
     }
 
     /// A broker in a private in-memory database: for tests and demos; it
     /// vanishes with the last clone.
     pub async fn open_in_memory() -> Result<Self, BrokerError> {
-        Self::open_in_memory_with(SqliteBrokerOptions::default()).await
+        SqliteBrokerOptions::default().open_in_memory().await
     }
 
-    /// [`open_in_memory`](Self::open_in_memory) with options.
-    pub async fn open_in_memory_with(options: SqliteBrokerOptions) -> Result<Self, BrokerError> {
+    /// See [`SqliteBrokerOptions::open_in_memory`].
+    pub(crate) async fn open_memory(options: SqliteBrokerOptions) -> Result<Self, BrokerError> {
         options.validate()?;
         let connect = SqliteConnectOptions::new().in_memory(true);
         // One connection that never closes: each in-memory connection would
@@ -197,20 +200,18 @@ impl SqliteBroker {
             .connect_with(connect)
             .await
             .map_err(|e| db_error("open", e))?;
-        Self::from_pool_with(pool, options).await
+        Self::on_pool(pool, options).await
     }
 
     /// The broker on an existing pool (for example the store's, so both
     /// share one file), with the default options. The pool's pragmas are the
     /// caller's: use WAL mode and a busy timeout for file databases.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, BrokerError> {
-        Self::from_pool_with(pool, SqliteBrokerOptions::default()).await
+        SqliteBrokerOptions::default().from_pool(pool).await
     }
 
-    /// The broker on an existing pool, with options. Runs the broker's
-    /// migrations (numbered 2xxx, so they coexist with the store's) and
-    /// starts the settle and pruning tasks on the current tokio runtime.
-    pub async fn from_pool_with(
+    /// See [`SqliteBrokerOptions::from_pool`].
+    pub(crate) async fn on_pool(
         pool: SqlitePool,
         options: SqliteBrokerOptions,
     ) -> Result<Self, BrokerError> {

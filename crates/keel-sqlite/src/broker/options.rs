@@ -1,10 +1,13 @@
 //! How a [`SqliteBroker`](super::SqliteBroker) keeps, dedupes and delivers
 //! messages.
 
+use std::path::Path;
 use std::time::Duration;
 
 use keel_messaging::broker::BrokerError;
-use sqlx::sqlite::SqliteSynchronous;
+use sqlx::sqlite::{SqlitePool, SqliteSynchronous};
+
+use super::SqliteBroker;
 
 /// Options of a [`SqliteBroker`](super::SqliteBroker). Every setting has a
 /// documented default; invalid values are refused when the broker opens.
@@ -49,6 +52,29 @@ impl Default for SqliteBrokerOptions {
 }
 
 impl SqliteBrokerOptions {
+    /// Opens (creating if needed, readable by the owner only) the broker in
+    /// the database file at `path`: WAL mode, these options' `synchronous`
+    /// setting and pool size, a 5 s busy timeout for writers in other
+    /// processes.
+    pub async fn open(self, path: impl AsRef<Path>) -> Result<SqliteBroker, BrokerError> {
+        SqliteBroker::open_file(path, self).await
+    }
+
+    /// Opens a broker in a private in-memory database: for tests and demos;
+    /// it vanishes with the last clone.
+    pub async fn open_in_memory(self) -> Result<SqliteBroker, BrokerError> {
+        SqliteBroker::open_memory(self).await
+    }
+
+    /// The broker on an existing pool (for example the store's, so both
+    /// share one file). Runs the broker's migrations (numbered 2xxx, so they
+    /// coexist with the store's) and starts the settle and pruning tasks on
+    /// the current tokio runtime. The pool's pragmas are the caller's: use
+    /// WAL mode and a busy timeout for file databases.
+    pub async fn from_pool(self, pool: SqlitePool) -> Result<SqliteBroker, BrokerError> {
+        SqliteBroker::on_pool(pool, self).await
+    }
+
     /// The defaults (see each setter).
     pub fn new() -> Self {
         Self::default()

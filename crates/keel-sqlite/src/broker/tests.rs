@@ -26,7 +26,8 @@ fn quiet() -> SqliteBrokerOptions {
 
 async fn temp_broker(options: SqliteBrokerOptions) -> (SqliteBroker, TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let broker = SqliteBroker::open_with(dir.path().join("broker.db"), options)
+    let broker = options
+        .open(dir.path().join("broker.db"))
         .await
         .expect("open");
     (broker, dir)
@@ -159,9 +160,7 @@ async fn a_hot_key_backlog_does_not_hide_other_keys() {
 
 #[tokio::test]
 async fn settles_follow_the_lease_rules_of_one_delivery() {
-    let broker = SqliteBroker::open_in_memory_with(quiet())
-        .await
-        .expect("open");
+    let broker = quiet().open_in_memory().await.expect("open");
     broker
         .publish(&[msg("t", "m1", "k"), msg("t", "m2", "j")])
         .await
@@ -203,9 +202,7 @@ async fn settles_follow_the_lease_rules_of_one_delivery() {
 
 #[tokio::test]
 async fn a_settle_after_the_lease_ran_out_still_counts_until_someone_else_takes_it() {
-    let broker = SqliteBroker::open_in_memory_with(quiet())
-        .await
-        .expect("open");
+    let broker = quiet().open_in_memory().await.expect("open");
     broker
         .publish(&[msg("t", "m1", "k")])
         .await
@@ -232,9 +229,7 @@ async fn a_settle_after_the_lease_ran_out_still_counts_until_someone_else_takes_
 #[tokio::test]
 async fn one_settle_batch_tells_stale_leases_from_fresh_ones() {
     use super::db::{SettleAction, SettleRequest};
-    let broker = SqliteBroker::open_in_memory_with(quiet())
-        .await
-        .expect("open");
+    let broker = quiet().open_in_memory().await.expect("open");
     broker
         .publish(&[msg("t", "m1", "a"), msg("t", "m2", "b")])
         .await
@@ -289,7 +284,9 @@ async fn one_settle_batch_tells_stale_leases_from_fresh_ones() {
 
 #[tokio::test]
 async fn refuses_bad_input() {
-    let broker = SqliteBroker::open_in_memory_with(quiet().max_message_bytes(100))
+    let broker = quiet()
+        .max_message_bytes(100)
+        .open_in_memory()
         .await
         .expect("open");
     let too_big = Message::new("big", "t", "k", vec![0_u8; 200]);
@@ -317,7 +314,7 @@ async fn refuses_bad_input() {
             Err(BrokerError::Invalid(_))
         ));
     }
-    let bad = SqliteBroker::open_in_memory_with(quiet().pull_batch(0)).await;
+    let bad = quiet().pull_batch(0).open_in_memory().await;
     assert!(matches!(bad, Err(BrokerError::Invalid(_))));
     broker.publish(&[]).await.expect("an empty publish is fine");
 }
@@ -327,9 +324,7 @@ async fn pruning_deletes_only_what_every_group_settled() {
     let options = quiet()
         .retention(Duration::ZERO)
         .dedupe_window(Duration::ZERO);
-    let broker = SqliteBroker::open_in_memory_with(options)
-        .await
-        .expect("open");
+    let broker = options.open_in_memory().await.expect("open");
     let mut fast = sub(&broker, "t", "fast", Duration::from_secs(30)).await;
     let mut slow = sub(&broker, "t", "slow", Duration::from_secs(30)).await;
     broker
@@ -367,9 +362,7 @@ async fn pruning_keeps_messages_for_the_retention_and_in_bounded_batches() {
         .retention(Duration::from_millis(300))
         .dedupe_window(Duration::ZERO)
         .prune_batch(4);
-    let broker = SqliteBroker::open_in_memory_with(options)
-        .await
-        .expect("open");
+    let broker = options.open_in_memory().await.expect("open");
     let batch: Vec<Message> = (0..10)
         .map(|i| msg("t", &format!("m{i}"), &format!("k{i}")))
         .collect();
@@ -398,9 +391,7 @@ async fn sequences_are_never_reused_after_the_newest_message_is_pruned() {
     let options = quiet()
         .retention(Duration::ZERO)
         .dedupe_window(Duration::ZERO);
-    let broker = SqliteBroker::open_in_memory_with(options)
-        .await
-        .expect("open");
+    let broker = options.open_in_memory().await.expect("open");
     let mut s = sub(&broker, "t", "g", Duration::from_secs(30)).await;
     broker
         .publish(&[msg("t", "m1", "k")])
@@ -431,9 +422,7 @@ async fn dedupe_lasts_as_long_as_the_message_is_kept() {
     let options = quiet()
         .retention(Duration::ZERO)
         .dedupe_window(Duration::from_millis(300));
-    let broker = SqliteBroker::open_in_memory_with(options)
-        .await
-        .expect("open");
+    let broker = options.open_in_memory().await.expect("open");
     broker
         .publish(&[msg("t", "m1", "k")])
         .await
@@ -469,7 +458,7 @@ async fn messages_and_leases_survive_a_restart() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("broker.db");
     {
-        let broker = SqliteBroker::open_with(&path, quiet()).await.expect("open");
+        let broker = quiet().open(&path).await.expect("open");
         broker
             .publish(&[msg("t", "m1", "k"), msg("t", "m2", "k")])
             .await
@@ -479,9 +468,7 @@ async fn messages_and_leases_survive_a_restart() {
         assert_eq!(ids(&got), ["m1"]);
         broker.close().await; // "crash" holding the lease on m1
     }
-    let broker = SqliteBroker::open_with(&path, quiet())
-        .await
-        .expect("reopen");
+    let broker = quiet().open(&path).await.expect("reopen");
     broker
         .publish(&[msg("t", "m1", "k")])
         .await
@@ -502,7 +489,8 @@ async fn messages_and_leases_survive_a_restart() {
 async fn brokers_sharing_a_file_see_each_other_by_polling() {
     let options = quiet().poll_interval(Duration::from_millis(50));
     let (one, dir) = temp_broker(options.clone()).await;
-    let two = SqliteBroker::open_with(dir.path().join("broker.db"), options)
+    let two = options
+        .open(dir.path().join("broker.db"))
         .await
         .expect("open");
     let mut on_two = sub(&two, "t", "g", Duration::from_secs(30)).await;
@@ -539,9 +527,7 @@ async fn brokers_sharing_a_file_see_each_other_by_polling() {
 #[tokio::test]
 async fn a_waiting_receive_wakes_when_a_nack_delay_ends_or_a_key_is_released() {
     let options = quiet().poll_interval(Duration::from_secs(30));
-    let broker = SqliteBroker::open_in_memory_with(options)
-        .await
-        .expect("open");
+    let broker = options.open_in_memory().await.expect("open");
     broker
         .publish(&[msg("t", "m1", "k"), msg("t", "m2", "k")])
         .await
@@ -581,9 +567,7 @@ async fn a_waiting_receive_wakes_when_a_nack_delay_ends_or_a_key_is_released() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_acks_are_batched_and_all_confirmed() {
-    let broker = SqliteBroker::open_in_memory_with(quiet())
-        .await
-        .expect("open");
+    let broker = quiet().open_in_memory().await.expect("open");
     let batch: Vec<Message> = (0..300)
         .map(|i| msg("t", &format!("m{i}"), &format!("k{i}")))
         .collect();
@@ -627,145 +611,4 @@ async fn shares_a_database_with_other_migrations() {
         .await
         .expect("journal mode");
     assert_eq!(mode, "wal");
-}
-
-/// Rough rates on this machine, relative to SQLite's raw insert-and-commit
-/// rate on the same file. Each figure is the median of interleaved rounds,
-/// so a noisy neighbour skews raw and broker alike. Not a benchmark
-/// (criterion is), a sanity check: `cargo test --release -p keel-sqlite
-/// --lib broker::tests::throughput -- --ignored --nocapture`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "prints throughput figures; run in release mode"]
-async fn throughput_relative_to_raw_inserts() {
-    const ROUNDS: usize = 7;
-    const N: usize = 2_000;
-    let (broker, _dir) = temp_broker(quiet()).await;
-    let pool = broker.pool().clone();
-    sqlx::query(
-        "CREATE TABLE raw (id INTEGER PRIMARY KEY, event_id TEXT NOT NULL UNIQUE, payload BLOB NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .expect("create");
-    let payload = vec![7_u8; 256];
-    let message = |topic: &str, round: usize, i: usize| {
-        Message::new(
-            format!("{topic}-{round}-{i}"),
-            topic,
-            format!("key-{}", i % 64),
-            payload.clone(),
-        )
-    };
-    let rate = |n: usize, started: clock::Instant| n as f64 / started.elapsed().as_secs_f64();
-    let mut figures: [Vec<f64>; 5] = Default::default();
-    for round in 0..ROUNDS {
-        let started = clock::now();
-        for i in 0..N {
-            sqlx::query("INSERT INTO raw (event_id, payload) VALUES (?1, ?2)")
-                .bind(format!("raw-{round}-{i}"))
-                .bind(&payload)
-                .execute(&pool)
-                .await
-                .expect("insert");
-        }
-        figures[0].push(rate(N, started));
-
-        let batch: Vec<Message> = (0..N).map(|i| message("batched", round, i)).collect();
-        let started = clock::now();
-        for chunk in batch.chunks(100) {
-            broker.publish(chunk).await.expect("publish");
-        }
-        figures[1].push(rate(N, started));
-
-        let singles: Vec<Message> = (0..N).map(|i| message("single", round, i)).collect();
-        let started = clock::now();
-        for one in singles.chunks(1) {
-            broker.publish(one).await.expect("publish");
-        }
-        figures[2].push(rate(N, started));
-
-        let mut s = sub(
-            &broker,
-            "batched",
-            &format!("concurrent-{round}"),
-            Duration::from_secs(60),
-        )
-        .await;
-        let started = clock::now();
-        let mut done = 0;
-        while done < N {
-            let got = s
-                .receive(100, Duration::from_secs(1))
-                .await
-                .expect("receive");
-            assert!(!got.is_empty(), "stalled at {done}");
-            for ack in futures_join(got.iter().map(Delivery::ack).collect()).await {
-                ack.expect("ack");
-            }
-            done += got.len();
-        }
-        figures[3].push(rate(N, started));
-
-        let mut s = sub(
-            &broker,
-            "single",
-            &format!("sequential-{round}"),
-            Duration::from_secs(60),
-        )
-        .await;
-        let started = clock::now();
-        let mut done = 0;
-        while done < N {
-            let got = s
-                .receive(100, Duration::from_secs(1))
-                .await
-                .expect("receive");
-            for delivery in &got {
-                delivery.ack().await.expect("ack");
-            }
-            done += got.len();
-        }
-        figures[4].push(rate(N, started));
-    }
-    let [raw, batched, single, concurrent, sequential] = figures.map(|mut rates| {
-        rates.sort_by(f64::total_cmp);
-        rates[rates.len() / 2]
-    });
-    println!("median of {ROUNDS} rounds of {N}:");
-    println!("raw insert-and-commit (1 row per tx): {raw:>8.0}/s");
-    for (what, rate) in [
-        ("publish, batches of 100", batched),
-        ("publish, one per call", single),
-        ("receive 100 + concurrent acks", concurrent),
-        ("receive 100 + sequential acks", sequential),
-    ] {
-        println!("{what:<37} {rate:>8.0}/s  {:.2}x raw", rate / raw);
-    }
-}
-
-/// Awaits futures concurrently on this task (no extra dependency).
-async fn futures_join<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut set = Vec::with_capacity(futures.len());
-    for future in futures {
-        set.push(Box::pin(future));
-    }
-    let mut outputs: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (i, future) in set.iter_mut().enumerate() {
-            if outputs[i].is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(out) => outputs[i] = Some(out),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
 }

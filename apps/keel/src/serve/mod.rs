@@ -1,0 +1,296 @@
+//! `keel serve`: the reference shop as a server, configured by flags,
+//! environment (`KEEL_*`) and a TOML file, in that order of precedence.
+//!
+//! Configuration is validated before anything starts, and each refusal
+//! says what to change: a backend that is not compiled in, a malformed
+//! address, an admin API on a public address without a token.
+
+mod config;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{MethodRouter, delete, get, post};
+use keel_admin::console::Console;
+use keel_admin::{Admin, AdminToken, BrokerLag};
+use keel_http::access::{AllowedHosts, ApiKeyLayer, FailureThrottle};
+use keel_http::health::{DEFAULT_POOL_EXHAUSTION_GRACE, Health};
+use keel_http::jobs::{JobRequested, Jobs, JobsOptions};
+use keel_messaging::Outbox;
+use keel_messaging::broker::Broker;
+use keel_messaging::consumer::{Consumer, Group};
+use keel_webhooks::WebhookReceiver;
+use keel_webhooks::signing::Secret;
+
+use crate::api::openapi;
+use crate::api::reports::{ReportWorker, Reports};
+use crate::api::webhooks::{self, WebhookApi};
+use crate::backend::{self, Backend, OnStore};
+use crate::shop::{Components, ShopStore, StartError, System, SystemConfig, fulfilment};
+
+pub use config::*;
+
+/// The default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+/// The consumer group that runs report jobs.
+pub const REPORTS_GROUP: &str = "reports";
+
+/// The admin API and the console, behind the admin token and answering
+/// only `hosts`. Mounted by `keel serve`; the chaos run and tests can mount
+/// it too.
+pub fn admin_routes<S: ShopStore>(
+    c: &Components<S>,
+    token: AdminToken,
+    hosts: AllowedHosts,
+) -> (Admin<S>, Router) {
+    let lag = BrokerLag::new(Arc::clone(&c.broker))
+        .group(fulfilment::TOPIC, fulfilment::GROUP)
+        .group(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP);
+    let admin = Admin::builder(c.store.clone())
+        .token(token)
+        .allowed_hosts(hosts)
+        .outbox(Outbox::new(c.store.clone()))
+        .sagas(c.orchestrator.clone())
+        .breakers(c.breakers.clone())
+        .gauges(lag)
+        .build();
+    let router = admin.router().merge(Console::new(admin.clone()).router());
+    (admin, router)
+}
+
+/// The routes `keel serve` adds to the public API: reports and jobs,
+/// webhooks, health, metrics, OpenAPI, admin and console.
+pub fn serve_routes<S: ShopStore>(
+    c: &Components<S>,
+    config: &ServeConfig,
+    reports: Reports,
+    jobs: &Jobs<S>,
+) -> Result<Router, StartError> {
+    let secret = match &config.inbound_webhook_secret {
+        Some(s) => Secret::parse(s),
+        None => Secret::generate(),
+    }
+    .map_err(|e| StartError::Config(e.to_string()))?;
+    let webhook_api = WebhookApi {
+        endpoints: c.endpoints.clone(),
+        receiver: WebhookReceiver::new([secret]),
+        max_per_tenant: config.max_endpoints_per_tenant,
+        creating: Arc::default(),
+    };
+    // Each method router gets the key check of its own, so a method a
+    // route lacks answers 405 with `Allow`, not 401.
+    let management = ApiKeyLayer::new(config.api_keys.clone(), FailureThrottle::default());
+    let managed = |route: MethodRouter<WebhookApi<S>>| route.route_layer(management.clone());
+    let webhook_routes = Router::new()
+        .route(
+            "/webhook-endpoints",
+            managed(post(webhooks::create_endpoint::<S>).get(webhooks::list_endpoints::<S>)),
+        )
+        .route(
+            "/webhook-endpoints/{id}",
+            managed(delete(webhooks::delete_endpoint::<S>)),
+        )
+        .route(
+            "/webhook-endpoints/{id}/deliveries",
+            managed(get(webhooks::list_deliveries::<S>)),
+        )
+        .route(
+            "/deliveries/{id}/resend",
+            managed(post(webhooks::resend::<S>)),
+        )
+        .route("/webhooks/inbound/{source}", post(webhooks::inbound::<S>))
+        .with_state(webhook_api);
+    let http = reqwest::Client::new();
+    let pool = c.store.clone();
+    let mut health = Health::builder()
+        .drain(&c.drain)
+        .store(c.store.clone())
+        .pool_exhaustion("db_pool", DEFAULT_POOL_EXHAUSTION_GRACE, move || {
+            pool.connections_free()
+        });
+    let urls = &c.dependency_urls;
+    for (name, url) in [
+        ("payments", urls.payments.clone()),
+        ("inventory", urls.inventory.clone()),
+        ("shipping", urls.shipping.clone()),
+        ("notifications", urls.notifications.clone()),
+    ] {
+        let http = http.clone();
+        health = health.dependency(name, Duration::from_secs(1), move || {
+            let request = http.get(url.clone());
+            async move { request.send().await.map(drop) }
+        });
+    }
+    let health = health
+        .build()
+        .map_err(|e| StartError::Config(e.to_string()))?;
+    let token = AdminToken::require_for(config.listen, config.admin_token.clone())
+        .map_err(|e| StartError::Config(e.to_string()))?;
+    let (admin, admin_routes) = admin_routes(c, token, config.allowed_hosts.clone());
+    let auth = (!config.public_metrics).then(|| admin.auth_layer());
+    let guarded = |route: MethodRouter| match &auth {
+        Some(auth) => route.route_layer(auth.clone()),
+        None => route,
+    };
+    let operations = Router::new()
+        .route("/debug/deep", guarded(health.deep_route()))
+        .route(
+            "/metrics",
+            guarded(get(|| async { crate::metrics_report::render() })),
+        );
+    Ok(Router::new()
+        .route("/reports", jobs.create_route())
+        .merge(jobs.routes())
+        .route(
+            "/reports/{id}",
+            get(crate::api::reports::get_report).with_state(reports),
+        )
+        .merge(webhook_routes)
+        .merge(health.probes_router())
+        .merge(operations)
+        .route(
+            "/openapi.json",
+            get(|| async {
+                (
+                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                    openapi::json(),
+                )
+            }),
+        )
+        .merge(admin_routes))
+}
+
+/// Opens the configured store and broker.
+pub async fn open(config: &ServeConfig) -> anyhow::Result<Backend> {
+    Ok(Backend::open(&config.backend_options()).await?)
+}
+
+/// Runs the server until SIGTERM/ctrl-c, printing exactly one line to
+/// stdout once listening: `keel: listening on http://ADDR`.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    crate::metrics_report::install();
+    let config = args.resolve()?;
+    let options = config.backend_options();
+    tracing::info!(backends = %options.describe(), "opening the backends");
+    let backend = Backend::open(&options).await?;
+    backend.run(Serve { config }).await
+}
+
+/// The server, on whichever store was opened.
+struct Serve {
+    config: ServeConfig,
+}
+
+impl OnStore for Serve {
+    type Output = anyhow::Result<()>;
+
+    async fn run<S: ShopStore>(self, store: S, broker: Arc<dyn Broker>) -> anyhow::Result<()> {
+        serve_on(self.config, store, broker).await
+    }
+}
+
+/// Says loudly what is open to whom, once, at start.
+fn warn_about_exposure(config: &ServeConfig) {
+    if config.admin_token.is_none() {
+        tracing::warn!(
+            "THE ADMIN API AND CONSOLE HAVE NO TOKEN: anyone who can open a connection to {} \
+             from this machine can read them; state-changing requests still need a session \
+             and its CSRF token. Set KEEL_ADMIN_TOKEN (or --admin-token-file) before \
+             exposing this server to other users",
+            config.listen
+        );
+    }
+    tracing::info!(hosts = %config.allowed_hosts.describe(), "the admin API answers these Host names");
+    if config.api_keys.is_empty() {
+        tracing::warn!(
+            "no API key is configured (--api-key tenant:key): webhook endpoints cannot be managed"
+        );
+    }
+    if !config.secrets.is_sealing() {
+        tracing::warn!(
+            "webhook secrets are stored in plain text: set KEEL_SECRETS_KEY to seal them at rest"
+        );
+    }
+    if config.public_metrics {
+        tracing::warn!("/metrics and /debug/deep are served to anyone (--public-metrics)");
+    }
+}
+
+async fn serve_on<S: ShopStore>(
+    config: ServeConfig,
+    store: S,
+    broker: Arc<dyn Broker>,
+) -> anyhow::Result<()> {
+    warn_about_exposure(&config);
+    let system = SystemConfig {
+        listen: config.listen,
+        demo_faults: config.demo_faults,
+        allow_loopback_webhooks: config.allow_loopback_webhooks,
+        secrets: config.secrets.clone(),
+        connection_limits: config.connection_limits.clone(),
+        streams_per_client: config.max_streams_per_client,
+        ws_origins: config.ws_allowed_origins.clone(),
+        cursor_key: config
+            .cursor_key
+            .clone()
+            .map(String::into_bytes)
+            .unwrap_or_else(|| SystemConfig::default().cursor_key),
+        lb_notice: Duration::from_secs(1),
+        // Processes sharing a database must not take each other's claims.
+        relay_name: if matches!(config.database, Database::Sqlite(_)) {
+            "shop-relay".to_owned()
+        } else {
+            format!("shop-relay-{}", keel_core::id::new_id().simple())
+        },
+        ..SystemConfig::default()
+    };
+    let reports = Reports::default();
+    let jobs = Jobs::new(Outbox::new(store.clone()), JobsOptions::new("report"))
+        .map_err(|e| anyhow::anyhow!("jobs: {e}"))?;
+    let worker = Consumer::builder(store.clone(), Arc::clone(&broker))
+        .group(
+            Group::new(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP).on(
+                <JobRequested as keel_messaging::Event>::TYPE,
+                ReportWorker {
+                    jobs: jobs.clone(),
+                    reports: reports.clone(),
+                },
+            ),
+        )
+        .build()?;
+    let cfg = config.clone();
+    let jobs_for_routes = jobs.clone();
+    let handle = System::start(store, broker, system, move |c| {
+        serve_routes(c, &cfg, reports, &jobs_for_routes)
+    })
+    .await?;
+    // Other processes' commits wake this one's relay, orchestrator and
+    // event-log readers (PostgreSQL; a no-op on SQLite).
+    let _wakeups = backend::spawn_wakeups(&handle.store, backend::wake_targets(&handle));
+    let (stop_worker, worker_stopped) = tokio::sync::watch::channel(false);
+    let worker_task = tokio::spawn(async move {
+        let mut rx = worker_stopped;
+        worker
+            .run(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    println!("keel: listening on {}", handle.base_url);
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    let urls = handle.dependencies.urls().clone();
+    tracing::info!(?urls, "dependencies on loopback");
+    handle.drain.trigger_on_signal()?;
+    handle
+        .drain
+        .wait_for(keel_http::health::Phase::Draining)
+        .await;
+    let _ = stop_worker.send(true);
+    handle.shutdown().await;
+    let _ = worker_task.await;
+    Ok(())
+}

@@ -1,0 +1,132 @@
+use super::*;
+
+fn args() -> ServeArgs {
+    ServeArgs::default()
+}
+
+#[test]
+fn defaults_are_loopback_sqlite_and_the_embedded_broker() {
+    let config = args().resolve().unwrap();
+    assert_eq!(config.listen, DEFAULT_LISTEN.parse().unwrap());
+    assert_eq!(config.database, Database::Sqlite("keel.db".into()));
+    assert_eq!(config.broker, BrokerKind::Embedded("keel.db.broker".into()));
+    assert!(!config.demo_faults);
+}
+
+#[test]
+fn flags_win_over_the_file_which_wins_over_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keel.toml");
+    std::fs::write(
+        &path,
+        "listen = \"127.0.0.1:9999\"\ndatabase_url = \"sqlite:/tmp/from-file.db\"\ndemo_faults = true\n",
+    )
+    .unwrap();
+    let mut a = args();
+    a.config = Some(path);
+    let config = a.resolve().unwrap();
+    assert_eq!(config.listen, "127.0.0.1:9999".parse().unwrap());
+    assert_eq!(
+        config.database,
+        Database::Sqlite("/tmp/from-file.db".into())
+    );
+    assert!(config.demo_faults);
+    a.listen = Some("127.0.0.1:7777".into());
+    assert_eq!(
+        a.resolve().unwrap().listen,
+        "127.0.0.1:7777".parse().unwrap()
+    );
+}
+
+#[test]
+fn scale_out_backends_resolve_with_their_schema_and_prefix() {
+    let mut a = args();
+    a.database_url = Some("postgres://keel@127.0.0.1/keel".into());
+    a.broker = Some("nats://127.0.0.1:4222".into());
+    a.pg_schema = Some("shop".into());
+    a.stream_prefix = Some("SHOP".into());
+    let resolved = a.resolve();
+    if cfg!(all(feature = "postgres", feature = "nats")) {
+        let options = resolved.unwrap().backend_options();
+        assert!(options.shareable());
+        assert_eq!(options.pg_schema, "shop");
+        assert_eq!(options.stream_prefix, "SHOP");
+    } else {
+        assert!(resolved.unwrap_err().to_string().contains("feature"));
+    }
+    let options = args().resolve().unwrap().backend_options();
+    assert_eq!(options.pg_schema, backend::DEFAULT_PG_SCHEMA);
+    assert_eq!(options.stream_prefix, backend::DEFAULT_STREAM_PREFIX);
+}
+
+#[test]
+fn unusable_settings_say_what_to_change() {
+    let mut a = args();
+    a.listen = Some("localhost".into());
+    assert!(a.resolve().unwrap_err().to_string().contains("IP:PORT"));
+    let mut a = args();
+    a.database_url = Some("mysql://x".into());
+    assert!(a.resolve().is_err());
+    let mut a = args();
+    a.broker = Some("kafka://127.0.0.1:9092".into());
+    assert!(a.resolve().unwrap_err().to_string().contains("nats://"));
+    let mut a = args();
+    a.listen = Some("192.0.2.1:8080".into());
+    assert!(a.resolve().unwrap_err().to_string().contains("admin-token"));
+    a.admin_token = Some("a-long-enough-admin-token".into());
+    assert!(a.resolve().is_ok());
+    let mut a = args();
+    a.cursor_key = Some("short".into());
+    assert!(a.resolve().is_err());
+}
+
+#[test]
+fn security_settings_are_checked_and_secrets_come_from_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "a-token-from-a-file-0123\n").unwrap();
+    let mut a = args();
+    a.listen = Some("192.0.2.1:8080".into());
+    a.admin_token_file = Some(token_file);
+    let config = a.resolve().unwrap();
+    assert_eq!(
+        config.admin_token.as_deref(),
+        Some("a-token-from-a-file-0123")
+    );
+    let refused = |change: fn(&mut ServeArgs), setting: &str| {
+        let mut a = args();
+        change(&mut a);
+        let err = a.resolve().unwrap_err().to_string();
+        assert!(err.contains(setting), "{setting}: {err}");
+    };
+    refused(|a| a.api_keys = vec!["acme".into()], "api-key");
+    refused(|a| a.api_keys = vec!["acme:short".into()], "api-key");
+    refused(|a| a.secrets_key = Some("not-a-key".into()), "secrets-key");
+    refused(
+        |a| a.allowed_hosts = vec!["bad host".into()],
+        "allowed-hosts",
+    );
+    refused(|a| a.max_connections = Some(0), "max_connections");
+    refused(
+        |a| a.max_streams_per_client = Some(0),
+        "max-streams-per-client",
+    );
+    refused(
+        |a| a.admin_token_file = Some("/nonexistent/token".into()),
+        "admin-token-file",
+    );
+    let mut a = args();
+    a.api_keys = vec!["acme:acme-key-0123456789".into()];
+    a.allowed_hosts = vec!["shop.example:8443".into()];
+    let config = a.resolve().unwrap();
+    assert_eq!(config.api_keys.tenants().count(), 1);
+    assert!(config.allowed_hosts.allows("shop.example:8443"));
+    assert!(!config.secrets.is_sealing());
+    assert!(!config.public_metrics);
+    a.admin_token = Some("a-secret-admin-token-0123".into());
+    let shown = format!("{:?}", a.resolve().unwrap());
+    assert!(
+        !shown.contains("a-secret-admin-token") && !shown.contains("acme-key"),
+        "{shown}"
+    );
+}

@@ -1,0 +1,135 @@
+//! A metrics recorder for assertions: every counter and gauge a test's code
+//! emits, readable by name and labels.
+//!
+//! A key is the metric's name followed by `,label=value` for each label in
+//! the order the code emits them: `keel_fallback_total,fallback=pricing,reason=rejected`.
+//! Use it locally (`metrics::with_local_recorder(&recorder, || ...)`) for
+//! what a constructor registers, or install it for the whole process with
+//! [`MetricsRecorder::global`] for work done on other tasks; under nextest
+//! every test is a process of its own, under `cargo test` they share it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use parking_lot::{Mutex, MutexGuard};
+
+/// Counters and gauges by key; histograms are ignored. Cheap to clone:
+/// clones share the values.
+#[derive(Debug, Clone, Default)]
+pub struct MetricsRecorder {
+    cells: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+}
+
+impl MetricsRecorder {
+    /// An empty recorder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The process-wide recorder, installed as the global one on first use.
+    ///
+    /// # Panics
+    ///
+    /// If another global recorder was installed first.
+    pub fn global() -> &'static Self {
+        static GLOBAL: OnceLock<MetricsRecorder> = OnceLock::new();
+        GLOBAL.get_or_init(|| {
+            let recorder = Self::new();
+            metrics::set_global_recorder(recorder.clone())
+                .expect("another global metrics recorder was installed first");
+            recorder
+        })
+    }
+
+    /// The counter under `key` (0 if it was never touched).
+    pub fn counter(&self, key: &str) -> u64 {
+        self.lock()
+            .get(key)
+            .map_or(0, |cell| cell.load(Ordering::SeqCst))
+    }
+
+    /// The sum of every counter of metric `name` with a label that starts
+    /// with `label` (`key=value`, or a prefix of it: `range=link-local`
+    /// matches `range=link-local (169.254.0.0/16)`), whatever its other
+    /// labels.
+    pub fn sum(&self, name: &str, label: &str) -> u64 {
+        let carries = |key: &str| {
+            key.strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix(','))
+                .is_some_and(|labels| {
+                    labels.starts_with(label) || labels.contains(&format!(",{label}"))
+                })
+        };
+        self.lock()
+            .iter()
+            .filter(|(key, _)| carries(key))
+            .map(|(_, cell)| cell.load(Ordering::SeqCst))
+            .sum()
+    }
+
+    /// The gauge under `key` (0.0 if it was never set).
+    pub fn gauge(&self, key: &str) -> f64 {
+        f64::from_bits(self.counter(key))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<AtomicU64>>> {
+        self.cells.lock()
+    }
+
+    fn cell(&self, key: &Key) -> Arc<AtomicU64> {
+        let mut name = key.name().to_owned();
+        for label in key.labels() {
+            name.push_str(&format!(",{}={}", label.key(), label.value()));
+        }
+        self.lock().entry(name).or_default().clone()
+    }
+}
+
+impl Recorder for MetricsRecorder {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::from_arc(self.cell(key))
+    }
+
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::from_arc(self.cell(key))
+    }
+
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_and_gauges_are_read_by_name_and_labels() {
+        let recorder = MetricsRecorder::new();
+        metrics::with_local_recorder(&recorder, || {
+            metrics::counter!("calls_total", "dependency" => "pricing").increment(2);
+            metrics::counter!("calls_total", "dependency" => "pricing").increment(1);
+            metrics::gauge!("limit").set(12.5);
+        });
+        assert_eq!(recorder.counter("calls_total,dependency=pricing"), 3);
+        assert_eq!(recorder.counter("calls_total,dependency=other"), 0);
+        assert_eq!(recorder.gauge("limit"), 12.5);
+        assert_eq!(recorder.sum("calls_total", "dependency=pricing"), 3);
+        assert_eq!(
+            recorder.sum("calls_total", "dependency=pri"),
+            3,
+            "a prefix of the value"
+        );
+        assert_eq!(
+            recorder.sum("calls", "dependency=pricing"),
+            0,
+            "names match whole"
+        );
+    }
+}

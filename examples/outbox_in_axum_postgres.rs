@@ -1,0 +1,126 @@
+//! The transactional outbox in an axum handler on PostgreSQL: the
+//! `outbox_in_axum_sqlite` example with only the store and its SQL
+//! changed. The broker stays the embedded one here; `NatsBroker::open(url)`
+//! (keel-nats) is the scale-out one, with the same API.
+//!
+//! `POST /orders` writes the order row *and* the event that announces it in
+//! one PostgreSQL transaction, so either both exist or neither does: no order
+//! without its event, no event for an order that rolled back. A relay then
+//! publishes the event to the broker, and an idempotent consumer applies it:
+//! its effect (an email row) commits in one transaction with the inbox row
+//! that remembers the event, so a redelivered copy is skipped, and the
+//! message is acked last. The relay, the consumer and the HTTP round trip
+//! are the same on every database, so they live in this package's library
+//! (`keel_examples::place_one_order`); this file is what is PostgreSQL's.
+//!
+//! Run: `DATABASE_URL=postgres://user@127.0.0.1/db cargo run -p keel-examples
+//! --example outbox_in_axum_postgres` (it creates a schema,
+//! `example_outbox`, for Keel's tables and its own two).
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use keel_examples::OrderPlaced;
+use keel_messaging::consumer::{Group, HandlerError};
+use keel_messaging::envelope::EventMeta;
+use keel_messaging::outbox::Outbox;
+use keel_messaging::store::Store;
+use keel_postgres::PgStore;
+use keel_sqlite::SqliteBroker;
+
+type Tx = <PgStore as Store>::Tx;
+
+/// The consumer's effect, written in its transaction (with the inbox row).
+async fn send_email(tx: &mut Tx, order: &OrderPlaced) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO example_emails (order_id) VALUES ($1)")
+        .bind(&order.order_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The order and its event, in one transaction.
+async fn place_order(
+    State(outbox): State<Outbox<PgStore>>,
+    Json(order): Json<OrderPlaced>,
+) -> Result<StatusCode, (StatusCode, String)> {
+    let failed = |e: &dyn std::fmt::Display| (StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+    let mut tx = outbox.store().begin().await.map_err(|e| failed(&e))?;
+    sqlx::query("INSERT INTO example_orders (id, total_minor) VALUES ($1, $2)")
+        .bind(&order.order_id)
+        .bind(order.total_minor)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| failed(&e))?;
+    outbox
+        .append_event(
+            &mut tx,
+            "orders",
+            "/services/orders",
+            &order,
+            EventMeta::new(1),
+        )
+        .await
+        .map_err(|e| failed(&e))?;
+    // Commits, then wakes the relay so the event leaves at once.
+    outbox.commit(tx).await.map_err(|e| failed(&e))?;
+    Ok(StatusCode::CREATED)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let url = std::env::var("DATABASE_URL")
+        .map_err(|_| anyhow::anyhow!("set DATABASE_URL to a PostgreSQL database"))?;
+    run(&url).await
+}
+
+/// The whole example against the database at `url`; the test below runs it
+/// on the test suite's server.
+async fn run(url: &str) -> anyhow::Result<()> {
+    // Keel's tables, and this example's, in a schema of their own.
+    let store = PgStore::options()
+        .schema("example_outbox")
+        .open(url)
+        .await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS example_orders (id TEXT PRIMARY KEY, total_minor BIGINT NOT NULL);
+         CREATE TABLE IF NOT EXISTS example_emails (order_id TEXT NOT NULL);
+         TRUNCATE example_orders, example_emails",
+    )
+    .execute(store.pool())
+    .await?;
+    let broker = Arc::new(SqliteBroker::open_in_memory().await?);
+    let outbox = Outbox::new(store.clone()).with_broker(broker.clone());
+
+    let emails = Group::new("orders", "emails").on_event(|tx: &mut Tx, order: OrderPlaced, _| {
+        Box::pin(async move { send_email(tx, &order).await })
+    });
+    let app = Router::new()
+        .route("/orders", post(place_order))
+        .with_state(outbox.clone());
+    let emails_sent = || async {
+        let sent: Vec<String> = sqlx::query_scalar("SELECT order_id FROM example_emails")
+            .fetch_all(store.pool())
+            .await?;
+        Ok(sent)
+    };
+    keel_examples::place_one_order(&outbox, broker, emails, app, emails_sent).await
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_testkit::services::{self, ServerLock, Service};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_to_the_end_on_the_test_server() {
+        // Skipped without scripts/services.sh; in CI a missing server fails.
+        let Some(url) = services::postgres_url() else {
+            return;
+        };
+        let _up = ServerLock::shared(Service::Postgres);
+        super::run(&url).await.expect("the example runs");
+    }
+}
