@@ -20,6 +20,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel_core::Rejected;
 use keel_messaging::StoreError;
+use keel_messaging::outbox::OutboxError;
 use serde::Serialize;
 
 mod json;
@@ -164,6 +165,27 @@ impl Problem {
     }
 }
 
+impl Problem {
+    /// The problem for an outbox append that failed: the store's failure is
+    /// [`from_store`](Self::from_store)'s problem; an event the outbox
+    /// refused (invalid, too large, unpublishable on the configured broker)
+    /// is the server's own bug, a `500` whose detail is logged, not sent.
+    /// A handler whose event carries the client's data and can tell it was
+    /// too large answers its own `413` or `422` before appending.
+    pub fn from_outbox(err: &OutboxError) -> Self {
+        match err {
+            OutboxError::Store(store) => Self::from_store(store),
+            other => Self::internal(other).typed("internal"),
+        }
+    }
+}
+
+impl From<&OutboxError> for Problem {
+    fn from(err: &OutboxError) -> Self {
+        Self::from_outbox(err)
+    }
+}
+
 impl From<&StoreError> for Problem {
     fn from(err: &StoreError) -> Self {
         Self::from_store(err)
@@ -260,6 +282,12 @@ mod tests {
         assert_eq!(
             Problem::from(&StoreError::NotFound("id".into())).status,
             404
+        );
+        let lost_in_outbox = OutboxError::Store(StoreError::OutcomeUnknown("reset".into()));
+        assert_eq!(
+            Problem::from(&lost_in_outbox).kind,
+            problem.kind,
+            "the same everywhere"
         );
         let bug = Problem::from(&StoreError::Other("schema".into()));
         assert_eq!(bug.status, 500);

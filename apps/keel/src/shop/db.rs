@@ -221,139 +221,27 @@ pub fn now_rfc3339() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shop::behaviours;
 
     async fn store() -> SqliteStore {
-        let store = SqliteStore::open_in_memory().await.unwrap();
-        store.migrate_shop().await.unwrap();
-        store
-            .seed_stock(&[("tea".into(), 10), ("rare".into(), 1)])
-            .await
-            .unwrap();
-        store
-    }
-
-    fn item(sku: &str, qty: u32) -> Item {
-        Item::new(sku, qty, 100)
+        behaviours::seeded(SqliteStore::open_in_memory().await.unwrap()).await
     }
 
     #[tokio::test]
     async fn reservations_are_all_or_nothing_and_deduped_by_key() {
-        let store = store().await;
-        let r = store
-            .reserve("o1:reserve_stock", "o1", &[item("tea", 2), item("tea", 1)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::Reserved);
-        // The same key again: no second reservation.
-        let r = store
-            .reserve("o1:reserve_stock", "o1", &[item("tea", 3)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::Reserved);
-        let r = store
-            .reserve("o2:reserve_stock", "o2", &[item("tea", 1), item("rare", 2)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::OutOfStock("rare".into()));
-        // Nothing of o2 stuck: tea is back to 10 - 3.
-        let r = store
-            .reserve("o3:reserve_stock", "o3", &[item("tea", 7)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::Reserved);
-        let release = |o: &'static str| {
-            let store = store.clone();
-            async move {
-                let (key, action) = (
-                    format!("{o}:undo:reserve_stock"),
-                    format!("{o}:reserve_stock"),
-                );
-                store.release(&key, o, &action).await.unwrap()
-            }
-        };
-        assert!(release("o1").await);
-        assert!(!release("o1").await);
-        assert!(!release("o2").await);
-        let r = store
-            .reserve("o4:reserve_stock", "o4", &[item("tea", 3)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::Reserved);
+        behaviours::reservations_are_all_or_nothing_and_deduped_by_key(&store().await).await;
     }
 
     #[tokio::test]
     async fn a_capture_is_charged_once_and_refunded_once() {
-        let store = store().await;
-        let capture = |o: &'static str| {
-            let store = store.clone();
-            async move {
-                store
-                    .capture(&format!("{o}:capture_payment"), o, 500)
-                    .await
-                    .unwrap()
-            }
-        };
-        let refund = |o: &'static str| {
-            let store = store.clone();
-            async move {
-                let (key, action) = (
-                    format!("{o}:undo:capture_payment"),
-                    format!("{o}:capture_payment"),
-                );
-                store.refund(&key, o, &action).await.unwrap()
-            }
-        };
-        assert_eq!(capture("o1").await, Capture::Charged(true));
-        assert_eq!(capture("o1").await, Capture::Charged(false));
-        assert!(refund("o1").await);
-        assert!(!refund("o1").await);
-        assert!(!refund("o2").await);
-        let audit = store.audit().await.unwrap();
-        let money: i64 = audit.effects.iter().map(|e| e.amount_cents).sum();
-        assert_eq!(money, 0);
-        assert_eq!(audit.effects.len(), 2);
+        behaviours::a_capture_is_charged_once_and_refunded_once(&store().await).await;
     }
 
     #[tokio::test]
     async fn a_late_action_after_its_compensation_is_refused_by_the_tombstone() {
-        let store = store().await;
-        // The capture's request is held up; the saga gives up and refunds:
-        // nothing to refund, but the capture's key is tombstoned.
-        assert!(
-            !store
-                .refund("o1:undo:capture_payment", "o1", "o1:capture_payment")
-                .await
-                .unwrap()
-        );
-        assert_eq!(
-            store
-                .capture("o1:capture_payment", "o1", 500)
-                .await
-                .unwrap(),
-            Capture::Undone,
-            "the late capture is refused"
-        );
-        // The same for a reservation released before it arrived.
-        assert!(
-            !store
-                .release("o1:undo:reserve_stock", "o1", "o1:reserve_stock")
-                .await
-                .unwrap()
-        );
-        assert_eq!(
-            store
-                .reserve("o1:reserve_stock", "o1", &[item("tea", 4)])
-                .await
-                .unwrap(),
-            Reservation::Undone
-        );
-        let audit = store.audit().await.unwrap();
-        assert!(audit.effects.is_empty(), "{:?}", audit.effects);
-        // Stock untouched: another order can take all ten.
-        let r = store
-            .reserve("o2:reserve_stock", "o2", &[item("tea", 10)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::Reserved);
+        behaviours::a_late_action_after_its_compensation_is_refused_by_the_tombstone(
+            &store().await,
+        )
+        .await;
     }
 }

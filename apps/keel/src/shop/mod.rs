@@ -10,6 +10,8 @@
 //! and webhooks, and the webhook delivery worker. `keel demo`, `keel serve`
 //! and `keel chaos` all start it this way.
 
+#[cfg(test)]
+mod behaviours;
 pub mod db;
 pub mod fulfilment;
 pub mod model;

@@ -67,6 +67,7 @@ fn db(err: sqlx::Error) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shop::behaviours;
     use crate::shop::db::{Capture, Reservation, ShopDb};
     use crate::shop::model::{DemoFault, Item, Order, OrderStatus};
 
@@ -81,12 +82,7 @@ mod tests {
             .open(&url)
             .await
             .unwrap();
-        store.migrate_shop().await.unwrap();
-        store
-            .seed_stock(&[("tea".into(), 10), ("rare".into(), 1)])
-            .await
-            .unwrap();
-        Some(store)
+        Some(behaviours::seeded(store).await)
     }
 
     fn item(sku: &str, qty: u32) -> Item {
@@ -104,41 +100,17 @@ mod tests {
     #[tokio::test]
     async fn reservations_are_all_or_nothing_and_deduped_by_key() {
         let Some(store) = store().await else { return };
-        let r = store
-            .reserve("o1:reserve_stock", "o1", &[item("tea", 2), item("tea", 1)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::Reserved);
-        let r = store
-            .reserve("o1:reserve_stock", "o1", &[item("tea", 3)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::Reserved);
-        let r = store
-            .reserve("o2:reserve_stock", "o2", &[item("tea", 1), item("rare", 2)])
-            .await
-            .unwrap();
-        assert_eq!(r, Reservation::OutOfStock("rare".into()));
-        assert_eq!(available(&store, "tea").await, 7);
-        let release = |o: &'static str| {
-            let store = store.clone();
-            async move {
-                let (key, action) = (
-                    format!("{o}:undo:reserve_stock"),
-                    format!("{o}:reserve_stock"),
-                );
-                store.release(&key, o, &action).await.unwrap()
-            }
-        };
-        assert!(release("o1").await);
-        assert!(!release("o1").await);
-        assert!(!release("o2").await);
-        assert_eq!(available(&store, "tea").await, 10);
-        // Seeding again (a second process starting) keeps the levels.
+        behaviours::reservations_are_all_or_nothing_and_deduped_by_key(&store).await;
+    }
+
+    #[tokio::test]
+    async fn seeding_again_keeps_the_stock_levels() {
+        let Some(store) = store().await else { return };
         store
             .reserve("o3:reserve_stock", "o3", &[item("tea", 4)])
             .await
             .unwrap();
+        // A second process starting seeds again: the levels stay.
         store.seed_stock(&[("tea".into(), 10)]).await.unwrap();
         assert_eq!(available(&store, "tea").await, 6);
         store.migrate_shop().await.unwrap();
@@ -236,37 +208,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_capture_is_charged_once_and_refunded_once_and_audited() {
+    async fn a_capture_is_charged_once_and_refunded_once() {
         let Some(store) = store().await else { return };
-        let capture = |o: &'static str| {
-            let store = store.clone();
-            async move {
-                store
-                    .capture(&format!("{o}:capture_payment"), o, 500)
-                    .await
-                    .unwrap()
-            }
-        };
-        let refund = |o: &'static str| {
-            let store = store.clone();
-            async move {
-                let (key, action) = (
-                    format!("{o}:undo:capture_payment"),
-                    format!("{o}:capture_payment"),
-                );
-                store.refund(&key, o, &action).await.unwrap()
-            }
-        };
-        assert_eq!(capture("o1").await, Capture::Charged(true));
-        assert_eq!(capture("o1").await, Capture::Charged(false));
-        assert!(refund("o1").await);
-        assert!(!refund("o1").await);
-        assert!(!refund("o2").await);
-        let audit = store.audit().await.unwrap();
-        let money: i64 = audit.effects.iter().map(|e| e.amount_cents).sum();
-        assert_eq!(money, 0);
-        assert_eq!(audit.effects.len(), 2);
-        assert!(audit.effects[1].compensation);
+        behaviours::a_capture_is_charged_once_and_refunded_once(&store).await;
+    }
+
+    #[tokio::test]
+    async fn a_late_action_after_its_compensation_is_refused_by_the_tombstone() {
+        let Some(store) = store().await else { return };
+        behaviours::a_late_action_after_its_compensation_is_refused_by_the_tombstone(&store).await;
     }
 
     async fn place(store: &PgStore, id: &str, saga_status: &str) {

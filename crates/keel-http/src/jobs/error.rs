@@ -142,7 +142,7 @@ impl IntoResponse for JobError {
         }
         match &self {
             Self::Store(err) => Problem::from_store(err),
-            Self::Outbox(_) => Problem::internal(&self).typed("internal"),
+            Self::Outbox(err) => Problem::from_outbox(err),
             _ => Problem::new(status, self.to_string()).typed(&format!("jobs:{}", self.kind())),
         }
         .into_response()
