@@ -16,12 +16,11 @@
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
 use keel_core::Classified;
 use keel_messaging::saga::{SagaDefinition, SagaOrchestrator, Step, StepContext};
 use keel_messaging::store::Store;
 use keel_sqlite::SqliteStore;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Serialize, Deserialize)]
@@ -59,7 +58,10 @@ fn fulfilment(effects: &Effects) -> anyhow::Result<SagaDefinition<Order>> {
                     order.sku
                 )))
             } else {
-                effects.lock().push(format!("reserve {}", order.id));
+                let key = ctx.idempotency_key();
+                effects
+                    .lock()
+                    .push(format!("reserve {} (key {key})", order.id));
                 Ok(())
             };
             std::future::ready(result)

@@ -2,11 +2,11 @@
 //! sagas, webhook deliveries, circuit breakers and lag — behind a token.
 //!
 //! Keel's messaging crate already has the operations ([`DeadLetters`], the
-//! outbox's parked rows,
-//! [`SagaOrchestrator`], the webhook log); this module puts them on the
-//! network so that the operator console (the [`console`] module, feature
-//! `console`) and the `keel` CLI are two views of one API, and every error an operator can cause (an unknown id, a
-//! retry of a finished saga, a malformed filter, a missing token) comes
+//! outbox's parked rows, [`SagaOrchestrator`], the webhook log); this crate
+//! puts them on the network so that the operator console (the `console`
+//! module, feature `console`) and the `keel` CLI are two views of one API,
+//! and every error an operator can cause (an unknown id, a retry of a
+//! finished saga, a malformed filter, a missing token) comes
 //! back as problem+json with the status that says what happened.
 //!
 //! ```text

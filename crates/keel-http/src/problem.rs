@@ -163,9 +163,7 @@ impl Problem {
             _ => Self::internal(err).typed("internal"),
         }
     }
-}
 
-impl Problem {
     /// The problem for an outbox append that failed: the store's failure is
     /// [`from_store`](Self::from_store)'s problem; an event the outbox
     /// refused (invalid, too large, unpublishable on the configured broker)

@@ -1,6 +1,6 @@
 //! Whose events: the stream id, and the application's say on who is asking.
 //!
-//! keel-http does not own authentication. The application answers one
+//! keel-realtime does not own authentication. The application answers one
 //! question per request, "which stream may this caller read?", through
 //! [`Authenticate`]: usually by reading what its own auth middleware put
 //! into the request's extensions (a session, a verified JWT's subject).

@@ -31,9 +31,9 @@
 //! Nothing extra is needed for that, and nothing must get in its way: when a
 //! connection closes, hyper drops the request's future, and with it every
 //! future it is awaiting, outgoing HTTP calls through `keel-client`'s
-//! `PropagatingClient` included (a dropped reqwest future aborts its request). The one way to
-//! break this is `tokio::spawn`-ing work from a handler: a spawned task
-//! outlives the request. [`DeadlineLayer`] counts such cancellations in
+//! `PropagatingClient` included (a dropped reqwest future aborts its
+//! request). The one way to break this is `tokio::spawn`-ing work from a
+//! handler: a spawned task outlives the request. [`DeadlineLayer`] counts such cancellations in
 //! `keel_http_requests_cancelled_total`.
 //!
 //! # Client side
