@@ -133,7 +133,8 @@ impl Problem {
     /// resolves it (with the same `Idempotency-Key` it finds what landed),
     /// and the detail says to read back before writing anew.
     pub fn from_store(err: &StoreError) -> Self {
-        let retry_soon = |status, name: &str, detail: &str| {
+        let status = Self::store_status(err);
+        let retry_soon = |name: &str, detail: &str| {
             Self::new(status, detail)
                 .typed(name)
                 .with_retry_after(Duration::from_secs(1))
@@ -142,7 +143,6 @@ impl Problem {
             StoreError::Unavailable(_) => {
                 tracing::warn!(error = %err, "store unavailable");
                 retry_soon(
-                    StatusCode::SERVICE_UNAVAILABLE,
                     "store_unavailable",
                     "the store is unavailable; nothing was committed, retry shortly",
                 )
@@ -150,17 +150,35 @@ impl Problem {
             StoreError::OutcomeUnknown(_) => {
                 tracing::error!(error = %err, "commit outcome unknown");
                 retry_soon(
-                    StatusCode::SERVICE_UNAVAILABLE,
                     "commit_outcome_unknown",
                     "the write may or may not have been committed; retry with the same \
                      Idempotency-Key, or read back before writing again",
                 )
             }
-            StoreError::Conflict(what) => {
-                Self::new(StatusCode::CONFLICT, what.clone()).typed("conflict")
-            }
-            StoreError::NotFound(what) => Self::not_found(what.clone()).typed("not_found"),
+            StoreError::Conflict(what) => Self::new(status, what.clone()).typed("conflict"),
+            StoreError::NotFound(what) => Self::new(status, what.clone()).typed("not_found"),
             _ => Self::internal(err).typed("internal"),
+        }
+    }
+
+    /// The status [`from_store`](Self::from_store) answers `err` with, for
+    /// an error type whose own `status()` includes a store failure.
+    pub fn store_status(err: &StoreError) -> StatusCode {
+        match err {
+            StoreError::Unavailable(_) | StoreError::OutcomeUnknown(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            StoreError::Conflict(_) => StatusCode::CONFLICT,
+            StoreError::NotFound(_) => StatusCode::NOT_FOUND,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The status [`from_outbox`](Self::from_outbox) answers `err` with.
+    pub fn outbox_status(err: &OutboxError) -> StatusCode {
+        match err {
+            OutboxError::Store(store) => Self::store_status(store),
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 

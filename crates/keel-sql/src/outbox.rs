@@ -21,7 +21,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
-use keel_messaging::store::{OutboxRecord, OutboxStats, ParkedFilter, ParkedOutbox, PendingOutbox};
+use keel_messaging::store::{
+    OutboxRecord, OutboxStats, ParkedFilter, ParkedOutbox, PendingOutbox, PublishedOutbox,
+};
 
 use crate::backend::{Row, SqlBackend, Tx};
 use crate::dialect::{Dialect, SqlRow, Value};
@@ -46,6 +48,11 @@ SELECT COALESCE(SUM(CASE WHEN parked_at IS NULL THEN 1 ELSE 0 END), 0) AS unpubl
        MIN(CASE WHEN parked_at IS NULL THEN created_at END) AS oldest,
        COALESCE(SUM(CASE WHEN parked_at IS NOT NULL THEN 1 ELSE 0 END), 0) AS parked
   FROM keel_outbox WHERE published_at IS NULL";
+
+const PUBLISHED_SQL: &str = "\
+SELECT id, event_id, published_at FROM keel_outbox
+ WHERE published_at IS NOT NULL AND id > $1
+ ORDER BY id LIMIT $2";
 
 const PARK_SQL: &str = "\
 UPDATE keel_outbox SET claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1,
@@ -208,6 +215,26 @@ pub async fn stats<B: SqlBackend>(store: &B) -> Result<OutboxStats, StoreError> 
     })
 }
 
+/// [`OutboxStore::outbox_published`](keel_messaging::store::OutboxStore::outbox_published).
+pub async fn published<B: SqlBackend>(
+    store: &B,
+    after: i64,
+    limit: usize,
+) -> Result<Vec<PublishedOutbox>, StoreError> {
+    let rows = store
+        .read_all(PUBLISHED_SQL, &[after.into(), sql_limit(limit).into()])
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(PublishedOutbox {
+                id: row.int("id")?,
+                event_id: row.text("event_id")?,
+                published_at: row.time("published_at")?,
+            })
+        })
+        .collect()
+}
+
 /// [`OutboxStore::outbox_park`](keel_messaging::store::OutboxStore::outbox_park).
 pub async fn park<B: SqlBackend>(store: &B, id: i64, error: &str) -> Result<bool, StoreError> {
     let params = [id.into(), error.into(), B::Dialect::now().into()];
@@ -334,6 +361,17 @@ macro_rules! outbox_store {
                 batch: usize,
             ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
                 $crate::outbox::prune(self, before, batch).await
+            }
+
+            async fn outbox_published(
+                &self,
+                after: i64,
+                limit: usize,
+            ) -> ::std::result::Result<
+                ::std::vec::Vec<$crate::__private::store::PublishedOutbox>,
+                $crate::__private::StoreError,
+            > {
+                $crate::outbox::published(self, after, limit).await
             }
 
             async fn outbox_stats(

@@ -82,9 +82,7 @@ pub async fn get<B: SqlBackend>(store: &B, id: &str) -> Result<Option<SagaRecord
 /// [`SagaStore::saga_save`](keel_messaging::store::SagaStore::saga_save).
 pub async fn save<B: SqlBackend>(store: &B, saga: &SagaRecord) -> Result<bool, StoreError> {
     let data = serde_json::to_string(&saga.data).map_err(StoreError::other)?;
-    let expected_version = saga.version.saturating_sub(1);
-    let params = record_params(saga, &data, saga.updated_at.into(), expected_version.into());
-    let (sql, params) = signalled(store, Wake::Sagas, SAVE_SQL, params);
+    let (sql, params) = save_statement(store, saga, &data);
     let saved = retry::<B::Dialect, _, _, _>("saga_save", || {
         B::Dialect::fetch_optional(Exec::Pool(store.writer()), &sql, &params)
     })
@@ -93,11 +91,42 @@ pub async fn save<B: SqlBackend>(store: &B, saga: &SagaRecord) -> Result<bool, S
         return Ok(true);
     }
     // Lost the race, or there was nothing to save.
-    let id = saga.id.as_str().into();
-    refused_or_missing::<B::Dialect>(Exec::Pool(store.writer()), "keel_sagas", id, || {
+    refused_or_missing::<B::Dialect>(
+        Exec::Pool(store.writer()),
+        "keel_sagas",
+        saga.id.as_str().into(),
+        || format!("saga {}", saga.id),
+    )
+    .await
+}
+
+/// [`SagaStore::saga_save_in`](keel_messaging::store::SagaStore::saga_save_in).
+pub async fn save_in<B: SqlBackend>(
+    store: &B,
+    tx: &mut Tx<B>,
+    saga: &SagaRecord,
+) -> Result<bool, StoreError> {
+    let data = serde_json::to_string(&saga.data).map_err(StoreError::other)?;
+    let (sql, params) = save_statement(store, saga, &data);
+    let saved = B::Dialect::fetch_optional(Exec::Tx(&mut *tx), &sql, &params).await?;
+    if saved.is_some() {
+        return Ok(true);
+    }
+    refused_or_missing::<B::Dialect>(Exec::Tx(tx), "keel_sagas", saga.id.as_str().into(), || {
         format!("saga {}", saga.id)
     })
     .await
+}
+
+/// The save's statement: the record over the version before its own.
+fn save_statement<'a, B: SqlBackend>(
+    store: &'a B,
+    saga: &'a SagaRecord,
+    data: &'a str,
+) -> (String, Vec<Value<'a>>) {
+    let expected_version = saga.version.saturating_sub(1);
+    let params = record_params(saga, data, saga.updated_at.into(), expected_version.into());
+    signalled(store, Wake::Sagas, SAVE_SQL, params)
 }
 
 /// [`SagaStore::saga_due`](keel_messaging::store::SagaStore::saga_due).
@@ -224,6 +253,14 @@ macro_rules! saga_store {
                 saga: &$crate::__private::store::SagaRecord,
             ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
                 $crate::saga::save(self, saga).await
+            }
+
+            async fn saga_save_in(
+                &self,
+                tx: &mut <Self as $crate::__private::store::Store>::Tx,
+                saga: &$crate::__private::store::SagaRecord,
+            ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
+                $crate::saga::save_in(self, tx, saga).await
             }
 
             async fn saga_due(

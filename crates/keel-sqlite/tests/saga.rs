@@ -514,6 +514,9 @@ impl SagaStore for CrashingStore {
         }
         Ok(saved)
     }
+    async fn saga_save_in(&self, tx: &mut Tx, saga: &SagaRecord) -> Result<bool, StoreError> {
+        self.inner.saga_save_in(tx, saga).await
+    }
     async fn saga_due(
         &self,
         now: DateTime<Utc>,

@@ -123,6 +123,7 @@ macro_rules! store_conformance_tests {
                 discarded_row_frees_its_key,
                 failed_release_counts_attempts,
                 parked_list_filters_by_topic_and_limit,
+                published_rows_are_listed_in_id_order,
             }
             inbox {
                 records_once_per_event_and_handler,
@@ -147,6 +148,8 @@ macro_rules! store_conformance_tests {
                 counts_by_status,
                 unknown_outcome_and_first_attempt_round_trip,
                 an_unknown_outcome_survives_an_orchestrator_restart,
+                save_in_lands_with_its_transaction,
+                a_hook_writes_with_the_status_change,
             }
             fence {
                 tokens_strictly_increase,

@@ -20,7 +20,10 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel_http::pagination::{Cursor, Page, PageRequest};
 use keel_http::problem::Problem;
+use keel_messaging::StoreError;
 use keel_messaging::envelope::{Envelope, EventMeta};
+use keel_messaging::outbox::OutboxError;
+use keel_realtime::AppendError;
 use serde::Deserialize;
 
 use super::AppState;
@@ -37,14 +40,38 @@ fn unprocessable(detail: impl Into<String>) -> Problem {
     Problem::new(StatusCode::UNPROCESSABLE_ENTITY, detail)
 }
 
-fn store_failed(err: impl std::fmt::Display) -> Response {
-    tracing::warn!(error = %err, "store error");
-    Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "the store is unavailable; retry with the same Idempotency-Key",
-    )
-    .with_retry_after(std::time::Duration::from_secs(1))
+/// A failed write of an order, as the store's problem
+/// ([`Problem::from_store`]), but for a conflict: the order's event id is
+/// unique, so a conflict is another attempt under the same
+/// Idempotency-Key committing first, and the retry finds its order.
+fn store_failed(err: &StoreError) -> Response {
+    match err {
+        StoreError::Conflict(what) => {
+            tracing::info!(conflict = %what, "an attempt with the same key committed first");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "another attempt with this Idempotency-Key is committing; retry with the same key",
+            )
+            .typed("conflict_in_flight")
+            .with_retry_after(std::time::Duration::from_secs(1))
+        }
+        other => Problem::from_store(other),
+    }
     .into_response()
+}
+
+fn outbox_failed(err: &OutboxError) -> Response {
+    match err {
+        OutboxError::Store(err) => store_failed(err),
+        other => Problem::from_outbox(other).into_response(),
+    }
+}
+
+fn log_failed(err: &AppendError) -> Response {
+    match err {
+        AppendError::Store(err) => store_failed(err),
+        other => Problem::internal(other).into_response(),
+    }
 }
 
 /// Parses and validates a `NewOrder` body: `400` for malformed JSON or a
@@ -102,7 +129,7 @@ pub async fn place_order<S: ShopStore>(
         match state.store.order_by_event(id).await {
             Ok(Some(order)) => return created(order),
             Ok(None) => {}
-            Err(e) => return store_failed(e),
+            Err(e) => return store_failed(&e),
         }
     }
     let order = Order {
@@ -186,16 +213,16 @@ async fn insert<S: ShopStore>(
         envelope.id = id;
     }
     let store = &state.store;
-    let mut tx = store.begin().await.map_err(store_failed)?;
+    let mut tx = store.begin().await.map_err(|e| store_failed(&e))?;
     store
         .insert_order(&mut tx, order, &envelope.id, fault)
         .await
-        .map_err(store_failed)?;
+        .map_err(|e| store_failed(&e))?;
     state
         .outbox
         .append(&mut tx, TOPIC, &envelope)
         .await
-        .map_err(store_failed)?;
+        .map_err(|e| outbox_failed(&e))?;
     let mut appended = Vec::new();
     if let Some(stream) = customer_stream(&order.customer_id) {
         let data = serde_json::json!({"orderId": order.id, "status": "pending", "totalCents": order.total_cents});
@@ -204,7 +231,7 @@ async fn insert<S: ShopStore>(
                 .log
                 .append(&mut tx, &stream, "order.placed", &data)
                 .await
-                .map_err(store_failed)?,
+                .map_err(|e| log_failed(&e))?,
         );
     }
     // Once COMMIT is sent, a failure's outcome is unknown. With an event id
@@ -217,21 +244,21 @@ async fn insert<S: ShopStore>(
             state.outbox.notify();
             Ok(())
         }
-        Err(keel_messaging::StoreError::OutcomeUnknown(e)) => {
+        Err(err @ StoreError::OutcomeUnknown(_)) => {
             state.outbox.notify();
             if resolvable {
-                tracing::warn!(error = %e, order = %order.id,
+                tracing::warn!(error = %err, order = %order.id,
                     "commit outcome unknown; the client's retry resolves it");
-                return Err(store_failed(e));
+                return Err(store_failed(&err));
             }
-            tracing::error!(error = %e, order = %order.id, "commit outcome unknown");
+            tracing::error!(error = %err, order = %order.id, "commit outcome unknown");
             Err(Problem::new(
                 StatusCode::ACCEPTED,
                 "the order may have been placed; check GET /orders/{id}",
             )
             .into_response())
         }
-        Err(e) => Err(store_failed(e)),
+        Err(e) => Err(store_failed(&e)),
     }
 }
 
@@ -282,7 +309,7 @@ pub async fn get_order<S: ShopStore>(
     match state.store.order(&id).await {
         Ok(Some(order)) => Json(order).into_response(),
         Ok(None) => Problem::not_found(format!("no order {id}")).into_response(),
-        Err(e) => store_failed(e),
+        Err(e) => store_failed(&e),
     }
 }
 
@@ -343,7 +370,7 @@ pub async fn list_orders<S: ShopStore>(
         .await
     {
         Ok(rows) => rows,
-        Err(e) => return store_failed(e),
+        Err(e) => return store_failed(&e),
     };
     match page.page(rows, |o: &Order| Cursor::new(o.id.clone(), o.id.clone())) {
         Ok(page) => Json::<Page<Order>>(page).into_response(),

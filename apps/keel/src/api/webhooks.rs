@@ -188,15 +188,7 @@ pub fn problem(err: WebhookError) -> Response {
         | WebhookError::PayloadTooLarge { .. }) => {
             Problem::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()).into_response()
         }
-        WebhookError::Store(e) => {
-            tracing::warn!(error = %e, "webhook store error");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the store is unavailable; retry",
-            )
-            .with_retry_after(std::time::Duration::from_secs(1))
-            .into_response()
-        }
+        WebhookError::Store(e) => Problem::from_store(&e).into_response(),
         e => Problem::internal(e).into_response(),
     }
 }

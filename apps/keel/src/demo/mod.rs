@@ -133,8 +133,8 @@ pub async fn wait_quiescent<S: ShopStore>(
     loop {
         tick();
         if matches!(quiescent(store).await, Ok(true)) {
-            // One more look after a pause: the projection may still be
-            // fanning out the last batch.
+            // One more look after a pause: a webhook delivery queued with
+            // the last settled order may still be on its way.
             tokio::time::sleep(Duration::from_millis(100)).await;
             if matches!(quiescent(store).await, Ok(true)) {
                 return true;

@@ -2,7 +2,7 @@
 //! backend's [`ShopDb`] (SQLite in `db.rs`'s tests, PostgreSQL in `pg.rs`'s).
 
 use super::db::{Capture, Reservation, ShopDb};
-use super::model::Item;
+use super::model::{Item, Order, OrderStatus};
 
 fn item(sku: &str, qty: u32) -> Item {
     Item::new(sku, qty, 100)
@@ -134,4 +134,71 @@ pub(crate) async fn a_late_action_after_its_compensation_is_refused_by_the_tombs
         .await
         .unwrap();
     assert_eq!(r, Reservation::Reserved);
+}
+
+/// Places a pending order `id` of customer `c1`, committed.
+pub(crate) async fn place<S: ShopDb>(store: &S, id: &str) {
+    let order = Order {
+        id: id.into(),
+        customer_id: "c1".into(),
+        currency: "USD".into(),
+        items: vec![item("tea", 1)],
+        total_cents: 100,
+        status: OrderStatus::Pending,
+        created_at: super::db::now_rfc3339(),
+    };
+    let mut tx = store.begin().await.unwrap();
+    store
+        .insert_order(&mut tx, &order, &format!("evt-{id}"), None)
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+}
+
+async fn settle<S: ShopDb>(store: &S, id: &str, status: OrderStatus) -> Option<OrderStatus> {
+    let mut tx = store.begin().await.unwrap();
+    let settled = store.settle_order(&mut tx, id, status).await.unwrap();
+    store.commit(tx).await.unwrap();
+    settled.map(|s| {
+        assert_eq!((s.order_id.as_str(), s.customer_id.as_str()), (id, "c1"));
+        s.status
+    })
+}
+
+/// An order settles from `pending` or `stuck` only, once per new status:
+/// a repeated or late change announces nothing.
+pub(crate) async fn an_order_settles_once_per_status<S: ShopDb>(store: &S) {
+    use OrderStatus::{Cancelled, Completed, Stuck};
+    place(store, "o1").await;
+    assert_eq!(settle(store, "o1", Stuck).await, Some(Stuck));
+    assert_eq!(settle(store, "o1", Stuck).await, None, "no change, no news");
+    assert_eq!(
+        settle(store, "o1", Completed).await,
+        Some(Completed),
+        "an operator's retry finished it"
+    );
+    assert_eq!(settle(store, "o1", Completed).await, None);
+    assert_eq!(
+        settle(store, "o1", Cancelled).await,
+        None,
+        "finished is final"
+    );
+    assert_eq!(store.order("o1").await.unwrap().unwrap().status, Completed);
+    assert_eq!(settle(store, "o404", Completed).await, None);
+
+    place(store, "o2").await;
+    let mut tx = store.begin().await.unwrap();
+    assert!(
+        store
+            .settle_order(&mut tx, "o2", Completed)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    store.rollback(tx).await.unwrap();
+    assert_eq!(
+        store.order("o2").await.unwrap().unwrap().status,
+        OrderStatus::Pending,
+        "it moves with its transaction"
+    );
 }

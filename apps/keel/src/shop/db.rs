@@ -98,8 +98,6 @@ pub struct Audit {
     pub applied: Vec<(String, String)>,
     /// Event ids of published outbox rows.
     pub published: Vec<String>,
-    /// Event ids of outbox rows not yet published.
-    pub unpublished: u64,
     /// Every dependency effect, in commit order.
     pub effects: Vec<Effect>,
     /// `(saga id, status)` of every saga.
@@ -143,12 +141,14 @@ pub trait ShopDb: Store {
         event_id: &str,
         handler: &str,
     ) -> Result<(), StoreError>;
-    /// Moves orders whose saga reached a new state to that state, in `tx`.
-    async fn settle_orders(
+    /// Moves a pending (or stuck) order to `status`, in `tx`; `None` if it
+    /// is not waiting for that (already there, finished, or unknown).
+    async fn settle_order(
         &self,
         tx: &mut Self::Tx,
-        limit: usize,
-    ) -> Result<Vec<Settled>, StoreError>;
+        order_id: &str,
+        status: OrderStatus,
+    ) -> Result<Option<Settled>, StoreError>;
     /// Stocks the skus not stocked yet; never resets a level, so a restart
     /// keeps what orders reserved.
     async fn seed_stock(&self, stock: &[(String, i64)]) -> Result<(), StoreError>;
@@ -230,6 +230,11 @@ mod tests {
     #[tokio::test]
     async fn reservations_are_all_or_nothing_and_deduped_by_key() {
         behaviours::reservations_are_all_or_nothing_and_deduped_by_key(&store().await).await;
+    }
+
+    #[tokio::test]
+    async fn an_order_settles_once_per_status() {
+        behaviours::an_order_settles_once_per_status(&store().await).await;
     }
 
     #[tokio::test]

@@ -6,8 +6,9 @@
 //! its outbox event), the outbox relay, the `orders.placed` consumer (inbox
 //! dedupe in the effect's transaction) that starts the fulfilment saga, the
 //! saga orchestrator calling the four dependencies through their policy
-//! pipelines, the projection that fans settled orders out to the event log
-//! and webhooks, and the webhook delivery worker. `keel demo`, `keel serve`
+//! pipelines (with [`projection::OrderSettlement`] as its hook, which
+//! settles the order and fans it out to the event log and webhooks in the
+//! saga's own transaction), and the webhook delivery worker. `keel demo`, `keel serve`
 //! and `keel chaos` all start it this way.
 
 #[cfg(test)]
@@ -192,7 +193,7 @@ pub struct SystemHandle<S: ShopStore> {
     pub broker: Arc<dyn Broker>,
     /// The outbox whose relay this system runs (`notify` wakes it).
     pub outbox: Outbox<S>,
-    /// The event log the projection appends to (its notifier wakes
+    /// The event log settled orders are appended to (its notifier wakes
     /// long-poll, SSE and WebSocket readers).
     pub log: EventLog<S>,
     /// Sagas: list, counts, retry, cancel.
@@ -209,7 +210,7 @@ pub struct SystemHandle<S: ShopStore> {
     pub dependencies: Dependencies,
     /// The graceful drain of the public server.
     pub drain: Drain,
-    /// Orders settled by the projection so far.
+    /// Orders settled so far (by this process's orchestrator).
     pub settled: Arc<AtomicU64>,
     stop: watch::Sender<bool>,
     /// Stops the dependencies, after the workers that call them.
@@ -256,9 +257,14 @@ impl System {
         let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
         let dependencies =
             Dependencies::new(urls, &breakers, &config.tuning).map_err(config_err)?;
+        let (log, webhooks, endpoints, worker) = fan_out(&store, addr, &config)?;
+        let settlement =
+            projection::OrderSettlement::new(store.clone(), log.clone(), webhooks, worker.clone());
+        let settled = settlement.counter();
         let saga = saga::definition(&dependencies).map_err(config_err)?;
         let orchestrator = SagaOrchestrator::builder(store.clone())
             .saga(&saga)
+            .hook(settlement)
             .poll_interval(config.poll_interval)
             .concurrency(32)
             .build()
@@ -291,33 +297,6 @@ impl System {
             .backoff(backoff)
             .build()
             .map_err(config_err)?;
-
-        // Webhooks may never be aimed at this server's own listener.
-        let mut guard = SsrfGuard::new().deny(addr);
-        if config.allow_loopback_webhooks {
-            tracing::warn!("webhook endpoints on loopback are allowed (demo/serve configuration)");
-            for net in [
-                IpNetwork::new([127, 0, 0, 0].into(), 8),
-                IpNetwork::new(std::net::Ipv6Addr::LOCALHOST.into(), 128),
-            ] {
-                guard = guard.allow(net.map_err(config_err)?);
-            }
-        }
-        let log = EventLog::new(store.clone());
-        let webhooks = WebhookOutbox::new(store.clone());
-        let endpoints = Endpoints::new(store.clone(), guard.clone()).sealer(config.secrets.clone());
-        let worker = DeliveryWorker::new(
-            store.clone(),
-            WorkerOptions::new()
-                .guard(guard)
-                .sealer(config.secrets.clone())
-                .poll_interval(Duration::from_millis(100))
-                .timeout(Duration::from_secs(5)),
-        )
-        .map_err(config_err)?;
-        let projection =
-            projection::Projection::new(store.clone(), log.clone(), webhooks, worker.clone());
-        let settled = projection.counter();
 
         let drain = Drain::builder()
             .lb_notice(config.lb_notice)
@@ -374,9 +353,6 @@ impl System {
         tasks.spawn(async move {
             worker.run(on_stop).await;
         });
-        let interval = config.poll_interval;
-        let proj_stop = stopped.clone();
-        tasks.spawn(async move { projection.run(interval, proj_stop).await });
         let server_drain = drain.clone();
         let limits = config.connection_limits.clone();
         tasks.spawn(async move {
@@ -409,6 +385,51 @@ impl System {
 
 /// The origins of the server's own pages: `http://ADDR`, and on loopback
 /// `http://localhost:PORT` too.
+/// Where settled orders fan out to: the event log, the webhook outbox,
+/// the endpoints it sends to, and the worker that delivers.
+#[allow(clippy::type_complexity)]
+fn fan_out<S: ShopStore>(
+    store: &S,
+    addr: SocketAddr,
+    config: &SystemConfig,
+) -> Result<
+    (
+        EventLog<S>,
+        WebhookOutbox<S>,
+        Endpoints<S>,
+        DeliveryWorker<S>,
+    ),
+    StartError,
+> {
+    // Webhooks may never be aimed at this server's own listener.
+    let mut guard = SsrfGuard::new().deny(addr);
+    if config.allow_loopback_webhooks {
+        tracing::warn!("webhook endpoints on loopback are allowed (demo/serve configuration)");
+        for net in [
+            IpNetwork::new([127, 0, 0, 0].into(), 8),
+            IpNetwork::new(std::net::Ipv6Addr::LOCALHOST.into(), 128),
+        ] {
+            guard = guard.allow(net.map_err(config_err)?);
+        }
+    }
+    let endpoints = Endpoints::new(store.clone(), guard.clone()).sealer(config.secrets.clone());
+    let worker = DeliveryWorker::new(
+        store.clone(),
+        WorkerOptions::new()
+            .guard(guard)
+            .sealer(config.secrets.clone())
+            .poll_interval(Duration::from_millis(100))
+            .timeout(Duration::from_secs(5)),
+    )
+    .map_err(config_err)?;
+    Ok((
+        EventLog::new(store.clone()),
+        WebhookOutbox::new(store.clone()),
+        endpoints,
+        worker,
+    ))
+}
+
 fn own_origins(addr: SocketAddr) -> Vec<String> {
     let mut origins = vec![format!("http://{addr}")];
     if addr.ip().is_loopback() {
@@ -439,8 +460,7 @@ pub struct Components<S: ShopStore> {
 
 impl<S: ShopStore> SystemHandle<S> {
     /// Stops gracefully: the server drains (in-flight requests finish),
-    /// then the relay, consumer, orchestrator, projection and webhook
-    /// worker finish their current round and stop, and only then the
+    /// then the relay, consumer, orchestrator and webhook worker finish their current round and stop, and only then the
     /// dependencies the orchestrator calls.
     pub async fn shutdown(mut self) {
         self.drain.trigger();

@@ -219,66 +219,38 @@ mod tests {
         behaviours::a_late_action_after_its_compensation_is_refused_by_the_tombstone(&store).await;
     }
 
-    async fn place(store: &PgStore, id: &str, saga_status: &str) {
-        let mut tx = store.begin().await.unwrap();
-        let order = Order {
-            id: id.into(),
-            customer_id: "c1".into(),
-            currency: "USD".into(),
-            items: vec![item("tea", 1)],
-            total_cents: 100,
-            status: OrderStatus::Pending,
-            created_at: crate::shop::db::now_rfc3339(),
-        };
-        store
-            .insert_order(&mut tx, &order, &format!("evt-{id}"), None)
-            .await
-            .unwrap();
-        sqlx::query(
-            "INSERT INTO keel_sagas (id, kind, status, step, data, attempts, next_attempt_at,
-                                     created_at, updated_at, version)
-             VALUES ($1, 'fulfilment', $2, 0, '{}', 0, now(), now(), now(), 1)",
-        )
-        .bind(id)
-        .bind(saga_status)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-        store.commit(tx).await.unwrap();
+    #[tokio::test]
+    async fn an_order_settles_once_per_status() {
+        let Some(store) = store().await else { return };
+        behaviours::an_order_settles_once_per_status(&store).await;
     }
 
+    /// Two transactions settling one order at once: the second waits for
+    /// the first's row lock, then finds the order already settled.
     #[tokio::test]
-    async fn an_order_is_settled_by_one_projection_at_a_time() {
+    async fn an_order_is_announced_once_when_two_settle_it_at_once() {
         let Some(store) = store().await else { return };
-        place(&store, "o1", "completed").await;
-        place(&store, "o2", "running").await;
+        behaviours::place(&store, "o1").await;
         let mut first = store.begin().await.unwrap();
-        let settled = store.settle_orders(&mut first, 10).await.unwrap();
-        assert_eq!(settled.len(), 1);
-        assert_eq!(settled[0].order_id, "o1");
-        assert_eq!(settled[0].status, OrderStatus::Completed);
-        // Another process's projection, meanwhile: o1 is taken.
-        let mut second = store.begin().await.unwrap();
-        assert!(
-            store
-                .settle_orders(&mut second, 10)
+        let settled = store
+            .settle_order(&mut first, "o1", OrderStatus::Completed)
+            .await
+            .unwrap();
+        assert!(settled.is_some());
+        let racer = store.clone();
+        let second = tokio::spawn(async move {
+            let mut tx = racer.begin().await.unwrap();
+            let settled = racer
+                .settle_order(&mut tx, "o1", OrderStatus::Completed)
                 .await
-                .unwrap()
-                .is_empty()
-        );
-        store.rollback(second).await.unwrap();
+                .unwrap();
+            racer.commit(tx).await.unwrap();
+            settled
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(!second.is_finished(), "the second waits on the row");
         store.commit(first).await.unwrap();
-        let mut third = store.begin().await.unwrap();
-        assert!(
-            store
-                .settle_orders(&mut third, 10)
-                .await
-                .unwrap()
-                .is_empty()
-        );
-        store.rollback(third).await.unwrap();
-        let order = store.order("o1").await.unwrap().unwrap();
-        assert_eq!(order.status, OrderStatus::Completed);
+        assert_eq!(second.await.unwrap(), None);
     }
 
     #[tokio::test]

@@ -1,24 +1,25 @@
 //! Fan-out: when an order's saga reaches a new state, the order row moves
 //! to it, the customer's event log gets an event (long poll, SSE and
-//! WebSocket read it) and subscribed webhook endpoints get a delivery, all
-//! in one transaction.
+//! WebSocket read it) and subscribed webhook endpoints get a delivery.
 //!
-//! It polls the saga table rather than hooking into the orchestrator, so it
-//! also catches sagas finished by another process or by an operator.
+//! It is a [`SagaHook`]: all of it is written in the transaction that saves
+//! the saga's new status, so an order can never show a state its saga
+//! does not have, whichever process (or operator) moved the saga, and the
+//! shop never reads the library's saga table.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-use keel_realtime::{EventLog, StreamId};
-use keel_webhooks::{DeliveryWorker, WebhookEvent, WebhookOutbox};
-use tokio::sync::watch;
+use async_trait::async_trait;
+use keel_messaging::StoreError;
+use keel_messaging::saga::{AfterCommit, SagaHook};
+use keel_messaging::store::{SagaRecord, SagaStatus};
+use keel_realtime::{AppendError, EventLog, StreamId};
+use keel_webhooks::{DeliveryWorker, WebhookError, WebhookEvent, WebhookOutbox};
 
 use super::ShopStore;
 use super::db::Settled;
-
-/// How many orders one round settles at most.
-const BATCH: usize = 200;
+use super::model::OrderStatus;
 
 /// The event-log stream of a customer.
 pub fn customer_stream(customer_id: &str) -> Option<StreamId> {
@@ -30,8 +31,20 @@ pub fn event_type(settled: &Settled) -> String {
     format!("order.{}", settled.status.as_str())
 }
 
-/// Settles orders whose sagas moved on.
-pub struct Projection<S: ShopStore> {
+/// The order status a saga status settles an order in; `None` while the
+/// saga is still on its way.
+fn settles_as(status: SagaStatus) -> Option<OrderStatus> {
+    match status {
+        SagaStatus::Completed => Some(OrderStatus::Completed),
+        SagaStatus::Compensated => Some(OrderStatus::Compensated),
+        SagaStatus::Stuck => Some(OrderStatus::Stuck),
+        SagaStatus::Cancelled => Some(OrderStatus::Cancelled),
+        SagaStatus::Running | SagaStatus::Compensating => None,
+    }
+}
+
+/// Settles an order when its fulfilment saga moves on.
+pub struct OrderSettlement<S: ShopStore> {
     store: S,
     log: EventLog<S>,
     webhooks: WebhookOutbox<S>,
@@ -39,9 +52,9 @@ pub struct Projection<S: ShopStore> {
     settled: Arc<AtomicU64>,
 }
 
-impl<S: ShopStore> Projection<S> {
-    /// A projection writing through `log` and `webhooks`; it wakes
-    /// `worker` when it queued deliveries.
+impl<S: ShopStore> OrderSettlement<S> {
+    /// A settlement writing through `log` and `webhooks`; it wakes `worker`
+    /// when it queued deliveries.
     pub fn new(
         store: S,
         log: EventLog<S>,
@@ -57,61 +70,63 @@ impl<S: ShopStore> Projection<S> {
         }
     }
 
-    /// How many order state changes it has applied.
+    /// How many order state changes it has committed.
     pub fn counter(&self) -> Arc<AtomicU64> {
         Arc::clone(&self.settled)
     }
 
-    /// One round; returns how many orders moved.
-    pub async fn run_once(&self) -> Result<usize, Box<dyn std::error::Error + Send + Sync>> {
-        let mut tx = self.store.begin().await?;
-        let settled = self.store.settle_orders(&mut tx, BATCH).await?;
-        if settled.is_empty() {
-            self.store.rollback(tx).await?;
-            return Ok(0);
-        }
-        let mut appended = Vec::with_capacity(settled.len());
-        let mut events = Vec::with_capacity(settled.len());
-        for s in &settled {
-            let ty = event_type(s);
-            let data = serde_json::json!({"orderId": s.order_id, "status": s.status});
-            if let Some(stream) = customer_stream(&s.customer_id) {
-                appended.push(self.log.append(&mut tx, &stream, &ty, &data).await?);
+    async fn announce(&self, tx: &mut S::Tx, settled: &Settled) -> Result<AfterCommit, StoreError> {
+        let ty = event_type(settled);
+        let data = serde_json::json!({"orderId": settled.order_id, "status": settled.status});
+        let appended = match customer_stream(&settled.customer_id) {
+            Some(stream) => Some(self.log.append(tx, &stream, &ty, &data).await.map_err(
+                |err| match err {
+                    AppendError::Store(err) => err,
+                    other => StoreError::other(other),
+                },
+            )?),
+            None => None,
+        };
+        let event = WebhookEvent::new(ty, data)
+            .with_source(crate::api::orders::SOURCE)
+            .with_id(format!("{}:{}", settled.order_id, settled.status.as_str()));
+        let queued = match self.webhooks.enqueue(tx, &[event]).await {
+            Ok(queued) => queued > 0,
+            Err(WebhookError::Store(err)) => return Err(err),
+            Err(other) => return Err(StoreError::other(other)),
+        };
+        let (log, worker, counter) = (
+            self.log.clone(),
+            self.worker.clone(),
+            Arc::clone(&self.settled),
+        );
+        Ok(AfterCommit::then(move || {
+            if let Some(appended) = appended {
+                log.notify(&appended);
             }
-            events.push(
-                WebhookEvent::new(ty, data)
-                    .with_source(crate::api::orders::SOURCE)
-                    .with_id(format!("{}:{}", s.order_id, s.status.as_str())),
-            );
-        }
-        let queued = self.webhooks.enqueue(&mut tx, &events).await?;
-        self.log.commit(tx, appended).await?;
-        if queued > 0 {
-            self.worker.notify();
-        }
-        self.settled
-            .fetch_add(settled.len() as u64, Ordering::Relaxed);
-        Ok(settled.len())
+            if queued {
+                worker.notify();
+            }
+            counter.fetch_add(1, Ordering::Relaxed);
+        }))
     }
+}
 
-    /// Runs rounds every `interval` (at once again after a full batch)
-    /// until `shutdown` turns `true`.
-    pub async fn run(&self, interval: Duration, mut shutdown: watch::Receiver<bool>) {
-        loop {
-            let moved = match self.run_once().await {
-                Ok(n) => n,
-                Err(err) => {
-                    tracing::warn!(error = %err, "settling orders failed; will retry");
-                    0
-                }
-            };
-            if moved >= BATCH {
-                continue;
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = shutdown.wait_for(|stop| *stop) => return,
-            }
+#[async_trait]
+impl<S: ShopStore> SagaHook<S> for OrderSettlement<S> {
+    async fn status_changed(
+        &self,
+        tx: &mut S::Tx,
+        _prev: &SagaRecord,
+        next: &SagaRecord,
+    ) -> Result<AfterCommit, StoreError> {
+        let Some(status) = settles_as(next.status).filter(|_| next.kind == super::saga::SAGA)
+        else {
+            return Ok(AfterCommit::nothing());
+        };
+        match self.store.settle_order(tx, &next.id, status).await? {
+            Some(settled) => self.announce(tx, &settled).await,
+            None => Ok(AfterCommit::nothing()),
         }
     }
 }

@@ -2,30 +2,35 @@
 //! core ([`keel_sql`]): [`ShopDb`] for any [`ShopBackend`].
 //!
 //! The statements are portable; what a backend adds is how it spells a
-//! few column types ([`ShopTypes`]), how it migrates when several processes start at once, and how it keeps
+//! few column types ([`ShopTypes`]), how it migrates when several
+//! processes start at once, and how it keeps
 //! an action and the compensation that tombstones its key apart
 //! ([`ShopBackend::lock_key`]). Several `keel serve` processes can share
 //! one PostgreSQL database, so every write here is safe when two of them
 //! race: a reservation claims its idempotency key *before* it touches stock
 //! (a concurrent retry with the same key waits on the unique index, then
 //! finds the key used and reserves nothing), stock only moves through
-//! conditional `UPDATE`s, and the projection claims the orders it settles
-//! with the dialect's `SKIP LOCKED`, so one settled order is announced once
-//! however many projections run. On SQLite the single writer serializes
-//! all of it.
+//! conditional `UPDATE`s, and an order settles only from `pending` or
+//! `stuck`, in the transaction that saves its saga's new status under the
+//! saga's version check, so one settled order is announced once however
+//! many orchestrators race. On SQLite the single writer serializes all of
+//! it.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 
 use async_trait::async_trait;
 use keel_messaging::StoreError;
-use keel_messaging::store::Store;
+use keel_messaging::store::{OutboxStore, SagaFilter, SagaStore, Store};
 use keel_sql::backend::{Row, Tx};
 use keel_sql::filter::Filter;
 use keel_sql::{Dialect, Exec, SqlBackend, SqlRow};
 
 use super::db::{Audit, AuditOrder, Capture, Effect, Reservation, Settled, ShopDb};
 use super::model::{DemoFault, Item, Order, OrderStatus};
+
+/// How many published outbox rows the audit reads at once.
+const AUDIT_PAGE: usize = 1_000;
 
 /// The column types the backends spell differently in the shop's DDL.
 #[derive(Debug, Clone, Copy)]
@@ -85,7 +90,7 @@ pub fn shop_schema(types: &ShopTypes) -> String {
 }
 
 /// What a backend adds to the shop's SQL.
-pub trait ShopBackend: SqlBackend + Store<Tx = Tx<Self>> + Clone {
+pub trait ShopBackend: SqlBackend + Store<Tx = Tx<Self>> + OutboxStore + SagaStore + Clone {
     /// How it spells the shop's column types.
     const TYPES: ShopTypes;
 
@@ -322,43 +327,28 @@ impl<B: ShopBackend> ShopDb for B {
         Ok(())
     }
 
-    async fn settle_orders(
+    async fn settle_order(
         &self,
         tx: &mut Self::Tx,
-        limit: usize,
-    ) -> Result<Vec<Settled>, StoreError> {
-        // SKIP LOCKED: another process's projection settling the same
-        // orders right now keeps them; after it commits, the re-checked
-        // status no longer matches, so nothing is announced twice.
-        let sql = format!(
-            "SELECT o.id, o.customer_id, s.status FROM shop_orders o JOIN keel_sagas s ON s.id = o.id
-              WHERE o.status IN ('pending', 'stuck')
-                AND s.status IN ('completed', 'compensated', 'stuck', 'cancelled')
-                AND s.status <> o.status
-              LIMIT $1{}",
-            B::Dialect::skip_locked(Some("o"))
-        );
-        let rows =
-            B::Dialect::fetch_all(Exec::Tx(&mut *tx), &sql, &[limit_param(limit).into()]).await?;
-        let mut settled = Vec::with_capacity(rows.len());
-        for row in rows {
-            let Some(status) = OrderStatus::parse(&row.text("status")?) else {
-                continue;
-            };
-            let order_id = row.text("id")?;
-            B::Dialect::execute(
-                Exec::Tx(&mut *tx),
-                "UPDATE shop_orders SET status = $1 WHERE id = $2",
-                &[status.as_str().into(), order_id.as_str().into()],
-            )
-            .await?;
-            settled.push(Settled {
-                order_id,
+        order_id: &str,
+        status: OrderStatus,
+    ) -> Result<Option<Settled>, StoreError> {
+        let row = B::Dialect::fetch_optional(
+            Exec::Tx(tx),
+            "UPDATE shop_orders SET status = $1
+              WHERE id = $2 AND status IN ('pending', 'stuck') AND status <> $1
+              RETURNING customer_id",
+            &[status.as_str().into(), order_id.into()],
+        )
+        .await?;
+        row.map(|row| {
+            Ok(Settled {
+                order_id: order_id.to_owned(),
                 customer_id: row.text("customer_id")?,
                 status,
-            });
-        }
-        Ok(settled)
+            })
+        })
+        .transpose()
     }
 
     /// Stocks the skus not stocked yet: a shared database is seeded by the
@@ -521,12 +511,15 @@ impl<B: ShopBackend> ShopDb for B {
                 .applied
                 .push((row.text("event_id")?, row.text("handler")?));
         }
-        let outbox = "SELECT event_id, published_at FROM keel_outbox";
-        for row in self.read_all(outbox, &[]).await? {
-            if row.time_opt("published_at")?.is_some() {
-                audit.published.push(row.text("event_id")?);
-            } else {
-                audit.unpublished += 1;
+        let mut after = 0;
+        loop {
+            let page = self.outbox_published(after, AUDIT_PAGE).await?;
+            audit
+                .published
+                .extend(page.iter().map(|p| p.event_id.clone()));
+            match page.last() {
+                Some(last) if page.len() == AUDIT_PAGE => after = last.id,
+                _ => break,
             }
         }
         let effects =
@@ -539,11 +532,12 @@ impl<B: ShopBackend> ShopDb for B {
                 amount_cents: row.int("amount_cents")?,
             });
         }
-        for row in self
-            .read_all("SELECT id, status FROM keel_sagas", &[])
-            .await?
-        {
-            audit.sagas.push((row.text("id")?, row.text("status")?));
+        let all = SagaFilter {
+            limit: Some(usize::MAX),
+            ..SagaFilter::default()
+        };
+        for saga in self.saga_list(&all).await? {
+            audit.sagas.push((saga.id, saga.status.as_str().to_owned()));
         }
         Ok(audit)
     }

@@ -143,12 +143,6 @@ pub enum IdempotencyRejection {
         /// Sent as `Retry-After`.
         retry_after: Duration,
     },
-    /// `503` + `Retry-After`: the key store is unavailable; nothing ran.
-    #[error("the idempotency store is unavailable; nothing was processed, retry later")]
-    StoreUnavailable {
-        /// Sent as `Retry-After`.
-        retry_after: Duration,
-    },
 }
 
 impl IdempotencyRejection {
@@ -163,9 +157,7 @@ impl IdempotencyRejection {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable { .. } | Self::LockLost { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::LockLost { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -180,7 +172,6 @@ impl IdempotencyRejection {
             Self::UnreadableBody(_) => "unreadable-body",
             Self::InFlight { .. } => "in-flight",
             Self::KeyReused => "key-reused",
-            Self::StoreUnavailable { .. } => "store-unavailable",
             Self::LockLost { .. } => "lock-lost",
         }
     }
@@ -189,10 +180,7 @@ impl IdempotencyRejection {
     pub fn to_problem(&self) -> Problem {
         let mut problem = Problem::new(self.status(), self.to_string())
             .typed(&format!("idempotency:{}", self.kind()));
-        if let Self::InFlight { retry_after }
-        | Self::StoreUnavailable { retry_after }
-        | Self::LockLost { retry_after } = self
-        {
+        if let Self::InFlight { retry_after } | Self::LockLost { retry_after } = self {
             problem = problem.with_retry_after(*retry_after);
         }
         problem

@@ -304,16 +304,7 @@ fn replay(stored: StoredResponse) -> Response<Body> {
 
 fn store_failure(err: &StoreError) -> Response<Body> {
     metrics::counter!("keel_idempotency_store_errors_total").increment(1);
-    match err {
-        StoreError::Unavailable(_) => {
-            tracing::warn!(error = %err, "idempotency store unavailable");
-            IdempotencyRejection::StoreUnavailable {
-                retry_after: std::time::Duration::from_secs(1),
-            }
-            .into_response()
-        }
-        other => Problem::from_store(other).into_response(),
-    }
+    Problem::from_store(err).into_response()
 }
 
 /// A key this request holds in flight, released unless completed.

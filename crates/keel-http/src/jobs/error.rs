@@ -107,10 +107,8 @@ impl JobError {
             Self::NotFound { .. } => StatusCode::NOT_FOUND,
             Self::Expired { .. } => StatusCode::GONE,
             Self::AlreadyFinal { .. } => StatusCode::CONFLICT,
-            Self::Store(StoreError::Unavailable(_) | StoreError::OutcomeUnknown(_)) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-            Self::Store(_) | Self::Outbox(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Store(err) => Problem::store_status(err),
+            Self::Outbox(err) => Problem::outbox_status(err),
         }
     }
 

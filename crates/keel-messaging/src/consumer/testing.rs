@@ -13,8 +13,8 @@ use parking_lot::Mutex;
 
 use crate::store::{
     AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus, DeadLetterStore, InboxStore,
-    OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox, PendingOutbox, Store,
-    StoreError,
+    OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox, PendingOutbox,
+    PublishedOutbox, Store, StoreError,
 };
 
 mod broker;
@@ -275,6 +275,29 @@ impl OutboxStore for MemStore {
                 .and_then(|r| (keel_core::clock::utc_now() - r.created_at).to_std().ok()),
             parked: s.outbox.iter().filter(|r| r.parked_at.is_some()).count() as u64,
         })
+    }
+
+    async fn outbox_published(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<PublishedOutbox>, StoreError> {
+        let s = self.state.lock();
+        let mut published: Vec<PublishedOutbox> = s
+            .outbox
+            .iter()
+            .filter(|r| r.id > after)
+            .filter_map(|r| {
+                r.published_at.map(|published_at| PublishedOutbox {
+                    id: r.id,
+                    event_id: r.record.event_id.clone(),
+                    published_at,
+                })
+            })
+            .collect();
+        published.sort_by_key(|p| p.id);
+        published.truncate(limit);
+        Ok(published)
     }
 
     async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {

@@ -51,6 +51,10 @@
 //! status}` when a saga ends or sticks, `keel_saga_calls_total{saga, step,
 //! call, outcome}`, `keel_saga_call_duration_seconds`, `keel_sagas{status}`.
 //!
+//! What the application shows of a saga's outcome (an order's status, a
+//! customer's feed) is written by a [`SagaHook`], in the transaction that
+//! saves the new status, never by reading the saga table.
+//!
 //! For two or three steps owned by one team, [`choreography`] chains
 //! participants through their outboxes instead, without a coordinator.
 //!
@@ -97,6 +101,7 @@
 pub mod choreography;
 mod definition;
 mod error;
+mod hook;
 mod machine;
 mod orchestrator;
 
@@ -105,6 +110,7 @@ pub use definition::{
     DEFAULT_STUCK_AFTER, SagaData, SagaDefinition, SagaDefinitionBuilder, Step, StepContext,
 };
 pub use error::SagaError;
+pub use hook::{AfterCommit, SagaHook};
 pub use keel_policy::retry::{Backoff, Jitter};
 pub use orchestrator::{OrchestratorBuilder, OrchestratorOptions, SagaOrchestrator, SagaView};
 

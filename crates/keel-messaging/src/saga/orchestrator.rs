@@ -16,8 +16,9 @@ use tracing::Instrument;
 
 use super::SagaError;
 use super::definition::{ErasedSaga, SagaData, SagaDefinition};
+use super::hook::{AfterCommit, SagaHook};
 use super::machine::{self, Call, Outcome, Plan};
-use crate::store::{SagaFilter, SagaRecord, SagaStatus, SagaStore};
+use crate::store::{SagaFilter, SagaRecord, SagaStatus, SagaStore, StoreError};
 
 /// How an orchestrator works through sagas.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +50,7 @@ impl Default for OrchestratorOptions {
 pub struct OrchestratorBuilder<S> {
     store: S,
     sagas: Vec<Arc<dyn ErasedSaga>>,
+    hooks: Vec<Arc<dyn SagaHook<S>>>,
     options: OrchestratorOptions,
 }
 
@@ -57,6 +59,7 @@ impl<S> std::fmt::Debug for OrchestratorBuilder<S> {
         let names: Vec<&str> = self.sagas.iter().map(|s| s.name()).collect();
         f.debug_struct("OrchestratorBuilder")
             .field("sagas", &names)
+            .field("hooks", &self.hooks.len())
             .field("options", &self.options)
             .finish_non_exhaustive()
     }
@@ -66,6 +69,14 @@ impl<S: SagaStore> OrchestratorBuilder<S> {
     /// Registers a saga definition.
     pub fn saga<D: SagaData>(mut self, definition: &SagaDefinition<D>) -> Self {
         self.sagas.push(definition.erased());
+        self
+    }
+
+    /// Adds a hook that writes, in the transaction saving a saga's new
+    /// status, what follows from it ([`SagaHook`]). Hooks run in the order
+    /// added.
+    pub fn hook(mut self, hook: impl SagaHook<S>) -> Self {
+        self.hooks.push(Arc::new(hook));
         self
     }
 
@@ -106,6 +117,7 @@ impl<S: SagaStore> OrchestratorBuilder<S> {
             inner: Arc::new(Inner {
                 store: self.store,
                 sagas,
+                hooks: self.hooks,
                 options: OrchestratorOptions {
                     batch: self.options.batch.max(1),
                     concurrency: self.options.concurrency.max(1),
@@ -120,6 +132,7 @@ impl<S: SagaStore> OrchestratorBuilder<S> {
 struct Inner<S> {
     store: S,
     sagas: HashMap<String, Arc<dyn ErasedSaga>>,
+    hooks: Vec<Arc<dyn SagaHook<S>>>,
     options: OrchestratorOptions,
     wake: Notify,
 }
@@ -175,6 +188,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         OrchestratorBuilder {
             store,
             sagas: Vec::new(),
+            hooks: Vec::new(),
             options: OrchestratorOptions::default(),
         }
     }
@@ -546,7 +560,13 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     /// Saves `next` over `prev`; `false` (and a log line) if someone else
     /// saved first.
     async fn save(&self, prev: &SagaRecord, next: &SagaRecord) -> Result<bool, SagaError> {
-        if !self.inner.store.saga_save(next).await? {
+        let hooked = prev.status != next.status && !self.inner.hooks.is_empty();
+        let saved = if hooked {
+            self.save_with_hooks(prev, next).await?
+        } else {
+            self.inner.store.saga_save(next).await?
+        };
+        if !saved {
             tracing::info!(saga_id = %next.id, "saga changed by someone else (another orchestrator or an operator); leaving it to them");
             return Ok(false);
         }
@@ -567,6 +587,39 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             }
         }
         Ok(true)
+    }
+
+    /// Saves `next` and runs the hooks in one transaction; their
+    /// after-commit work runs once it committed (or may have).
+    async fn save_with_hooks(
+        &self,
+        prev: &SagaRecord,
+        next: &SagaRecord,
+    ) -> Result<bool, StoreError> {
+        let store = &self.inner.store;
+        let mut tx = store.begin().await?;
+        let mut after = Vec::with_capacity(self.inner.hooks.len());
+        let written = async {
+            if !store.saga_save_in(&mut tx, next).await? {
+                return Ok(false);
+            }
+            for hook in &self.inner.hooks {
+                after.push(hook.status_changed(&mut tx, prev, next).await?);
+            }
+            Ok(true)
+        }
+        .await;
+        if !matches!(written, Ok(true)) {
+            if let Err(err) = store.rollback(tx).await {
+                tracing::debug!(error = %err, "rolling back a saga save failed; the connection drops it");
+            }
+            return written;
+        }
+        let committed = store.commit(tx).await;
+        if matches!(committed, Ok(()) | Err(StoreError::OutcomeUnknown(_))) {
+            after.into_iter().for_each(AfterCommit::run);
+        }
+        committed.map(|()| true)
     }
 }
 

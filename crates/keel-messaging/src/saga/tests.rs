@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 use crate::store::{
-    OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, SagaFilter, SagaRecord, SagaStatus,
-    SagaStore, Store, StoreError,
+    OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, PublishedOutbox, SagaFilter, SagaRecord,
+    SagaStatus, SagaStore, Store, StoreError,
 };
 
 // ------------------------------------------------------------------ store --
@@ -131,6 +131,10 @@ impl SagaStore for MemStore {
         Ok(true)
     }
 
+    async fn saga_save_in(&self, _tx: &mut MemTx, _saga: &SagaRecord) -> Result<bool, StoreError> {
+        Err(unsupported())
+    }
+
     async fn saga_due(
         &self,
         now: DateTime<Utc>,
@@ -208,6 +212,14 @@ impl OutboxStore for MemStore {
     }
 
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
+        Err(unsupported())
+    }
+
+    async fn outbox_published(
+        &self,
+        _after: i64,
+        _limit: usize,
+    ) -> Result<Vec<PublishedOutbox>, StoreError> {
         Err(unsupported())
     }
 }

@@ -53,6 +53,19 @@ pub struct PendingOutbox {
     pub attempts: u32,
 }
 
+/// A row the broker accepted, as long as the outbox keeps it
+/// ([`OutboxStore::outbox_prune`] deletes it after its retention).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedOutbox {
+    /// The row id (commit order is not id order; see
+    /// [`OutboxStore::outbox_claim`]).
+    pub id: i64,
+    /// The event id.
+    pub event_id: String,
+    /// When it was marked published.
+    pub published_at: DateTime<Utc>,
+}
+
 /// The relay's view of the outbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct OutboxStats {
@@ -140,6 +153,15 @@ pub trait OutboxStore: Store {
 
     /// Unpublished count and relay lag, and the parked count.
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError>;
+
+    /// Up to `limit` published rows with ids above `after`, lowest id
+    /// first: the publication record, for an audit that checks every
+    /// committed event left (page on with the last id seen).
+    async fn outbox_published(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<PublishedOutbox>, StoreError>;
 
     /// Gives claimed rows back after a failed publish that may succeed
     /// later (the broker was unreachable, the outcome is unknown): each

@@ -121,6 +121,13 @@ pub trait SagaStore: Store {
     /// [`StoreError::NotFound`] if there is no such saga.
     async fn saga_save(&self, saga: &SagaRecord) -> Result<bool, StoreError>;
 
+    /// [`saga_save`](Self::saga_save) inside the caller's transaction, so
+    /// that what else the transaction writes (a
+    /// [`SagaHook`](crate::saga::SagaHook)'s projection) commits or rolls
+    /// back with the saga's new state. The store retries nothing here: a
+    /// conflict is the caller's to re-run, like any of its transactions.
+    async fn saga_save_in(&self, tx: &mut Self::Tx, saga: &SagaRecord) -> Result<bool, StoreError>;
+
     /// Sagas that are not terminal and due (`next_attempt_at <= now`),
     /// oldest first.
     async fn saga_due(

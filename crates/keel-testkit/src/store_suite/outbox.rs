@@ -700,3 +700,44 @@ pub async fn parked_list_filters_by_topic_and_limit<S: MessagingStore>(store: &S
             .is_none()
     );
 }
+
+/// The publication record lists published rows only, lowest id first,
+/// paged by the last id seen; a pruned row leaves it.
+pub async fn published_rows_are_listed_in_id_order<S: MessagingStore>(store: &S) {
+    append_committed(
+        store,
+        &[
+            record("e-1", "A-1"),
+            record("e-2", "A-2"),
+            record("e-3", "A-3"),
+        ],
+    )
+    .await;
+    let claimed = store
+        .outbox_claim("relay-a", 10, LEASE)
+        .await
+        .expect("claim");
+    let ids = row_ids(&claimed);
+    assert_eq!(store.outbox_published(0, 10).await.expect("published"), []);
+    store
+        .outbox_mark_published(&[ids[2], ids[0]])
+        .await
+        .expect("mark");
+    let published = store.outbox_published(0, 10).await.expect("published");
+    let listed: Vec<(i64, &str)> = published
+        .iter()
+        .map(|p| (p.id, p.event_id.as_str()))
+        .collect();
+    assert_eq!(listed, [(ids[0], "e-1"), (ids[2], "e-3")]);
+    let first = store.outbox_published(0, 1).await.expect("page 1");
+    assert_eq!(first.len(), 1);
+    let rest = store
+        .outbox_published(first[0].id, 10)
+        .await
+        .expect("page 2");
+    assert_eq!(rest, published[1..]);
+
+    let later = now_ms() + chrono::TimeDelta::seconds(60);
+    store.outbox_prune(later, 100).await.expect("prune");
+    assert_eq!(store.outbox_published(0, 10).await.expect("published"), []);
+}

@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use keel_core::Classified;
-use keel_messaging::saga::{Backoff, SagaDefinition, SagaOrchestrator, Step, StepContext};
-use keel_messaging::store::{SagaFilter, SagaRecord, SagaStatus};
+use keel_messaging::saga::{
+    AfterCommit, Backoff, SagaDefinition, SagaHook, SagaOrchestrator, Step, StepContext,
+};
+use keel_messaging::store::{OutboxRecord, SagaFilter, SagaRecord, SagaStatus};
 use keel_messaging::{MessagingStore, StoreError};
 
 use super::now_ms;
@@ -390,4 +392,164 @@ pub async fn an_unknown_outcome_survives_an_orchestrator_restart<S: MessagingSto
         )],
         "the charge that may exist is refunded, and its key tombstoned"
     );
+}
+
+/// A save inside the caller's transaction is optimistic like the plain
+/// save, and lands only if that transaction commits.
+pub async fn save_in_lands_with_its_transaction<S: MessagingStore>(store: &S) {
+    let t = now_ms();
+    assert!(insert_committed(store, &saga("saga-1", SagaStatus::Running, t, t)).await);
+    let loaded = store
+        .saga_get("saga-1")
+        .await
+        .expect("get")
+        .expect("saga-1");
+    let mut next = loaded.clone();
+    next.version += 1;
+    next.status = SagaStatus::Completed;
+
+    let mut tx = store.begin().await.expect("begin");
+    assert!(store.saga_save_in(&mut tx, &next).await.expect("save"));
+    store.rollback(tx).await.expect("rollback");
+    assert_eq!(
+        store.saga_get("saga-1").await.expect("get").as_ref(),
+        Some(&loaded),
+        "a rolled-back save changed nothing"
+    );
+
+    let mut tx = store.begin().await.expect("begin");
+    assert!(store.saga_save_in(&mut tx, &next).await.expect("save"));
+    assert!(
+        !store.saga_save_in(&mut tx, &next).await.expect("save"),
+        "the same version twice loses, in one transaction too"
+    );
+    store.commit(tx).await.expect("commit");
+    assert_eq!(
+        store.saga_get("saga-1").await.expect("get").as_ref(),
+        Some(&next)
+    );
+
+    let mut missing = saga("saga-404", SagaStatus::Running, t, t);
+    missing.version = 2;
+    let mut tx = store.begin().await.expect("begin");
+    let err = store
+        .saga_save_in(&mut tx, &missing)
+        .await
+        .expect_err("no such saga");
+    assert!(matches!(err, StoreError::NotFound(_)), "got {err:?}");
+    store.rollback(tx).await.expect("rollback");
+}
+
+/// What a [`SagaHook`] writes commits with the saga's new status, once per
+/// change; when the hook fails, the status change is not saved either, and
+/// it lands (with the hook's write) when the saga is driven again.
+pub async fn a_hook_writes_with_the_status_change<S: MessagingStore>(store: &S) {
+    type Data = serde_json::Value;
+    let failures_left = Arc::new(AtomicUsize::new(1));
+    let woken = Arc::new(AtomicUsize::new(0));
+    let hook = AnnouncingHook {
+        store: store.clone(),
+        failures_left: failures_left.clone(),
+        woken: woken.clone(),
+    };
+    let definition = SagaDefinition::<Data>::builder("order_fulfilment")
+        .step(Step::new(
+            "capture_payment",
+            |_ctx: StepContext<Data>| async { Ok::<_, Classified>(()) },
+        ))
+        .build()
+        .expect("definition");
+    let orchestrator = SagaOrchestrator::builder(store.clone())
+        .saga(&definition)
+        .hook(hook)
+        .build()
+        .expect("orchestrator");
+    let mut tx = store.begin().await.expect("begin");
+    let data = serde_json::json!({ "orderId": "A-4471" });
+    assert!(
+        orchestrator
+            .start(&mut tx, &definition, "A-4471", &data)
+            .await
+            .expect("start")
+    );
+    store.commit(tx).await.expect("commit");
+
+    orchestrator
+        .drive("A-4471")
+        .await
+        .expect_err("the hook's failure is the save's");
+    let stored = store.saga_get("A-4471").await.expect("get").expect("saga");
+    assert_eq!(
+        stored.status,
+        SagaStatus::Running,
+        "not completed without its hook"
+    );
+    assert_eq!(store.outbox_stats().await.expect("stats").unpublished, 0);
+    assert_eq!(
+        woken.load(Ordering::SeqCst),
+        0,
+        "nothing committed, nobody woken"
+    );
+
+    let mut due = stored.clone();
+    due.version += 1;
+    due.next_attempt_at = now_ms() - TimeDelta::seconds(60);
+    assert!(store.saga_save(&due).await.expect("save"));
+    let done = orchestrator.drive("A-4471").await.expect("drive");
+    assert_eq!(done.status, SagaStatus::Completed);
+    let announced = store
+        .outbox_claim("audit", 10, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    let ids: Vec<&str> = announced
+        .iter()
+        .map(|r| r.record.event_id.as_str())
+        .collect();
+    assert_eq!(
+        ids,
+        ["A-4471:running->completed"],
+        "one write, with the change"
+    );
+    assert_eq!(woken.load(Ordering::SeqCst), 1);
+}
+
+/// Announces every status change in the outbox, failing the first
+/// `failures_left` times; counts its after-commit runs.
+struct AnnouncingHook<S> {
+    store: S,
+    failures_left: Arc<AtomicUsize>,
+    woken: Arc<AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl<S: MessagingStore> SagaHook<S> for AnnouncingHook<S> {
+    async fn status_changed(
+        &self,
+        tx: &mut S::Tx,
+        prev: &SagaRecord,
+        next: &SagaRecord,
+    ) -> Result<AfterCommit, StoreError> {
+        let change = format!("{}->{}", prev.status.as_str(), next.status.as_str());
+        let record = OutboxRecord {
+            event_id: format!("{}:{change}", next.id),
+            topic: "sagas".to_owned(),
+            partition_key: next.id.clone(),
+            headers: Default::default(),
+            payload: change.into_bytes().into(),
+        };
+        self.store.outbox_append(tx, &[record]).await?;
+        let fail = self
+            .failures_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if fail {
+            return Err(StoreError::Unavailable(
+                "the projection's table is gone".into(),
+            ));
+        }
+        let woken = self.woken.clone();
+        Ok(AfterCommit::then(move || {
+            woken.fetch_add(1, Ordering::SeqCst);
+        }))
+    }
 }
