@@ -3,7 +3,7 @@
 //!
 //! Never put a 40 MB document on the broker. Big messages are slow to
 //! publish, fill the broker's log and replicas, copy sensitive bytes into
-//! every consumer's logs, and trip the envelope's size limit (256 KiB by
+//! every consumer's logs, and trip the envelope's size limit (100 KiB by
 //! default). So the producer writes the bytes to an object store
 //! ([`object_store`]: S3, GCS, Azure, or a local directory by default) and
 //! publishes a [`Claim`]; the consumer fetches the bytes with it and

@@ -53,9 +53,12 @@ use keel_core::TraceParent;
 /// The CloudEvents specification version Keel speaks.
 pub const SPEC_VERSION: &str = "1.0";
 
-/// The default largest encoded envelope, 256 KiB. Bigger payloads belong in
-/// an object store, with a claim check on the message.
-pub const DEFAULT_MAX_SIZE: usize = 256 * 1024;
+/// The default largest encoded envelope, 100 KiB: seed 000's "keep under
+/// ~100 KB". Brokers take more (NATS 1 MiB), but every consumer, log line
+/// and retry carries the whole message; bigger payloads belong in an
+/// object store, with a claim check on the message
+/// (the `claim_check` module, feature `claim-check`).
+pub const DEFAULT_MAX_SIZE: usize = 100 * 1024;
 
 /// Binary-mode message parts: the headers and the body.
 pub type BinaryParts = (Vec<(String, String)>, Vec<u8>);

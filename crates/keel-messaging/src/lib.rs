@@ -20,6 +20,8 @@
 //! - [`reply`]: request-reply over the broker.
 //! - [`fence`]: fencing tokens checked by the resource.
 //! - [`dedup`]: a bounded dedupe window for consumers without a transaction.
+//! - [`version_guard`]: drop an event older than its entity's applied
+//!   version, where per-key order cannot be relied on.
 
 pub mod broker;
 pub mod envelope;
@@ -37,6 +39,7 @@ pub mod consumer;
 pub mod dead_letter;
 pub mod dedup;
 pub mod outbox;
+pub mod version_guard;
 
 #[cfg(feature = "claim-check")]
 pub mod claim_check;

@@ -30,7 +30,8 @@
 //! operation of the matching `keel_messaging::store` trait. A backend crate
 //! implements [`SqlBackend`] for its store and says which contracts it takes
 //! from the core with the matching macro ([`dead_letter_store!`],
-//! [`saga_store!`], [`inbox_store!`], [`fence_store!`], [`job_store!`],
+//! [`saga_store!`], [`inbox_store!`], [`fence_store!`],
+//! [`entity_version_store!`], [`job_store!`],
 //! [`event_log_store!`], [`idempotency_store!`], [`outbox_store!`],
 //! [`webhook_store!`]), each of which writes the trait's forwarding impl
 //! and nothing else. Where a table needs what only the backend can do (the
@@ -41,6 +42,7 @@
 pub mod backend;
 pub mod dead_letter;
 pub mod dialect;
+pub mod entity_version;
 pub mod error;
 pub mod event_log;
 pub mod fence;

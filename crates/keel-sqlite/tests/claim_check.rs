@@ -29,7 +29,7 @@ impl Event for DocumentUploaded {
 fn big_document() -> DocumentUploaded {
     DocumentUploaded {
         document_id: "doc-40mb".into(),
-        // 1 MiB is enough to be four times over the 256 KiB limit.
+        // 1 MiB is ten times over the 100 KiB limit.
         body: "x".repeat(1 << 20),
     }
 }

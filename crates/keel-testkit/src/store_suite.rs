@@ -37,6 +37,7 @@ use chrono::{DateTime, Utc};
 use keel_messaging::MessagingStore;
 
 pub mod dead_letter;
+pub mod entity_version;
 pub mod fence;
 pub mod inbox;
 pub mod outbox;
@@ -154,6 +155,12 @@ macro_rules! store_conformance_tests {
             fence {
                 tokens_strictly_increase,
                 tokens_stay_distinct_and_ordered_under_concurrency,
+            }
+            entity_version {
+                only_a_newer_version_advances,
+                a_rolled_back_advance_leaves_nothing,
+                racing_advances_serialize,
+                the_guard_drops_events_that_arrive_late,
             }
         }
     };

@@ -171,9 +171,15 @@ pub enum Disposition {
 /// limit bounds the waste, while dead-lettering a transient failure nobody
 /// recognised (a busy database, a dropped connection) would page a human for
 /// nothing. Say [`HandlerError::permanent`] when you know better.
+///
+/// A dead letter is filed under a kind (`permanent`, `too_many_attempts`,
+/// ...); [`with_kind`](Self::with_kind) files it under the handler's own
+/// error type instead (`payment_declined`), which the dead-letter store
+/// lists, counts and replays by.
 pub struct HandlerError {
     disposition: Disposition,
     malformed: bool,
+    kind: Option<&'static str>,
     source: BoxError,
 }
 
@@ -200,8 +206,31 @@ impl HandlerError {
         Self {
             disposition,
             malformed,
+            kind: None,
             source,
         }
+    }
+
+    /// Files the message, if it is dead-lettered for this failure, under
+    /// `kind`: the handler's own error type, in place of the runtime's
+    /// `permanent` or `too_many_attempts`. A kind is 1 to 64 of `a-z`,
+    /// `0-9`, `_`, `.` and `-`; any other is ignored (and logged), so a
+    /// typo cannot make a letter unfindable.
+    pub fn with_kind(mut self, kind: &'static str) -> Self {
+        if is_kind(kind) {
+            self.kind = Some(kind);
+        } else {
+            tracing::warn!(
+                kind,
+                "not a dead-letter kind (1 to 64 of a-z, 0-9, _ . -); ignored"
+            );
+        }
+        self
+    }
+
+    /// The handler's own kind for this failure, if it gave one.
+    pub fn kind(&self) -> Option<&'static str> {
+        self.kind
     }
 
     /// Retry or dead-letter.
@@ -234,6 +263,7 @@ impl fmt::Debug for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HandlerError")
             .field("disposition", &self.disposition)
+            .field("kind", &self.kind)
             .field("source", &self.source)
             .finish()
     }
@@ -251,6 +281,13 @@ impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {
     fn from(err: E) -> Self {
         Self::classify(err)
     }
+}
+
+fn is_kind(kind: &str) -> bool {
+    (1..=64).contains(&kind.len())
+        && kind
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b))
 }
 
 /// The disposition of an error from the first cause whose class is known.

@@ -237,15 +237,21 @@ impl<S: Store + ConsumerStore> Processor<S> {
             Err(Failure::Store(err)) => {
                 // Infrastructure, not the message's fault: always retried.
                 let why = format!("store error: {}", keel_core::error::report(&err));
-                self.failed(route, delivery, why, Disposition::Retry { after: None })
-                    .await
+                self.failed(
+                    route,
+                    delivery,
+                    why,
+                    Disposition::Retry { after: None },
+                    None,
+                )
+                .await
             }
             Err(Failure::Handler(err)) if err.is_malformed() => {
                 self.dead_letter(route, delivery, kind::MALFORMED, err.report())
                     .await
             }
             Err(Failure::Handler(err)) => {
-                self.failed(route, delivery, err.report(), err.disposition())
+                self.failed(route, delivery, err.report(), err.disposition(), err.kind())
                     .await
             }
         }
@@ -300,13 +306,15 @@ impl<S: Store + ConsumerStore> Processor<S> {
         }
     }
 
-    /// Records a failed attempt, then retries or dead-letters.
+    /// Records a failed attempt, then retries or dead-letters (under the
+    /// handler's own `kind`, if it gave one).
     pub(crate) async fn failed(
         &self,
         route: &Route<S::Tx>,
         delivery: &Delivery,
         why: String,
         disposition: Disposition,
+        own_kind: Option<&'static str>,
     ) -> Outcome {
         let count = delivery.delivery_count;
         let attempt = AttemptError {
@@ -323,10 +331,13 @@ impl<S: Store + ConsumerStore> Processor<S> {
         }
         let max = self.options.max_deliveries.get();
         match disposition {
-            Disposition::Permanent => self.bury(route, delivery, kind::PERMANENT, attempt).await,
+            Disposition::Permanent => {
+                let kind = own_kind.unwrap_or(kind::PERMANENT);
+                self.bury(route, delivery, kind, attempt).await
+            }
             Disposition::Retry { .. } if count >= max => {
-                self.bury(route, delivery, kind::TOO_MANY_ATTEMPTS, attempt)
-                    .await
+                let kind = own_kind.unwrap_or(kind::TOO_MANY_ATTEMPTS);
+                self.bury(route, delivery, kind, attempt).await
             }
             Disposition::Retry { after } => {
                 let delay = self.redelivery_delay(count).max(after.unwrap_or_default());

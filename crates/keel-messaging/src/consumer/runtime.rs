@@ -226,7 +226,13 @@ async fn run_chain<S>(
                 tracing::error!(message_id = %delivery.message.id, "{why}");
                 shared
                     .processor
-                    .failed(&route, &delivery, why, Disposition::Retry { after: None })
+                    .failed(
+                        &route,
+                        &delivery,
+                        why,
+                        Disposition::Retry { after: None },
+                        None,
+                    )
                     .await;
             }
             Some(Err(_)) => {}

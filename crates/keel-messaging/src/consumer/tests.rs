@@ -264,6 +264,76 @@ async fn permanent_errors_are_dead_lettered_at_once() {
     assert_eq!(broker.delivery_counts(TOPIC, GROUP), [1]);
 }
 
+/// A handler files failures under its own error types: a permanent one at
+/// once, a retryable one after its deliveries; the store lists, counts and
+/// replays by that type. A malformed kind is ignored.
+#[tokio::test(start_paused = true)]
+async fn a_handler_files_dead_letters_under_its_own_error_type() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    let orders = ["declined-1", "declined-2", "fraud-1", "typo-1", "flaky-1"];
+    publish(&broker, orders.map(|o| message(&charge(o, 100)))).await;
+    let group = Group::new(TOPIC, GROUP).on_event(|_tx: &mut MemTx, ev: ChargeRequested, _| {
+        Box::pin(async move {
+            let err = match ev.order.split('-').next() {
+                Some("declined") => {
+                    HandlerError::permanent("card declined").with_kind("payment_declined")
+                }
+                Some("fraud") => {
+                    HandlerError::permanent("risk score 97").with_kind("fraud.suspected")
+                }
+                Some("typo") => HandlerError::permanent("bad kind").with_kind("Not A Kind"),
+                _ => HandlerError::retryable("payments timed out").with_kind("payments_timeout"),
+            };
+            Err(err)
+        })
+    });
+    let consumer = builder(&store, &broker)
+        .max_deliveries(NonZeroU32::new(2).unwrap())
+        .group(group)
+        .build()
+        .unwrap();
+    run_until(consumer, || broker.all_done(TOPIC, GROUP)).await;
+    let letters = dead_letter::DeadLetters::new(store.clone());
+    let counts = letters.counts().await.unwrap();
+    assert_eq!(
+        counts,
+        [
+            ("payment_declined".to_owned(), 2),
+            ("fraud.suspected".to_owned(), 1),
+            ("payments_timeout".to_owned(), 1),
+            (kind::PERMANENT.to_owned(), 1),
+        ]
+    );
+    let declined = crate::store::DeadLetterFilter {
+        error_kind: Some("payment_declined".to_owned()),
+        ..Default::default()
+    };
+    let listed = letters.list(&declined).await.unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(
+        listed
+            .iter()
+            .all(|l| l.attempts[0].error.contains("card declined"))
+    );
+    let flaky = crate::store::DeadLetterFilter {
+        error_kind: Some("payments_timeout".to_owned()),
+        ..Default::default()
+    };
+    assert_eq!(
+        letters.list(&flaky).await.unwrap()[0].attempts.len(),
+        2,
+        "after its deliveries"
+    );
+    assert_eq!(
+        letters.replay_many(&declined).await.unwrap(),
+        2,
+        "replayed by type"
+    );
+    let pending: u64 = letters.counts().await.unwrap().iter().map(|(_, n)| n).sum();
+    assert_eq!(pending, 3, "the other types wait");
+}
+
 #[tokio::test(start_paused = true)]
 async fn expired_messages_are_dropped_not_processed() {
     let _serial = serial();

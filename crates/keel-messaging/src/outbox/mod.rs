@@ -97,7 +97,7 @@ impl std::fmt::Debug for BrokerCheck {
 
 impl<S: OutboxStore> Outbox<S> {
     /// An outbox on `store`, refusing envelopes over
-    /// [`DEFAULT_MAX_SIZE`] (256 KiB).
+    /// [`DEFAULT_MAX_SIZE`] (100 KiB).
     pub fn new(store: S) -> Self {
         Self {
             store,

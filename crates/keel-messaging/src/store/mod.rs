@@ -13,6 +13,7 @@
 //! conformance suite that defines their behaviour.
 
 mod dead_letter;
+mod entity_version;
 mod event_log;
 mod fence;
 mod idempotency;
@@ -23,6 +24,7 @@ mod saga;
 mod webhooks;
 
 pub use dead_letter::*;
+pub use entity_version::*;
 pub use event_log::*;
 pub use fence::*;
 pub use idempotency::*;
@@ -100,11 +102,11 @@ pub trait Store: Clone + Send + Sync + 'static {
 
 /// Every messaging capability in one bound.
 pub trait MessagingStore:
-    OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore
+    OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore + EntityVersionStore
 {
 }
 
 impl<S> MessagingStore for S where
-    S: OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore
+    S: OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore + EntityVersionStore
 {
 }
