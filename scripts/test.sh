@@ -5,7 +5,8 @@
 # nats-server through scripts/services.sh), then runs: formatting, clippy with
 # warnings as errors, the docs with broken links as errors, every test of
 # every crate with every feature (against SQLite, the embedded broker,
-# PostgreSQL and NATS JetStream), and the doc tests. Set KEEL_TEST_QUICK=1 to
+# PostgreSQL and NATS JetStream), the shipped alert rules (promtool), and the
+# doc tests. Set KEEL_TEST_QUICK=1 to
 # skip fmt/clippy/doc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,9 @@ if [ "${KEEL_TEST_QUICK:-0}" != 1 ]; then
   log "every crate with each feature alone, and no unused dependency"
   scripts/features.sh
 fi
+
+log "the Prometheus alert rules, checked and unit-tested by promtool"
+scripts/alerts.sh
 
 log "headless Chromium and chromedriver for the console browser tests"
 scripts/browser.sh

@@ -7,7 +7,13 @@
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Request latency buckets, in seconds: histograms, not summaries, so
+/// percentiles can be aggregated across processes and routes.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -15,7 +21,16 @@ static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 /// handle (`None` if another recorder was installed first).
 pub fn install() -> Option<PrometheusHandle> {
     HANDLE
-        .get_or_init(|| PrometheusBuilder::new().install_recorder().ok())
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    Matcher::Full("keel_http_request_duration_seconds".to_owned()),
+                    LATENCY_BUCKETS,
+                )
+                .ok()?
+                .install_recorder()
+                .ok()
+        })
         .clone()
 }
 

@@ -422,7 +422,13 @@ async fn status_of(http: &reqwest::Client, s: &Server, id: &str) -> String {
 
 #[tokio::test]
 async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() {
-    let s = serve(&["--demo-faults", "--admin-token", ADMIN_TOKEN]);
+    let s = serve(&[
+        "--demo-faults",
+        "--admin-token",
+        ADMIN_TOKEN,
+        "--gauge-interval-secs",
+        "1",
+    ]);
     let http = reqwest::Client::new();
     let faulty = |fault: &'static str, key: &'static str| {
         http.post(format!("{}/orders", s.url))
@@ -456,6 +462,37 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
     })
     .await;
     assert_eq!(status_of(&http, &s, dl_id).await, "pending");
+    // Nobody reads the counts, yet /metrics shows the trouble the shipped
+    // alert rules look for, and every metric they name.
+    eventually("the trouble on /metrics", || async {
+        let text = metrics_text(&http, &s).await;
+        series_sum(&text, "keel_dead_letters_pending{") == 1.0
+            && series_sum(&text, "keel_sagas{status=\"stuck\"}") == 1.0
+    })
+    .await;
+    let text = metrics_text(&http, &s).await;
+    assert!(
+        series_sum(
+            &text,
+            "keel_http_requests_total{method=\"POST\",route=\"/orders\",status=\"2xx\"}"
+        ) >= 2.0,
+        "requests counted by route"
+    );
+    assert!(
+        text.contains(
+            "keel_http_request_duration_seconds_bucket{method=\"POST\",route=\"/orders\""
+        ),
+        "a latency histogram by route"
+    );
+    let named = alert_rule_metrics();
+    assert!(named.len() >= 7, "the rules' metrics: {named:?}");
+    for name in named {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} "))),
+            "the alert rules use {name}, which /metrics does not export"
+        );
+    }
 
     let letters = admin(&http, &s, "/dead-letters").await;
     let letter = &letters["items"][0];
@@ -486,6 +523,12 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
         status_of(&http, &s, st_id).await == "compensated"
     })
     .await;
+    eventually("the gauges to come back to zero", || async {
+        let text = metrics_text(&http, &s).await;
+        series_sum(&text, "keel_dead_letters_pending{") == 0.0
+            && series_sum(&text, "keel_sagas{status=\"stuck\"}") == 0.0
+    })
+    .await;
 
     // Both orders finished, so the shop's consumer groups are caught up.
     let lag = admin(&http, &s, "/lag").await;
@@ -498,6 +541,40 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
         .clone();
     assert_eq!(fulfilment["labels"]["topic"], "orders");
     assert_eq!(fulfilment["value"], 0.0, "{lag}");
+}
+
+async fn metrics_text(http: &reqwest::Client, s: &Server) -> String {
+    let r = http
+        .get(format!("{}/metrics", s.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "/metrics: {}", r.status());
+    r.text().await.unwrap()
+}
+
+/// The sum of the Prometheus text's samples whose line starts with `series`.
+fn series_sum(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Every `keel_…` metric the shipped alert rules name.
+fn alert_rule_metrics() -> std::collections::BTreeSet<String> {
+    let rules = include_str!("../../../deploy/prometheus/keel-alerts.yml");
+    rules
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .flat_map(|l| {
+            l.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("keel_"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 #[tokio::test]

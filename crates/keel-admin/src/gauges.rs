@@ -85,7 +85,8 @@ where
 
 /// Consumer lag of the given consumer groups, asked of their broker
 /// ([`Broker::backlog`]): per group, `consumer_lag` (every unfinished
-/// message) and `consumer_in_flight` (those held by a member right now),
+/// message) and `consumer_lag_in_flight` (those held by a member right
+/// now),
 /// labelled with `topic` and `group`. A group the broker cannot count is
 /// left out; a broker error is logged and leaves its groups out.
 ///
@@ -143,7 +144,7 @@ impl GaugeSource for BrokerLag {
             };
             for (name, value) in [
                 ("consumer_lag", backlog.total()),
-                ("consumer_in_flight", backlog.in_flight),
+                ("consumer_lag_in_flight", backlog.in_flight),
             ] {
                 gauges.push(
                     Gauge::new(name, value as f64)

@@ -47,6 +47,7 @@
 mod access;
 mod auth;
 mod error;
+mod export;
 mod gauges;
 mod model;
 mod query;
@@ -76,6 +77,7 @@ use keel_webhooks::ssrf::SsrfGuard;
 pub use access::{AdminAccess, AdminAuth, AdminAuthLayer, CSRF_FIELD, CSRF_HEADER, SESSION_COOKIE};
 pub use auth::{AdminToken, AdminTokenError, MIN_TOKEN_LEN, cookie};
 pub use error::AdminError;
+pub use export::{DEFAULT_EXPORT_INTERVAL, GaugeExport};
 pub use gauges::{BrokerLag, FnGauges, Gauge, GaugeSource};
 pub use model::{
     ActionJson, AttemptJson, BreakerJson, DeadLetterJson, DeliveryAttemptJson, DeliveryJson,
@@ -251,6 +253,13 @@ where
             breakers: None,
             gauges: Vec::new(),
         }
+    }
+
+    /// The storage-backed gauges (dead letters, sagas, outbox, webhook
+    /// endpoints, every registered [`GaugeSource`]) for Prometheus, read
+    /// on a schedule: spawn its [`run`](GaugeExport::run).
+    pub fn gauge_export(&self) -> GaugeExport<S> {
+        GaugeExport::new(self.clone())
     }
 
     /// The token this admin demands.

@@ -821,7 +821,7 @@ async fn broker_lag_reports_each_groups_unfinished_messages() {
     assert_eq!(gauges[0]["value"], 3.0);
     assert_eq!(gauges[0]["labels"]["group"], "billing");
     assert_eq!(gauges[0]["labels"]["topic"], "orders");
-    assert_eq!(gauges[1]["name"], "consumer_in_flight");
+    assert_eq!(gauges[1]["name"], "consumer_lag_in_flight");
     assert_eq!(gauges[1]["value"], 1.0);
 }
 

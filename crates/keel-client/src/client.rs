@@ -10,6 +10,7 @@ use keel_core::{Deadline, Rejected, TraceParent};
 
 use crate::dependency::DependencyBuilder;
 use crate::error::{HttpCallError, parse_retry_after};
+use crate::recycle::{ClientPool, ConnectionRecycling};
 
 /// The client's own time limit per request when none is set: 10 s. The
 /// current deadline shortens it.
@@ -36,6 +37,8 @@ pub const ERROR_BODY_LIMIT: usize = 4 * 1024;
 ///    `Retry-After` and the start of its body.
 ///
 /// The deadline and trace headers overwrite any the request already has.
+/// Behind a load balancer, give its connections a bounded life with
+/// [`recycling`](Self::recycling), so new backends get traffic.
 ///
 /// ```no_run
 /// use keel_client::PropagatingClient;
@@ -48,7 +51,7 @@ pub const ERROR_BODY_LIMIT: usize = 4 * 1024;
 /// ```
 #[derive(Debug, Clone)]
 pub struct PropagatingClient {
-    client: reqwest::Client,
+    client: ClientPool,
     timeout: Duration,
     min_time_to_start: Duration,
 }
@@ -57,6 +60,30 @@ impl PropagatingClient {
     /// Wraps `client`, with the default timeout of 10 s and a minimum of
     /// 50 ms left to start a call.
     pub fn new(client: reqwest::Client) -> Self {
+        Self::over(ClientPool::fixed(client))
+    }
+
+    /// A client whose connections retire by `recycling`: `make` builds
+    /// each fresh `reqwest::Client` (with the same settings every time).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use keel_client::{ConnectionRecycling, PropagatingClient};
+    ///
+    /// let client = PropagatingClient::recycling(
+    ///     reqwest::Client::new,
+    ///     ConnectionRecycling::after(Duration::from_secs(120)).or_after_requests(10_000),
+    /// );
+    /// # let _ = client;
+    /// ```
+    pub fn recycling(
+        make: impl Fn() -> reqwest::Client + Send + Sync + 'static,
+        recycling: ConnectionRecycling,
+    ) -> Self {
+        Self::over(ClientPool::recycling(std::sync::Arc::new(make), recycling))
+    }
+
+    fn over(client: ClientPool) -> Self {
         Self {
             client,
             timeout: DEFAULT_CLIENT_TIMEOUT,
@@ -84,9 +111,11 @@ impl PropagatingClient {
         self
     }
 
-    /// The wrapped client, to build requests with.
-    pub fn inner(&self) -> &reqwest::Client {
-        &self.client
+    /// The wrapped client (the current one, when recycling), to build
+    /// requests with. Calls go through [`send`](Self::send) or
+    /// [`execute`](Self::execute), which pick the client that sends them.
+    pub fn inner(&self) -> reqwest::Client {
+        self.client.peek()
     }
 
     /// A [`Dependency`](super::Dependency) named `name` that calls through
@@ -144,6 +173,7 @@ impl PropagatingClient {
         let url = request.url().clone();
         let response = self
             .client
+            .for_call()
             .execute(request)
             .await
             .map_err(|source| HttpCallError::from_reqwest(source, allowed))?;

@@ -262,7 +262,7 @@ impl Dependency {
         let inner = &*self.inner;
         let result = inner
             .pipeline
-            .call(|| inner.client.send(build(inner.client.inner())))
+            .call(|| inner.client.send(build(&inner.client.inner())))
             .instrument(tracing::debug_span!("dependency", name = %inner.name))
             .await
             .map_err(HttpCallError::from);

@@ -32,7 +32,9 @@
 mod client;
 mod dependency;
 mod error;
+pub mod recycle;
 
 pub use client::{DEFAULT_CLIENT_TIMEOUT, ERROR_BODY_LIMIT, PropagatingClient};
 pub use dependency::{Dependency, DependencyBuilder, DependencyConfig};
 pub use error::{HttpCallError, parse_retry_after};
+pub use recycle::ConnectionRecycling;

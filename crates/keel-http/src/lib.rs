@@ -16,6 +16,7 @@
 //! - `propagation`: the deadline and trace context of incoming requests
 //!   (the calling half is the `keel-client` crate);
 //! - `shed`: load shedding at the edge (503 + `Retry-After`);
+//! - `request-metrics`: rate, errors and duration per route (RED);
 //!
 //! No feature is on by default: a service compiles only the parts it uses.
 //! [`problem`] and [`access`] (API keys, allowed hosts, failure throttling)
@@ -36,5 +37,7 @@ pub mod jobs;
 pub mod pagination;
 #[cfg(feature = "propagation")]
 pub mod propagation;
+#[cfg(feature = "request-metrics")]
+pub mod request_metrics;
 #[cfg(feature = "shed")]
 pub mod shed;

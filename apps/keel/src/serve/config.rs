@@ -83,6 +83,10 @@ pub struct ServeArgs {
     /// credentials, like the admin API).
     #[arg(long, env = "KEEL_PUBLIC_METRICS")]
     pub public_metrics: bool,
+    /// Seconds between reads of the gauges kept in storage (dead letters,
+    /// sagas, outbox and consumer lag, webhook endpoints) [default: 15].
+    #[arg(long, env = "KEEL_GAUGE_INTERVAL_SECS")]
+    pub gauge_interval_secs: Option<u64>,
     /// The most connections open at once [default: 1024]; past it a new
     /// one gets 503.
     #[arg(long, env = "KEEL_MAX_CONNECTIONS")]
@@ -151,6 +155,8 @@ pub struct ServeFile {
     pub secrets_key_file: Option<PathBuf>,
     /// See [`ServeArgs::public_metrics`].
     pub public_metrics: Option<bool>,
+    /// See [`ServeArgs::gauge_interval_secs`].
+    pub gauge_interval_secs: Option<u64>,
     /// See [`ServeArgs::max_connections`].
     pub max_connections: Option<usize>,
     /// See [`ServeArgs::header_read_timeout_secs`].
@@ -198,6 +204,8 @@ pub struct ServeConfig {
     pub secrets: SecretSealer,
     /// Metrics and `/debug/deep` without credentials.
     pub public_metrics: bool,
+    /// How often the storage-backed gauges are read.
+    pub gauge_interval: Duration,
     /// Timeouts and the cap of every connection.
     pub connection_limits: ConnectionLimits,
     /// Long-lived connections per client address.
@@ -384,6 +392,13 @@ impl ServeArgs {
             Secret::parse(secret).map_err(|e| invalid("inbound-webhook-secret", e.to_string()))?;
         }
         let cursor_key = self.cursor_key.clone().or(file.cursor_key);
+        let gauge_interval_secs = self
+            .gauge_interval_secs
+            .or(file.gauge_interval_secs)
+            .unwrap_or(keel_admin::DEFAULT_EXPORT_INTERVAL.as_secs());
+        if gauge_interval_secs == 0 {
+            return Err(invalid("gauge-interval-secs", "must be at least 1"));
+        }
         if cursor_key.as_ref().is_some_and(|k| k.len() < 32) {
             return Err(invalid("cursor-key", "must be at least 32 bytes"));
         }
@@ -399,6 +414,7 @@ impl ServeArgs {
             max_endpoints_per_tenant,
             secrets,
             public_metrics: self.public_metrics || file.public_metrics.unwrap_or(false),
+            gauge_interval: Duration::from_secs(gauge_interval_secs),
             connection_limits,
             max_streams_per_client,
             ws_allowed_origins,

@@ -131,6 +131,17 @@ pub fn serve_routes<S: ShopStore>(
     let token = AdminToken::require_for(config.listen, config.admin_token.clone())
         .map_err(|e| StartError::Config(e.to_string()))?;
     let (admin, admin_routes) = admin_routes(c, token, config.allowed_hosts.clone());
+    // Dead letters, sagas and lag reach /metrics whether or not anyone
+    // opens the console, so the shipped alert rules can fire.
+    let drain = c.drain.clone();
+    tokio::spawn(
+        admin
+            .gauge_export()
+            .every(config.gauge_interval)
+            .run(async move {
+                drain.wait_for(keel_http::health::Phase::Draining).await;
+            }),
+    );
     let auth = (!config.public_metrics).then(|| admin.auth_layer());
     let guarded = |route: MethodRouter| match &auth {
         Some(auth) => route.route_layer(auth.clone()),

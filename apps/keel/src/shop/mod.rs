@@ -330,7 +330,8 @@ impl System {
         };
         let router = api::public_router(state, drain.signal(), &limits)
             .map_err(config_err)?
-            .merge(extra(&components)?);
+            .merge(extra(&components)?)
+            .layer(keel_http::request_metrics::RequestMetricsLayer::new());
 
         let wait = |rx: &watch::Receiver<bool>| {
             let mut rx = rx.clone();

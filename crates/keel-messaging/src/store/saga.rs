@@ -26,6 +26,16 @@ pub enum SagaStatus {
 }
 
 impl SagaStatus {
+    /// Every status, in the order of a saga's life.
+    pub const ALL: [Self; 6] = [
+        Self::Running,
+        Self::Compensating,
+        Self::Completed,
+        Self::Compensated,
+        Self::Stuck,
+        Self::Cancelled,
+    ];
+
     /// The stored name.
     pub fn as_str(self) -> &'static str {
         match self {
