@@ -17,6 +17,7 @@
 //!   (the calling half is the `keel-client` crate);
 //! - `shed`: load shedding at the edge (503 + `Retry-After`);
 //! - `request-metrics`: rate, errors and duration per route (RED);
+//! - `tls`: HTTPS with rustls, handshakes bounded in number and time;
 //!
 //! No feature is on by default: a service compiles only the parts it uses.
 //! [`problem`] and [`access`] (API keys, allowed hosts, failure throttling)
@@ -41,3 +42,5 @@ pub mod propagation;
 pub mod request_metrics;
 #[cfg(feature = "shed")]
 pub mod shed;
+#[cfg(feature = "tls")]
+pub mod tls;

@@ -83,6 +83,21 @@ pub struct ServeArgs {
     /// credentials, like the admin API).
     #[arg(long, env = "KEEL_PUBLIC_METRICS")]
     pub public_metrics: bool,
+    /// Seconds to keep serving, with /readyz failing, after SIGTERM, so
+    /// load balancers stop sending before the listener closes [default: 1].
+    #[arg(long, env = "KEEL_LB_NOTICE_SECS")]
+    pub lb_notice_secs: Option<u64>,
+    /// Seconds in-flight requests and long-lived connections get once the
+    /// listener closes, before they are aborted [default: 10]. Keep
+    /// `lb-notice + drain-timeout` under the orchestrator's grace period.
+    #[arg(long, env = "KEEL_DRAIN_TIMEOUT_SECS")]
+    pub drain_timeout_secs: Option<u64>,
+    /// A PEM certificate chain: serve HTTPS (with --tls-key).
+    #[arg(long, env = "KEEL_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "KEEL_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Seconds between reads of the gauges kept in storage (dead letters,
     /// sagas, outbox and consumer lag, webhook endpoints) [default: 15].
     #[arg(long, env = "KEEL_GAUGE_INTERVAL_SECS")]
@@ -157,6 +172,14 @@ pub struct ServeFile {
     pub public_metrics: Option<bool>,
     /// See [`ServeArgs::gauge_interval_secs`].
     pub gauge_interval_secs: Option<u64>,
+    /// See [`ServeArgs::lb_notice_secs`].
+    pub lb_notice_secs: Option<u64>,
+    /// See [`ServeArgs::drain_timeout_secs`].
+    pub drain_timeout_secs: Option<u64>,
+    /// See [`ServeArgs::tls_cert`].
+    pub tls_cert: Option<PathBuf>,
+    /// See [`ServeArgs::tls_key`].
+    pub tls_key: Option<PathBuf>,
     /// See [`ServeArgs::max_connections`].
     pub max_connections: Option<usize>,
     /// See [`ServeArgs::header_read_timeout_secs`].
@@ -206,6 +229,12 @@ pub struct ServeConfig {
     pub public_metrics: bool,
     /// How often the storage-backed gauges are read.
     pub gauge_interval: Duration,
+    /// Serving on with readiness failing after SIGTERM.
+    pub lb_notice: Duration,
+    /// What in-flight work gets once the listener closes.
+    pub drain_timeout: Duration,
+    /// HTTPS: the certificate chain and key files.
+    pub tls: Option<TlsFiles>,
     /// Timeouts and the cap of every connection.
     pub connection_limits: ConnectionLimits,
     /// Long-lived connections per client address.
@@ -239,6 +268,15 @@ impl std::fmt::Debug for ServeConfig {
             .field("cursor_key", &set(&self.cursor_key))
             .finish_non_exhaustive()
     }
+}
+
+/// The certificate chain and private key `keel serve` answers HTTPS with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// PEM certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
 }
 
 /// A configuration that cannot work, and what to change.
@@ -399,6 +437,32 @@ impl ServeArgs {
         if gauge_interval_secs == 0 {
             return Err(invalid("gauge-interval-secs", "must be at least 1"));
         }
+        let lb_notice =
+            Duration::from_secs(self.lb_notice_secs.or(file.lb_notice_secs).unwrap_or(1));
+        let drain_timeout_secs = self
+            .drain_timeout_secs
+            .or(file.drain_timeout_secs)
+            .unwrap_or(10);
+        if drain_timeout_secs == 0 {
+            return Err(invalid("drain-timeout-secs", "must be at least 1"));
+        }
+        let tls = match (
+            self.tls_cert.clone().or(file.tls_cert),
+            self.tls_key.clone().or(file.tls_key),
+        ) {
+            (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+            (None, None) => None,
+            _ => {
+                return Err(invalid(
+                    "tls-cert",
+                    "needs tls-key, and the other way round",
+                ));
+            }
+        };
+        if let Some(files) = &tls {
+            keel_http::tls::server_config(&files.cert, &files.key)
+                .map_err(|e| invalid("tls-cert", e.to_string()))?;
+        }
         if cursor_key.as_ref().is_some_and(|k| k.len() < 32) {
             return Err(invalid("cursor-key", "must be at least 32 bytes"));
         }
@@ -415,6 +479,9 @@ impl ServeArgs {
             secrets,
             public_metrics: self.public_metrics || file.public_metrics.unwrap_or(false),
             gauge_interval: Duration::from_secs(gauge_interval_secs),
+            lb_notice,
+            drain_timeout: Duration::from_secs(drain_timeout_secs),
+            tls,
             connection_limits,
             max_streams_per_client,
             ws_allowed_origins,

@@ -250,7 +250,12 @@ async fn serve_on<S: ShopStore>(
             .clone()
             .map(String::into_bytes)
             .unwrap_or_else(|| SystemConfig::default().cursor_key),
-        lb_notice: Duration::from_secs(1),
+        lb_notice: config.lb_notice,
+        drain_timeout: config.drain_timeout,
+        tls: match &config.tls {
+            Some(files) => Some(keel_http::tls::server_config(&files.cert, &files.key)?),
+            None => None,
+        },
         // Processes sharing a database must not take each other's claims.
         relay_name: if matches!(config.database, Database::Sqlite(_)) {
             "shop-relay".to_owned()

@@ -32,6 +32,7 @@ use std::time::Duration;
 use axum::Router;
 use keel_http::health::{ConnectionLimits, Drain};
 use keel_http::pagination::{CursorCodec, Pagination};
+use keel_http::tls::TlsListener;
 use keel_messaging::broker::Broker;
 use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
 use keel_messaging::saga::SagaOrchestrator;
@@ -108,6 +109,8 @@ pub struct SystemConfig {
     pub lb_notice: Duration,
     /// How long in-flight requests get at shutdown.
     pub drain_timeout: Duration,
+    /// HTTPS instead of HTTP (default: none).
+    pub tls: Option<Arc<keel_http::tls::ServerConfig>>,
     /// How often the background workers poll when idle.
     pub poll_interval: Duration,
     /// The outbox relay's name. A relay takes back claims made under its
@@ -142,6 +145,7 @@ impl Default for SystemConfig {
             max_deliveries: 5,
             lb_notice: Duration::ZERO,
             drain_timeout: Duration::from_secs(10),
+            tls: None,
             poll_interval: Duration::from_millis(50),
             relay_name: "shop-relay".to_owned(),
         }
@@ -240,6 +244,11 @@ impl System {
         store.seed_stock(&config.stock).await?;
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         let (stop, stopped) = watch::channel(false);
         // The dependencies stop on a signal of their own, sent only once
         // the orchestrator has stopped: its calls in flight (and their
@@ -323,7 +332,7 @@ impl System {
         };
         let limits = api::EdgeLimits {
             streams_per_client: config.streams_per_client,
-            ws_origins: own_origins(addr)
+            ws_origins: own_origins(scheme, addr)
                 .into_iter()
                 .chain(config.ws_origins.iter().cloned())
                 .collect(),
@@ -356,14 +365,22 @@ impl System {
         });
         let server_drain = drain.clone();
         let limits = config.connection_limits.clone();
+        let tls = config.tls.clone();
         tasks.spawn(async move {
-            if let Err(err) = server_drain.serve_with(listener, router, limits).await {
+            let served = match tls {
+                Some(tls) => {
+                    let listener = TlsListener::new(listener, tls);
+                    server_drain.serve_with(listener, router, limits).await
+                }
+                None => server_drain.serve_with(listener, router, limits).await,
+            };
+            if let Err(err) = served {
                 tracing::error!(error = %err, "public server failed");
             }
         });
 
         Ok(SystemHandle {
-            base_url: format!("http://{addr}"),
+            base_url: format!("{scheme}://{addr}"),
             addr,
             store,
             broker,
@@ -431,10 +448,10 @@ fn fan_out<S: ShopStore>(
     ))
 }
 
-fn own_origins(addr: SocketAddr) -> Vec<String> {
-    let mut origins = vec![format!("http://{addr}")];
+fn own_origins(scheme: &str, addr: SocketAddr) -> Vec<String> {
+    let mut origins = vec![format!("{scheme}://{addr}")];
     if addr.ip().is_loopback() {
-        origins.push(format!("http://localhost:{}", addr.port()));
+        origins.push(format!("{scheme}://localhost:{}", addr.port()));
     }
     origins
 }

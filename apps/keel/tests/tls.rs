@@ -1,0 +1,75 @@
+//! `keel serve` over HTTPS with a self-signed certificate from files: it
+//! says `https://` when listening, answers an order and the probes over
+//! TLS to a client that trusts the certificate, and refuses to start with
+//! a certificate it cannot use.
+
+mod common;
+
+use std::process::Command;
+
+use common::{order, serve};
+
+fn self_signed(dir: &std::path::Path) -> (String, String, String) {
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let pem = certified.cert.pem();
+    std::fs::write(&cert, &pem).unwrap();
+    std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
+    let path = |p: std::path::PathBuf| p.to_str().unwrap().to_owned();
+    (path(cert), path(key), pem)
+}
+
+#[tokio::test]
+async fn serve_answers_https_with_the_configured_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key, pem) = self_signed(dir.path());
+    let s = serve(&["--tls-cert", &cert, "--tls-key", &key]);
+    assert!(s.url.starts_with("https://127.0.0.1:"), "{}", s.url);
+    let client = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(pem.as_bytes()).unwrap())
+        .build()
+        .unwrap();
+    for probe in ["/livez", "/readyz"] {
+        let r = client
+            .get(format!("{}{probe}", s.url))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{probe}: {}", r.status());
+    }
+    let r = client
+        .post(format!("{}/orders", s.url))
+        .header("idempotency-key", "tls-1")
+        .json(&order("tls"))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "an order over TLS: {}", r.status());
+    let plain = s.url.replacen("https://", "http://", 1);
+    assert!(
+        reqwest::get(format!("{plain}/livez")).await.is_err(),
+        "no plain HTTP on the TLS port"
+    );
+}
+
+#[test]
+fn a_certificate_it_cannot_use_is_refused_before_starting() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, _, _) = self_signed(dir.path());
+    let refused = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("KEEL_ADMIN_TOKEN")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "serve {args:?} started");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = refused(&["--tls-cert", &cert, "--tls-key", "/nonexistent/key.pem"]);
+    assert!(said.contains("/nonexistent/key.pem"), "{said}");
+    let said = refused(&["--tls-cert", &cert]);
+    assert!(said.contains("tls-key"), "{said}");
+}

@@ -1,0 +1,184 @@
+//! HTTPS for the edge: a rustls server configuration from PEM files, and a
+//! listener that handshakes many clients at once.
+//!
+//! The handshake is where a naive TLS server is easiest to stall: done
+//! inside `accept`, one client that opens a connection and sends nothing
+//! holds every other client at the door. [`TlsListener`] runs each
+//! handshake as a task of its own, bounded in number
+//! ([`TlsListener::max_handshakes`], 256) and in time
+//! ([`TlsListener::handshake_timeout`], 10 s), and hands out only
+//! connections whose handshake finished; failed and timed-out handshakes
+//! are counted in `keel_http_tls_handshake_failures_total{reason}`. It is
+//! an axum [`Listener`], so [`Drain`](crate::health::Drain) and the
+//! connection limits work on it unchanged.
+//!
+//! ```no_run
+//! # async fn serve(router: axum::Router) -> Result<(), Box<dyn std::error::Error>> {
+//! use keel_http::tls::{TlsListener, server_config};
+//!
+//! let config = server_config("tls/cert.pem", "tls/key.pem")?;
+//! let tcp = tokio::net::TcpListener::bind("0.0.0.0:8443").await?;
+//! axum::serve(TlsListener::new(tcp, config), router).await?;
+//! # Ok(()) }
+//! ```
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::serve::Listener;
+pub use rustls::ServerConfig;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+
+/// The certificate or key could not be used; the message names the file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// A file is missing, unreadable, or not PEM of the expected kind.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// rustls refused the pair (the key does not match the certificate, or
+    /// an unsupported key type).
+    #[error("the certificate and key cannot be used together: {0}")]
+    Refused(#[from] rustls::Error),
+}
+
+/// A TLS 1.2/1.3 server configuration (ring, HTTP/1.1 by ALPN) from a PEM
+/// certificate chain (leaf first) and its PEM private key.
+pub fn server_config(
+    cert: impl AsRef<Path>,
+    key: impl AsRef<Path>,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let (cert, key) = (cert.as_ref(), key.as_ref());
+    let file_error = |path: &Path, reason: String| TlsError::File {
+        path: path.to_owned(),
+        reason,
+    };
+    let chain = CertificateDer::pem_file_iter(cert)
+        .map_err(|e| file_error(cert, e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file_error(cert, e.to_string()))?;
+    if chain.is_empty() {
+        return Err(file_error(cert, "holds no PEM certificate".to_owned()));
+    }
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error(key, e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+type Handshake<L> = Option<(TlsStream<<L as Listener>::Io>, <L as Listener>::Addr)>;
+
+/// A [`Listener`] that answers TLS on top of another one; see the
+/// [module docs](self).
+pub struct TlsListener<L: Listener> {
+    inner: L,
+    acceptor: TlsAcceptor,
+    handshakes: JoinSet<Handshake<L>>,
+    handshake_timeout: Duration,
+    max_handshakes: usize,
+}
+
+impl<L: Listener> std::fmt::Debug for TlsListener<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsListener")
+            .field("handshaking", &self.handshakes.len())
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_handshakes", &self.max_handshakes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<L> TlsListener<L>
+where
+    L: Listener,
+    L::Addr: 'static,
+{
+    /// TLS with `config` on `inner`'s connections.
+    pub fn new(inner: L, config: Arc<ServerConfig>) -> Self {
+        Self {
+            inner,
+            acceptor: TlsAcceptor::from(config),
+            handshakes: JoinSet::new(),
+            handshake_timeout: Duration::from_secs(10),
+            max_handshakes: 256,
+        }
+    }
+
+    /// The longest a client may take to finish its handshake (default
+    /// 10 s); then its connection is closed.
+    #[must_use]
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// The most handshakes in progress at once (default 256); past it,
+    /// new connections wait in the kernel's backlog.
+    #[must_use]
+    pub fn max_handshakes(mut self, max: usize) -> Self {
+        self.max_handshakes = max.max(1);
+        self
+    }
+
+    fn start_handshake(&mut self, io: L::Io, peer: L::Addr) {
+        let acceptor = self.acceptor.clone();
+        let timeout = self.handshake_timeout;
+        self.handshakes.spawn(async move {
+            let reason = match tokio::time::timeout(timeout, acceptor.accept(io)).await {
+                Ok(Ok(stream)) => return Some((stream, peer)),
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "TLS handshake failed");
+                    "failed"
+                }
+                Err(_) => "timeout",
+            };
+            metrics::counter!("keel_http_tls_handshake_failures_total", "reason" => reason)
+                .increment(1);
+            None
+        });
+    }
+}
+
+impl<L> Listener for TlsListener<L>
+where
+    L: Listener,
+    L::Addr: 'static,
+{
+    type Io = TlsStream<L::Io>;
+    type Addr = L::Addr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let room = self.handshakes.len() < self.max_handshakes;
+            tokio::select! {
+                // The inner accept is cancel-safe: a connection is either
+                // returned or left in the kernel's queue.
+                (io, peer) = self.inner.accept(), if room => self.start_handshake(io, peer),
+                Some(done) = self.handshakes.join_next(), if !self.handshakes.is_empty() => {
+                    if let Ok(Some(connection)) = done {
+                        return connection;
+                    }
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
