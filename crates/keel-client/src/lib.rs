@@ -32,9 +32,11 @@
 mod client;
 mod dependency;
 mod error;
+pub mod idempotency_key;
 pub mod recycle;
 
 pub use client::{DEFAULT_CLIENT_TIMEOUT, ERROR_BODY_LIMIT, PropagatingClient};
 pub use dependency::{Dependency, DependencyBuilder, DependencyConfig};
 pub use error::{HttpCallError, parse_retry_after};
+pub use idempotency_key::IdempotencyKey;
 pub use recycle::ConnectionRecycling;

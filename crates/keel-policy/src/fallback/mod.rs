@@ -47,6 +47,7 @@
 //! # }).unwrap();
 //! ```
 
+mod last_good;
 mod layer;
 
 use std::future::Future;
@@ -56,6 +57,7 @@ use keel_core::{Classify, ErrorClass, Name};
 use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
+pub use last_good::{Answer, LastGood, LastGoodBuilder};
 pub use layer::{FallbackLayer, FallbackService, ResponseFuture};
 
 #[cfg(doc)]
