@@ -751,3 +751,37 @@ async fn an_idle_long_poll_answers_204_before_the_servers_deadline_cap() {
         "the caller's deadline"
     );
 }
+
+#[tokio::test]
+async fn a_chaos_experiment_reaches_shipping_only_when_enabled_and_the_estimate_degrades() {
+    let http = reqwest::Client::new();
+    let estimate = |s: &Server, id: String, marked: bool| {
+        let mut request = http.get(format!("{}/orders/{id}", s.url));
+        if marked {
+            request = request.header("x-chaos-experiment", "shipping-outage");
+        }
+        async move {
+            let order: Value = request.send().await.unwrap().json().await.unwrap();
+            order["deliveryEstimate"].clone()
+        }
+    };
+    for (flags, degrades) in [(&[][..], false), (&["--chaos-experiments"][..], true)] {
+        let s = serve(flags);
+        let placed: Value = place(&http, &s, "exp-1", &order("explorer"))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let id = placed["id"].as_str().unwrap().to_owned();
+        let fresh = estimate(&s, id.clone(), false).await;
+        assert!(fresh["days"].as_u64().is_some(), "{fresh}");
+        assert!(fresh.get("staleSeconds").is_none(), "{fresh}");
+        let marked = estimate(&s, id.clone(), true).await;
+        assert_eq!(marked["days"], fresh["days"], "{flags:?}: {marked}");
+        assert_eq!(
+            marked.get("staleSeconds").is_some(),
+            degrades,
+            "{flags:?}: shipping fails only inside an enabled experiment: {marked}"
+        );
+    }
+}

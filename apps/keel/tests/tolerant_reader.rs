@@ -45,6 +45,7 @@ fn order(id: &str) -> Order {
         total_cents: 450,
         status: OrderStatus::Pending,
         created_at: keel_core::clock::utc_now().to_rfc3339(),
+        delivery_estimate: None,
     }
 }
 

@@ -7,6 +7,7 @@ use http::HeaderValue;
 use keel_core::deadline::{DEADLINE_HEADER, MIN_TIME_TO_START};
 use keel_core::trace::TRACEPARENT_HEADER;
 use keel_core::{Deadline, Rejected, TraceParent};
+use keel_policy::chaos::{ChaosExperiment, EXPERIMENT_HEADER};
 
 use crate::dependency::DependencyBuilder;
 use crate::error::{HttpCallError, parse_retry_after};
@@ -32,7 +33,8 @@ pub const ERROR_BODY_LIMIT: usize = 4 * 1024;
 ///    the deadline that makes, `X-Request-Deadline-Unix-Ms`, so the
 ///    dependency stops when we stop waiting;
 /// 3. sends `traceparent` as a new child span of the current
-///    [`TraceParent`] (a new trace without one);
+///    [`TraceParent`] (a new trace without one), and the chaos experiment
+///    the request belongs to, if any (`x-chaos-experiment`);
 /// 4. turns an error status into [`HttpCallError::Status`], with its
 ///    `Retry-After` and the start of its body.
 ///
@@ -169,6 +171,12 @@ impl PropagatingClient {
         }
         if let Ok(value) = HeaderValue::from_str(&span.to_string()) {
             headers.insert(TRACEPARENT_HEADER, value);
+        }
+        // The experiment follows the request downstream, as the trace does.
+        if let Some(experiment) = ChaosExperiment::current()
+            && let Ok(value) = HeaderValue::from_str(&experiment)
+        {
+            headers.insert(EXPERIMENT_HEADER, value);
         }
         let url = request.url().clone();
         let response = self

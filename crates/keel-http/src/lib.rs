@@ -17,6 +17,9 @@
 //!   (the calling half is the `keel-client` crate);
 //! - `shed`: load shedding at the edge (503 + `Retry-After`);
 //! - `request-metrics`: rate, errors and duration per route (RED);
+//! - `chaos`: chaos experiments scoped to requests carrying
+//!   `x-chaos-experiment` (faults per route, off by default, loopback
+//!   clients only unless trusted);
 //! - `tls`: HTTPS with rustls, handshakes bounded in number and time;
 //!
 //! No feature is on by default: a service compiles only the parts it uses.
@@ -28,6 +31,8 @@
 pub mod access;
 pub mod problem;
 
+#[cfg(feature = "chaos")]
+pub mod experiment;
 #[cfg(feature = "health")]
 pub mod health;
 #[cfg(feature = "idempotency")]

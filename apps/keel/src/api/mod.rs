@@ -9,6 +9,7 @@ use axum::Router;
 use axum::extract::{DefaultBodyLimit, FromRef};
 use axum::http::request::Parts;
 use axum::routing::{get, post};
+use keel_http::experiment::ExperimentLayer;
 use keel_http::idempotency::{IdempotencyLayer, IdempotencyOptions};
 use keel_http::pagination::Pagination;
 use keel_http::propagation::{DeadlineLayer, TraceContextLayer};
@@ -33,6 +34,10 @@ pub struct AppState<S: ShopStore> {
     pub pagination: Pagination,
     /// Whether `X-Keel-Demo-Fault` is honoured.
     pub demo_faults: bool,
+    /// Shipping's delivery estimates for the order page.
+    pub estimates: crate::shop::saga::DeliveryEstimates,
+    /// Whether `x-chaos-experiment` is honoured (from loopback clients).
+    pub experiments: bool,
 }
 
 impl<S: ShopStore> Clone for AppState<S> {
@@ -43,6 +48,8 @@ impl<S: ShopStore> Clone for AppState<S> {
             log: self.log.clone(),
             pagination: self.pagination.clone(),
             demo_faults: self.demo_faults,
+            estimates: self.estimates.clone(),
+            experiments: self.experiments,
         }
     }
 }
@@ -121,6 +128,9 @@ pub fn public_router<S: ShopStore>(
         .merge(post(orders::place_order::<S>).route_layer(idempotency));
     let deadline =
         DeadlineLayer::with_max(MAX_DEADLINE).map_err(|e| RouterError::Config(e.to_string()))?;
+    let experiments = ExperimentLayer::builder()
+        .enabled(state.experiments)
+        .build();
     Ok(Router::new()
         .route("/orders", orders)
         .route("/orders/{id}", get(orders::get_order::<S>))
@@ -129,6 +139,9 @@ pub fn public_router<S: ShopStore>(
         .route("/ws", realtime.websocket())
         .with_state(state)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Inside the deadline and trace: an injected delay counts against
+        // the request's deadline, as a slow dependency's would.
+        .layer(experiments)
         .layer(deadline)
         // A malformed traceparent starts a new trace, as W3C Trace Context
         // says: a client's broken tracer never fails its orders.

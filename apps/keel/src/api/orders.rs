@@ -140,6 +140,7 @@ pub async fn place_order<S: ShopStore>(
         items: new.items,
         status: OrderStatus::Pending,
         created_at: now_rfc3339(),
+        delivery_estimate: None,
     };
     // A client that hangs up must not cut the transaction in half: it runs
     // to its end in a task of its own, and a retry under the same key finds
@@ -307,7 +308,10 @@ pub async fn get_order<S: ShopStore>(
         return Problem::bad_request("an order id is a UUID").into_response();
     }
     match state.store.order(&id).await {
-        Ok(Some(order)) => Json(order).into_response(),
+        Ok(Some(mut order)) => {
+            order.delivery_estimate = state.estimates.for_customer(&order.customer_id).await;
+            Json(order).into_response()
+        }
         Ok(None) => Problem::not_found(format!("no order {id}")).into_response(),
         Err(e) => store_failed(&e),
     }

@@ -7,6 +7,7 @@
 //! own (the invariants judge this run's rows only); the schema is dropped
 //! afterwards, the streams age out with their retention.
 
+pub mod experiment;
 pub mod history;
 pub mod report;
 pub mod workload;
@@ -202,6 +203,14 @@ pub async fn run_on<S: ShopStore>(
     let mut report =
         report::assemble(&handle.store, &result, total, started.elapsed(), quiet).await?;
     report.webhooks_received = webhooks_received.load(Ordering::Relaxed);
+    if let Some(first) = result.accepted.first() {
+        let outcome = experiment::run(&handle.base_url, &first.order_id).await?;
+        report.experiment = outcome.summary;
+        if !outcome.violations.is_empty() {
+            report.invariants.ok = false;
+            report.invariants.violations.extend(outcome.violations);
+        }
+    }
     if !quiet {
         report
             .invariants
@@ -283,6 +292,7 @@ async fn run_system<S: ShopStore>(
     let system = SystemConfig {
         payments_faults: PaymentsFaults::demo(config.workload.orders),
         allow_loopback_webhooks: true,
+        chaos_experiments: true,
         ..SystemConfig::default()
     };
     eprintln!(

@@ -117,6 +117,8 @@ pub struct Report {
     pub retry_budget_exhausted: u64,
     /// Webhook deliveries received by the demo's endpoint.
     pub webhooks_received: u64,
+    /// What the chaos experiment (shipping down, marked requests only) showed.
+    pub experiment: String,
     /// Request latency, median, in milliseconds.
     pub latency_p50_ms: f64,
     /// Request latency, 99th percentile, in milliseconds.
@@ -487,6 +489,7 @@ impl Report {
                 self.retry_budget_exhausted.to_string(),
             ),
             ("webhooks delivered", self.webhooks_received.to_string()),
+            ("chaos experiment", self.experiment.clone()),
             (
                 "latency p50 / p99",
                 format!(

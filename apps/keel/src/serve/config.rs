@@ -125,6 +125,10 @@ pub struct ServeArgs {
     /// Honour `X-Keel-Demo-Fault` on `POST /orders` (for demos and tests).
     #[arg(long, env = "KEEL_DEMO_FAULTS")]
     pub demo_faults: bool,
+    /// Honour `x-chaos-experiment` from loopback clients: the request runs
+    /// in that experiment, and the mark goes on to the dependencies.
+    #[arg(long, env = "KEEL_CHAOS_EXPERIMENTS")]
+    pub chaos_experiments: bool,
     /// Allow webhook endpoints on loopback addresses (the SSRF guard
     /// refuses them otherwise).
     #[arg(long, env = "KEEL_ALLOW_LOOPBACK_WEBHOOKS")]
@@ -192,6 +196,8 @@ pub struct ServeFile {
     pub ws_allowed_origins: Option<Vec<String>>,
     /// See [`ServeArgs::demo_faults`].
     pub demo_faults: Option<bool>,
+    /// See [`ServeArgs::chaos_experiments`].
+    pub chaos_experiments: Option<bool>,
     /// See [`ServeArgs::allow_loopback_webhooks`].
     pub allow_loopback_webhooks: Option<bool>,
     /// See [`ServeArgs::inbound_webhook_secret`].
@@ -243,6 +249,8 @@ pub struct ServeConfig {
     pub ws_allowed_origins: Vec<String>,
     /// Demo faults on.
     pub demo_faults: bool,
+    /// Chaos experiments honoured (from loopback clients).
+    pub chaos_experiments: bool,
     /// Loopback webhooks allowed.
     pub allow_loopback_webhooks: bool,
     /// Inbound webhook secret.
@@ -486,6 +494,7 @@ impl ServeArgs {
             max_streams_per_client,
             ws_allowed_origins,
             demo_faults: self.demo_faults || file.demo_faults.unwrap_or(false),
+            chaos_experiments: self.chaos_experiments || file.chaos_experiments.unwrap_or(false),
             allow_loopback_webhooks: self.allow_loopback_webhooks
                 || file.allow_loopback_webhooks.unwrap_or(false),
             inbound_webhook_secret,

@@ -240,6 +240,7 @@ async fn serve_on<S: ShopStore>(
     let system = SystemConfig {
         listen: config.listen,
         demo_faults: config.demo_faults,
+        chaos_experiments: config.chaos_experiments,
         allow_loopback_webhooks: config.allow_loopback_webhooks,
         secrets: config.secrets.clone(),
         connection_limits: config.connection_limits.clone(),

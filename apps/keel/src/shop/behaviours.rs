@@ -146,6 +146,7 @@ pub(crate) async fn place<S: ShopDb>(store: &S, id: &str) {
         total_cents: 100,
         status: OrderStatus::Pending,
         created_at: super::db::now_rfc3339(),
+        delivery_estimate: None,
     };
     let mut tx = store.begin().await.unwrap();
     store

@@ -109,6 +109,8 @@ pub struct SystemConfig {
     pub lb_notice: Duration,
     /// How long in-flight requests get at shutdown.
     pub drain_timeout: Duration,
+    /// Honour `x-chaos-experiment` from loopback clients (default: no).
+    pub chaos_experiments: bool,
     /// HTTPS instead of HTTP (default: none).
     pub tls: Option<Arc<keel_http::tls::ServerConfig>>,
     /// How often the background workers poll when idle.
@@ -146,6 +148,7 @@ impl Default for SystemConfig {
             lb_notice: Duration::ZERO,
             drain_timeout: Duration::from_secs(10),
             tls: None,
+            chaos_experiments: false,
             poll_interval: Duration::from_millis(50),
             relay_name: "shop-relay".to_owned(),
         }
@@ -319,6 +322,8 @@ impl System {
             log: log.clone(),
             pagination: Pagination::new(codec),
             demo_faults: config.demo_faults,
+            estimates: dependencies.estimates(),
+            experiments: config.chaos_experiments,
         };
         let components = Components {
             store: store.clone(),

@@ -279,6 +279,22 @@ pub struct Order {
     pub status: OrderStatus,
     /// When it was accepted (RFC 3339).
     pub created_at: String,
+    /// Shipping's delivery estimate: on `GET /orders/{id}` only, and
+    /// absent when shipping cannot answer and has not answered recently.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery_estimate: Option<DeliveryEstimate>,
+}
+
+/// How long delivery takes, by the shipping service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeliveryEstimate {
+    /// Days until delivery.
+    pub days: u32,
+    /// Present when shipping could not answer just now: this is its last
+    /// answer, this many seconds old (never more than 10 minutes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale_seconds: Option<u64>,
 }
 
 /// `shop.order.placed.v1`: an order was accepted. Its subject (and so the

@@ -266,6 +266,7 @@ mod tests {
                 total_cents: 100,
                 status: OrderStatus::Pending,
                 created_at: crate::shop::db::now_rfc3339(),
+                delivery_estimate: None,
             };
             store
                 .insert_order(

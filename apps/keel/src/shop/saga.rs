@@ -17,16 +17,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_client::{Dependency, HttpCallError, PropagatingClient};
-use keel_core::{Classified, Classify};
+use keel_core::{Classified, Classify, ErrorClass};
 use keel_messaging::saga::{Backoff, SagaDefinition, SagaError, Step, StepContext};
 use keel_policy::ConfigError;
 use keel_policy::breaker::BreakerRegistry;
 use keel_policy::bulkhead::BulkheadConfig;
+use keel_policy::fallback::LastGood;
 use keel_policy::retry::{BackoffConfig, Jitter, RetryConfig};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::model::{DemoFault, Item};
+use super::model::{DeliveryEstimate, DemoFault, Item};
 use super::services::DependencyUrls;
 
 /// The saga's name.
@@ -75,6 +76,7 @@ pub struct Dependencies {
     inventory: Dependency,
     shipping: Dependency,
     notifications: Dependency,
+    estimates: DeliveryEstimates,
     /// Sagas whose demo `stuck-saga` refund has failed until stuck: the
     /// next refund (after an operator's retry) succeeds.
     stuck_refunds: Arc<Mutex<HashSet<String>>>,
@@ -145,7 +147,24 @@ impl Dependencies {
                 .breaker_from(breakers)
                 .build()
         };
+        // Estimates are a read of their own: their own breaker (a failing
+        // read must not stop shipments) and a short budget, since the order
+        // page waits for them.
+        let estimates = client
+            .dependency("shipping-estimates")
+            .timeout(Duration::from_millis(300))
+            .attempt_timeout(Duration::from_millis(150))
+            .breaker_from(breakers)
+            .build()?;
+        let last_good = LastGood::builder("shipping-estimates")
+            .max_age(Duration::from_secs(600))
+            .build()?;
         Ok(Self {
+            estimates: DeliveryEstimates {
+                dependency: estimates,
+                url: format!("{}/estimates", urls.shipping),
+                last_good,
+            },
             payments: build("payments")?,
             inventory: build("inventory")?,
             shipping: build("shipping")?,
@@ -158,6 +177,52 @@ impl Dependencies {
     /// The dependencies' URLs.
     pub fn urls(&self) -> &DependencyUrls {
         &self.urls
+    }
+
+    /// Shipping's delivery estimates, for the order page.
+    pub fn estimates(&self) -> DeliveryEstimates {
+        self.estimates.clone()
+    }
+}
+
+/// Delivery estimates from shipping, with its last good answer per
+/// customer served (and marked stale) for up to 10 minutes when shipping
+/// cannot answer.
+#[derive(Debug, Clone)]
+pub struct DeliveryEstimates {
+    dependency: Dependency,
+    url: String,
+    last_good: LastGood<String, u32>,
+}
+
+impl DeliveryEstimates {
+    /// `customer`'s estimate; `None` when shipping fails with nothing
+    /// recent to fall back on (the order page shows no estimate then).
+    pub async fn for_customer(&self, customer: &str) -> Option<DeliveryEstimate> {
+        let url = format!("{}/{customer}", self.url);
+        let fetch = || async {
+            let response = self
+                .dependency
+                .send(|http| http.get(url.as_str()))
+                .await
+                .map_err(classified)?;
+            let body: serde_json::Value = response
+                .json()
+                .await
+                .map_err(|e| Classified::new(ErrorClass::Retryable, e))?;
+            let days = body["days"].as_u64().and_then(|d| u32::try_from(d).ok());
+            days.ok_or_else(|| Classified::new(ErrorClass::Permanent, "an estimate without days"))
+        };
+        match self.last_good.call(customer.to_owned(), fetch).await {
+            Ok(answer) => Some(DeliveryEstimate {
+                stale_seconds: answer.staleness().map(|age| age.as_secs()),
+                days: answer.into_value(),
+            }),
+            Err(error) => {
+                tracing::debug!(%error, customer, "no delivery estimate");
+                None
+            }
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use keel_http::problem::Problem;
 use serde::Deserialize;
 use tokio::net::TcpListener;
@@ -80,7 +80,7 @@ pub struct DependencyUrls {
     pub payments: String,
     /// Inventory: `POST /reservations`, `POST /releases`.
     pub inventory: String,
-    /// Shipping: `POST /shipments`.
+    /// Shipping: `POST /shipments`, `GET /estimates/{customer}`.
     pub shipping: String,
     /// Notifications: `POST /receipts`.
     pub notifications: String,
@@ -305,6 +305,33 @@ async fn receipt<S: ShopDb>(
     effect(state, headers, &body, "send_receipt").await
 }
 
+/// `GET /estimates/{customer}`: days until delivery (a read, so no key).
+async fn estimate(axum::extract::Path(customer): axum::extract::Path<String>) -> Response {
+    let days = 2 + customer.bytes().map(u32::from).sum::<u32>() % 4;
+    axum::Json(serde_json::json!({ "days": days })).into_response()
+}
+
+/// The experiment the demo runs on shipping: in [`SHIPPING_OUTAGE`],
+/// estimates fail with `503` (the shop serves its last good one).
+pub const SHIPPING_OUTAGE: &str = "shipping-outage";
+
+fn shipping_experiments() -> keel_http::experiment::ExperimentLayer {
+    let outage = keel_policy::chaos::FaultInjection::builder("shipping-estimates")
+        .experiment(SHIPPING_OUTAGE)
+        .abort(100.0)
+        .enabled(true)
+        .build();
+    let layer = keel_http::experiment::ExperimentLayer::builder().enabled(true);
+    match outage {
+        Ok(outage) => layer.fault("/estimates/{customer}", outage),
+        Err(error) => {
+            tracing::error!(%error, "the shipping experiment is misconfigured; not offered");
+            layer
+        }
+    }
+    .build()
+}
+
 async fn serve(router: Router, shutdown: watch::Receiver<bool>) -> std::io::Result<String> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -313,7 +340,9 @@ async fn serve(router: Router, shutdown: watch::Receiver<bool>) -> std::io::Resu
         let stop = async move {
             let _ = shutdown.wait_for(|stop| *stop).await;
         };
-        if let Err(err) = axum::serve(listener, router)
+        // With each client's address: the experiment layer trusts loopback.
+        let app = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+        if let Err(err) = axum::serve(listener, app)
             .with_graceful_shutdown(stop)
             .await
         {
@@ -346,7 +375,9 @@ pub async fn start_dependencies<S: ShopDb>(
         .with_state(Arc::clone(&state));
     let shipping = Router::new()
         .route("/shipments", post(ship::<S>))
-        .with_state(Arc::clone(&state));
+        .route("/estimates/{customer}", get(estimate))
+        .with_state(Arc::clone(&state))
+        .layer(shipping_experiments());
     let notifications = Router::new()
         .route("/receipts", post(receipt::<S>))
         .with_state(state);

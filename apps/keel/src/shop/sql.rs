@@ -127,6 +127,7 @@ fn order_from_row<D: Dialect>(row: &D::Row) -> Result<Order, StoreError> {
         status: OrderStatus::parse(&status)
             .ok_or_else(|| StoreError::other(format!("unknown order status `{status}`")))?,
         created_at: row.text("created_at")?,
+        delivery_estimate: None,
     })
 }
 
