@@ -15,7 +15,10 @@
 //! twice (a producer retrying after a crash) writes one object, not two. The
 //! price of the pattern: an object must outlive every message that claims
 //! it, so keep objects at least as long as the topic's retention and its
-//! dead letters.
+//! dead letters. [`ClaimCheck::sweep`] (or [`ClaimCheck::run_sweeper`]) deletes
+//! objects not written for longer than that lifetime: a put of the same
+//! bytes rewrites the object, so an object still being claimed by new
+//! messages stays young.
 //!
 //! For envelopes, [`ClaimCheck::check_in`] swaps oversized `data` for a
 //! claim (and sets the CloudEvents `dataref` extension to its location);
@@ -37,7 +40,12 @@
 //! ```
 
 use std::fmt::Write as _;
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::TryStreamExt;
 
 use bytes::Bytes;
 use keel_core::{Classify, ErrorClass};
@@ -250,6 +258,57 @@ impl ClaimCheck {
         }
     }
 
+    /// Deletes the objects under this claim check's prefix last written
+    /// before `cut_off`; returns how many. Set the cut-off from the
+    /// lifetime a claim must be fetchable: the topic's retention plus the
+    /// longest a dead letter may wait for a replay.
+    pub async fn sweep(&self, cut_off: DateTime<Utc>) -> Result<u64, ClaimCheckError> {
+        let mut objects = self.store.list(Some(&self.prefix));
+        let mut swept = 0;
+        while let Some(object) = objects.try_next().await.map_err(ClaimCheckError::Store)? {
+            if object.last_modified >= cut_off {
+                continue;
+            }
+            match self.store.delete(&object.location).await {
+                Ok(()) => swept += 1,
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(ClaimCheckError::Store(e)),
+            }
+        }
+        metrics::counter!("keel_claim_check_swept_total").increment(swept);
+        if swept > 0 {
+            tracing::info!(swept, %cut_off, "claimed objects past their lifetime deleted");
+        }
+        Ok(swept)
+    }
+
+    /// Sweeps objects older than `lifetime` every `every` until `shutdown`
+    /// completes. A failed sweep is logged and tried again next time.
+    pub async fn run_sweeper(
+        &self,
+        lifetime: Duration,
+        every: Duration,
+        shutdown: impl Future<Output = ()>,
+    ) {
+        let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return,
+                _ = tick.tick() => {
+                    let lifetime = chrono::Duration::from_std(lifetime).unwrap_or(chrono::Duration::MAX);
+                    let cut_off = keel_core::clock::utc_now()
+                        .checked_sub_signed(lifetime)
+                        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+                    if let Err(error) = self.sweep(cut_off).await {
+                        tracing::warn!(%error, "claim check sweep failed");
+                    }
+                }
+            }
+        }
+    }
+
     /// The envelope, with its data moved to the object store if its
     /// encoding is over the inline limit: `data` becomes the [`Claim`] and
     /// the `dataref` extension its location. Small envelopes are returned
@@ -394,6 +453,41 @@ mod tests {
         assert_eq!(a.sha256, sha256_hex(&payload));
         assert!(a.location.starts_with("memory://test/claims/"));
         assert_eq!(claims.fetch(&a).await.unwrap(), payload);
+    }
+
+    #[tokio::test]
+    async fn a_sweep_deletes_what_was_not_written_since_the_cut_off() {
+        let claims = in_memory();
+        let old = claims.put(Bytes::from_static(b"old report")).await.unwrap();
+        let reused = claims
+            .put(Bytes::from_static(b"reused report"))
+            .await
+            .unwrap();
+        let cut_off = keel_core::clock::utc_now() + chrono::Duration::milliseconds(1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        // Claimed again after the cut-off: the put rewrites it, so it stays.
+        claims
+            .put(Bytes::from_static(b"reused report"))
+            .await
+            .unwrap();
+        let outside = ObjectPath::from("elsewhere/keep-me");
+        claims
+            .store()
+            .put(&outside, Bytes::from_static(b"x").into())
+            .await
+            .unwrap();
+        assert_eq!(claims.sweep(cut_off).await.unwrap(), 1);
+        assert!(matches!(
+            claims.fetch(&old).await,
+            Err(ClaimCheckError::Missing { .. })
+        ));
+        assert!(claims.fetch(&reused).await.is_ok());
+        assert!(
+            claims.store().head(&outside).await.is_ok(),
+            "only its own prefix"
+        );
+        let nothing_old = keel_core::clock::utc_now() - chrono::Duration::hours(1);
+        assert_eq!(claims.sweep(nothing_old).await.unwrap(), 0);
     }
 
     #[test]

@@ -26,7 +26,7 @@ use keel_messaging::store::{
 };
 
 use crate::backend::{Row, SqlBackend, Tx};
-use crate::dialect::{Dialect, SqlRow, Value};
+use crate::dialect::{Dialect, Exec, SqlRow, Value};
 use crate::error::{corrupt, sql_limit, to_u64};
 use crate::filter::Filter;
 use crate::retry::{bounded_delete_sql, delete_batch, retry, write};
@@ -197,6 +197,72 @@ pub async fn prune<B: SqlBackend>(
     delete_batch(store, "outbox_prune", &sql, before.into(), batch).await
 }
 
+/// [`OutboxStore::outbox_archive`](keel_messaging::store::OutboxStore::outbox_archive):
+/// one transaction copies a bounded batch of published rows into
+/// `keel_outbox_archive` and deletes from the outbox exactly the rows the
+/// archive holds, so a row is never in neither table. A retried batch
+/// whose `COMMIT` was lost finds its rows archived already (`ON CONFLICT
+/// DO NOTHING`) and deletes what is left of them.
+pub async fn archive<B: SqlBackend>(
+    store: &B,
+    before: DateTime<Utc>,
+    batch: usize,
+) -> Result<u64, StoreError> {
+    if batch == 0 {
+        return Ok(0);
+    }
+    let copy = format!(
+        "INSERT INTO keel_outbox_archive
+           (id, event_id, topic, partition_key, headers, payload, created_at, published_at, archived_at)
+         SELECT id, event_id, topic, partition_key, headers, payload, created_at, published_at, $3
+           FROM keel_outbox WHERE id IN (
+             SELECT id FROM keel_outbox WHERE published_at < $1
+              ORDER BY published_at LIMIT $2{})
+         ON CONFLICT (id) DO NOTHING",
+        B::Dialect::skip_locked(None)
+    );
+    const DELETE_ARCHIVED: &str = "\
+DELETE FROM keel_outbox
+ WHERE published_at < $1
+   AND EXISTS (SELECT 1 FROM keel_outbox_archive a WHERE a.id = keel_outbox.id)";
+    retry::<B::Dialect, _, _, _>("outbox_archive", || async {
+        let mut tx = store.begin_own().await?;
+        let params = [
+            before.into(),
+            sql_limit(batch).into(),
+            B::Dialect::now().into(),
+        ];
+        B::Dialect::execute(Exec::Tx(&mut tx), &copy, &params).await?;
+        let moved =
+            B::Dialect::execute(Exec::Tx(&mut tx), DELETE_ARCHIVED, &[before.into()]).await?;
+        store.commit_own(tx).await?;
+        Ok(moved)
+    })
+    .await
+}
+
+/// [`OutboxStore::outbox_archived`](keel_messaging::store::OutboxStore::outbox_archived).
+pub async fn archived<B: SqlBackend>(
+    store: &B,
+    after: i64,
+    limit: usize,
+) -> Result<Vec<PublishedOutbox>, StoreError> {
+    const ARCHIVED_SQL: &str = "\
+SELECT id, event_id, published_at FROM keel_outbox_archive WHERE id > $1 ORDER BY id LIMIT $2";
+    let rows = store
+        .read_all(ARCHIVED_SQL, &[after.into(), sql_limit(limit).into()])
+        .await?;
+    rows.iter().map(published_row::<B::Dialect>).collect()
+}
+
+fn published_row<D: Dialect>(row: &D::Row) -> Result<PublishedOutbox, StoreError> {
+    Ok(PublishedOutbox {
+        id: row.int("id")?,
+        event_id: row.text("event_id")?,
+        published_at: row.time("published_at")?,
+    })
+}
+
 /// [`OutboxStore::outbox_stats`](keel_messaging::store::OutboxStore::outbox_stats).
 pub async fn stats<B: SqlBackend>(store: &B) -> Result<OutboxStats, StoreError> {
     let row = store
@@ -224,15 +290,7 @@ pub async fn published<B: SqlBackend>(
     let rows = store
         .read_all(PUBLISHED_SQL, &[after.into(), sql_limit(limit).into()])
         .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(PublishedOutbox {
-                id: row.int("id")?,
-                event_id: row.text("event_id")?,
-                published_at: row.time("published_at")?,
-            })
-        })
-        .collect()
+    rows.iter().map(published_row::<B::Dialect>).collect()
 }
 
 /// [`OutboxStore::outbox_park`](keel_messaging::store::OutboxStore::outbox_park).
@@ -372,6 +430,25 @@ macro_rules! outbox_store {
                 $crate::__private::StoreError,
             > {
                 $crate::outbox::published(self, after, limit).await
+            }
+
+            async fn outbox_archive(
+                &self,
+                before: $crate::__private::DateTime<$crate::__private::Utc>,
+                batch: usize,
+            ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
+                $crate::outbox::archive(self, before, batch).await
+            }
+
+            async fn outbox_archived(
+                &self,
+                after: i64,
+                limit: usize,
+            ) -> ::std::result::Result<
+                ::std::vec::Vec<$crate::__private::store::PublishedOutbox>,
+                $crate::__private::StoreError,
+            > {
+                $crate::outbox::archived(self, after, limit).await
             }
 
             async fn outbox_stats(

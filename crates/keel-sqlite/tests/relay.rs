@@ -653,3 +653,34 @@ async fn prune_deletes_old_published_rows_in_bounded_batches() {
     assert_eq!(left, 1, "the unpublished row is never pruned");
     assert_eq!(f.unpublished().await, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_archiving_relay_moves_old_published_rows_to_the_archive() {
+    let f = fixture().await;
+    for i in 0..3 {
+        f.place_order(&format!("A-{i}"), i).await;
+    }
+    let relay = OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
+        .retention(Duration::from_secs(60))
+        .archive(true)
+        .build()
+        .unwrap();
+    relay.run_once().await.unwrap();
+    sqlx::query(
+        "UPDATE keel_outbox SET published_at = published_at - 120000 WHERE published_at IS NOT NULL",
+    )
+    .execute(f.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(relay.prune_once().await.unwrap(), 3);
+    assert_eq!(f.store.outbox_published(0, 10).await.unwrap(), []);
+    let archived = f.store.outbox_archived(0, 10).await.unwrap();
+    assert_eq!(archived.len(), 3, "kept for the audit: {archived:?}");
+    let payloads: i64 =
+        sqlx::query("SELECT COUNT(*) FROM keel_outbox_archive WHERE length(payload) > 0")
+            .fetch_one(f.store.read_pool())
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(payloads, 3, "with their payloads");
+}

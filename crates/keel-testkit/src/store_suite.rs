@@ -41,6 +41,7 @@ pub mod entity_version;
 pub mod fence;
 pub mod inbox;
 pub mod outbox;
+pub mod outbox_archive;
 pub mod saga;
 
 /// A store under test, with whatever must outlive it (a temporary
@@ -125,6 +126,9 @@ macro_rules! store_conformance_tests {
                 failed_release_counts_attempts,
                 parked_list_filters_by_topic_and_limit,
                 published_rows_are_listed_in_id_order,
+            }
+            outbox_archive {
+                archive_moves_published_rows_in_bounded_batches,
             }
             inbox {
                 records_once_per_event_and_handler,

@@ -89,6 +89,9 @@ pub struct RelayOptions {
     /// The most rows deleted per prune statement (default 1000), so a prune
     /// never holds a long write lock.
     pub prune_batch: NonZeroUsize,
+    /// Move rows past their retention to `keel_outbox_archive` instead of
+    /// deleting them (default: delete).
+    pub archive: bool,
     /// The delays between failed rounds (default: 200 ms doubling to 10 s,
     /// full jitter).
     pub backoff: Backoff,
@@ -107,6 +110,7 @@ impl Default for RelayOptions {
             retention: DEFAULT_RETENTION,
             prune_interval: DEFAULT_PRUNE_INTERVAL,
             prune_batch: NonZeroUsize::new(DEFAULT_PRUNE_BATCH).unwrap_or(NonZeroUsize::MIN),
+            archive: false,
             backoff: Backoff::default(),
             stats_interval: DEFAULT_STATS_INTERVAL,
         }
@@ -188,6 +192,15 @@ impl<S: OutboxStore, B: Broker + ?Sized> RelayBuilder<S, B> {
     /// Sets the most rows deleted per prune statement.
     pub fn prune_batch(mut self, rows: NonZeroUsize) -> Self {
         self.options.prune_batch = rows;
+        self
+    }
+
+    /// Archives published rows past their retention
+    /// ([`OutboxStore::outbox_archive`]) instead of deleting them: the
+    /// outbox stays small and an audit can still ask, a year later,
+    /// whether an event went out ([`OutboxStore::outbox_archived`]).
+    pub fn archive(mut self, archive: bool) -> Self {
+        self.options.archive = archive;
         self
     }
 
@@ -465,8 +478,9 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         }
     }
 
-    /// Deletes published rows older than the retention, one bounded batch
-    /// per statement until none is left. Returns how many it deleted.
+    /// Deletes (or [archives](OutboxRelayBuilder::archive)) published rows
+    /// older than the retention, one bounded batch per statement until none
+    /// is left. Returns how many it removed from the outbox.
     pub async fn prune_once(&self) -> Result<u64, RelayError> {
         let retention =
             chrono::Duration::from_std(self.options.retention).unwrap_or(chrono::Duration::MAX);
@@ -476,7 +490,11 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         let batch = self.options.prune_batch.get();
         let mut total = 0;
         loop {
-            let deleted = self.store.outbox_prune(before, batch).await?;
+            let deleted = if self.options.archive {
+                self.store.outbox_archive(before, batch).await?
+            } else {
+                self.store.outbox_prune(before, batch).await?
+            };
             total += deleted;
             if deleted < batch as u64 {
                 break;
@@ -485,8 +503,13 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
             tokio::task::yield_now().await;
         }
         if total > 0 {
-            metrics::counter!("keel_outbox_pruned_total").increment(total);
-            tracing::info!(relay = %self.options.name, rows = total, "outbox pruned");
+            let how = if self.options.archive {
+                "archived"
+            } else {
+                "deleted"
+            };
+            metrics::counter!("keel_outbox_pruned_total", "how" => how).increment(total);
+            tracing::info!(relay = %self.options.name, rows = total, how, "outbox pruned");
         }
         Ok(total)
     }

@@ -151,6 +151,27 @@ pub trait OutboxStore: Store {
     /// Deletes up to `batch` rows published before `before`; returns how many.
     async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
 
+    /// Moves up to `batch` rows published before `before` to the archive
+    /// (one transaction: a row is in the outbox or the archive, never in
+    /// neither); returns how many left the outbox. The default refuses: a
+    /// store without an archive table must not lose rows it was asked to
+    /// keep.
+    async fn outbox_archive(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
+        let _ = (before, batch);
+        Err(StoreError::other("this store cannot archive outbox rows"))
+    }
+
+    /// Up to `limit` archived rows with ids above `after`, lowest id
+    /// first (page on with the last id seen).
+    async fn outbox_archived(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<PublishedOutbox>, StoreError> {
+        let _ = (after, limit);
+        Ok(Vec::new())
+    }
+
     /// Unpublished count and relay lag, and the parked count.
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError>;
 
