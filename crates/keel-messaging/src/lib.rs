@@ -20,6 +20,8 @@
 //! - [`reply`]: request-reply over the broker.
 //! - [`fence`]: fencing tokens checked by the resource.
 //! - [`dedup`]: a bounded dedupe window for consumers without a transaction.
+//! - [`lease`]: leases with fencing tokens on the database, and leader
+//!   election.
 //! - [`version_guard`]: drop an event older than its entity's applied
 //!   version, where per-key order cannot be relied on.
 
@@ -45,6 +47,8 @@ pub mod version_guard;
 pub mod claim_check;
 #[cfg(feature = "fence")]
 pub mod fence;
+#[cfg(feature = "fence")]
+pub mod lease;
 #[cfg(feature = "reply")]
 pub mod reply;
 #[cfg(feature = "saga")]

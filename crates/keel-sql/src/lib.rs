@@ -31,7 +31,7 @@
 //! implements [`SqlBackend`] for its store and says which contracts it takes
 //! from the core with the matching macro ([`dead_letter_store!`],
 //! [`saga_store!`], [`inbox_store!`], [`fence_store!`],
-//! [`entity_version_store!`], [`job_store!`],
+//! [`entity_version_store!`], [`lease_store!`], [`job_store!`],
 //! [`event_log_store!`], [`idempotency_store!`], [`outbox_store!`],
 //! [`webhook_store!`]), each of which writes the trait's forwarding impl
 //! and nothing else. Where a table needs what only the backend can do (the
@@ -50,6 +50,7 @@ pub mod filter;
 pub mod idempotency;
 pub mod inbox;
 pub mod jobs;
+pub mod lease;
 pub mod outbox;
 pub mod retry;
 pub mod saga;

@@ -160,7 +160,7 @@ fn the_matrix_covers_every_failpoint_in_the_code() {
     let mut in_code = BTreeSet::new();
     let sources = [
         (
-            include_str!("../../keel-messaging/src/outbox/relay.rs"),
+            include_str!("../../keel-messaging/src/outbox/relay/mod.rs"),
             "fail_point!(\"",
         ),
         (

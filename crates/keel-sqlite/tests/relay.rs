@@ -684,3 +684,45 @@ async fn an_archiving_relay_moves_old_published_rows_to_the_archive() {
             .get(0);
     assert_eq!(payloads, 3, "with their payloads");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_relays_under_one_lease_only_the_holder_prunes() {
+    use keel_messaging::lease::{LeaseGate, LeaseLock};
+    let f = fixture().await;
+    for i in 0..3 {
+        f.place_order(&format!("L-{i}"), i).await;
+    }
+    let relay = |holder: &str| {
+        let lock = LeaseLock::new(
+            f.store.clone(),
+            "outbox-prune",
+            holder,
+            Duration::from_secs(60),
+        );
+        OutboxRelay::builder(&f.outbox, Arc::clone(&f.broker))
+            .retention(Duration::from_secs(60))
+            .prune_under(LeaseGate::new(lock))
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (relay("relay-a"), relay("relay-b"));
+    a.run_once().await.unwrap();
+    sqlx::query(
+        "UPDATE keel_outbox SET published_at = published_at - 120000 WHERE published_at IS NOT NULL",
+    )
+    .execute(f.store.pool())
+    .await
+    .unwrap();
+    // relay-a's prune takes the lease; relay-b's finds it held and skips.
+    f.place_order("L-late", 9).await;
+    b.run_once().await.unwrap();
+    assert_eq!(a.prune_once().await.unwrap(), 3);
+    sqlx::query(
+        "UPDATE keel_outbox SET published_at = published_at - 120000 WHERE published_at IS NOT NULL",
+    )
+    .execute(f.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(b.prune_once().await.unwrap(), 0, "not the lease holder");
+    assert_eq!(a.prune_once().await.unwrap(), 1, "the holder goes on");
+}

@@ -40,6 +40,7 @@ pub mod dead_letter;
 pub mod entity_version;
 pub mod fence;
 pub mod inbox;
+pub mod lease;
 pub mod outbox;
 pub mod outbox_archive;
 pub mod saga;
@@ -159,6 +160,11 @@ macro_rules! store_conformance_tests {
             fence {
                 tokens_strictly_increase,
                 tokens_stay_distinct_and_ordered_under_concurrency,
+            }
+            lease {
+                a_lease_is_one_holders_until_it_runs_out,
+                release_ends_a_lease_and_tokens_keep_growing,
+                racing_holders_get_one_lease,
             }
             entity_version {
                 only_a_newer_version_advances,

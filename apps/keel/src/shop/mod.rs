@@ -33,6 +33,7 @@ use axum::Router;
 use keel_http::health::{ConnectionLimits, Drain};
 use keel_http::pagination::{CursorCodec, Pagination};
 use keel_http::tls::TlsListener;
+use keel_messaging::lease::{LeaseGate, LeaseLock};
 use keel_messaging::broker::Broker;
 use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
 use keel_messaging::saga::SagaOrchestrator;
@@ -285,8 +286,17 @@ impl System {
         // The broker's rules at append: an event it could never take is
         // refused in the request, not parked by the relay later.
         let outbox = Outbox::new(store.clone()).with_broker(Arc::clone(&broker));
+        // Every process relays; one at a time prunes (processes sharing a
+        // PostgreSQL database would otherwise all delete the same rows).
+        let prune_lease = LeaseLock::new(
+            store.clone(),
+            "outbox-prune",
+            config.relay_name.clone(),
+            3 * keel_messaging::outbox::DEFAULT_PRUNE_INTERVAL,
+        );
         let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
             .name(config.relay_name.clone())
+            .prune_under(LeaseGate::new(prune_lease))
             .poll_interval(config.poll_interval)
             .batch_size(NonZeroUsize::new(200).unwrap_or(NonZeroUsize::MIN))
             .build()

@@ -19,6 +19,7 @@ mod fence;
 mod idempotency;
 mod inbox;
 mod jobs;
+mod lease;
 mod outbox;
 mod saga;
 mod webhooks;
@@ -30,6 +31,7 @@ pub use fence::*;
 pub use idempotency::*;
 pub use inbox::*;
 pub use jobs::*;
+pub use lease::*;
 pub use outbox::*;
 pub use saga::*;
 pub use webhooks::*;
@@ -102,11 +104,23 @@ pub trait Store: Clone + Send + Sync + 'static {
 
 /// Every messaging capability in one bound.
 pub trait MessagingStore:
-    OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore + EntityVersionStore
+    OutboxStore
+    + InboxStore
+    + DeadLetterStore
+    + SagaStore
+    + FenceStore
+    + EntityVersionStore
+    + LeaseStore
 {
 }
 
 impl<S> MessagingStore for S where
-    S: OutboxStore + InboxStore + DeadLetterStore + SagaStore + FenceStore + EntityVersionStore
+    S: OutboxStore
+        + InboxStore
+        + DeadLetterStore
+        + SagaStore
+        + FenceStore
+        + EntityVersionStore
+        + LeaseStore
 {
 }

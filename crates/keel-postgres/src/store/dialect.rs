@@ -216,6 +216,7 @@ impl SqlBackend for PgStore {
 keel_sql::dead_letter_store!(PgStore);
 keel_sql::event_log_store!(PgStore);
 keel_sql::fence_store!(PgStore);
+keel_sql::lease_store!(PgStore);
 keel_sql::entity_version_store!(PgStore);
 keel_sql::idempotency_store!(PgStore);
 keel_sql::inbox_store!(PgStore);

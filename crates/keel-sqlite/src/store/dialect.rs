@@ -166,6 +166,7 @@ impl SqlBackend for SqliteStore {
 keel_sql::event_log_store!(SqliteStore);
 keel_sql::dead_letter_store!(SqliteStore);
 keel_sql::fence_store!(SqliteStore);
+keel_sql::lease_store!(SqliteStore);
 keel_sql::entity_version_store!(SqliteStore);
 #[cfg(feature = "idempotency")]
 keel_sql::idempotency_store!(SqliteStore);
