@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use axum::response::IntoResponse;
 use fantoccini::{Client, ClientBuilder, Locator};
 use keel_admin::console::Console;
 use keel_admin::{Admin, AdminToken};
@@ -116,6 +117,12 @@ struct App {
 }
 
 async fn app() -> App {
+    app_refusing_streams(0).await
+}
+
+/// The console, whose first `refusals` live streams are answered `503`
+/// (as by a server restarting behind its load balancer).
+async fn app_refusing_streams(refusals: usize) -> App {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("console.db"))
         .await
@@ -154,11 +161,30 @@ async fn app() -> App {
         .token(AdminToken::new(TOKEN).unwrap())
         .sagas(orchestrator.clone())
         .build();
-    let router = admin.router().merge(
-        Console::new(admin)
-            .refresh_interval(Duration::from_millis(200))
-            .router(),
+    let refusals = Arc::new(std::sync::atomic::AtomicUsize::new(refusals));
+    let refuse_streams = axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let refusals = Arc::clone(&refusals);
+            async move {
+                let refused = request.uri().path() == "/console/events"
+                    && refusals
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                        .is_ok();
+                if refused {
+                    return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+                }
+                next.run(request).await
+            }
+        },
     );
+    let router = admin
+        .router()
+        .merge(
+            Console::new(admin)
+                .refresh_interval(Duration::from_millis(200))
+                .router(),
+        )
+        .layer(refuse_streams);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -400,4 +426,31 @@ async fn an_operator_replays_a_dead_letter_and_retries_a_stuck_saga_in_the_brows
     assert_eq!(stored.status, DeadLetterStatus::Discarded);
 
     browser.client.close().await.unwrap();
+}
+
+/// The browser gives an `EventSource` up for good when the server answers
+/// with an error; the console's script opens a new one after a jittered
+/// wait, so the page comes back live by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_view_comes_back_after_the_browser_gives_up_on_its_stream() {
+    let app = app_refusing_streams(2).await;
+    let Some(browser) = browser().await else {
+        return;
+    };
+    let c = &browser.client;
+    c.goto(&format!("{}/console", app.base)).await.unwrap();
+    let token = c
+        .wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("#login input[name=token]"))
+        .await
+        .unwrap();
+    token.send_keys(TOKEN).await.unwrap();
+    click(c, "button[data-action=login]").await;
+    // Two streams refused with 503: waits of at most 1 s, then 2 s.
+    c.wait()
+        .at_most(Duration::from_secs(20))
+        .for_element(Locator::Css("#live[data-live=true]"))
+        .await
+        .expect("the live stream is opened again after it was refused");
 }

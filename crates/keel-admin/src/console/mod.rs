@@ -7,7 +7,11 @@
 //! script that open an `EventSource` on `/console/events` and swap in each
 //! section (sagas, dead letters, parked outbox rows, webhook deliveries,
 //! breakers, lag) when
-//! its content changes (checked every second by default).
+//! its content changes (checked every second by default). The browser
+//! reconnects a dropped stream by itself, but gives up for good when the
+//! server answers with an error (a `503` while it restarts, say); the
+//! script then opens a new stream after a jittered, doubling wait (up to
+//! 30 s), so a console left open comes back live on its own.
 //!
 //! Every button is a form POSTing to a console route that calls the same
 //! [`Admin`] operation as the JSON API (and the `keel` CLI), then answers

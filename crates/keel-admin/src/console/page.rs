@@ -41,13 +41,16 @@ function keelAges(){const now=Date.now();document.querySelectorAll('[data-since]
  const s=Math.max(0,Math.round((now-Date.parse(el.dataset.since))/1000));
  el.textContent=s<120?s+' s':s<7200?Math.round(s/60)+' min':Math.round(s/3600)+' h';});}
 keelAges();setInterval(keelAges,1000);
-(function(){const live=document.getElementById('live');const es=new EventSource('/console/events');
- es.onopen=function(){live.dataset.live='true';live.textContent='live';};
- es.onerror=function(){live.dataset.live='false';live.textContent='reconnecting';};
+(function(){const live=document.getElementById('live');let cap=1000;
+ function connect(){const es=new EventSource('/console/events');
+ es.onopen=function(){cap=1000;live.dataset.live='true';live.textContent='live';};
+ es.onerror=function(){live.dataset.live='false';live.textContent='reconnecting';
+  if(es.readyState===EventSource.CLOSED){const wait=Math.random()*cap;cap=Math.min(cap*2,30000);setTimeout(connect,wait);}};
  es.addEventListener('sections',function(e){const data=JSON.parse(e.data);
   Object.keys(data).forEach(function(id){const el=document.getElementById(id);const s=data[id];
    if(el&&el.dataset.hash!==s.hash){el.innerHTML=s.html;el.dataset.hash=s.hash;}});
-  document.body.dataset.updates=String(Number(document.body.dataset.updates||0)+1);keelAges();});})();
+  document.body.dataset.updates=String(Number(document.body.dataset.updates||0)+1);keelAges();});}
+ connect();})();
 "#;
 
 /// The console's `Content-Security-Policy`: nothing loads from anywhere,
