@@ -483,3 +483,62 @@ async fn a_key_in_flight_when_its_server_is_killed_is_taken_over_within_seconds(
             .expect("count orders");
     assert_eq!(orders, 1, "placed once: {placed}");
 }
+
+/// The realtime backplane: a customer following its orders over SSE on one
+/// server sees every event of an order placed through the other, once
+/// each and in order, within seconds (PostgreSQL's notifications wake the
+/// other process's stream; nothing polls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_customer_streaming_from_one_server_follows_an_order_placed_on_the_other() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    let _lease = ServerLease::take(false);
+    let a = cluster.serve("a").await;
+    let b = cluster.serve("b").await;
+    let http = reqwest::Client::new();
+    let mut stream = http
+        .get(format!("{}/stream?customerId=backplane", b.base_url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let placed: serde_json::Value = http
+        .post(format!("{}/orders", a.base_url))
+        .header("idempotency-key", "backplane-1")
+        .json(
+            &serde_json::json!({"customerId": "backplane", "currency": "USD",
+            "items": [{"sku": "tea", "qty": 2, "unitPriceCents": 450}]}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let order_id = placed["id"].as_str().unwrap().to_owned();
+    let mut text = String::new();
+    let mut events = Vec::new();
+    let followed = tokio::time::timeout(Duration::from_secs(20), async {
+        while !events.iter().any(|e: &String| e == "order.completed") {
+            let chunk = stream.chunk().await.unwrap().expect("the stream goes on");
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = text.find("\n\n") {
+                let frame: String = text.drain(..end + 2).collect();
+                let kind = frame.lines().find_map(|l| l.strip_prefix("event: "));
+                let data = frame.lines().find_map(|l| l.strip_prefix("data: "));
+                if let (Some(kind), Some(data)) = (kind, data) {
+                    assert!(data.contains(&order_id), "another order's event: {data}");
+                    events.push(kind.to_owned());
+                }
+            }
+        }
+    })
+    .await;
+    assert!(followed.is_ok(), "events seen on b within 20 s: {events:?}");
+    assert_eq!(
+        events,
+        ["order.placed", "order.completed"],
+        "once each, in order"
+    );
+}
