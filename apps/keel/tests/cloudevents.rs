@@ -132,3 +132,49 @@ async fn webhooks_in_every_format_and_the_event_log_read_as_cloudevents_by_the_s
     assert_eq!(event.id(), "customer:ce/1");
     assert_eq!(event.ty(), "order.placed");
 }
+
+/// "Fetch, don't trust": a thin endpoint gets the signed event with `data`
+/// cut to its ids, nothing of the order itself, and fetches the order from
+/// the API by its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thin_endpoint_gets_ids_only_and_fetches_the_order() {
+    let s = serve(&["--allow-loopback-webhooks"]);
+    let http = reqwest::Client::new();
+    let (url, received) = ok_receiver().await;
+    let secret = endpoint(&http, &s, &url, "standard-webhooks-thin").await;
+    let placed: Value = place(&http, &s, "thin-1", &order("thin"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let (headers, body) = first_signed(&received, &secret).await;
+    assert_eq!(headers["content-type"], "application/json");
+    let thin: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(thin["type"], "order.completed");
+    let data = thin["data"].as_object().unwrap();
+    assert!(
+        data.keys()
+            .all(|k| k == "id" || k.ends_with("Id") || k.ends_with("_id")),
+        "ids only: {data:?}"
+    );
+    let order_id = data["orderId"].as_str().unwrap();
+    assert_eq!(order_id, placed["id"]);
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        !text.contains("tea") && !text.contains("900"),
+        "no item, no amount: {text}"
+    );
+    let fetched: Value = http
+        .get(format!("{}/orders/{order_id}", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        fetched["status"], "completed",
+        "the receiver fetches the current state"
+    );
+    assert_eq!(fetched["totalCents"], 900);
+}

@@ -14,6 +14,12 @@
 //! | `sequence` | `sequence` extension, a decimal string |
 //! | `data` | `data`, `datacontenttype: application/json` |
 //!
+//! `standard-webhooks-thin` is the Standard Webhooks body with `data`
+//! cut down to its identifiers, for endpoints that must not receive the
+//! resource itself ("fetch, don't trust": the receiver calls the sender's
+//! authenticated API for it, and so also gets its current state, not a
+//! possibly stale copy).
+//!
 //! Every format is signed alike: the Standard Webhooks signature covers
 //! the exact body sent.
 
@@ -60,6 +66,10 @@ pub(crate) fn render(format: WebhookFormat, payload: &Bytes) -> Result<Wire, Web
             headers: json("application/json"),
             body: payload.clone(),
         }),
+        WebhookFormat::StandardWebhooksThin => Ok(Wire {
+            headers: json("application/json"),
+            body: thin(payload)?,
+        }),
         WebhookFormat::CloudeventsStructured => {
             let body = cloudevent(payload)?
                 .to_json_limited(usize::MAX)
@@ -89,6 +99,28 @@ pub(crate) fn render(format: WebhookFormat, payload: &Bytes) -> Result<Wire, Web
             })
         }
     }
+}
+
+/// The queued body with `data` cut down to its identifiers.
+fn thin(payload: &Bytes) -> Result<Bytes, WebhookError> {
+    let mut body: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(payload)
+        .map_err(|e| WebhookError::invalid("payload", format!("not a queued webhook: {e}")))?;
+    let identifier = |(name, value): &(&String, &serde_json::Value)| {
+        (name.as_str() == "id" || name.ends_with("Id") || name.ends_with("_id"))
+            && (value.is_string() || value.is_number())
+    };
+    let ids: serde_json::Map<String, serde_json::Value> = match body.get("data") {
+        Some(serde_json::Value::Object(data)) => data
+            .iter()
+            .filter(identifier)
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect(),
+        _ => serde_json::Map::new(),
+    };
+    body.insert("data".to_owned(), serde_json::Value::Object(ids));
+    serde_json::to_vec(&body)
+        .map(Bytes::from)
+        .map_err(|e| WebhookError::invalid("payload", e.to_string()))
 }
 
 /// The queued body as a CloudEvent.
@@ -133,6 +165,24 @@ mod tests {
         let wire = render(WebhookFormat::StandardWebhooks, &queued()).expect("renders");
         assert_eq!(wire.body, queued());
         assert_eq!(header(&wire, "content-type"), Some("application/json"));
+    }
+
+    #[test]
+    fn the_thin_format_keeps_the_envelope_and_only_the_identifiers_of_data() {
+        let queued = Bytes::from_static(
+            br#"{"id":"evt_1","type":"order.paid","timestamp":"2026-11-29T10:00:00.000Z","sequence":7,"data":{"orderId":"A-1","customer_id":"c-9","id":42,"email":"a@example.com","totalCents":1999,"cardId":{"last4":"4242"}}}"#,
+        );
+        let wire = render(WebhookFormat::StandardWebhooksThin, &queued).expect("renders");
+        assert_eq!(header(&wire, "content-type"), Some("application/json"));
+        let body: serde_json::Value = serde_json::from_slice(&wire.body).expect("json");
+        assert_eq!(body["id"], "evt_1");
+        assert_eq!(body["type"], "order.paid");
+        assert_eq!(body["sequence"], 7);
+        assert_eq!(
+            body["data"],
+            serde_json::json!({"orderId": "A-1", "customer_id": "c-9", "id": 42}),
+            "no email, no amount, no nested object"
+        );
     }
 
     #[test]

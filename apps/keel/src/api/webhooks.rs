@@ -76,7 +76,7 @@ pub struct CreateEndpoint {
     /// mode (`application/cloudevents+json`), or CloudEvents attributes as
     /// `ce-*` headers with `data` as the body. All are signed alike.
     #[serde(default)]
-    #[schema(value_type = String, pattern = "^(standard-webhooks|cloudevents-structured|cloudevents-binary)$")]
+    #[schema(value_type = String, pattern = "^(standard-webhooks|cloudevents-structured|cloudevents-binary|standard-webhooks-thin)$")]
     pub format: WebhookFormat,
 }
 
@@ -104,7 +104,7 @@ pub struct EndpointView {
     /// Why it was disabled.
     pub disabled_reason: Option<String>,
     /// How its deliveries go on the wire.
-    #[schema(value_type = String, pattern = "^(standard-webhooks|cloudevents-structured|cloudevents-binary)$")]
+    #[schema(value_type = String, pattern = "^(standard-webhooks|cloudevents-structured|cloudevents-binary|standard-webhooks-thin)$")]
     pub format: WebhookFormat,
     /// The signing secret: only in the answer to `POST`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -435,8 +435,7 @@ mod tests {
     #[test]
     fn the_documented_format_grammar_names_every_format() {
         // The `format` fields' `pattern` (utoipa takes only a literal there).
-        const FORMAT_PATTERN: &str =
-            "^(standard-webhooks|cloudevents-structured|cloudevents-binary)$";
+        const FORMAT_PATTERN: &str = "^(standard-webhooks|cloudevents-structured|cloudevents-binary|standard-webhooks-thin)$";
         let names: Vec<&str> = WebhookFormat::ALL.iter().map(|f| f.as_str()).collect();
         assert_eq!(FORMAT_PATTERN, format!("^({})$", names.join("|")));
         let doc = crate::api::openapi::json();

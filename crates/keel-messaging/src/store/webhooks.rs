@@ -95,14 +95,20 @@ pub enum WebhookFormat {
     /// A CloudEvents 1.0 event in binary mode: attributes as `ce-*`
     /// headers, `data` alone as the `application/json` body.
     CloudeventsBinary,
+    /// "Fetch, don't trust": the Standard Webhooks payload with `data`
+    /// cut down to its identifiers (scalar `id`, `…Id` and `…_id` fields),
+    /// so nothing sensitive travels to the endpoint; the receiver fetches
+    /// the resource from the sender's authenticated API.
+    StandardWebhooksThin,
 }
 
 impl WebhookFormat {
     /// Every format.
-    pub const ALL: [Self; 3] = [
+    pub const ALL: [Self; 4] = [
         Self::StandardWebhooks,
         Self::CloudeventsStructured,
         Self::CloudeventsBinary,
+        Self::StandardWebhooksThin,
     ];
 
     /// The stored (and API) name.
@@ -111,6 +117,7 @@ impl WebhookFormat {
             Self::StandardWebhooks => "standard-webhooks",
             Self::CloudeventsStructured => "cloudevents-structured",
             Self::CloudeventsBinary => "cloudevents-binary",
+            Self::StandardWebhooksThin => "standard-webhooks-thin",
         }
     }
 
