@@ -5,8 +5,8 @@
 # nats-server through scripts/services.sh), then runs: formatting, clippy with
 # warnings as errors, the docs with broken links as errors, every test of
 # every crate with every feature (against SQLite, the embedded broker,
-# PostgreSQL and NATS JetStream), the shipped alert rules (promtool), and the
-# doc tests. Set KEEL_TEST_QUICK=1 to
+# PostgreSQL and NATS JetStream), the shipped alert rules (promtool) and
+# Kubernetes manifests (kubernetes-validate), and the doc tests. Set KEEL_TEST_QUICK=1 to
 # skip fmt/clippy/doc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,9 @@ fi
 
 log "the Prometheus alert rules, checked and unit-tested by promtool"
 scripts/alerts.sh
+
+log "the Kubernetes manifests, against the API schemas and the drain timing"
+scripts/kubernetes.sh
 
 log "headless Chromium and chromedriver for the console browser tests"
 scripts/browser.sh

@@ -15,7 +15,7 @@
 //! | `keel_sagas` | `status` | the saga store |
 //! | `keel_outbox_unpublished`, `keel_outbox_parked`, `keel_outbox_lag_seconds` | | the outbox |
 //! | `keel_webhook_endpoints` | `state` (`enabled`, `disabled`) | the webhook endpoints |
-//! | `keel_<name>` for every registered [`GaugeSource`] reading | its labels | e.g. `keel_consumer_lag{topic, group}` from [`BrokerLag`](crate::BrokerLag) |
+//! | `keel_<name>` for every registered [`GaugeSource`](crate::GaugeSource) reading | its labels | e.g. `keel_consumer_lag{topic, group}` from [`BrokerLag`](crate::BrokerLag) |
 //!
 //! A kind or status that had letters or sagas and has none any more is set
 //! to 0, not left at its last value: a gauge that never comes down is an

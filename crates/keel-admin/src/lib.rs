@@ -47,7 +47,7 @@
 mod access;
 mod auth;
 mod error;
-mod export;
+pub mod export;
 mod gauges;
 mod model;
 mod query;

@@ -8,7 +8,7 @@
 //! And honesty: the caller gets [`Answer::Stale`] with the value's age,
 //! so it can tell its own caller ("prices as of 14:02") instead of
 //! pretending. Which failures are covered is the [`Fallback`]'s business
-//! (by [`ErrorClass`](keel_core::ErrorClass); a `404` is never papered
+//! (by [`ErrorClass`]; a `404` is never papered
 //! over).
 //!
 //! Every call is counted in `keel_last_good_total{name, outcome}`:

@@ -47,7 +47,7 @@
 //! # }).unwrap();
 //! ```
 
-mod last_good;
+pub mod last_good;
 mod layer;
 
 use std::future::Future;

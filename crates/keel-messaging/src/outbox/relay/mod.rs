@@ -312,7 +312,7 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         }
     }
 
-    /// Deletes (or [archives](OutboxRelayBuilder::archive)) published rows
+    /// Deletes (or [archives](RelayBuilder::archive)) published rows
     /// older than the retention, one bounded batch per statement until none
     /// is left. Returns how many it removed from the outbox.
     pub async fn prune_once(&self) -> Result<u64, RelayError> {
