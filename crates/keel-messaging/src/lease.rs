@@ -26,7 +26,7 @@
 //! ```
 //! use std::time::Duration;
 //! use keel_messaging::lease::LeaseLock;
-//! # async fn demo(store: keel_sqlite::store::SqliteStore) -> Result<(), keel_messaging::StoreError> {
+//! # async fn demo<S: keel_messaging::store::LeaseStore>(store: S) -> Result<(), keel_messaging::StoreError> {
 //! let lock = LeaseLock::new(store, "nightly-report", "pod-a", Duration::from_secs(30));
 //! if let Some(lease) = lock.try_acquire().await? {
 //!     // Every write to the shared resource carries lease.token(), checked there.
