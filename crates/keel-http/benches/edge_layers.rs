@@ -7,9 +7,13 @@
 //!   answers `traceresponse`), which tower has no counterpart for;
 //! - `shed`: [`HttpLoadShedLayer`] with a free slot vs tower's
 //!   `load_shed` + `concurrency_limit` (the 503 needs axum's
-//!   `HandleErrorLayer` there).
+//!   `HandleErrorLayer` there);
+//! - `observe`: [`RequestMetricsLayer`] with the Prometheus recorder
+//!   `keel serve` installs, and [`ExperimentLayer`] enabled, for a request
+//!   in no experiment (what every production request pays); tower has no
+//!   counterpart for either.
 //!
-//! Run: `cargo bench -p keel-http --features propagation,shed --bench edge_layers`
+//! Run: `cargo bench -p keel-http --features propagation,shed,request-metrics,chaos --bench edge_layers`
 
 use std::time::Duration;
 
@@ -21,7 +25,9 @@ use axum::routing::get;
 use criterion::{Criterion, criterion_group, criterion_main};
 use keel_core::clock;
 use keel_core::deadline::DEADLINE_HEADER;
+use keel_http::experiment::ExperimentLayer;
 use keel_http::propagation::{DeadlineLayer, TraceContextLayer};
+use keel_http::request_metrics::RequestMetricsLayer;
 use keel_http::shed::HttpLoadShedLayer;
 use keel_policy::shed::LoadShed;
 use tower::{ServiceBuilder, ServiceExt};
@@ -108,5 +114,32 @@ fn shed(c: &mut Criterion) {
     bench_group(c, "shed", routers);
 }
 
-criterion_group!(benches, deadline, trace, shed);
+fn observe(c: &mut Criterion) {
+    // As `keel serve` installs it: latency as a histogram with buckets.
+    let buckets = [
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ];
+    let _ = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(
+                "keel_http_request_duration_seconds".to_owned(),
+            ),
+            &buckets,
+        )
+        .and_then(|builder| builder.install_recorder());
+    let routers = vec![
+        ("bare", bare()),
+        (
+            "keel_request_metrics_layer",
+            bare().layer(RequestMetricsLayer::new()),
+        ),
+        (
+            "keel_experiment_layer_no_experiment",
+            bare().layer(ExperimentLayer::builder().enabled(true).build()),
+        ),
+    ];
+    bench_group(c, "observe", routers);
+}
+
+criterion_group!(benches, deadline, trace, shed, observe);
 criterion_main!(benches);
