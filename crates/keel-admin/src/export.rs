@@ -76,15 +76,7 @@ impl<S: MessagingStore + WebhookStore> GaugeExport<S> {
     /// Refreshes every gauge now, then every interval until `shutdown`
     /// completes.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
-        let mut tick = tokio::time::interval(self.every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tokio::pin!(shutdown);
-        loop {
-            tokio::select! {
-                () = &mut shutdown => return,
-                _ = tick.tick() => self.refresh().await,
-            }
-        }
+        keel_core::clock::every(self.every, shutdown, || self.refresh()).await;
     }
 
     /// Reads and sets every gauge once.
@@ -129,19 +121,13 @@ impl<S: MessagingStore + WebhookStore> GaugeExport<S> {
         metrics::gauge!("keel_outbox_lag_seconds").set(age_ms as f64 / 1000.0);
         let mut now = BTreeSet::new();
         for gauge in lag.gauges {
-            let name = format!("keel_{}", gauge.name);
-            let labels: Vec<_> = gauge
-                .labels
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            metrics::gauge!(name.clone(), &labels).set(gauge.value);
-            now.insert((name, gauge.labels));
+            let series = (format!("keel_{}", gauge.name), gauge.labels);
+            set_series(&series, gauge.value);
+            now.insert(series);
         }
         let mut seen = self.source_series.lock();
-        for (name, labels) in seen.difference(&now) {
-            let labels: Vec<_> = labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            metrics::gauge!(name.clone(), &labels).set(0.0);
+        for gone in seen.difference(&now) {
+            set_series(gone, 0.0);
         }
         *seen = now;
     }
@@ -157,4 +143,10 @@ impl<S: MessagingStore + WebhookStore> GaugeExport<S> {
             metrics::gauge!("keel_webhook_endpoints", "state" => state).set(n as f64);
         }
     }
+}
+
+fn set_series((name, labels): &Series, value: f64) {
+    let labels: Vec<(String, String)> =
+        labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    metrics::gauge!(name.clone(), &labels).set(value);
 }

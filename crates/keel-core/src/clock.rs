@@ -5,6 +5,7 @@
 //! microseconds. The wall clock is only needed where a time crosses a process
 //! boundary (a deadline header, a webhook timestamp).
 
+use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use tokio::time::Instant;
@@ -13,6 +14,27 @@ pub use tokio::time::Instant;
 #[inline]
 pub fn now() -> Instant {
     Instant::now()
+}
+
+/// Runs `job` at once and then every `period` until `shutdown` completes,
+/// by tokio's clock (so a paused test drives it). A tick missed while `job`
+/// ran is delayed, not bunched up; a run in progress finishes before
+/// `shutdown` is noticed. Keel's background jobs (prunes, sweeps, gauge
+/// reads) all run on this loop.
+pub async fn every<F, Fut>(period: Duration, shutdown: impl Future<Output = ()>, mut job: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(period.max(Duration::from_millis(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return,
+            _ = tick.tick() => job().await,
+        }
+    }
 }
 
 /// The current wall-clock time.

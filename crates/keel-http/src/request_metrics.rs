@@ -128,13 +128,10 @@ impl Record {
 
     fn finish(&mut self, status: &'static str) {
         self.finished = true;
-        let labels = [
-            ("method", self.method.to_owned()),
-            ("route", self.route.clone()),
-            ("status", status.to_owned()),
-        ];
-        metrics::counter!("keel_http_requests_total", &labels).increment(1);
-        metrics::histogram!("keel_http_request_duration_seconds", &labels)
+        let (method, route) = (self.method, self.route.clone());
+        metrics::counter!("keel_http_requests_total", "method" => method, "route" => route.clone(), "status" => status)
+            .increment(1);
+        metrics::histogram!("keel_http_request_duration_seconds", "method" => method, "route" => route, "status" => status)
             .record(clock::now().saturating_duration_since(self.started));
     }
 }

@@ -290,23 +290,16 @@ impl ClaimCheck {
         every: Duration,
         shutdown: impl Future<Output = ()>,
     ) {
-        let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tokio::pin!(shutdown);
-        loop {
-            tokio::select! {
-                () = &mut shutdown => return,
-                _ = tick.tick() => {
-                    let lifetime = chrono::Duration::from_std(lifetime).unwrap_or(chrono::Duration::MAX);
-                    let cut_off = keel_core::clock::utc_now()
-                        .checked_sub_signed(lifetime)
-                        .unwrap_or(DateTime::<Utc>::MIN_UTC);
-                    if let Err(error) = self.sweep(cut_off).await {
-                        tracing::warn!(%error, "claim check sweep failed");
-                    }
-                }
+        let lifetime = chrono::Duration::from_std(lifetime).unwrap_or(chrono::Duration::MAX);
+        keel_core::clock::every(every, shutdown, || async {
+            let cut_off = keel_core::clock::utc_now()
+                .checked_sub_signed(lifetime)
+                .unwrap_or(DateTime::<Utc>::MIN_UTC);
+            if let Err(error) = self.sweep(cut_off).await {
+                tracing::warn!(%error, "claim check sweep failed");
             }
-        }
+        })
+        .await;
     }
 
     /// The envelope, with its data moved to the object store if its

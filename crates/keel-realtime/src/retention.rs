@@ -127,18 +127,12 @@ impl<S: EventLogStore> EventLog<S> {
     /// failed trim is logged and retried at the next tick. Spawn it once per
     /// process (several trimmers are harmless, only wasteful).
     pub async fn run_retention(&self, retention: Retention, mut drain: watch::Receiver<bool>) {
-        let mut tick = tokio::time::interval(retention.interval.max(Duration::from_millis(1)));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = wait_drain(&mut drain) => return,
-                _ = tick.tick() => {
-                    if let Err(err) = self.trim(&retention).await {
-                        tracing::warn!(error = %err, "event log trim failed; retrying at the next tick");
-                        metrics::counter!("keel_event_log_trim_errors_total").increment(1);
-                    }
-                }
+        keel_core::clock::every(retention.interval, wait_drain(&mut drain), || async {
+            if let Err(err) = self.trim(&retention).await {
+                tracing::warn!(error = %err, "event log trim failed; retrying at the next tick");
+                metrics::counter!("keel_event_log_trim_errors_total").increment(1);
             }
-        }
+        })
+        .await;
     }
 }

@@ -43,16 +43,13 @@ pub async fn prune_expired<S: IdempotencyStore>(
 /// Runs [`prune_expired`] every `every` (tokio's clock) until the returned
 /// task is aborted. Failures are logged and retried at the next tick.
 pub fn spawn_pruner<S: IdempotencyStore>(store: S, every: Duration) -> JoinHandle<()> {
-    let every = every.max(Duration::from_millis(1));
     tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(every);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
+        keel_core::clock::every(every, std::future::pending(), || async {
             if let Err(err) = prune_expired(&store, DEFAULT_PRUNE_BATCH).await {
                 metrics::counter!("keel_idempotency_store_errors_total").increment(1);
                 tracing::warn!(error = %err, "pruning idempotency keys failed; retrying next tick");
             }
-        }
+        })
+        .await;
     })
 }
