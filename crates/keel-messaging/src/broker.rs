@@ -105,6 +105,12 @@ pub struct SubscribeOptions {
     pub group: String,
     /// How long a delivery stays invisible to others before redelivery.
     pub lease: Duration,
+    /// Deletes the group once no member has read from it for this long
+    /// (`None`, the default: never). A topic the broker created for such a
+    /// subscription goes with its last group, messages and all. For
+    /// topics only one process reads, such as request-reply's reply
+    /// topics: when that process dies, nobody will ever read them.
+    pub expire_after_idle: Option<Duration>,
 }
 
 impl SubscribeOptions {
@@ -114,12 +120,19 @@ impl SubscribeOptions {
             topic: topic.into(),
             group: group.into(),
             lease: Duration::from_secs(30),
+            expire_after_idle: None,
         }
     }
 
     /// Sets the lease.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
+        self
+    }
+
+    /// Sets [`expire_after_idle`](Self::expire_after_idle).
+    pub fn expire_after_idle(mut self, idle: Duration) -> Self {
+        self.expire_after_idle = Some(idle);
         self
     }
 }
@@ -223,6 +236,26 @@ pub trait Broker: Send + Sync + 'static {
 
     /// A cheap liveness check for `/debug/deep`.
     async fn ping(&self) -> Result<(), BrokerError> {
+        Ok(())
+    }
+
+    /// Deletes the groups subscribed with
+    /// [`expire_after_idle`](SubscribeOptions::expire_after_idle) that no
+    /// member read for that long, and the topics created for them that have
+    /// no group left. Returns how many topics and groups it deleted. Safe to
+    /// call from every process at once; brokers whose server expires groups
+    /// itself only remove what the server leaves behind. The default
+    /// (a broker without expiring groups) deletes nothing.
+    async fn sweep_expired(&self) -> Result<u64, BrokerError> {
+        Ok(0)
+    }
+
+    /// Deletes `group` of `topic` now, with its unsettled messages, and the
+    /// topic too when it was created for expiring groups and none is left:
+    /// what a process does on a clean shutdown with a group nobody else
+    /// reads. Deleting a group that does not exist is not an error.
+    async fn remove_group(&self, topic: &str, group: &str) -> Result<(), BrokerError> {
+        let _ = (topic, group);
         Ok(())
     }
 

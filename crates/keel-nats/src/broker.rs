@@ -22,6 +22,7 @@ use tokio::sync::OnceCell;
 use crate::cursor::Cursors;
 use crate::delivery::HeldKeys;
 use crate::error::{publish_ack, publish_send, unavailable};
+use crate::expiry::EXPIRES_AFTER_MS;
 use crate::names::{TopicNames, check_prefix, checked_token};
 use crate::options::NatsBrokerOptions;
 use crate::subscription::NatsSubscription;
@@ -104,8 +105,32 @@ impl NatsBroker {
         &self.inner.options
     }
 
-    /// The JetStream stream holding `topic`, created if missing.
-    async fn stream(&self, names: &TopicNames) -> Result<stream::Stream, BrokerError> {
+    /// The topic that the stream named `stream` holds, if it is one of this
+    /// broker's (its prefix) - for listing what a server holds.
+    pub fn topic_of_stream(&self, stream: &str) -> Option<String> {
+        let token = stream
+            .strip_prefix(self.inner.options.stream_prefix.as_str())?
+            .strip_prefix('_')?;
+        crate::names::untoken(token)
+    }
+
+    pub(crate) fn context(&self) -> &jetstream::Context {
+        &self.inner.context
+    }
+
+    /// Drops a deleted stream from the cache.
+    pub(crate) fn forget_stream(&self, name: &str) {
+        self.inner.streams.lock().remove(name);
+    }
+
+    /// The JetStream stream holding `topic`, created if missing: marked as
+    /// created for expiring groups when `expiring` says so (see
+    /// the `expiry` module).
+    async fn stream(
+        &self,
+        names: &TopicNames,
+        expiring: Option<Duration>,
+    ) -> Result<stream::Stream, BrokerError> {
         if let Some(stream) = self.inner.streams.lock().get(&names.stream) {
             return Ok(stream.clone());
         }
@@ -119,6 +144,12 @@ impl NatsBroker {
             max_age: options.retention,
             duplicate_window: options.duplicate_window,
             allow_direct: true,
+            metadata: expiring
+                .map(|idle| {
+                    let ms = idle.as_millis().to_string();
+                    HashMap::from([(EXPIRES_AFTER_MS.to_owned(), ms)])
+                })
+                .unwrap_or_default(),
             ..stream::Config::default()
         };
         let stream = self
@@ -134,7 +165,7 @@ impl NatsBroker {
         Ok(stream)
     }
 
-    async fn cursor_store(&self) -> Result<kv::Store, BrokerError> {
+    pub(crate) async fn cursor_store(&self) -> Result<kv::Store, BrokerError> {
         let options = &self.inner.options;
         let bucket = format!("{}_cursors", options.stream_prefix);
         self.inner
@@ -231,7 +262,7 @@ impl Broker for NatsBroker {
             let names = TopicNames::new(prefix, &message.topic)?;
             prepared.push((names.subject(&message.key), to_publish(message)?));
             if streams.insert(names.stream.clone()) {
-                self.stream(&names).await?;
+                self.stream(&names, None).await?;
             }
         }
         let mut acks = Vec::with_capacity(prepared.len());
@@ -299,7 +330,7 @@ impl Broker for NatsBroker {
         let settings = &self.inner.options;
         let names = TopicNames::new(&settings.stream_prefix, &options.topic)?;
         let group_token = checked_token("group", &options.group)?;
-        let stream = self.stream(&names).await?;
+        let stream = self.stream(&names, options.expire_after_idle).await?;
         let cursors = Arc::new(Cursors::new(self.cursor_store().await?));
         let config = pull::Config {
             durable_name: Some(group_token.clone()),
@@ -310,14 +341,20 @@ impl Broker for NatsBroker {
             max_deliver: -1,
             max_ack_pending: settings.max_ack_pending,
             filter_subject: names.stream_subjects(),
+            // The server deletes an expiring group nobody pulls from.
+            inactive_threshold: options.expire_after_idle.unwrap_or_default(),
             ..pull::Config::default()
         };
         let mut consumer = stream
             .get_or_create_consumer(&group_token, config.clone())
             .await
             .map_err(|e| unavailable(&format!("opening consumer group {}", options.group), e))?;
-        if consumer.cached_info().config.ack_wait != options.lease {
-            // The lease belongs to the group: the latest subscriber's wins.
+        let current = &consumer.cached_info().config;
+        if current.ack_wait != config.ack_wait
+            || current.inactive_threshold != config.inactive_threshold
+        {
+            // The lease and expiry belong to the group: the latest
+            // subscriber's win.
             stream
                 .update_consumer(config)
                 .await
@@ -371,6 +408,23 @@ impl Broker for NatsBroker {
             }
             Err(error) => Err(unavailable("reading a consumer group's backlog", error)),
         }
+    }
+
+    /// The server deletes idle expiring groups itself
+    /// (`inactive_threshold`); this deletes the streams created for them
+    /// that have no consumer left and had no publish within their expiry,
+    /// with their key cursors.
+    async fn sweep_expired(&self) -> Result<u64, BrokerError> {
+        self.sweep_streams().await
+    }
+
+    /// Deletes the group's durable consumer and key cursors, and the stream
+    /// when it was created for expiring groups and has no consumer left.
+    async fn remove_group(&self, topic: &str, group: &str) -> Result<(), BrokerError> {
+        let names = TopicNames::new(&self.inner.options.stream_prefix, topic)?;
+        let group_token = checked_token("group", group)?;
+        self.delete_group(&names.stream, &names.topic_token, &group_token)
+            .await
     }
 
     /// Asks JetStream for the account's usage: a round trip through the

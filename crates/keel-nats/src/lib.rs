@@ -73,6 +73,7 @@ mod broker;
 pub mod cursor;
 mod delivery;
 mod error;
+mod expiry;
 mod names;
 mod options;
 pub mod reply;

@@ -36,6 +36,14 @@ impl Broker for TempBroker {
     async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
         self.broker.backlog(topic, group).await
     }
+
+    async fn sweep_expired(&self) -> Result<u64, BrokerError> {
+        self.broker.sweep_expired().await
+    }
+
+    async fn remove_group(&self, topic: &str, group: &str) -> Result<(), BrokerError> {
+        self.broker.remove_group(topic, group).await
+    }
 }
 
 async fn make_broker() -> TempBroker {
@@ -47,3 +55,39 @@ async fn make_broker() -> TempBroker {
 }
 
 keel_testkit::broker_conformance_tests!(async { make_broker().await });
+
+/// Request-reply's reply topics, as topic rows: a crashed requester's goes
+/// after its expiry (swept by the restarted one), a stopped one's at once,
+/// and no message is left without its topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_requester_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // No background pruner: only the requesters' own sweeps clean up.
+    let broker = SqliteBroker::options()
+        .prune_interval(None)
+        .open(dir.path().join("broker.db"))
+        .await
+        .expect("open the broker");
+    let pool = broker.pool().clone();
+    let reply_topics = || async {
+        let strays: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM keel_broker_messages \
+             WHERE topic_id NOT IN (SELECT topic_id FROM keel_broker_topics)",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("count stray messages");
+        assert_eq!(strays, 0, "messages outlived their topic");
+        sqlx::query_scalar(
+            "SELECT name FROM keel_broker_topics WHERE substr(name, 1, 7) = '_reply.' ORDER BY name",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("list reply topics")
+    };
+    keel_testkit::broker_suite::a_restarted_requester_leaves_nothing_behind(
+        TempBroker { broker, _dir: dir },
+        reply_topics,
+    )
+    .await;
+}

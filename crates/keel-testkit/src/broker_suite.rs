@@ -37,8 +37,10 @@
 
 mod basics;
 mod checker;
+mod expiry;
 mod ordering;
 mod redelivery;
+mod reply_topics;
 mod support;
 
 use std::future::Future;
@@ -52,6 +54,10 @@ pub use basics::{
     receive_wakes_on_publish, terminate_means_never_again,
 };
 pub use checker::OrderChecker;
+pub use expiry::{
+    an_expiring_group_in_use_is_kept, an_idle_expiring_group_is_swept_with_its_topic,
+    remove_group_deletes_at_once,
+};
 pub use ordering::{
     a_blocked_key_does_not_block_other_keys, many_keys_interleaved_keep_order,
     per_key_order_under_lease_expiry, per_key_order_under_nack,
@@ -61,6 +67,7 @@ pub use redelivery::{
     nack_with_delay_redelivers_after_the_delay, nack_without_delay_redelivers_promptly,
     settle_after_lease_loss_is_lease_lost,
 };
+pub use reply_topics::a_restarted_requester_leaves_nothing_behind;
 
 /// The longest any scenario may run before it counts as hung.
 pub const SCENARIO_TIMEOUT: Duration = Duration::from_secs(90);
@@ -114,6 +121,9 @@ macro_rules! broker_conformance_tests {
             per_key_order_under_lease_expiry,
             a_blocked_key_does_not_block_other_keys,
             many_keys_interleaved_keep_order,
+            an_idle_expiring_group_is_swept_with_its_topic,
+            an_expiring_group_in_use_is_kept,
+            remove_group_deletes_at_once,
         );
     };
     (@scenarios $make:expr; $($scenario:ident),* $(,)?) => {

@@ -7,6 +7,12 @@
 //!
 //! - **One reply topic per process** (`_reply.<uuid>`), read by this process
 //!   only, so a reply always reaches the process holding the waiting call.
+//!   It cleans up after itself: the listener deletes it on a clean
+//!   shutdown, and it is an expiring subscription
+//!   ([`expire_after_idle`](crate::broker::SubscribeOptions::expire_after_idle)),
+//!   so the topic of a process that crashed is deleted by the broker's
+//!   sweep once nobody read it for [`DEFAULT_REPLY_TOPIC_EXPIRY`]. Every
+//!   listener sweeps as it runs, so restarts never pile topics up.
 //! - **A correlation id per request**, the key of a pending-call map. The
 //!   entry is removed when the reply arrives *and* when the call times out
 //!   or is cancelled (dropped), by a drop guard: a requester under timeouts
@@ -93,6 +99,10 @@ pub const DEFAULT_REPLY_TTL: Duration = Duration::from_secs(600);
 
 /// How many replies a responder remembers at most.
 pub const DEFAULT_REPLY_CAPACITY: usize = 10_000;
+
+/// How long a reply topic outlives a requester that died without a clean
+/// shutdown.
+pub const DEFAULT_REPLY_TOPIC_EXPIRY: Duration = Duration::from_secs(300);
 
 /// The prefix of per-process reply topics.
 pub const REPLY_TOPIC_PREFIX: &str = "_reply.";

@@ -49,6 +49,7 @@ pub struct RequesterBuilder {
     broker: Arc<dyn Broker>,
     reply_topic: Option<String>,
     default_timeout: Duration,
+    reply_topic_expiry: Duration,
     lease: Duration,
     poll_wait: Duration,
     batch: usize,
@@ -77,6 +78,16 @@ impl RequesterBuilder {
         self
     }
 
+    /// How long the reply topic outlives its listener when the process dies
+    /// without a clean shutdown (default 5 minutes): the broker then deletes
+    /// it, and every requester's listener sweeps such topics as it runs.
+    /// Keep it longer than your longest request timeout, so that a reply
+    /// still on its way never finds the topic gone.
+    pub fn reply_topic_expiry(mut self, expiry: Duration) -> Self {
+        self.reply_topic_expiry = expiry;
+        self
+    }
+
     /// How long the listener waits in one receive before checking for
     /// shutdown (default 250 ms).
     pub fn poll_wait(mut self, wait: Duration) -> Self {
@@ -86,12 +97,25 @@ impl RequesterBuilder {
 
     /// Subscribes to the reply topic. Run the returned listener (e.g. in a
     /// spawned task) for replies to arrive.
+    ///
+    /// Refuses a reply topic expiry not longer than the default timeout or
+    /// than four listener polls.
     pub async fn build(self) -> Result<ReplyListener, BrokerError> {
+        let expiry = self.reply_topic_expiry;
+        if expiry <= self.default_timeout || expiry < self.poll_wait * 4 {
+            return Err(BrokerError::Invalid(format!(
+                "a reply topic expiry of {expiry:?} must exceed the default timeout \
+                 ({:?}) and four listener polls ({:?})",
+                self.default_timeout,
+                self.poll_wait * 4
+            )));
+        }
         let reply_topic = self
             .reply_topic
             .unwrap_or_else(|| format!("{REPLY_TOPIC_PREFIX}{}", keel_core::id::new_id()));
-        let options =
-            SubscribeOptions::new(reply_topic.clone(), reply_topic.clone()).lease(self.lease);
+        let options = SubscribeOptions::new(reply_topic.clone(), reply_topic.clone())
+            .lease(self.lease)
+            .expire_after_idle(expiry);
         let subscription = self.broker.subscribe(options).await?;
         tracing::info!(%reply_topic, "request-reply: listening for replies");
         Ok(ReplyListener {
@@ -108,6 +132,7 @@ impl RequesterBuilder {
             subscription,
             poll_wait: self.poll_wait,
             batch: self.batch,
+            sweep_every: expiry,
         })
     }
 }
@@ -132,6 +157,7 @@ impl Requester {
             broker,
             reply_topic: None,
             default_timeout: DEFAULT_TIMEOUT,
+            reply_topic_expiry: DEFAULT_REPLY_TOPIC_EXPIRY,
             lease: Duration::from_secs(30),
             poll_wait: Duration::from_millis(250),
             batch: 64,
@@ -262,6 +288,7 @@ pub struct ReplyListener {
     subscription: Box<dyn Subscription>,
     poll_wait: Duration,
     batch: usize,
+    sweep_every: Duration,
 }
 
 impl std::fmt::Debug for ReplyListener {
@@ -278,12 +305,22 @@ impl ReplyListener {
         self.requester.clone()
     }
 
-    /// Dispatches replies until `shutdown` completes. Calls still waiting
-    /// then fail with [`RequestError::NotListening`], as do later calls.
+    /// Dispatches replies until `shutdown` completes, then deletes the reply
+    /// topic. Calls still waiting then fail with
+    /// [`RequestError::NotListening`], as do later calls. Meanwhile it
+    /// sweeps the broker's expired topics (those of requesters that died
+    /// without a clean shutdown) once per reply topic expiry, starting now.
     pub async fn run(mut self, shutdown: impl Future<Output = ()> + Send) {
         tokio::pin!(shutdown);
         let mut failures = 0u32;
+        let mut next_sweep = clock::now();
         loop {
+            // Between receives, never racing one: a receive cancelled while
+            // it commits would hide what it leased until the lease ends.
+            if clock::now() >= next_sweep {
+                sweep_expired(self.requester.shared.broker.as_ref()).await;
+                next_sweep = clock::now() + self.sweep_every;
+            }
             let received = tokio::select! {
                 () = &mut shutdown => break,
                 received = self.subscription.receive(self.batch, self.poll_wait) => received,
@@ -312,7 +349,25 @@ impl ReplyListener {
                 }
             }
         }
-        tracing::info!(reply_topic = %self.requester.reply_topic(), "reply listener stopped");
+        let topic = self.requester.reply_topic();
+        if let Err(error) = self
+            .requester
+            .shared
+            .broker
+            .remove_group(topic, topic)
+            .await
+        {
+            tracing::warn!(%error, reply_topic = %topic, "could not delete the reply topic; it expires");
+        }
+        tracing::info!(reply_topic = %topic, "reply listener stopped");
+    }
+}
+
+async fn sweep_expired(broker: &dyn Broker) {
+    match broker.sweep_expired().await {
+        Ok(0) => {}
+        Ok(swept) => tracing::info!(swept, "deleted expired reply topics and groups"),
+        Err(error) => tracing::warn!(%error, "sweeping expired reply topics failed"),
     }
 }
 

@@ -279,6 +279,7 @@ pub struct SagaDefinitionBuilder<D> {
     stuck_after: u32,
     forward_budget: Duration,
     refusal_wait: Duration,
+    deadline: Option<Duration>,
 }
 
 impl<D> fmt::Debug for SagaDefinitionBuilder<D> {
@@ -302,6 +303,7 @@ impl<D: SagaData> SagaDefinition<D> {
             stuck_after: DEFAULT_STUCK_AFTER,
             forward_budget: DEFAULT_FORWARD_BUDGET,
             refusal_wait: DEFAULT_REFUSAL_WAIT,
+            deadline: None,
         }
     }
 
@@ -375,6 +377,18 @@ impl<D: SagaData> SagaDefinitionBuilder<D> {
         self
     }
 
+    /// The whole saga's deadline: the time it may take from its start,
+    /// however its steps spend it (default: none). When it passes before
+    /// the pivot, the saga compensates, with the reason in `last_error`;
+    /// past the pivot it cannot turn back, so it is parked as stuck for an
+    /// operator. No call runs past it: a step does not start with less than
+    /// 50 ms left, its timeout is cut to the time left, and a retry's
+    /// backoff ends at the deadline.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
     /// How long to wait after a policy refused a call without naming a
     /// `Retry-After` (default [`DEFAULT_REFUSAL_WAIT`], 1 s).
     pub fn refusal_wait(mut self, wait: Duration) -> Self {
@@ -430,6 +444,7 @@ impl<D: SagaData> SagaDefinitionBuilder<D> {
             backoff: self.backoff,
             forward_budget: self.forward_budget,
             refusal_wait: self.refusal_wait,
+            deadline: self.deadline,
         };
         Ok(SagaDefinition {
             inner: Arc::new(DefinitionInner {

@@ -64,6 +64,8 @@ pub(crate) struct Shape {
     /// How long to wait after a policy's refusal that names no
     /// `Retry-After`.
     pub(crate) refusal_wait: Duration,
+    /// How long the whole saga may take from its creation.
+    pub(crate) deadline: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -102,6 +104,11 @@ impl Shape {
         record
             .first_attempt_at
             .is_some_and(|first| now >= first + delta(self.forward_budget))
+    }
+
+    /// When `record`'s whole-saga deadline passes, if it has one.
+    pub(crate) fn deadline_at(&self, record: &SagaRecord) -> Option<DateTime<Utc>> {
+        self.deadline.map(|d| record.created_at + delta(d))
     }
 
     /// The highest compensable step below `upper`.
@@ -219,6 +226,11 @@ pub(crate) fn plan(
                 done.status = SagaStatus::Completed;
                 return Plan::Save(done);
             }
+            // Seed 000: do not start what cannot finish in the time left.
+            let too_late = now + delta(keel_core::deadline::MIN_TIME_TO_START);
+            if shape.deadline_at(record).is_some_and(|at| too_late >= at) {
+                return Plan::Save(expire(record, shape, i, now));
+            }
             Call::Action(i)
         }
         SagaStatus::Compensating => match shape.compensable_below(record.step as usize) {
@@ -265,7 +277,7 @@ pub(crate) fn plan(
     }
     let mut claimed = bump(record, now);
     claimed.attempts = record.attempts.saturating_add(1);
-    claimed.next_attempt_at = now + delta(shape.step(call).timeout + lease_grace);
+    claimed.next_attempt_at = now + delta(call_timeout(record, shape, call, now) + lease_grace);
     claimed.first_attempt_at.get_or_insert(now);
     if let Call::Action(_) = call {
         claimed.outcome_unknown = true;
@@ -275,6 +287,48 @@ pub(crate) fn plan(
         record: claimed,
         unknown_before: record.outcome_unknown,
     })
+}
+
+/// How long `call` may run now: its step's timeout, cut to the time left
+/// before the saga's deadline for an action (an undo is never cut short).
+pub(crate) fn call_timeout(
+    record: &SagaRecord,
+    shape: &Shape,
+    call: Call,
+    now: DateTime<Utc>,
+) -> Duration {
+    let timeout = shape.step(call).timeout;
+    match (call, shape.deadline_at(record)) {
+        (Call::Action(_), Some(at)) => (at - now).to_std().unwrap_or_default().min(timeout),
+        _ => timeout,
+    }
+}
+
+/// A running saga at step `i` whose deadline passed: compensating what was
+/// done (and step `i` if it may have happened), or, when it can no longer
+/// turn back, parked for an operator.
+fn expire(record: &SagaRecord, shape: &Shape, i: usize, now: DateTime<Utc>) -> SagaRecord {
+    let mut next = bump(record, now);
+    let deadline = shape.deadline.unwrap_or_default();
+    let step = &shape.steps[i].name;
+    if shape.forward_only(i, record.outcome_unknown) {
+        note_error(
+            &mut next,
+            format!(
+                "saga deadline of {deadline:?} passed at step `{step}`, past the pivot: an \
+                 operator must retry it (it cannot be compensated)"
+            ),
+        );
+        park(&mut next, now);
+    } else {
+        note_error(
+            &mut next,
+            format!("saga deadline of {deadline:?} passed at step `{step}`: compensating"),
+        );
+        let upper = if record.outcome_unknown { i + 1 } else { i };
+        enter_compensation(&mut next, shape, upper);
+    }
+    next
 }
 
 /// The record after `claim`'s call ended with `outcome`.
@@ -389,6 +443,12 @@ pub(crate) fn decide(
                 next.step = index_u32(j);
             }
         }
+    }
+    if next.status == SagaStatus::Running
+        && let Some(at) = shape.deadline_at(&next)
+    {
+        // A retry waits no longer than the deadline, which then decides.
+        next.next_attempt_at = next.next_attempt_at.min(at);
     }
     next
 }

@@ -399,7 +399,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let shape = saga.shape();
         let step = shape.step(call);
         let key = call.idempotency_key(&record.id, shape);
-        let timeout = step.timeout;
+        let timeout = machine::call_timeout(record, shape, call, keel_core::clock::utc_now());
         let labels = [
             ("saga", saga.name().to_owned()),
             ("step", step.name.to_string()),

@@ -652,6 +652,50 @@ async fn a_step_that_times_out_counts_as_failed_and_may_have_happened_so_is_undo
     assert!(effects.contains(&"A-5:undo:capture_payment".to_owned()));
 }
 
+// Real time: the saga's deadline is wall-clock time, like its rows.
+#[tokio::test]
+async fn the_whole_saga_deadline_cuts_step_timeouts_stops_calling_and_compensates() {
+    let w = world();
+    let def = SagaDefinition::builder("order_fulfilment")
+        .step(compensable(&w.svc, "capture_payment"))
+        .step(compensable(&w.svc, "reserve_stock"))
+        .pivot(step(&w.svc, "schedule_shipment"))
+        .deadline(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let w = World {
+        orch: orchestrator(&w.store, &def),
+        def,
+        ..w
+    };
+    w.svc.set("reserve_stock", Behaviour::Hang);
+    w.start("A-D").await;
+    let done = w.settle("A-D").await;
+    assert_eq!(done.status, SagaStatus::Compensated);
+    let reason = done.last_error.unwrap();
+    assert!(
+        reason.contains("saga deadline of 300ms passed at step `reserve_stock`"),
+        "{reason}"
+    );
+    let calls = w.svc.calls();
+    let attempts = calls.iter().filter(|k| *k == "A-D:reserve_stock").count();
+    // A 200 ms attempt, then (on a machine not too loaded to start it within
+    // 250 ms) one cut to the time left; never the third its 3 attempts allow.
+    assert!((1..=2).contains(&attempts), "{calls:?}");
+    assert_eq!(
+        w.svc.effects(),
+        keys(
+            "A-D",
+            &[
+                "capture_payment",
+                "undo:reserve_stock",
+                "undo:capture_payment"
+            ]
+        ),
+        "the step that may have happened is undone too"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_pivot_that_timed_out_after_shipping_then_met_two_breaker_refusals_completes() {
     let w = world();

@@ -89,6 +89,14 @@ impl Broker for TestBroker {
     async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
         self.broker.backlog(topic, group).await
     }
+
+    async fn sweep_expired(&self) -> Result<u64, BrokerError> {
+        self.broker.sweep_expired().await
+    }
+
+    async fn remove_group(&self, topic: &str, group: &str) -> Result<(), BrokerError> {
+        self.broker.remove_group(topic, group).await
+    }
 }
 
 /// A broker on the test server, or `None` (skip) when there is none.

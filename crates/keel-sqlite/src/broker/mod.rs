@@ -58,6 +58,13 @@
 //!   delivery. A topic with no groups keeps messages for `kept_for` too. A
 //!   group that stops consuming holds its topic's messages until it
 //!   resumes: every group sees every message.
+//! - **Expiring groups.** A group subscribed with
+//!   [`expire_after_idle`](SubscribeOptions::expire_after_idle) records
+//!   when a member last read (at most every quarter of its expiry, so an
+//!   idle poll is not a write each time). The pruner's pass, or
+//!   [`Broker::sweep_expired`], deletes the groups idle for longer, and
+//!   the topics created for them once no group is left, messages
+//!   included. Topic ids are never reused.
 //!
 //! All writes are `BEGIN IMMEDIATE` transactions in WAL mode; several
 //! processes may share the file (they wake each other by polling).
@@ -251,6 +258,15 @@ impl SqliteBroker {
 }
 
 impl Inner {
+    async fn sweep_once(&self) -> Result<u64, BrokerError> {
+        let swept = self.db.sweep_expired().await?;
+        if swept > 0 {
+            metrics::counter!("keel_broker_expired_total").increment(swept);
+            tracing::debug!(swept, "deleted expired broker groups and topics");
+        }
+        Ok(swept)
+    }
+
     async fn prune_once(&self) -> Result<db::PruneOutcome, BrokerError> {
         let cutoff = self
             .db
@@ -274,6 +290,9 @@ async fn prune_periodically(inner: Weak<Inner>, interval: Duration) {
         let Some(inner) = inner.upgrade().filter(|i| !i.db.pool().is_closed()) else {
             return;
         };
+        if let Err(error) = inner.sweep_once().await {
+            tracing::warn!(%error, "sweeping expired broker groups failed; will retry");
+        }
         loop {
             match inner.prune_once().await {
                 Ok(outcome) if outcome.more => tokio::task::yield_now().await,
@@ -360,8 +379,11 @@ impl Broker for SqliteBroker {
         if options.lease.is_zero() {
             return Err(BrokerError::Invalid("the lease must be positive".into()));
         }
-        let topic = self.inner.db.topic(&options.topic).await?;
-        let group_id = self.inner.db.group(&topic, &options.group).await?;
+        let (topic, group_id) = self
+            .inner
+            .db
+            .subscribe(&options.topic, &options.group, options.expire_after_idle)
+            .await?;
         let group = GroupRef {
             group_id,
             name: Arc::from(options.group.as_str()),
@@ -371,8 +393,18 @@ impl Broker for SqliteBroker {
         Ok(Box::new(SqliteSubscription::new(
             self.inner.clone(),
             group,
-            options.lease,
+            options,
         )))
+    }
+
+    /// Deletes the expired groups and topics in one transaction. The
+    /// background pruner also sweeps, at every pass.
+    async fn sweep_expired(&self) -> Result<u64, BrokerError> {
+        self.inner.sweep_once().await
+    }
+
+    async fn remove_group(&self, topic: &str, group: &str) -> Result<(), BrokerError> {
+        self.inner.db.remove_group(topic, group).await.map(drop)
     }
 
     async fn ping(&self) -> Result<(), BrokerError> {

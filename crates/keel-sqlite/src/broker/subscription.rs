@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keel_core::clock;
-use keel_messaging::broker::{BrokerError, Delivery, Subscription};
+use keel_core::clock::Instant;
+use keel_messaging::broker::{BrokerError, Delivery, SubscribeOptions, Subscription};
 
 use super::Inner;
 use super::db::{GroupRef, LeaseBatch};
@@ -16,16 +17,46 @@ use super::delivery::SqliteDeliveryControl;
 pub(super) struct SqliteSubscription {
     inner: Arc<Inner>,
     group: GroupRef,
-    lease: Duration,
+    options: SubscribeOptions,
+    /// When an expiring group was last marked as read.
+    seen: Instant,
 }
 
 impl SqliteSubscription {
-    pub(super) fn new(inner: Arc<Inner>, group: GroupRef, lease: Duration) -> Self {
+    pub(super) fn new(inner: Arc<Inner>, group: GroupRef, options: SubscribeOptions) -> Self {
         Self {
             inner,
             group,
-            lease,
+            options,
+            seen: clock::now(),
         }
+    }
+
+    /// Keeps an expiring group alive: marks it read once a quarter of its
+    /// expiry has passed. A group swept meanwhile (this process stalled
+    /// longer than the expiry) is subscribed again, so the member goes on
+    /// reading whatever is published from then on.
+    async fn keep_alive(&mut self) -> Result<(), BrokerError> {
+        let Some(idle) = self.options.expire_after_idle else {
+            return Ok(());
+        };
+        let now = clock::now();
+        if now.saturating_duration_since(self.seen) < idle / 4 {
+            return Ok(());
+        }
+        if !self.inner.db.touch(self.group.group_id).await? {
+            tracing::warn!(topic = %self.options.topic, group = %self.options.group,
+                "an expiring group was swept while a member still read it; subscribing again");
+            let (topic, group_id) = self
+                .inner
+                .db
+                .subscribe(&self.options.topic, &self.options.group, Some(idle))
+                .await?;
+            self.group.topic = topic;
+            self.group.group_id = group_id;
+        }
+        self.seen = now;
+        Ok(())
     }
 
     fn deliveries(&self, batch: LeaseBatch) -> Vec<Delivery> {
@@ -78,6 +109,7 @@ impl Subscription for SqliteSubscription {
         let poll = self.inner.options.poll_interval;
         let pull_batch = self.inner.options.pull_batch;
         loop {
+            self.keep_alive().await?;
             // Listen before looking, so a publish between the look and the
             // wait still wakes us.
             let changed = self.group.topic.changed.notified();
@@ -87,7 +119,7 @@ impl Subscription for SqliteSubscription {
             let batch = self
                 .inner
                 .db
-                .lease(&self.group, max, self.lease, pull_batch)
+                .lease(&self.group, max, self.options.lease, pull_batch)
                 .await?;
             if !batch.leased.is_empty() {
                 return Ok(self.deliveries(batch));

@@ -18,8 +18,12 @@ pub(super) struct Topic {
     pub(super) changed: Notify,
 }
 
-/// Topic name to [`Topic`], filled as topics are first used. Topic rows are
-/// never deleted, so an entry never goes stale.
+/// Topic name to [`Topic`], filled as topics are first used. Only expiring
+/// topics are ever deleted, once no group reads them; the process whose
+/// sweep deletes one forgets it, and a subscribe that finds a cached entry
+/// with another id replaces it. Another process may keep a deleted expiring
+/// topic's id until then; a message it publishes there is never read, which
+/// is what nobody reading the topic means anyway.
 #[derive(Debug, Default)]
 pub(super) struct TopicRegistry {
     by_name: RwLock<HashMap<Arc<str>, Arc<Topic>>>,
@@ -33,6 +37,14 @@ impl TopicRegistry {
             .unwrap_or_else(PoisonError::into_inner)
             .get(name)
             .cloned()
+    }
+
+    /// Forgets a topic (deleted, or found with another id).
+    pub(super) fn remove(&self, name: &str) -> Option<Arc<Topic>> {
+        self.by_name
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(name)
     }
 
     /// Records a topic's id (after the row committed), keeping the first

@@ -32,6 +32,7 @@ fn seed_shape() -> Shape {
             .unwrap(),
         forward_budget: FORWARD_BUDGET,
         refusal_wait: Duration::from_secs(3),
+        deadline: None,
     }
 }
 
@@ -136,6 +137,105 @@ fn the_happy_path_runs_every_step_with_derived_keys_and_bumps_the_version_each_t
         ]
     );
     assert_eq!(plan(&record, &shape, t0(), GRACE), Plan::Idle);
+}
+
+/// The seed shape with a whole-saga deadline of 20 s.
+fn shape_with_deadline() -> Shape {
+    Shape {
+        deadline: Some(Duration::from_secs(20)),
+        ..seed_shape()
+    }
+}
+
+#[test]
+fn the_saga_deadline_counts_elapsed_time_not_steps_and_compensates_before_the_pivot() {
+    let shape = shape_with_deadline();
+    let (_, record) = run(&new_saga(), &shape, ok()); // capture_payment
+    // Each step is within its own 5 s timeout; together they are too slow.
+    let mut slow = record.clone();
+    slow.next_attempt_at = t0() + TimeDelta::seconds(18);
+    let claim = claim(&slow, &shape);
+    assert_eq!(claim.call, Call::Action(1));
+    assert_eq!(
+        claim.record.next_attempt_at,
+        t0() + TimeDelta::seconds(20) + delta(GRACE),
+        "the call's lease ends at the deadline: its timeout is cut to the 2 s left"
+    );
+    assert_eq!(
+        call_timeout(
+            &slow,
+            &shape,
+            Call::Action(1),
+            t0() + TimeDelta::seconds(18)
+        ),
+        Duration::from_secs(2)
+    );
+    // The attempt fails retryably; its backoff would end after the deadline.
+    let retry = decide(
+        &claim,
+        &shape,
+        failed(ErrorClass::Retryable),
+        t0() + TimeDelta::seconds(19) + TimeDelta::milliseconds(900),
+    );
+    assert_eq!(retry.status, SagaStatus::Running);
+    assert_eq!(
+        retry.next_attempt_at,
+        t0() + TimeDelta::seconds(20),
+        "the retry waits no longer than the deadline"
+    );
+    let Plan::Save(expired) = plan(&retry, &shape, retry.next_attempt_at, GRACE) else {
+        panic!("the deadline decides without a call");
+    };
+    assert_eq!(expired.status, SagaStatus::Compensating);
+    assert_eq!(
+        expired.step, 1,
+        "reserve_stock failed for sure: only capture_payment is undone"
+    );
+    let reason = expired.last_error.clone().unwrap();
+    assert!(
+        reason.contains("saga deadline of 20s passed at step `reserve_stock`"),
+        "{reason}"
+    );
+    let (call, done) = run(&expired, &shape, ok());
+    assert_eq!(
+        call,
+        Call::Compensation(0),
+        "the undo is not cut by the deadline"
+    );
+    assert_eq!(done.status, SagaStatus::Compensated);
+}
+
+#[test]
+fn a_saga_deadline_that_passes_during_a_maybe_applied_step_undoes_it_and_past_the_pivot_parks() {
+    let shape = shape_with_deadline();
+    let (_, record) = run(&new_saga(), &shape, ok()); // capture_payment
+    let (_, record) = run(&record, &shape, failed(ErrorClass::OutcomeUnknown)); // reserve_stock?
+    let Plan::Save(expired) = plan(&record, &shape, t0() + TimeDelta::seconds(20), GRACE) else {
+        panic!("the deadline decides");
+    };
+    assert_eq!(expired.status, SagaStatus::Compensating);
+    assert_eq!(
+        expired.step, 2,
+        "the maybe-applied reserve_stock is undone too"
+    );
+
+    let (_, record) = run(&new_saga(), &shape, ok());
+    let (_, record) = run(&record, &shape, ok()); // reserve_stock
+    let (_, record) = run(&record, &shape, failed(ErrorClass::OutcomeUnknown)); // the pivot?
+    let Plan::Save(parked) = plan(&record, &shape, t0() + TimeDelta::seconds(25), GRACE) else {
+        panic!("the deadline decides");
+    };
+    assert_eq!(
+        parked.status,
+        SagaStatus::Stuck,
+        "no way back past a maybe-applied pivot"
+    );
+    assert!(parked.next_attempt_at > t0() + TimeDelta::days(365));
+    let reason = parked.last_error.unwrap();
+    assert!(
+        reason.contains("past the pivot: an operator must retry it"),
+        "{reason}"
+    );
 }
 
 #[test]

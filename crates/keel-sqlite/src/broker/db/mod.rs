@@ -20,6 +20,7 @@ use super::clock::BrokerClock;
 use super::error::db_error;
 use super::topics::{Topic, TopicRegistry};
 
+mod expiry;
 mod lease;
 mod prune;
 mod publish;
@@ -237,31 +238,5 @@ impl Db {
             .map_err(|e| db_error("create topic", e))?;
         w.commit("create topic").await?;
         Ok(self.topics.insert(name, id))
-    }
-
-    /// The id of `group` on `topic`, created if needed. A new group starts
-    /// at the beginning of what the topic still retains.
-    pub(super) async fn group(&self, topic: &Topic, group: &str) -> Result<i64, BrokerError> {
-        let mut w = self.begin("create group").await?;
-        sqlx::query(
-            "INSERT INTO keel_broker_groups (topic_id, name, pulled_seq, created_at) \
-             VALUES (?1, ?2, 0, ?3) ON CONFLICT (topic_id, name) DO NOTHING",
-        )
-        .bind(topic.id)
-        .bind(group)
-        .bind(self.clock.now_ms())
-        .execute(&mut *w.tx)
-        .await
-        .map_err(|e| db_error("create group", e))?;
-        let id: i64 = sqlx::query_scalar(
-            "SELECT group_id FROM keel_broker_groups WHERE topic_id = ?1 AND name = ?2",
-        )
-        .bind(topic.id)
-        .bind(group)
-        .fetch_one(&mut *w.tx)
-        .await
-        .map_err(|e| db_error("create group", e))?;
-        w.commit("create group").await?;
-        Ok(id)
     }
 }
