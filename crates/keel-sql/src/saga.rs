@@ -49,10 +49,15 @@ const COUNTS_SQL: &str =
 /// it; the dialect's hint makes it (without statistics SQLite's planner
 /// prefers the status index and sorts, which grows with the number of
 /// unfinished sagas).
-pub fn due_sql<D: Dialect>() -> String {
+pub fn due_sql<D: Dialect>(kinds: usize) -> String {
+    let kinds = (3..3 + kinds)
+        .map(|n| format!("${n}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     format!(
         "SELECT {COLUMNS} FROM keel_sagas {}
           WHERE status IN ('running', 'compensating', 'stuck') AND next_attempt_at <= $1
+            AND kind IN ({kinds})
           ORDER BY next_attempt_at, created_at, id
           LIMIT $2",
         D::indexed_by("keel_sagas_due")
@@ -76,6 +81,16 @@ pub async fn insert<B: SqlBackend>(
 pub async fn get<B: SqlBackend>(store: &B, id: &str) -> Result<Option<SagaRecord>, StoreError> {
     let sql = format!("SELECT {COLUMNS} FROM keel_sagas WHERE id = $1");
     let row = store.read_optional(&sql, &[id.into()]).await?;
+    row.as_ref().map(saga_from_row::<B::Dialect>).transpose()
+}
+
+/// [`SagaStore::saga_get_in`](keel_messaging::store::SagaStore::saga_get_in).
+pub async fn get_in<B: SqlBackend>(
+    tx: &mut Tx<B>,
+    id: &str,
+) -> Result<Option<SagaRecord>, StoreError> {
+    let sql = format!("SELECT {COLUMNS} FROM keel_sagas WHERE id = $1");
+    let row = B::Dialect::fetch_optional(Exec::Tx(tx), &sql, &[id.into()]).await?;
     row.as_ref().map(saga_from_row::<B::Dialect>).transpose()
 }
 
@@ -132,16 +147,17 @@ fn save_statement<'a, B: SqlBackend>(
 /// [`SagaStore::saga_due`](keel_messaging::store::SagaStore::saga_due).
 pub async fn due<B: SqlBackend>(
     store: &B,
+    kinds: &[&str],
     now: DateTime<Utc>,
     limit: usize,
 ) -> Result<Vec<SagaRecord>, StoreError> {
-    if limit == 0 {
+    if limit == 0 || kinds.is_empty() {
         return Ok(Vec::new());
     }
-    let sql = due_sql::<B::Dialect>();
-    let rows = store
-        .read_all(&sql, &[now.into(), sql_limit(limit).into()])
-        .await?;
+    let sql = due_sql::<B::Dialect>(kinds.len());
+    let mut params: Vec<Value<'_>> = vec![now.into(), sql_limit(limit).into()];
+    params.extend(kinds.iter().map(|&kind| Value::from(kind)));
+    let rows = store.read_all(&sql, &params).await?;
     rows.iter().map(saga_from_row::<B::Dialect>).collect()
 }
 
@@ -248,6 +264,17 @@ macro_rules! saga_store {
                 $crate::saga::get(self, id).await
             }
 
+            async fn saga_get_in(
+                &self,
+                tx: &mut <Self as $crate::__private::store::Store>::Tx,
+                id: &str,
+            ) -> ::std::result::Result<
+                ::std::option::Option<$crate::__private::store::SagaRecord>,
+                $crate::__private::StoreError,
+            > {
+                $crate::saga::get_in::<Self>(tx, id).await
+            }
+
             async fn saga_save(
                 &self,
                 saga: &$crate::__private::store::SagaRecord,
@@ -265,13 +292,14 @@ macro_rules! saga_store {
 
             async fn saga_due(
                 &self,
+                kinds: &[&str],
                 now: $crate::__private::DateTime<$crate::__private::Utc>,
                 limit: usize,
             ) -> ::std::result::Result<
                 ::std::vec::Vec<$crate::__private::store::SagaRecord>,
                 $crate::__private::StoreError,
             > {
-                $crate::saga::due(self, now, limit).await
+                $crate::saga::due(self, kinds, now, limit).await
             }
 
             async fn saga_list(

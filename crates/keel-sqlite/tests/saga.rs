@@ -15,6 +15,7 @@ use keel_core::{BoxError, Classified};
 use keel_messaging::envelope::{Envelope, Event, EventMeta};
 use keel_messaging::outbox::Outbox;
 use keel_messaging::saga::choreography::{Next, reaction};
+use keel_messaging::saga::flow::{FLOW_EXPIRED, Flow, FlowError, FlowWatch};
 use keel_messaging::saga::{Backoff, DEFAULT_FORWARD_BUDGET, Jitter};
 use keel_messaging::saga::{SagaDefinition, SagaError, SagaOrchestrator, Step, StepContext};
 use keel_messaging::store::{
@@ -409,7 +410,7 @@ async fn past_the_pivot_the_saga_sticks_visibly_and_an_operator_finishes_it() {
     // A stuck saga is not picked up again by itself.
     assert!(
         w.store
-            .saga_due(keel_core::clock::utc_now(), 10)
+            .saga_due(&["order_fulfilment"], keel_core::clock::utc_now(), 10)
             .await
             .unwrap()
             .iter()
@@ -517,12 +518,16 @@ impl SagaStore for CrashingStore {
     async fn saga_save_in(&self, tx: &mut Tx, saga: &SagaRecord) -> Result<bool, StoreError> {
         self.inner.saga_save_in(tx, saga).await
     }
+    async fn saga_get_in(&self, tx: &mut Tx, id: &str) -> Result<Option<SagaRecord>, StoreError> {
+        self.inner.saga_get_in(tx, id).await
+    }
     async fn saga_due(
         &self,
+        kinds: &[&str],
         now: DateTime<Utc>,
         limit: usize,
     ) -> Result<Vec<SagaRecord>, StoreError> {
-        self.inner.saga_due(now, limit).await
+        self.inner.saga_due(kinds, now, limit).await
     }
     async fn saga_list(&self, filter: &SagaFilter) -> Result<Vec<SagaRecord>, StoreError> {
         self.inner.saga_list(filter).await
@@ -844,4 +849,243 @@ async fn a_reaction_commits_its_effect_and_the_next_event_together() {
     assert_eq!(next.id, format!("{}:{}", cause.id, StockReserved::TYPE));
     let emitted = Envelope::from_json(&pending[0].record.payload).unwrap();
     assert_eq!(emitted.extensions["causationid"], cause.id.as_str());
+}
+
+// ------------------------------------------- choreography's safety net --
+
+/// Seed 000's checkout as a choreography: the shop places the order, the
+/// inventory reserves stock (undone by releasing it), payments capture
+/// (undone by a refund), shipping schedules.
+fn checkout(deadline: Duration, undo_within: Duration) -> Flow {
+    Flow::builder("checkout", deadline)
+        .step(OrderPlaced::TYPE)
+        .compensable_step(StockReserved::TYPE)
+        .compensable_step("pay.captured.v1")
+        .step("ship.scheduled.v1")
+        .compensation_deadline(undo_within)
+        .build()
+        .unwrap()
+}
+
+/// The shop places an order: the event and the flow's first step, in one
+/// transaction.
+async fn place(store: &SqliteStore, flow: &Flow, order_id: &str) -> Envelope {
+    let placed = Envelope::from_event(
+        "/services/orders",
+        &OrderPlaced {
+            order_id: order_id.into(),
+        },
+        EventMeta::new(1),
+    )
+    .unwrap();
+    let mut tx = store.begin().await.unwrap();
+    Outbox::new(store.clone())
+        .append(&mut tx, "orders", &placed)
+        .await
+        .unwrap();
+    flow.reached(store, &mut tx, &placed).await.unwrap();
+    store.commit(tx).await.unwrap();
+    placed
+}
+
+async fn flow_record(store: &SqliteStore, flow: &Flow, placed: &Envelope) -> SagaRecord {
+    store
+        .saga_get(&flow.record_id(&placed.id))
+        .await
+        .unwrap()
+        .expect("the flow is recorded")
+}
+
+fn watch(store: &SqliteStore, flows: &[&Flow]) -> FlowWatch<SqliteStore> {
+    let mut builder = FlowWatch::builder(
+        store.clone(),
+        Outbox::new(store.clone()),
+        "/services/flow-watch",
+        "flows",
+    );
+    for flow in flows {
+        builder = builder.flow(flow);
+    }
+    builder.build()
+}
+
+#[tokio::test]
+async fn a_stalled_choreography_is_turned_back_a_late_step_refused_and_the_undo_confirmed() {
+    let (_dir, store) = sqlite().await;
+    let deadline = Duration::from_millis(300);
+    let flow = checkout(deadline, Duration::from_secs(30));
+    let watch = watch(&store, &[&flow]);
+    let started = keel_core::clock::now();
+    let placed = place(&store, &flow, "A-4471").await;
+    let reserve = flow.track(
+        store.clone(),
+        reaction(
+            Outbox::new(store.clone()),
+            "/services/inventory",
+            "stock",
+            |_tx: &mut Tx, placed: OrderPlaced, _cause| {
+                Box::pin(async move {
+                    let order_id = placed.order_id;
+                    Ok(Some(Next::new(StockReserved { order_id }, 2)))
+                })
+            },
+        ),
+    );
+    let mut tx = store.begin().await.unwrap();
+    let reserved = reserve.react(&mut tx, &placed).await.unwrap().unwrap();
+    store.commit(tx).await.unwrap();
+    let record = flow_record(&store, &flow, &placed).await;
+    assert_eq!((record.status, record.step), (SagaStatus::Running, 2));
+    assert_eq!(record.kind, "checkout");
+    if started.elapsed() < deadline / 2 {
+        assert_eq!(watch.tick().await.unwrap(), 0, "not before its deadline");
+    }
+
+    // Payments never answer: the deadline passes.
+    tokio::time::sleep(deadline + Duration::from_millis(50)).await;
+    assert_eq!(watch.tick().await.unwrap(), 1);
+    let record = flow_record(&store, &flow, &placed).await;
+    assert_eq!(record.status, SagaStatus::Compensating);
+    let reason = record.last_error.clone().unwrap();
+    assert!(
+        reason.contains(
+            "passed after step shop.stock.reserved.v1: asked to undo shop.stock.reserved.v1"
+        ),
+        "{reason}"
+    );
+    let pending = store
+        .outbox_claim("relay", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let expired: Vec<Envelope> = pending
+        .iter()
+        .map(|p| Envelope::from_json(&p.record.payload).unwrap())
+        .filter(|e| e.ty == FLOW_EXPIRED)
+        .collect();
+    assert_eq!(expired.len(), 1, "one expiry event, to the flows topic");
+    assert_eq!(expired[0].id, format!("checkout:{}:expired", placed.id));
+    assert_eq!(
+        expired[0].data.as_ref().unwrap()["undo"],
+        serde_json::json!([StockReserved::TYPE])
+    );
+    assert_eq!(expired[0].extensions["correlationid"], placed.id.as_str());
+    assert_eq!(watch.tick().await.unwrap(), 0, "expired once");
+
+    // The payment that arrives now is refused: it must not land after the undo.
+    let captured = {
+        let mut e = Envelope::new("/services/payments", "pay.captured.v1");
+        e.extensions
+            .insert("correlationid".into(), placed.id.clone().into());
+        e
+    };
+    let mut tx = store.begin().await.unwrap();
+    let late = flow.reached(&store, &mut tx, &captured).await.unwrap_err();
+    assert!(
+        matches!(
+            late,
+            FlowError::Expired {
+                status: SagaStatus::Compensating,
+                ..
+            }
+        ),
+        "{late}"
+    );
+    store.rollback(tx).await.unwrap();
+    // So is a redelivered cause in a tracked reaction, before it reacts.
+    let mut tx = store.begin().await.unwrap();
+    let refused = reserve.react(&mut tx, &placed).await.unwrap_err();
+    assert_eq!(refused.kind(), Some("flow_expired"));
+    store.rollback(tx).await.unwrap();
+
+    // The inventory releases the stock and says so.
+    let mut tx = store.begin().await.unwrap();
+    let status = flow
+        .compensated(&store, &mut tx, &placed.id, StockReserved::TYPE)
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    assert_eq!(status, SagaStatus::Compensated);
+    assert_eq!(reserved.extensions["correlationid"], placed.id.as_str());
+
+    // The same view as an orchestrated saga.
+    let listed = store.saga_list(&SagaFilter::default()).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].status, SagaStatus::Compensated);
+    let counts: HashMap<SagaStatus, u64> = store.saga_counts().await.unwrap().into_iter().collect();
+    assert_eq!(counts[&SagaStatus::Compensated], 1);
+}
+
+#[tokio::test]
+async fn a_flow_in_time_is_left_alone_and_an_unconfirmed_undo_is_stuck_for_an_operator() {
+    let (_dir, store) = sqlite().await;
+    let (deadline, undo_within) = (Duration::from_millis(200), Duration::from_millis(200));
+    let flow = checkout(deadline, undo_within);
+    let watch = watch(&store, &[&flow]);
+
+    let done = place(&store, &flow, "A-1").await;
+    let mut tx = store.begin().await.unwrap();
+    for ty in [StockReserved::TYPE, "pay.captured.v1", "ship.scheduled.v1"] {
+        let mut step = Envelope::new("/services/x", ty);
+        step.extensions
+            .insert("correlationid".into(), done.id.clone().into());
+        flow.reached(&store, &mut tx, &step).await.unwrap();
+    }
+    store.commit(tx).await.unwrap();
+    assert_eq!(
+        flow_record(&store, &flow, &done).await.status,
+        SagaStatus::Completed
+    );
+
+    let stalled = place(&store, &flow, "A-2").await;
+    let mut tx = store.begin().await.unwrap();
+    let mut reserved = Envelope::new("/services/inventory", StockReserved::TYPE);
+    reserved
+        .extensions
+        .insert("correlationid".into(), stalled.id.clone().into());
+    flow.reached(&store, &mut tx, &reserved).await.unwrap();
+    store.commit(tx).await.unwrap();
+
+    let nothing_to_undo = place(&store, &flow, "A-3").await;
+
+    tokio::time::sleep(deadline + Duration::from_millis(50)).await;
+    assert_eq!(watch.tick().await.unwrap(), 2);
+    assert_eq!(
+        flow_record(&store, &flow, &done).await.status,
+        SagaStatus::Completed
+    );
+    let parked = flow_record(&store, &flow, &nothing_to_undo).await;
+    assert_eq!(parked.status, SagaStatus::Stuck);
+    assert!(
+        parked
+            .last_error
+            .unwrap()
+            .contains("with nothing to undo: an operator decides")
+    );
+    assert_eq!(
+        flow_record(&store, &flow, &stalled).await.status,
+        SagaStatus::Compensating
+    );
+    // An orchestrator of other sagas never picks flows up.
+    let due = store
+        .saga_due(&["order_fulfilment"], keel_core::clock::utc_now(), 10)
+        .await
+        .unwrap();
+    assert!(due.is_empty(), "{due:?}");
+
+    // Nobody confirms the release.
+    tokio::time::sleep(undo_within + Duration::from_millis(50)).await;
+    assert_eq!(watch.tick().await.unwrap(), 1);
+    let stuck = flow_record(&store, &flow, &stalled).await;
+    assert_eq!(stuck.status, SagaStatus::Stuck);
+    let reason = stuck.last_error.unwrap();
+    assert!(
+        reason.contains("undo not confirmed within 200ms for shop.stock.reserved.v1"),
+        "{reason}"
+    );
+    assert!(stuck.next_attempt_at > keel_core::clock::utc_now() + chrono::TimeDelta::days(365));
+    assert_eq!(
+        watch.tick().await.unwrap(),
+        0,
+        "parked until an operator acts"
+    );
 }

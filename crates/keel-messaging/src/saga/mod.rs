@@ -56,7 +56,14 @@
 //! saves the new status, never by reading the saga table.
 //!
 //! For two or three steps owned by one team, [`choreography`] chains
-//! participants through their outboxes instead, without a coordinator.
+//! participants through their outboxes instead, without a coordinator, and
+//! [`flow`] gives such a chain the same safety net: a deadline,
+//! compensations when it passes, a stuck state, and records in the saga
+//! table (so the console, the counts and the stuck-saga alert see it).
+//!
+//! A definition's [`deadline`](SagaDefinitionBuilder::deadline) bounds the
+//! whole saga by elapsed time, however its steps spend it: it turns back
+//! (or parks past the pivot) with the reason when it passes.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -101,6 +108,7 @@
 pub mod choreography;
 mod definition;
 mod error;
+pub mod flow;
 mod hook;
 mod machine;
 mod orchestrator;

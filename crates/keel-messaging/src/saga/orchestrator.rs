@@ -255,7 +255,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
                 match self
                     .inner
                     .store
-                    .saga_due(keel_core::clock::utc_now(), limit)
+                    .saga_due(&self.kinds(), keel_core::clock::utc_now(), limit)
                     .await
                 {
                     Ok(due) => {
@@ -301,7 +301,11 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let due = self
             .inner
             .store
-            .saga_due(keel_core::clock::utc_now(), self.inner.options.batch)
+            .saga_due(
+                &self.kinds(),
+                keel_core::clock::utc_now(),
+                self.inner.options.batch,
+            )
             .await?;
         let never = std::sync::atomic::AtomicBool::new(false);
         let n = due.len();
@@ -328,6 +332,11 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             .saga_get(id)
             .await?
             .ok_or_else(|| SagaError::NotFound { id: id.to_owned() })
+    }
+
+    /// The saga kinds this orchestrator runs: the only ones it picks up.
+    fn kinds(&self) -> Vec<&str> {
+        self.inner.sagas.keys().map(String::as_str).collect()
     }
 
     fn saga(&self, kind: &str) -> Result<Arc<dyn ErasedSaga>, SagaError> {

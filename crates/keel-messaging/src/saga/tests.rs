@@ -135,8 +135,17 @@ impl SagaStore for MemStore {
         Err(unsupported())
     }
 
+    async fn saga_get_in(
+        &self,
+        _tx: &mut MemTx,
+        _id: &str,
+    ) -> Result<Option<SagaRecord>, StoreError> {
+        Err(unsupported())
+    }
+
     async fn saga_due(
         &self,
+        kinds: &[&str],
         now: DateTime<Utc>,
         limit: usize,
     ) -> Result<Vec<SagaRecord>, StoreError> {
@@ -145,6 +154,7 @@ impl SagaStore for MemStore {
             .lock()
             .sagas
             .values()
+            .filter(|s| kinds.contains(&s.kind.as_str()))
             // Like the contract (and SQLite): stuck is not terminal.
             .filter(|s| !s.status.is_terminal())
             .filter(|s| s.next_attempt_at <= now)
@@ -658,7 +668,8 @@ async fn the_whole_saga_deadline_cuts_step_timeouts_stops_calling_and_compensate
     let w = world();
     let def = SagaDefinition::builder("order_fulfilment")
         .step(compensable(&w.svc, "capture_payment"))
-        .step(compensable(&w.svc, "reserve_stock"))
+        // Attempts enough that only the deadline can stop them.
+        .step(compensable(&w.svc, "reserve_stock").max_attempts(5))
         .pivot(step(&w.svc, "schedule_shipment"))
         .deadline(Duration::from_millis(300))
         .build()

@@ -126,6 +126,15 @@ pub trait SagaStore: Store {
     /// Loads a saga.
     async fn saga_get(&self, id: &str) -> Result<Option<SagaRecord>, StoreError>;
 
+    /// [`saga_get`](Self::saga_get) inside the caller's transaction: what
+    /// the transaction itself wrote included, for a read-modify-save in one
+    /// transaction (a choreographed flow's step).
+    async fn saga_get_in(
+        &self,
+        tx: &mut Self::Tx,
+        id: &str,
+    ) -> Result<Option<SagaRecord>, StoreError>;
+
     /// Saves a saga if its stored version is still `saga.version - 1`
     /// (the caller bumps it). `false` if someone else saved first.
     /// [`StoreError::NotFound`] if there is no such saga.
@@ -138,10 +147,14 @@ pub trait SagaStore: Store {
     /// conflict is the caller's to re-run, like any of its transactions.
     async fn saga_save_in(&self, tx: &mut Self::Tx, saga: &SagaRecord) -> Result<bool, StoreError>;
 
-    /// Sagas that are not terminal and due (`next_attempt_at <= now`),
-    /// oldest first.
+    /// Sagas of `kinds` that are not terminal and due
+    /// (`next_attempt_at <= now`), oldest first. Only the kinds the caller
+    /// runs: an orchestrator never picks up another's sagas, nor the
+    /// choreographed flows a [`FlowWatch`](crate::saga::flow::FlowWatch)
+    /// keeps.
     async fn saga_due(
         &self,
+        kinds: &[&str],
         now: DateTime<Utc>,
         limit: usize,
     ) -> Result<Vec<SagaRecord>, StoreError>;

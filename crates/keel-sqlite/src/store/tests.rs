@@ -204,7 +204,7 @@ async fn hot_queries_use_the_partial_indexes() {
     let stats = query_plan(pool, keel_sql::outbox::STATS_SQL, 0).await;
     assert!(scans_unpublished(&stats), "stats:\n{stats}");
 
-    let due = query_plan(pool, &keel_sql::saga::due_sql::<SqliteDialect>(), 2).await;
+    let due = query_plan(pool, &keel_sql::saga::due_sql::<SqliteDialect>(2), 4).await;
     assert!(due.contains("keel_sagas_due"), "due:\n{due}");
 }
 

@@ -67,15 +67,27 @@ pub async fn insert_is_idempotent<S: MessagingStore>(store: &S) {
     assert_eq!(store.saga_get("saga-404").await.expect("get"), None);
 }
 
-/// A saga inserted in a transaction that rolls back does not exist.
+/// A saga inserted in a transaction that rolls back does not exist; the
+/// transaction itself reads what it inserted.
 pub async fn rolled_back_insert_leaves_nothing<S: MessagingStore>(store: &S) {
     let t = now_ms();
     let mut tx = store.begin().await.expect("begin");
-    assert!(
+    let record = saga("saga-1", SagaStatus::Running, t, t);
+    assert!(store.saga_insert(&mut tx, &record).await.expect("insert"));
+    assert_eq!(
         store
-            .saga_insert(&mut tx, &saga("saga-1", SagaStatus::Running, t, t))
+            .saga_get_in(&mut tx, "saga-1")
             .await
-            .expect("insert")
+            .expect("get in tx"),
+        Some(record),
+        "the transaction reads its own insert"
+    );
+    assert_eq!(
+        store
+            .saga_get_in(&mut tx, "other")
+            .await
+            .expect("get in tx"),
+        None
     );
     store.rollback(tx).await.expect("rollback");
     assert_eq!(store.saga_get("saga-1").await.expect("get"), None);
@@ -136,8 +148,9 @@ pub async fn save_is_optimistic_on_version<S: MessagingStore>(store: &S) {
     assert!(matches!(err, StoreError::NotFound(_)), "got {err:?}");
 }
 
-/// Due sagas are the unfinished ones whose next attempt time has come,
-/// most overdue first, at most `limit`. Stuck sagas are retried too.
+/// Due sagas are the unfinished ones of the kinds asked for whose next
+/// attempt time has come, most overdue first, at most `limit`. Stuck sagas
+/// are retried too.
 pub async fn due_returns_unfinished_due_sagas_oldest_first<S: MessagingStore>(store: &S) {
     let now = now_ms();
     let min = TimeDelta::minutes;
@@ -168,12 +181,34 @@ pub async fn due_returns_unfinished_due_sagas_oldest_first<S: MessagingStore>(st
     ] {
         assert!(insert_committed(store, &record).await);
     }
-    let due = store.saga_due(now, 100).await.expect("due");
+    let mut other_kind = saga(
+        "other-kind",
+        SagaStatus::Running,
+        now - min(10),
+        now - min(9),
+    );
+    other_kind.kind = "refund".to_owned();
+    assert!(insert_committed(store, &other_kind).await);
+    let kinds = ["order_fulfilment"];
+    let due = store.saga_due(&kinds, now, 100).await.expect("due");
     assert_eq!(ids(&due), ["due-1", "due-2", "due-3", "due-now"]);
-    let first_two = store.saga_due(now, 2).await.expect("due");
+    let first_two = store.saga_due(&kinds, now, 2).await.expect("due");
     assert_eq!(ids(&first_two), ["due-1", "due-2"]);
-    let later = store.saga_due(now + min(10), 100).await.expect("due");
+    let later = store
+        .saga_due(&kinds, now + min(10), 100)
+        .await
+        .expect("due");
     assert_eq!(ids(&later), ["due-1", "due-2", "due-3", "due-now", "later"]);
+    let both = store
+        .saga_due(&["refund", "order_fulfilment"], now, 100)
+        .await
+        .expect("due");
+    assert_eq!(
+        ids(&both),
+        ["other-kind", "due-1", "due-2", "due-3", "due-now"]
+    );
+    let none = store.saga_due(&[], now, 100).await.expect("due");
+    assert!(none.is_empty(), "no kinds, no sagas");
 }
 
 /// The operator view filters by status and by "not updated since", oldest
@@ -270,7 +305,13 @@ pub async fn unknown_outcome_and_first_attempt_round_trip<S: MessagingStore>(sto
         store.saga_get("saga-1").await.expect("get").as_ref(),
         Some(&unknown)
     );
-    assert_eq!(store.saga_due(t, 10).await.expect("due"), [unknown.clone()]);
+    assert_eq!(
+        store
+            .saga_due(&["order_fulfilment"], t, 10)
+            .await
+            .expect("due"),
+        [unknown.clone()]
+    );
     assert_eq!(
         store.saga_list(&SagaFilter::default()).await.expect("list"),
         [unknown.clone()]

@@ -5,6 +5,7 @@ use proptest::prelude::*;
 use serde_json::json;
 
 use super::*;
+use crate::saga::SagaError;
 
 const GRACE: Duration = Duration::from_secs(1);
 
