@@ -1088,4 +1088,18 @@ async fn a_flow_in_time_is_left_alone_and_an_unconfirmed_undo_is_stuck_for_an_op
         0,
         "parked until an operator acts"
     );
+
+    // The release is confirmed late after all: the flow is compensated.
+    let mut tx = store.begin().await.unwrap();
+    let status = flow
+        .compensated(&store, &mut tx, &stalled.id, StockReserved::TYPE)
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    assert_eq!(status, SagaStatus::Compensated);
+    // A step told twice changes nothing, even on a finished flow.
+    let mut tx = store.begin().await.unwrap();
+    let again = flow.reached(&store, &mut tx, &reserved).await.unwrap();
+    assert_eq!(again, SagaStatus::Compensated);
+    store.rollback(tx).await.unwrap();
 }

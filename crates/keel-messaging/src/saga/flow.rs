@@ -248,8 +248,9 @@ impl Flow {
 
     /// Records, in `tx` (the one that emits or handles `event`), that the
     /// flow `event` belongs to reached the step `event` is. The first step
-    /// recorded starts the flow and its deadline; the last completes it.
-    /// Refused with [`FlowError::Expired`] when the flow expired already.
+    /// recorded starts the flow and its deadline; the last completes it; a
+    /// step recorded before changes nothing. A new step is refused with
+    /// [`FlowError::Expired`] when the flow expired already.
     pub async fn reached<S: SagaStore>(
         &self,
         store: &S,
@@ -267,6 +268,11 @@ impl Flow {
             }
             return Ok(record.status);
         };
+        let mut state = state_of(&record)?;
+        if state.reached.contains(&event.ty) {
+            // Recorded already (the same step told twice): nothing changes.
+            return Ok(record.status);
+        }
         if record.status != SagaStatus::Running {
             return Err(FlowError::Expired {
                 flow: self.inner.name.clone(),
@@ -275,10 +281,7 @@ impl Flow {
                 step: event.ty.clone(),
             });
         }
-        let mut state = state_of(&record)?;
-        if !state.reached.contains(&event.ty) {
-            state.reached.push(event.ty.clone());
-        }
+        state.reached.push(event.ty.clone());
         record.step = record.step.max(step_count(index));
         if index + 1 == self.inner.steps.len() {
             record.status = SagaStatus::Completed;
@@ -290,7 +293,7 @@ impl Flow {
     /// Records, in the participant's transaction, that it undid `step` of
     /// the flow `correlation_id` after the flow expired. When every step
     /// the [`FLOW_EXPIRED`] event asked to undo is undone, the flow is
-    /// compensated.
+    /// compensated, even if it was already stuck waiting for this word.
     pub async fn compensated<S: SagaStore>(
         &self,
         store: &S,
@@ -309,7 +312,8 @@ impl Flow {
             state.compensated.push(step.to_owned());
         }
         let pending = self.to_undo(&state);
-        if pending.is_empty() && record.status == SagaStatus::Compensating {
+        let waiting = matches!(record.status, SagaStatus::Compensating | SagaStatus::Stuck);
+        if pending.is_empty() && waiting {
             record.status = SagaStatus::Compensated;
             record.next_attempt_at = now;
         }
