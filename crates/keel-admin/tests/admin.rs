@@ -1009,3 +1009,54 @@ async fn parked_outbox_rows_are_listed_inspected_replayed_and_discarded() {
         .await;
     assert_problem(&bad_limit, StatusCode::BAD_REQUEST, "limit");
 }
+
+/// A choreographed flow left stuck by its watch is in the same list as the
+/// orchestrated sagas, with its reason; the orchestrator's retry is not
+/// for it, and says so instead of failing.
+#[tokio::test]
+async fn a_stuck_choreographed_flow_shows_with_the_sagas() {
+    use keel_messaging::envelope::Envelope;
+    use keel_messaging::outbox::Outbox;
+    use keel_messaging::saga::flow::{Flow, FlowWatch};
+
+    let w = world().await;
+    let flow = Flow::builder("checkout", Duration::from_millis(100))
+        .step("shop.order.placed.v1")
+        .step("ship.scheduled.v1")
+        .build()
+        .unwrap();
+    let placed = Envelope::new("/services/orders", "shop.order.placed.v1");
+    let mut tx = w.store.begin().await.unwrap();
+    flow.reached(&w.store, &mut tx, &placed).await.unwrap();
+    w.store.commit(tx).await.unwrap();
+    let watch = FlowWatch::builder(
+        w.store.clone(),
+        Outbox::new(w.store.clone()),
+        "/services/orders",
+        "flows",
+    )
+    .flow(&flow)
+    .build();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(watch.tick().await.unwrap(), 1);
+
+    let stuck = w.call(Method::GET, "/admin/api/sagas?status=stuck").await;
+    assert_eq!(stuck.body["count"], 1, "{}", stuck.body);
+    let item = &stuck.body["items"][0];
+    assert_eq!(item["id"], flow.record_id(&placed.id).as_str());
+    assert_eq!(item["kind"], "checkout");
+    assert!(
+        item["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("with nothing to undo: an operator decides"),
+        "{item}"
+    );
+    let counts = w.call(Method::GET, "/admin/api/summary").await;
+    assert_eq!(counts.body["sagas"]["stuck"], 1, "{}", counts.body);
+    let id = flow.record_id(&placed.id);
+    let retry = w
+        .call(Method::POST, &format!("/admin/api/sagas/{id}/retry"))
+        .await;
+    assert_problem(&retry, StatusCode::CONFLICT, "checkout");
+}

@@ -94,6 +94,18 @@ pub fn follow_up<E: Event>(
 pub type ReactionFuture<'a, Out> =
     Pin<Box<dyn Future<Output = Result<Option<Next<Out>>, HandlerError>> + Send + 'a>>;
 
+/// A reaction's closure: given the transaction, the decoded event and its
+/// envelope, the next event. Every closure of that shape is one.
+pub trait ReactionFn<Tx, In, Out>:
+    for<'a> Fn(&'a mut Tx, In, &'a Envelope) -> ReactionFuture<'a, Out> + Send + Sync + 'static
+{
+}
+
+impl<Tx, In, Out, F> ReactionFn<Tx, In, Out> for F where
+    F: for<'a> Fn(&'a mut Tx, In, &'a Envelope) -> ReactionFuture<'a, Out> + Send + Sync + 'static
+{
+}
+
 /// One participant's step in a choreographed saga: when `In` arrives, do
 /// the local work in the transaction and emit `Out` to a topic. Register it
 /// with a consumer group under `In::TYPE`.
@@ -175,10 +187,7 @@ where
     S: OutboxStore,
     In: Event + Send + 'static,
     Out: Event + Send + Sync + 'static,
-    F: for<'a> Fn(&'a mut S::Tx, In, &'a Envelope) -> ReactionFuture<'a, Out>
-        + Send
-        + Sync
-        + 'static,
+    F: ReactionFn<S::Tx, In, Out>,
 {
     /// Reacts to `cause` inside `tx`; returns the envelope appended to the
     /// outbox, if any. An event of another type is refused as malformed
@@ -215,10 +224,7 @@ where
     S: OutboxStore,
     In: Event + Send + 'static,
     Out: Event + Send + Sync + 'static,
-    F: for<'a> Fn(&'a mut S::Tx, In, &'a Envelope) -> ReactionFuture<'a, Out>
-        + Send
-        + Sync
-        + 'static,
+    F: ReactionFn<S::Tx, In, Out>,
 {
     async fn handle(
         &self,

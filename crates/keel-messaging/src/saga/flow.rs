@@ -427,10 +427,7 @@ where
     S: OutboxStore + SagaStore,
     In: crate::Event + Send + 'static,
     Out: crate::Event + Send + Sync + 'static,
-    F: for<'a> Fn(&'a mut S::Tx, In, &'a Envelope) -> super::choreography::ReactionFuture<'a, Out>
-        + Send
-        + Sync
-        + 'static,
+    F: super::choreography::ReactionFn<S::Tx, In, Out>,
 {
     /// Refuses a cause whose flow is no longer running, reacts, and records
     /// the emitted event as the flow's next step, all in `tx`.
@@ -473,10 +470,7 @@ where
     S: OutboxStore + SagaStore,
     In: crate::Event + Send + 'static,
     Out: crate::Event + Send + Sync + 'static,
-    F: for<'a> Fn(&'a mut S::Tx, In, &'a Envelope) -> super::choreography::ReactionFuture<'a, Out>
-        + Send
-        + Sync
-        + 'static,
+    F: super::choreography::ReactionFn<S::Tx, In, Out>,
 {
     async fn handle(
         &self,
