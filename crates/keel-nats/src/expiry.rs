@@ -72,10 +72,7 @@ impl NatsBroker {
     ) -> Result<(), BrokerError> {
         let stream = match self.context().get_stream(stream_name).await {
             Ok(stream) => stream,
-            Err(e) if matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
-            {
-                return Ok(());
-            }
+            Err(e) if stream_not_found(&e) => return Ok(()),
             Err(e) => return Err(unavailable("opening a stream to remove a group", e)),
         };
         if let Err(e) = stream.delete_consumer(group_token).await
@@ -99,8 +96,7 @@ impl NatsBroker {
     async fn delete_topic(&self, stream_name: &str, topic_token: &str) -> Result<(), BrokerError> {
         match self.context().delete_stream(stream_name).await {
             Ok(_) => {}
-            Err(e) if matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
-                {}
+            Err(e) if stream_not_found(&e) => {}
             Err(e) => return Err(unavailable("deleting an expired stream", e)),
         }
         self.forget_stream(stream_name);
@@ -120,4 +116,10 @@ impl NatsBroker {
             .map_err(|e| unavailable("purging a group's key cursors", e))?;
         Ok(())
     }
+}
+
+/// A stream that is already gone is what a sweep wanted: another process
+/// (or an earlier pass) swept it first.
+fn stream_not_found(e: &async_nats::jetstream::context::GetStreamError) -> bool {
+    matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND)
 }
