@@ -46,6 +46,7 @@
 
 mod access;
 mod auth;
+mod builder;
 mod error;
 pub mod export;
 mod gauges;
@@ -60,8 +61,6 @@ pub mod console;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use std::time::Duration;
-
 use chrono::Utc;
 use keel_messaging::MessagingStore;
 use keel_messaging::dead_letter::DeadLetters;
@@ -70,12 +69,11 @@ use keel_messaging::saga::{SagaOrchestrator, SagaView};
 use keel_messaging::store::{SagaRecord, WebhookStore};
 use keel_policy::breaker::{BreakerRegistry, State};
 
-use keel_http::access::{AllowedHosts, FailureThrottle};
 use keel_webhooks::Endpoints;
-use keel_webhooks::ssrf::SsrfGuard;
 
 pub use access::{AdminAccess, AdminAuth, AdminAuthLayer, CSRF_FIELD, CSRF_HEADER, SESSION_COOKIE};
 pub use auth::{AdminToken, AdminTokenError, MIN_TOKEN_LEN, cookie};
+pub use builder::AdminBuilder;
 pub use error::AdminError;
 pub use export::{DEFAULT_EXPORT_INTERVAL, GaugeExport};
 pub use gauges::{BrokerLag, FnGauges, Gauge, GaugeSource};
@@ -88,118 +86,6 @@ pub use session::{AdminSession, DEFAULT_SESSION_TTL, Notice, Sessions};
 
 /// The path prefix of every admin API route.
 pub const API_PREFIX: &str = "/admin/api";
-
-/// Builds an [`Admin`]. Defaults: no token (loopback only — set one with
-/// [`token`](Self::token)), dead-letter replays through a plain outbox (no
-/// relay woken; set [`outbox`](Self::outbox) when a relay runs in this
-/// process), no saga orchestrator (saga routes list from the store and
-/// answer `501` to actions), no breakers, no gauges.
-pub struct AdminBuilder<S> {
-    store: S,
-    token: AdminToken,
-    hosts: AllowedHosts,
-    session_ttl: Duration,
-    throttle: FailureThrottle,
-    outbox: Option<Outbox<S>>,
-    sagas: Option<SagaOrchestrator<S>>,
-    breakers: Option<BreakerRegistry>,
-    gauges: Vec<Arc<dyn GaugeSource>>,
-}
-
-impl<S> std::fmt::Debug for AdminBuilder<S> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AdminBuilder")
-            .field("token", &self.token)
-            .field("sagas", &self.sagas.is_some())
-            .field("breakers", &self.breakers.is_some())
-            .field("gauges", &self.gauges.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl<S> AdminBuilder<S>
-where
-    S: MessagingStore + WebhookStore,
-{
-    /// The token requests must carry (default: none, which only
-    /// [`AdminToken::require_for`] a loopback address should produce).
-    pub fn token(mut self, token: AdminToken) -> Self {
-        self.token = token;
-        self
-    }
-
-    /// The `Host` names the admin answers to (default
-    /// [`AllowedHosts::loopback`]); any other is refused with `403`.
-    pub fn allowed_hosts(mut self, hosts: AllowedHosts) -> Self {
-        self.hosts = hosts;
-        self
-    }
-
-    /// How long a console or CLI session lives (default
-    /// [`DEFAULT_SESSION_TTL`], 8 hours).
-    pub fn session_ttl(mut self, ttl: Duration) -> Self {
-        self.session_ttl = ttl;
-        self
-    }
-
-    /// The throttle of failed logins and bearer tokens (default
-    /// [`FailureThrottle::default`]: 10 per address per minute).
-    pub fn throttle(mut self, throttle: FailureThrottle) -> Self {
-        self.throttle = throttle;
-        self
-    }
-
-    /// Replays go through `outbox`, waking its relay on commit.
-    pub fn outbox(mut self, outbox: Outbox<S>) -> Self {
-        self.outbox = Some(outbox);
-        self
-    }
-
-    /// The orchestrator whose sagas are listed, retried and cancelled.
-    pub fn sagas(mut self, orchestrator: SagaOrchestrator<S>) -> Self {
-        self.sagas = Some(orchestrator);
-        self
-    }
-
-    /// The breakers shown by `/admin/api/breakers`.
-    pub fn breakers(mut self, registry: BreakerRegistry) -> Self {
-        self.breakers = Some(registry);
-        self
-    }
-
-    /// Adds a source of gauges (consumer lag, ...) for `/admin/api/lag`.
-    pub fn gauges(mut self, source: impl GaugeSource) -> Self {
-        self.gauges.push(Arc::new(source));
-        self
-    }
-
-    /// Adds a synchronous gauge source.
-    pub fn gauges_fn<F>(self, f: F) -> Self
-    where
-        F: Fn() -> Vec<Gauge> + Send + Sync + 'static,
-    {
-        self.gauges(FnGauges(f))
-    }
-
-    /// The admin.
-    pub fn build(self) -> Admin<S> {
-        let outbox = self
-            .outbox
-            .unwrap_or_else(|| Outbox::new(self.store.clone()));
-        Admin {
-            inner: Arc::new(Inner {
-                dead_letters: DeadLetters::with_outbox(outbox.clone()),
-                outbox,
-                endpoints: Endpoints::new(self.store.clone(), SsrfGuard::default()),
-                store: self.store,
-                access: AdminAccess::with(self.token, self.hosts, self.session_ttl, self.throttle),
-                sagas: self.sagas,
-                breakers: self.breakers,
-                gauges: self.gauges,
-            }),
-        }
-    }
-}
 
 struct Inner<S> {
     store: S,
@@ -242,17 +128,7 @@ where
 {
     /// A builder over `store` (see [`AdminBuilder`] for the defaults).
     pub fn builder(store: S) -> AdminBuilder<S> {
-        AdminBuilder {
-            store,
-            token: AdminToken::none(),
-            hosts: AllowedHosts::loopback(),
-            session_ttl: DEFAULT_SESSION_TTL,
-            throttle: FailureThrottle::default(),
-            outbox: None,
-            sagas: None,
-            breakers: None,
-            gauges: Vec::new(),
-        }
+        AdminBuilder::new(store)
     }
 
     /// The storage-backed gauges (dead letters, sagas, outbox, webhook

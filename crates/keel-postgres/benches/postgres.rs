@@ -40,22 +40,20 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use criterion::{Criterion, SamplingMode, Throughput};
+use criterion::Criterion;
 use hdrhistogram::Histogram;
 use keel_core::clock::{self, Instant};
 use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
 use keel_messaging::consumer::{Consumer, Group};
-use keel_messaging::envelope::{Envelope, Event, EventMeta};
+use keel_messaging::envelope::Envelope;
 use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::Store;
 use keel_nats::NatsBrokerOptions;
 use keel_postgres::{PgStore, PgWakeups};
+use keel_testkit::bench::{self, OrderPlaced, Tally, order};
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 
-/// Distinct partition keys.
-const KEYS: u64 = 256;
 /// The body of a raw row: about the size of an encoded order event.
 const ROW_BYTES: usize = 256;
 /// Raw inserts timed next to each relay sample.
@@ -63,52 +61,7 @@ const ADJACENT_RAW: u64 = 100;
 /// Events in the latency run (at 1 kHz: three seconds).
 const LATENCY_EVENTS: u64 = 3_000;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct OrderPlaced {
-    order_id: String,
-    total_minor: i64,
-}
-
-impl Event for OrderPlaced {
-    const TYPE: &'static str = "shop.order.placed.v1";
-    fn subject(&self) -> String {
-        self.order_id.clone()
-    }
-}
-
-fn order(n: u64) -> Envelope {
-    let placed = OrderPlaced {
-        order_id: format!("order-{}", n % KEYS),
-        total_minor: 8210,
-    };
-    Envelope::from_event("/bench/orders", &placed, EventMeta::new(n + 1)).expect("envelope")
-}
-
 // ---------------------------------------------------------------- tally --
-
-/// Elements and time summed over every timed call of one benchmark.
-#[derive(Default)]
-struct Tally {
-    elements: AtomicU64,
-    nanos: AtomicU64,
-}
-
-impl Tally {
-    fn add(&self, elements: u64, took: Duration) {
-        self.elements.fetch_add(elements, Ordering::Relaxed);
-        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        self.nanos.fetch_add(nanos, Ordering::Relaxed);
-    }
-
-    fn per_second(&self) -> f64 {
-        let nanos = self.nanos.load(Ordering::Relaxed);
-        if nanos == 0 {
-            return 0.0;
-        }
-        self.elements.load(Ordering::Relaxed) as f64 * 1e9 / nanos as f64
-    }
-}
 
 static RAW_FIRST: LazyLock<Tally> = LazyLock::new(Tally::default);
 static RAW_LAST: LazyLock<Tally> = LazyLock::new(Tally::default);
@@ -217,52 +170,38 @@ fn bench_raw(
     name: &str,
     tally: &'static Tally,
 ) {
-    let mut group = c.benchmark_group("postgres");
-    group.throughput(Throughput::Elements(1));
-    group.sampling_mode(SamplingMode::Flat);
-    group.sample_size(10);
-    group.bench_function(name, |b| {
-        b.to_async(rt).iter_custom(|iters| {
-            let fx = Arc::clone(fx);
-            async move {
-                let took = fx.raw_inserts(iters).await;
-                tally.add(iters, took);
-                took
-            }
-        });
+    bench::timed(c, rt, "postgres", name, |iters| {
+        let fx = Arc::clone(fx);
+        async move {
+            let took = fx.raw_inserts(iters).await;
+            tally.add(iters, took);
+            took
+        }
     });
-    group.finish();
 }
 
 fn bench_relay(c: &mut Criterion, rt: &Runtime, fx: &Arc<Fixture>) {
-    let mut group = c.benchmark_group("postgres");
-    group.throughput(Throughput::Elements(1));
-    group.sampling_mode(SamplingMode::Flat);
-    group.sample_size(10);
-    group.bench_function("relay_drain", |b| {
-        b.to_async(rt).iter_custom(|iters| {
-            let fx = Arc::clone(fx);
-            async move {
-                fx.fill_outbox(iters).await;
-                RELAY_RAW.add(ADJACENT_RAW, fx.raw_inserts(ADJACENT_RAW).await);
-                // Defaults: batches of 100.
-                let relay = OutboxRelay::builder(&fx.outbox, Arc::new(NoopBroker::default()))
-                    .build()
-                    .expect("relay");
-                let started = clock::now();
-                let mut published = 0;
-                while published < iters {
-                    let n = relay.run_once().await.expect("relay round");
-                    assert!(n > 0, "the outbox ran dry after {published} of {iters}");
-                    published += n as u64;
-                }
-                let took = started.elapsed();
-                RELAY.add(iters, took);
-                took
+    bench::timed(c, rt, "postgres", "relay_drain", |iters| {
+        let fx = Arc::clone(fx);
+        async move {
+            fx.fill_outbox(iters).await;
+            RELAY_RAW.add(ADJACENT_RAW, fx.raw_inserts(ADJACENT_RAW).await);
+            // Defaults: batches of 100.
+            let relay = OutboxRelay::builder(&fx.outbox, Arc::new(NoopBroker::default()))
+                .build()
+                .expect("relay");
+            let started = clock::now();
+            let mut published = 0;
+            while published < iters {
+                let n = relay.run_once().await.expect("relay round");
+                assert!(n > 0, "the outbox ran dry after {published} of {iters}");
+                published += n as u64;
             }
-        });
+            let took = started.elapsed();
+            RELAY.add(iters, took);
+            took
+        }
     });
-    group.finish();
 }
 
 /// Appends at 1 kHz from another pool while a relay woken by LISTEN/NOTIFY
@@ -404,13 +343,7 @@ fn histogram(
 
 fn summary(latency: &Histogram<u64>, effect: Option<&Histogram<u64>>) {
     let (first, last) = (RAW_FIRST.per_second(), RAW_LAST.per_second());
-    let raw = {
-        let elements =
-            RAW_FIRST.elements.load(Ordering::Relaxed) + RAW_LAST.elements.load(Ordering::Relaxed);
-        let nanos =
-            RAW_FIRST.nanos.load(Ordering::Relaxed) + RAW_LAST.nanos.load(Ordering::Relaxed);
-        elements as f64 * 1e9 / nanos.max(1) as f64
-    };
+    let raw = Tally::per_second_of(&[&RAW_FIRST, &RAW_LAST]);
     let (relay, relay_raw) = (RELAY.per_second(), RELAY_RAW.per_second());
     let ms = |micros: u64| micros as f64 / 1000.0;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();

@@ -37,77 +37,28 @@ use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use criterion::{Criterion, SamplingMode, Throughput};
+use criterion::Criterion;
 use keel_core::clock::{self, Instant};
 use keel_messaging::broker::{
     Broker, BrokerError, Delivery, DeliveryControl, Message, SubscribeOptions, Subscription,
 };
 use keel_messaging::consumer::{Consumer, Group, HandlerError};
-use keel_messaging::envelope::{Envelope, Event, EventMeta};
+use keel_messaging::envelope::Envelope;
 use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::Store;
 use keel_sqlite::broker::SqliteBroker;
 use keel_sqlite::store::SqliteStore;
-use serde::{Deserialize, Serialize};
+use keel_testkit::bench::{self, OrderPlaced, Tally, order};
 use tempfile::TempDir;
 use tokio::runtime::Runtime;
 use tokio::sync::{Notify, watch};
 
 type Tx = <SqliteStore as Store>::Tx;
 
-/// Distinct partition keys: enough that per-key order never starves the
-/// consumer's 16 slots.
-const KEYS: u64 = 256;
 /// The body of a raw row: about the size of an encoded order event.
 const ROW_BYTES: usize = 256;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct OrderPlaced {
-    order_id: String,
-    total_minor: i64,
-}
-
-impl Event for OrderPlaced {
-    const TYPE: &'static str = "shop.order.placed.v1";
-    fn subject(&self) -> String {
-        self.order_id.clone()
-    }
-}
-
-fn order(n: u64) -> Envelope {
-    let placed = OrderPlaced {
-        order_id: format!("order-{}", n % KEYS),
-        total_minor: i64::try_from(n).unwrap_or(0),
-    };
-    Envelope::from_event("/services/orders", &placed, EventMeta::new(n)).expect("envelope")
-}
-
 // ---------------------------------------------------------------- tally --
-
-/// Elements and time summed over every timed call of one benchmark
-/// (warm-up included), for the rates in the summary.
-#[derive(Default)]
-struct Tally {
-    elements: AtomicU64,
-    nanos: AtomicU64,
-}
-
-impl Tally {
-    fn add(&self, elements: u64, took: Duration) {
-        self.elements.fetch_add(elements, Ordering::Relaxed);
-        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        self.nanos.fetch_add(nanos, Ordering::Relaxed);
-    }
-
-    fn per_second(&self) -> f64 {
-        let nanos = self.nanos.load(Ordering::Relaxed);
-        if nanos == 0 {
-            return 0.0;
-        }
-        self.elements.load(Ordering::Relaxed) as f64 * 1e9 / nanos as f64
-    }
-}
 
 static RAW_FIRST: LazyLock<Tally> = LazyLock::new(Tally::default);
 static RAW_LAST: LazyLock<Tally> = LazyLock::new(Tally::default);
@@ -405,94 +356,73 @@ fn bench_raw(
     name: &str,
     tally: &'static Tally,
 ) {
-    let mut group = c.benchmark_group("messaging");
-    group.throughput(Throughput::Elements(1));
-    group.sampling_mode(SamplingMode::Flat);
-    group.sample_size(10);
-    group.bench_function(name, |b| {
-        b.to_async(rt).iter_custom(|iters| {
-            let fx = Arc::clone(fx);
-            async move {
-                let took = fx.raw_inserts(iters).await;
-                tally.add(iters, took);
-                took
-            }
-        });
+    bench::timed(c, rt, "messaging", name, |iters| {
+        let fx = Arc::clone(fx);
+        async move {
+            let took = fx.raw_inserts(iters).await;
+            tally.add(iters, took);
+            took
+        }
     });
-    group.finish();
 }
 
 fn bench_relay(c: &mut Criterion, rt: &Runtime, fx: &Arc<Fixture>) {
-    let mut group = c.benchmark_group("messaging");
-    group.throughput(Throughput::Elements(1));
-    group.sampling_mode(SamplingMode::Flat);
-    group.sample_size(10);
-    group.bench_function("relay_drain", |b| {
-        b.to_async(rt).iter_custom(|iters| {
-            let fx = Arc::clone(fx);
-            async move {
-                fx.fill_outbox("bench.relay", iters).await;
-                RELAY_RAW.add(ADJACENT_RAW, fx.raw_inserts(ADJACENT_RAW).await);
-                // Defaults: batches of 100.
-                let relay = OutboxRelay::builder(&fx.outbox, Arc::clone(&fx.broker))
-                    .build()
-                    .expect("relay");
-                let started = clock::now();
-                let mut published = 0;
-                while published < iters {
-                    let n = relay.run_once().await.expect("relay round");
-                    assert!(n > 0, "the outbox ran dry after {published} of {iters}");
-                    published += n as u64;
-                }
-                let took = started.elapsed();
-                RELAY.add(iters, took);
-                took
+    bench::timed(c, rt, "messaging", "relay_drain", |iters| {
+        let fx = Arc::clone(fx);
+        async move {
+            fx.fill_outbox("bench.relay", iters).await;
+            RELAY_RAW.add(ADJACENT_RAW, fx.raw_inserts(ADJACENT_RAW).await);
+            // Defaults: batches of 100.
+            let relay = OutboxRelay::builder(&fx.outbox, Arc::clone(&fx.broker))
+                .build()
+                .expect("relay");
+            let started = clock::now();
+            let mut published = 0;
+            while published < iters {
+                let n = relay.run_once().await.expect("relay round");
+                assert!(n > 0, "the outbox ran dry after {published} of {iters}");
+                published += n as u64;
             }
-        });
+            let took = started.elapsed();
+            RELAY.add(iters, took);
+            took
+        }
     });
-    group.finish();
 }
 
 fn bench_consumer(c: &mut Criterion, rt: &Runtime, fx: &Arc<Fixture>) {
-    let mut group = c.benchmark_group("messaging");
-    group.throughput(Throughput::Elements(1));
-    group.sampling_mode(SamplingMode::Flat);
-    group.sample_size(10);
-    group.bench_function("consumer_drain", |b| {
-        b.to_async(rt).iter_custom(|iters| {
-            let fx = Arc::clone(fx);
-            async move {
-                let topic = "bench.consume";
-                fx.fill_topic(topic, iters).await;
-                CONSUMER_RAW.add(ADJACENT_RAW, fx.raw_inserts(ADJACENT_RAW).await);
-                let acks = Arc::new(AckCount::default());
-                let broker = Arc::new(CountingBroker {
-                    inner: Arc::clone(&fx.broker),
-                    acks: Arc::clone(&acks),
-                });
-                // Defaults: 16 in flight, 30 s lease.
-                let consumer = Consumer::builder(fx.store.clone(), broker)
-                    .receive_wait(Duration::from_millis(50))
-                    .inbox_retention(None)
-                    .group(effect_group(topic))
-                    .build()
-                    .expect("consumer");
-                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-                let started = clock::now();
-                let running = tokio::spawn(consumer.run(async move {
-                    let _ = stopped.await;
-                }));
-                acks.wait_for(usize::try_from(iters).unwrap_or(usize::MAX))
-                    .await;
-                let took = started.elapsed();
-                let _ = stop.send(());
-                running.await.expect("consumer");
-                CONSUMER.add(iters, took);
-                took
-            }
-        });
+    bench::timed(c, rt, "messaging", "consumer_drain", |iters| {
+        let fx = Arc::clone(fx);
+        async move {
+            let topic = "bench.consume";
+            fx.fill_topic(topic, iters).await;
+            CONSUMER_RAW.add(ADJACENT_RAW, fx.raw_inserts(ADJACENT_RAW).await);
+            let acks = Arc::new(AckCount::default());
+            let broker = Arc::new(CountingBroker {
+                inner: Arc::clone(&fx.broker),
+                acks: Arc::clone(&acks),
+            });
+            // Defaults: 16 in flight, 30 s lease.
+            let consumer = Consumer::builder(fx.store.clone(), broker)
+                .receive_wait(Duration::from_millis(50))
+                .inbox_retention(None)
+                .group(effect_group(topic))
+                .build()
+                .expect("consumer");
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let started = clock::now();
+            let running = tokio::spawn(consumer.run(async move {
+                let _ = stopped.await;
+            }));
+            acks.wait_for(usize::try_from(iters).unwrap_or(usize::MAX))
+                .await;
+            let took = started.elapsed();
+            let _ = stop.send(());
+            running.await.expect("consumer");
+            CONSUMER.add(iters, took);
+            took
+        }
     });
-    group.finish();
 }
 
 /// The relay and a consumer running for the latency benchmark, until
@@ -545,27 +475,21 @@ impl Pipeline {
 fn bench_latency(c: &mut Criterion, rt: &Runtime, fx: &Arc<Fixture>) {
     let topic = "bench.latency";
     let pipeline = rt.block_on(async { Pipeline::start(fx, topic) });
-    let mut group = c.benchmark_group("messaging");
-    group.sampling_mode(SamplingMode::Flat);
-    group.sample_size(10);
-    group.bench_function("append_to_effect", |b| {
-        b.to_async(rt).iter_custom(|iters| {
-            let fx = Arc::clone(fx);
-            async move {
-                let mut total = Duration::ZERO;
-                for i in fx.events(iters) {
-                    let took = one_round_trip(&fx, topic, i).await;
-                    LATENCIES
-                        .write()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .push(took);
-                    total += took;
-                }
-                total
+    bench::timed(c, rt, "messaging", "append_to_effect", |iters| {
+        let fx = Arc::clone(fx);
+        async move {
+            let mut total = Duration::ZERO;
+            for i in fx.events(iters) {
+                let took = one_round_trip(&fx, topic, i).await;
+                LATENCIES
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(took);
+                total += took;
             }
-        });
+            total
+        }
     });
-    group.finish();
     rt.block_on(pipeline.stop());
 }
 
@@ -607,13 +531,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 fn summary() {
     let (first, last) = (RAW_FIRST.per_second(), RAW_LAST.per_second());
-    let raw = {
-        let elements =
-            RAW_FIRST.elements.load(Ordering::Relaxed) + RAW_LAST.elements.load(Ordering::Relaxed);
-        let nanos =
-            RAW_FIRST.nanos.load(Ordering::Relaxed) + RAW_LAST.nanos.load(Ordering::Relaxed);
-        elements as f64 * 1e9 / nanos.max(1) as f64
-    };
+    let raw = Tally::per_second_of(&[&RAW_FIRST, &RAW_LAST]);
     let (relay, consumer) = (RELAY.per_second(), CONSUMER.per_second());
     let (relay_raw, consumer_raw) = (RELAY_RAW.per_second(), CONSUMER_RAW.per_second());
     let mut latencies = LATENCIES

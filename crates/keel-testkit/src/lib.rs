@@ -13,9 +13,12 @@
 //! `scripts/services.sh` runs, and fails loudly in CI when they are missing;
 //! [`browser`] starts chromedriver for the console's browser tests.
 //!
-//! [`eventually`] waits for what another task does; [`metrics`] (feature
+//! [`bench`] (feature `bench`) is what the backends' messaging benchmarks
+//! share. [`eventually`] waits for what another task does; [`metrics`] (feature
 //! `metrics`) records what the code under test emits, for assertions.
 
+#[cfg(feature = "bench")]
+pub mod bench;
 #[cfg(feature = "broker-suite")]
 pub mod broker_suite;
 #[cfg(feature = "browser")]

@@ -43,6 +43,7 @@ pub mod inbox;
 pub mod lease;
 pub mod outbox;
 pub mod outbox_archive;
+pub mod outbox_parked;
 pub mod saga;
 
 /// A store under test, with whatever must outlive it (a temporary
@@ -121,12 +122,14 @@ macro_rules! store_conformance_tests {
                 prune_deletes_in_bounded_batches,
                 duplicate_event_id_is_a_conflict,
                 late_commit_of_lower_id_is_not_skipped,
+                published_rows_are_listed_in_id_order,
+            }
+            outbox_parked {
                 parked_row_holds_back_only_its_key,
                 unparked_row_is_claimed_first_in_its_key,
                 discarded_row_frees_its_key,
-                failed_release_counts_attempts,
                 parked_list_filters_by_topic_and_limit,
-                published_rows_are_listed_in_id_order,
+                failed_release_counts_attempts,
             }
             outbox_archive {
                 archive_moves_published_rows_in_bounded_batches,
