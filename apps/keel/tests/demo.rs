@@ -57,6 +57,16 @@ fn the_demo_keeps_every_invariant_and_its_numbers_add_up() {
     // The flaky payments service tripped its breaker.
     assert!(n("breaker_transitions") > 0, "{report}");
 
+    // Scatter-gather: every quote answer said it was partial (the slow
+    // carrier's breaker sparing it is judged by the demo's invariants).
+    assert_eq!(n("quotes_partial"), 16, "{report}");
+    assert!(
+        report["shipping_quotes"]
+            .as_str()
+            .is_some_and(|s| s.contains("not asked: its breaker was open")),
+        "{report}"
+    );
+
     // Money: captured − refunded is exactly what completed orders cost.
     let money = &report["money"];
     let captured = money["captured_cents"].as_i64().unwrap();

@@ -592,6 +592,7 @@ async fn openapi_describes_every_route() {
         ("/orders", "post"),
         ("/orders", "get"),
         ("/orders/{id}", "get"),
+        ("/orders/{id}/shipping-quotes", "get"),
         ("/reports", "post"),
         ("/jobs/{id}", "get"),
         ("/updates", "get"),
@@ -614,7 +615,13 @@ async fn openapi_describes_every_route() {
             "{method} {path} missing"
         );
     }
-    for schema in ["NewOrder", "Order", "Item", "CreateEndpoint"] {
+    for schema in [
+        "NewOrder",
+        "Order",
+        "Item",
+        "CreateEndpoint",
+        "ShippingQuotes",
+    ] {
         assert!(
             doc["components"]["schemas"].get(schema).is_some(),
             "schema {schema}"
@@ -784,4 +791,74 @@ async fn a_chaos_experiment_reaches_shipping_only_when_enabled_and_the_estimate_
             "{flags:?}: shipping fails only inside an enabled experiment: {marked}"
         );
     }
+}
+
+#[tokio::test]
+async fn shipping_quotes_come_from_the_carriers_that_answer_in_time_and_say_who_is_missing() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let placed: Value = place(&http, &s, "quotes-1", &order("shopper"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let url = format!(
+        "{}/orders/{}/shipping-quotes",
+        s.url,
+        placed["id"].as_str().unwrap()
+    );
+    let mut reasons = Vec::new();
+    for _ in 0..20 {
+        let started = tokio::time::Instant::now();
+        let answer: Value = http.get(&url).send().await.unwrap().json().await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "slowboat answers in 2 s; the page did not wait for it"
+        );
+        assert_eq!(answer["partial"], true, "{answer}");
+        let carriers: Vec<&str> = answer["quotes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|q| q["carrier"].as_str().unwrap())
+            .collect();
+        assert_eq!(carriers, ["fastship", "parcelco"], "{answer}");
+        assert_eq!(answer["missing"][0]["carrier"], "slowboat", "{answer}");
+        let reason = answer["missing"][0]["reason"].as_str().unwrap().to_owned();
+        let open = reason == "circuit_open";
+        reasons.push(reason);
+        if open {
+            break;
+        }
+    }
+    assert_eq!(reasons[0], "too_slow", "{reasons:?}");
+    assert_eq!(
+        reasons.last().map(String::as_str),
+        Some("circuit_open"),
+        "slowboat's breaker opened and spared it: {reasons:?}"
+    );
+    let metrics = http
+        .get(format!("{}/metrics", s.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let partial: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("keel_scatter_gather_total{") && l.contains("answer=\"partial\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(partial, reasons.len() as f64, "{metrics}");
+
+    let unknown = format!("{}/orders/{}/shipping-quotes", s.url, "0000-0000");
+    assert_problem(
+        http.get(unknown).send().await.unwrap(),
+        404,
+        "unknown order",
+    )
+    .await;
+    let bad = format!("{}/orders/not-an-id/shipping-quotes", s.url);
+    assert_problem(http.get(bad).send().await.unwrap(), 400, "malformed id").await;
 }

@@ -40,6 +40,8 @@ pub mod pipeline;
 pub mod rate_limit;
 #[cfg(feature = "retry")]
 pub mod retry;
+#[cfg(feature = "scatter-gather")]
+pub mod scatter_gather;
 #[cfg(feature = "shed")]
 pub mod shed;
 #[cfg(any(feature = "bulkhead", feature = "shed"))]

@@ -36,6 +36,8 @@ pub struct AppState<S: ShopStore> {
     pub demo_faults: bool,
     /// Shipping's delivery estimates for the order page.
     pub estimates: crate::shop::saga::DeliveryEstimates,
+    /// The carriers' shipping quotes for the order page.
+    pub quotes: crate::shop::quotes::CarrierQuotes,
     /// Whether `x-chaos-experiment` is honoured (from loopback clients).
     pub experiments: bool,
 }
@@ -49,6 +51,7 @@ impl<S: ShopStore> Clone for AppState<S> {
             pagination: self.pagination.clone(),
             demo_faults: self.demo_faults,
             estimates: self.estimates.clone(),
+            quotes: self.quotes.clone(),
             experiments: self.experiments,
         }
     }
@@ -134,6 +137,10 @@ pub fn public_router<S: ShopStore>(
     Ok(Router::new()
         .route("/orders", orders)
         .route("/orders/{id}", get(orders::get_order::<S>))
+        .route(
+            "/orders/{id}/shipping-quotes",
+            get(orders::shipping_quotes::<S>),
+        )
         .route("/updates", realtime.long_poll())
         .route("/stream", realtime.sse())
         .route("/ws", realtime.websocket())

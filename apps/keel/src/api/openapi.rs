@@ -8,7 +8,9 @@
 use utoipa::OpenApi;
 
 use super::{orders, reports, webhooks};
-use crate::shop::model::{DemoFault, Item, NewOrder, Order, OrderStatus};
+use crate::shop::model::{
+    DemoFault, Item, MissingCarrier, NewOrder, Order, OrderStatus, ShippingQuote, ShippingQuotes,
+};
 
 /// `GET /updates`: long poll of a customer's event log.
 #[utoipa::path(get, path = "/updates",
@@ -93,6 +95,7 @@ pub fn doc_openapi() {}
         orders::place_order,
         orders::list_orders,
         orders::get_order,
+        orders::shipping_quotes,
         reports::doc_create_report,
         reports::doc_job_status,
         reports::doc_cancel_job,
@@ -119,6 +122,9 @@ pub fn doc_openapi() {}
         OrderStatus,
         DemoFault,
         orders::OrderPage,
+        ShippingQuotes,
+        ShippingQuote,
+        MissingCarrier,
         reports::Report,
         webhooks::CreateEndpoint,
         webhooks::EndpointView,

@@ -30,7 +30,7 @@ use super::AppState;
 use crate::shop::ShopStore;
 use crate::shop::db::now_rfc3339;
 use crate::shop::fulfilment::TOPIC;
-use crate::shop::model::{DemoFault, NewOrder, Order, OrderPlaced, OrderStatus};
+use crate::shop::model::{DemoFault, NewOrder, Order, OrderPlaced, OrderStatus, ShippingQuotes};
 use crate::shop::projection::customer_stream;
 
 /// The CloudEvents source of the orders service.
@@ -304,7 +304,7 @@ pub async fn get_order<S: ShopStore>(
     State(state): State<AppState<S>>,
     Path(id): Path<String>,
 ) -> Response {
-    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+    if !is_order_id(&id) {
         return Problem::bad_request("an order id is a UUID").into_response();
     }
     match state.store.order(&id).await {
@@ -315,6 +315,42 @@ pub async fn get_order<S: ShopStore>(
         Ok(None) => Problem::not_found(format!("no order {id}")).into_response(),
         Err(e) => store_failed(&e),
     }
+}
+
+/// `GET /orders/{id}/shipping-quotes`.
+#[utoipa::path(
+    get,
+    path = "/orders/{id}/shipping-quotes",
+    params(
+        ("id" = String, Path, description = "The order id (a UUID)", pattern = "^[0-9a-fA-F-]{1,64}$"),
+        ("X-Request-Deadline-Unix-Ms" = Option<i64>, Header, description = "When the caller stops waiting, in Unix milliseconds: the carriers are asked within it (and within 250 ms)",
+            minimum = 0, maximum = 253_402_300_799_999_i64, nullable = false),
+    ),
+    responses(
+        (status = 200, description = "The quotes that arrived within the budget; `partial` with the `missing` carriers and why when not all did", body = ShippingQuotes),
+        (status = 400, description = "Malformed id or deadline"),
+        (status = 404, description = "No such order"),
+    ),
+    tag = "orders"
+)]
+pub async fn shipping_quotes<S: ShopStore>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+) -> Response {
+    if !is_order_id(&id) {
+        return Problem::bad_request("an order id is a UUID").into_response();
+    }
+    match state.store.order(&id).await {
+        Ok(Some(order)) => {
+            Json(state.quotes.for_customer(&order.customer_id).await).into_response()
+        }
+        Ok(None) => Problem::not_found(format!("no order {id}")).into_response(),
+        Err(e) => store_failed(&e),
+    }
+}
+
+fn is_order_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
 
 /// Filters of `GET /orders`.

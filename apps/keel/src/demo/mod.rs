@@ -9,7 +9,9 @@
 
 pub mod experiment;
 pub mod history;
+pub mod quotes;
 pub mod report;
+mod table;
 pub mod workload;
 
 use std::io::Write as _;
@@ -210,6 +212,14 @@ pub async fn run_on<S: ShopStore>(
             report.invariants.ok = false;
             report.invariants.violations.extend(outcome.violations);
         }
+    }
+    let order_ids: Vec<String> = result.accepted.iter().map(|a| a.order_id.clone()).collect();
+    let quotes = quotes::run(&handle.base_url, &order_ids).await?;
+    report.shipping_quotes = quotes.summary();
+    report.quotes_partial = quotes.partial;
+    if !quotes.violations.is_empty() {
+        report.invariants.ok = false;
+        report.invariants.violations.extend(quotes.violations);
     }
     if !quiet {
         report

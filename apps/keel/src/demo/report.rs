@@ -8,7 +8,6 @@
 //! the totals of the completed orders, and no order is captured twice.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fmt::Write as _;
 
 use keel_messaging::store::{DeadLetterFilter, SagaStatus};
 use keel_testkit::ledger::Ledger;
@@ -119,6 +118,11 @@ pub struct Report {
     pub webhooks_received: u64,
     /// What the chaos experiment (shipping down, marked requests only) showed.
     pub experiment: String,
+    /// What the shipping quotes (scatter-gather over three carriers, one
+    /// too slow) showed.
+    pub shipping_quotes: String,
+    /// Quote answers that said they were partial.
+    pub quotes_partial: u64,
     /// Request latency, median, in milliseconds.
     pub latency_p50_ms: f64,
     /// Request latency, 99th percentile, in milliseconds.
@@ -438,160 +442,5 @@ pub fn count_sagas(report: &mut Report, audit: &Audit) {
             Some(SagaStatus::Stuck) => report.sagas_stuck += 1,
             _ => report.sagas_other += 1,
         }
-    }
-}
-
-impl Report {
-    /// The summary table.
-    pub fn table(&self) -> String {
-        let rows: Vec<(&str, String)> = vec![
-            ("orders sent", self.orders_sent.to_string()),
-            ("orders accepted", self.orders_accepted.to_string()),
-            ("orders rejected (4xx)", self.orders_rejected.to_string()),
-            (
-                "duplicates sent on purpose",
-                self.duplicates_sent.to_string(),
-            ),
-            (
-                "duplicates absorbed by idempotency keys",
-                self.duplicates_absorbed.to_string(),
-            ),
-            (
-                "  of which 409 in flight, then replayed",
-                self.duplicate_in_flight_conflicts.to_string(),
-            ),
-            (
-                "events published (outbox relay)",
-                self.events_published.to_string(),
-            ),
-            ("effects applied (inbox)", self.effects_applied.to_string()),
-            (
-                "redeliveries deduped by the inbox",
-                self.duplicates_deduped_by_inbox.to_string(),
-            ),
-            (
-                "dependency effects (captures, refunds, ...)",
-                self.dependency_effects.to_string(),
-            ),
-            ("sagas completed", self.sagas_completed.to_string()),
-            ("sagas compensated", self.sagas_compensated.to_string()),
-            ("sagas stuck", self.sagas_stuck.to_string()),
-            ("sagas in another state", self.sagas_other.to_string()),
-            ("dead letters", self.dead_letters.to_string()),
-            ("breaker transitions", self.breaker_transitions.to_string()),
-            (
-                "calls refused by open breakers",
-                self.breaker_rejections.to_string(),
-            ),
-            ("retries", self.retries.to_string()),
-            (
-                "retries refused by the budget",
-                self.retry_budget_exhausted.to_string(),
-            ),
-            ("webhooks delivered", self.webhooks_received.to_string()),
-            ("chaos experiment", self.experiment.clone()),
-            (
-                "latency p50 / p99",
-                format!(
-                    "{:.1} ms / {:.1} ms",
-                    self.latency_p50_ms, self.latency_p99_ms
-                ),
-            ),
-            ("elapsed", format!("{:.1} s", self.elapsed_s)),
-            (
-                "client calls ok / failed / unknown",
-                format!(
-                    "{} / {} / {}",
-                    self.invariants.calls.ok,
-                    self.invariants.calls.failed,
-                    self.invariants.calls.unknown
-                ),
-            ),
-            (
-                "unknown outcomes recovered by a retry",
-                self.invariants.recovered.to_string(),
-            ),
-            (
-                "money captured − refunded",
-                format!(
-                    "{} − {} = {} cents",
-                    self.money.captured_cents,
-                    self.money.refunded_cents,
-                    self.money.captured_cents - self.money.refunded_cents
-                ),
-            ),
-            (
-                "completed orders total",
-                format!("{} cents", self.money.completed_orders_cents),
-            ),
-        ];
-        let verdict = |ok: bool| if ok { "ok" } else { "VIOLATED" };
-        let checks: Vec<(&str, String)> = vec![
-            (
-                "lost = 0",
-                format!(
-                    "{} ({})",
-                    verdict(self.invariants.lost == 0),
-                    self.invariants.lost
-                ),
-            ),
-            (
-                "duplicated = 0",
-                format!(
-                    "{} ({})",
-                    verdict(self.invariants.duplicated == 0),
-                    self.invariants.duplicated
-                ),
-            ),
-            (
-                "unexpected = 0",
-                format!(
-                    "{} ({})",
-                    verdict(self.invariants.unexpected == 0),
-                    self.invariants.unexpected
-                ),
-            ),
-            (
-                "money conserved",
-                verdict(self.invariants.money_conserved).to_owned(),
-            ),
-            (
-                "every accepted order settled",
-                verdict(self.quiescent).to_owned(),
-            ),
-        ];
-        let width = rows
-            .iter()
-            .chain(&checks)
-            .map(|(k, _)| k.chars().count())
-            .max()
-            .unwrap_or(0);
-        let mut out = String::new();
-        let line = "─".repeat(width + 24);
-        let _ = writeln!(out, "{line}");
-        for (k, v) in &rows {
-            let _ = writeln!(out, "{k:<width$}  {v}");
-        }
-        let _ = writeln!(out, "{line}");
-        for (k, v) in &checks {
-            let _ = writeln!(out, "{k:<width$}  {v}");
-        }
-        let _ = writeln!(out, "{line}");
-        let _ = writeln!(
-            out,
-            "verdict: {}",
-            if self.invariants.ok {
-                "every invariant holds"
-            } else {
-                "INVARIANTS VIOLATED"
-            }
-        );
-        for v in self.invariants.violations.iter().take(20) {
-            let _ = writeln!(out, "  - {v}");
-        }
-        for saga in &self.unsettled_sagas {
-            let _ = writeln!(out, "  - {saga}");
-        }
-        out
     }
 }

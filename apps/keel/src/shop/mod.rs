@@ -19,6 +19,7 @@ pub mod model;
 #[cfg(feature = "postgres")]
 pub mod pg;
 pub mod projection;
+pub mod quotes;
 pub mod saga;
 pub mod services;
 pub mod sql;
@@ -333,6 +334,7 @@ impl System {
             pagination: Pagination::new(codec),
             demo_faults: config.demo_faults,
             estimates: dependencies.estimates(),
+            quotes: dependencies.quotes(),
             experiments: config.chaos_experiments,
         };
         let components = Components {

@@ -297,6 +297,44 @@ pub struct DeliveryEstimate {
     pub stale_seconds: Option<u64>,
 }
 
+/// One carrier's quote for shipping an order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShippingQuote {
+    /// The carrier.
+    pub carrier: String,
+    /// What it charges, in cents.
+    pub price_cents: i64,
+    /// Days until delivery.
+    pub days: u32,
+}
+
+/// A carrier that did not quote in time, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MissingCarrier {
+    /// The carrier.
+    pub carrier: String,
+    /// `too_slow` (it did not answer within the budget), `circuit_open`
+    /// (it kept failing or being too slow, so it was not asked),
+    /// `failed`, or `deadline_exceeded` (too little time was left to ask).
+    pub reason: String,
+}
+
+/// `GET /orders/{id}/shipping-quotes`: the quotes that arrived in time.
+/// `partial` says the list is incomplete; `missing` says whose quote is
+/// not in it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShippingQuotes {
+    /// The quotes, in the carriers' order.
+    pub quotes: Vec<ShippingQuote>,
+    /// Whether any carrier is missing.
+    pub partial: bool,
+    /// The carriers missing, and why.
+    pub missing: Vec<MissingCarrier>,
+}
+
 /// `shop.order.placed.v1`: an order was accepted. Its subject (and so the
 /// partition key) is the order id.
 ///

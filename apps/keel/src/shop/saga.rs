@@ -28,6 +28,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::model::{DeliveryEstimate, DemoFault, Item};
+use super::quotes::CarrierQuotes;
 use super::services::DependencyUrls;
 
 /// The saga's name.
@@ -77,6 +78,7 @@ pub struct Dependencies {
     shipping: Dependency,
     notifications: Dependency,
     estimates: DeliveryEstimates,
+    quotes: CarrierQuotes,
     /// Sagas whose demo `stuck-saga` refund has failed until stuck: the
     /// next refund (after an operator's retry) succeeds.
     stuck_refunds: Arc<Mutex<HashSet<String>>>,
@@ -165,6 +167,7 @@ impl Dependencies {
                 url: format!("{}/estimates", urls.shipping),
                 last_good,
             },
+            quotes: CarrierQuotes::new(client.clone(), &urls.shipping, breakers)?,
             payments: build("payments")?,
             inventory: build("inventory")?,
             shipping: build("shipping")?,
@@ -182,6 +185,11 @@ impl Dependencies {
     /// Shipping's delivery estimates, for the order page.
     pub fn estimates(&self) -> DeliveryEstimates {
         self.estimates.clone()
+    }
+
+    /// The carriers' shipping quotes, for the order page.
+    pub fn quotes(&self) -> CarrierQuotes {
+        self.quotes.clone()
     }
 }
 
@@ -229,7 +237,7 @@ impl DeliveryEstimates {
 /// The call's error with its class. A policy's refusal keeps the
 /// [`Rejected`](keel_core::Rejected) itself as the cause, so the saga finds its `Retry-After`
 /// (and does not count it as an attempt: the call never left).
-fn classified(err: HttpCallError) -> Classified {
+pub(crate) fn classified(err: HttpCallError) -> Classified {
     match err.rejected() {
         Some(rejected) => Classified::new(err.class(), rejected.clone()),
         None => Classified::new(err.class(), err),

@@ -26,7 +26,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::db::{Capture, Reservation, ShopDb};
-use super::model::Item;
+use super::model::{Item, ShippingQuote};
+use super::quotes::{CARRIERS, SLOW_CARRIER, SLOW_CARRIER_DELAY};
 
 /// When the payments service misbehaves: from the `start_after`-th
 /// capture request on, it answers `503` for `fail_for`, then answers
@@ -80,7 +81,8 @@ pub struct DependencyUrls {
     pub payments: String,
     /// Inventory: `POST /reservations`, `POST /releases`.
     pub inventory: String,
-    /// Shipping: `POST /shipments`, `GET /estimates/{customer}`.
+    /// Shipping: `POST /shipments`, `GET /estimates/{customer}`,
+    /// `GET /carriers/{carrier}/quotes/{customer}`.
     pub shipping: String,
     /// Notifications: `POST /receipts`.
     pub notifications: String,
@@ -311,6 +313,28 @@ async fn estimate(axum::extract::Path(customer): axum::extract::Path<String>) ->
     axum::Json(serde_json::json!({ "days": days })).into_response()
 }
 
+/// `GET /carriers/{carrier}/quotes/{customer}`: a carrier's price and
+/// days; `slowboat` takes [`SLOW_CARRIER_DELAY`] to answer, an unknown
+/// carrier is a `404`.
+async fn carrier_quote(
+    axum::extract::Path((carrier, customer)): axum::extract::Path<(String, String)>,
+) -> Response {
+    let Some(rank) = CARRIERS.iter().position(|c| *c == carrier) else {
+        return Problem::not_found(format!("no carrier {carrier}")).into_response();
+    };
+    if carrier == SLOW_CARRIER {
+        tokio::time::sleep(SLOW_CARRIER_DELAY).await;
+    }
+    let rank = u32::try_from(rank).unwrap_or(0);
+    let base = 2 + customer.bytes().map(u32::from).sum::<u32>() % 4;
+    axum::Json(ShippingQuote {
+        carrier,
+        price_cents: 499 + 250 * i64::from(2 - rank.min(2)),
+        days: base + rank,
+    })
+    .into_response()
+}
+
 /// The experiment the demo runs on shipping: in [`SHIPPING_OUTAGE`],
 /// estimates fail with `503` (the shop serves its last good one).
 pub const SHIPPING_OUTAGE: &str = "shipping-outage";
@@ -376,6 +400,7 @@ pub async fn start_dependencies<S: ShopDb>(
     let shipping = Router::new()
         .route("/shipments", post(ship::<S>))
         .route("/estimates/{customer}", get(estimate))
+        .route("/carriers/{carrier}/quotes/{customer}", get(carrier_quote))
         .with_state(Arc::clone(&state))
         .layer(shipping_experiments());
     let notifications = Router::new()
