@@ -13,7 +13,7 @@
 //! `scripts/services.sh` runs, and fails loudly in CI when they are missing;
 //! [`browser`] starts chromedriver for the console's browser tests.
 //!
-//! [`bench`] (feature `bench`) is what the backends' messaging benchmarks
+//! [`bench`](mod@bench) (feature `bench`) is what the backends' messaging benchmarks
 //! share. [`eventually`] waits for what another task does; [`metrics`] (feature
 //! `metrics`) records what the code under test emits, for assertions.
 
