@@ -3,10 +3,11 @@
 //!
 //! Every event is first appended to the user's stream in the event log (a
 //! seq per stream), and the SSE route only reads the log after a cursor.
-//! The client reads two events, drops the connection (a train tunnel), two
-//! more are published while it is away, and it reconnects with the id of
-//! the last event it saw: it receives the two it missed, then a live one,
-//! with no gap and no duplicate.
+//! The client (keel-client's `SseClient`, which also reconnects by itself
+//! when a connection drops) reads two events and goes away, saving the id of
+//! the last one; two more are published while it is away, and a new client
+//! resumes from the saved id (`Last-Event-ID`): it receives the two it
+//! missed, then a live one, with no gap and no duplicate.
 //!
 //! Run: `cargo run -p keel-examples --example sse_with_resume`
 
@@ -14,38 +15,17 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::http::request::Parts;
+use keel_client::{PropagatingClient, SseClient, SseEvent};
 use keel_realtime::{EventLog, Realtime, StreamId};
 use keel_sqlite::SqliteStore;
 
-/// One SSE frame's `id` and `data`.
-#[derive(Debug)]
-struct Frame {
-    id: String,
-    data: String,
-}
-
-/// Reads frames from an SSE response until `count` events arrived.
-async fn read_frames(response: &mut reqwest::Response, count: usize) -> anyhow::Result<Vec<Frame>> {
-    let mut buffer = String::new();
-    let mut frames = Vec::new();
-    while frames.len() < count {
-        let chunk = tokio::time::timeout(Duration::from_secs(5), response.chunk())
-            .await??
-            .ok_or_else(|| anyhow::anyhow!("the stream ended"))?;
-        buffer.push_str(std::str::from_utf8(&chunk)?);
-        while let Some(end) = buffer.find("\n\n") {
-            let block: String = buffer.drain(..end + 2).collect();
-            let field = |name: &str| {
-                block
-                    .lines()
-                    .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_owned()))
-            };
-            if let (Some(id), Some(data)) = (field("id:"), field("data:")) {
-                frames.push(Frame { id, data });
-            }
-        }
+/// The next `count` events of `events`.
+async fn take(events: &mut SseClient, count: usize) -> anyhow::Result<Vec<SseEvent>> {
+    let mut taken = Vec::new();
+    while taken.len() < count {
+        taken.push(tokio::time::timeout(Duration::from_secs(5), events.next()).await??);
     }
-    Ok(frames)
+    Ok(taken)
 }
 
 #[tokio::main]
@@ -80,25 +60,30 @@ async fn run() -> anyhow::Result<()> {
     publish(1).await?;
     publish(2).await?;
 
-    let client = reqwest::Client::new();
-    let mut first = client.get(&url).header("x-user", "42").send().await?;
-    let seen = read_frames(&mut first, 2).await?;
+    // The session header on every request of this client.
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert("x-user", "42".parse()?);
+    let client = PropagatingClient::new(
+        reqwest::Client::builder()
+            .default_headers(headers)
+            .build()?,
+    );
+    let mut first = SseClient::builder(&client, url.parse()?).build();
+    let seen = take(&mut first, 2).await?;
     println!("first connection: {seen:?}");
+    // The client goes away (a train tunnel, a restart) and saves its place.
+    let last_id = first.last_event_id().unwrap_or_default().to_owned();
     drop(first);
 
     publish(3).await?;
     publish(4).await?;
-    let last_id = &seen.last().expect("two frames").id;
-    let mut resumed = client
-        .get(&url)
-        .header("x-user", "42")
-        .header("last-event-id", last_id)
-        .send()
-        .await?;
-    let missed = read_frames(&mut resumed, 2).await?;
+    let mut resumed = SseClient::builder(&client, url.parse()?)
+        .last_event_id(&last_id)
+        .build();
+    let missed = take(&mut resumed, 2).await?;
     println!("resumed after {last_id}: {missed:?}");
     publish(5).await?;
-    let live = read_frames(&mut resumed, 1).await?;
+    let live = take(&mut resumed, 1).await?;
     println!("live: {live:?}");
 
     let updates: Vec<&str> = seen

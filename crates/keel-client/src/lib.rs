@@ -28,15 +28,77 @@
 //! a total timeout, retries with a budget, **its own** circuit breaker, a
 //! bulkhead and a per-attempt timeout, so a failing payments service opens
 //! the payments breaker and nothing else.
+//!
+//! # The client loops
+//!
+//! A service that *consumes* another Keel service's push or jobs needs
+//! loops that outlive a server restart: keep a cursor, reconnect with
+//! jitter, resend what was not acknowledged, tell garbage from a hiccup.
+//! Each is a feature, written once here:
+//!
+//! | feature | type | server side |
+//! |---|---|---|
+//! | `long-poll` | [`LongPoll`]: cursor kept, `204` is success | `keel_realtime` long polling |
+//! | `sse` | [`SseClient`]: `Last-Event-ID` resume, the server's `retry` | `keel_realtime` SSE |
+//! | `websocket` | [`KeelSocket`]: `keel.v1`, resume, acked resends, heartbeats | `keel_realtime` WebSocket |
+//! | `jobs` | [`JobClient`]: `202` → poll → `303`, `DELETE` on cancel | `keel_http::jobs` |
+//!
+//! They share [`Reconnect`] (full-jitter backoff, `Retry-After`, the
+//! current deadline) and one error type, [`LoopError`].
 
 mod client;
 mod dependency;
 mod error;
 pub mod idempotency_key;
+#[cfg(feature = "jobs")]
+pub mod jobs;
+#[cfg(feature = "long-poll")]
+pub mod long_poll;
+#[cfg(any(
+    feature = "long-poll",
+    feature = "sse",
+    feature = "websocket",
+    feature = "jobs"
+))]
+mod loop_error;
+#[cfg(any(
+    feature = "long-poll",
+    feature = "sse",
+    feature = "websocket",
+    feature = "jobs"
+))]
+pub mod reconnect;
 pub mod recycle;
+#[cfg(feature = "sse")]
+pub mod sse;
+#[cfg(feature = "websocket")]
+pub mod websocket;
 
 pub use client::{DEFAULT_CLIENT_TIMEOUT, ERROR_BODY_LIMIT, PropagatingClient};
 pub use dependency::{Dependency, DependencyBuilder, DependencyConfig};
 pub use error::{HttpCallError, parse_retry_after};
 pub use idempotency_key::IdempotencyKey;
 pub use recycle::ConnectionRecycling;
+
+#[cfg(feature = "jobs")]
+pub use jobs::{Job, JobClient, JobError, JobState};
+#[cfg(feature = "long-poll")]
+pub use long_poll::{Batch, LongPoll, LongPollBuilder, PolledEvent};
+#[cfg(any(
+    feature = "long-poll",
+    feature = "sse",
+    feature = "websocket",
+    feature = "jobs"
+))]
+pub use loop_error::{LOOP_BODY_LIMIT, LoopError};
+#[cfg(any(
+    feature = "long-poll",
+    feature = "sse",
+    feature = "websocket",
+    feature = "jobs"
+))]
+pub use reconnect::Reconnect;
+#[cfg(feature = "sse")]
+pub use sse::{SseClient, SseClientBuilder, SseEvent};
+#[cfg(feature = "websocket")]
+pub use websocket::{KeelSocket, KeelSocketBuilder, SocketMessage};
