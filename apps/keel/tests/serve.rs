@@ -862,3 +862,81 @@ async fn shipping_quotes_come_from_the_carriers_that_answer_in_time_and_say_who_
     let bad = format!("{}/orders/not-an-id/shipping-quotes", s.url);
     assert_problem(http.get(bad).send().await.unwrap(), 400, "malformed id").await;
 }
+
+#[tokio::test]
+async fn graphql_pages_take_the_rest_cursors_and_bad_bodies_are_problems() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    for n in 0..3 {
+        place(&http, &s, &format!("graphql-{n}"), &order("gq")).await;
+    }
+    let rest: Value = http
+        .get(format!("{}/orders?customerId=gq&limit=1", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let cursor = rest["nextCursor"].as_str().unwrap();
+    let graphql = || http.post(format!("{}/graphql", s.url));
+    let query = format!(
+        "{{ orders(first: 5, customerId: \"gq\", after: \"{cursor}\") {{ nodes {{ id customer {{ orderCount }} }} }} }}"
+    );
+    let answer: Value = graphql()
+        .json(&json!({ "query": query }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let nodes = answer["data"]["orders"]["nodes"].as_array().unwrap();
+    assert_eq!(
+        nodes.len(),
+        2,
+        "the two orders after the REST page: {answer}"
+    );
+    assert_ne!(nodes[0]["id"], rest["items"][0]["id"]);
+    assert_eq!(nodes[0]["customer"]["orderCount"], 3);
+
+    let not_json = graphql()
+        .header("content-type", "application/json")
+        .body("{ orders")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(not_json.status(), 400);
+    assert_eq!(
+        not_json.headers()["content-type"],
+        "application/problem+json"
+    );
+    let text = graphql()
+        .header("content-type", "text/plain")
+        .body("{ orders { nodes { id } } }")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(text.status(), 415);
+    let huge = json!({ "query": format!("{{ orders {{ nodes {{ id }} }} }} # {}", "x".repeat(70 * 1024)) });
+    let too_big = graphql().json(&huge).send().await.unwrap();
+    assert_eq!(too_big.status(), 413);
+    // The deadline applies as on REST: one that passed is a 504 problem.
+    let late = graphql()
+        .header("x-request-deadline-unix-ms", "1000")
+        .json(&json!({ "query": "{ orders { nodes { id } } }" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(late.status(), 504);
+
+    let sdl = http
+        .get(format!("{}/graphql/schema.graphql", s.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(sdl, include_str!("../schema.graphql"));
+}

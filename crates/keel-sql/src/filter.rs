@@ -31,6 +31,22 @@ impl<'a> Filter<'a> {
         self
     }
 
+    /// Adds `<column> IN ($n, $n+1, ...)` with one parameter per value (a
+    /// batch lookup by keys); no values is a condition no row meets.
+    pub fn and_in<V: Into<Value<'a>>>(
+        &mut self,
+        column: &str,
+        values: impl IntoIterator<Item = V>,
+    ) -> &mut Self {
+        let placeholders: Vec<String> = values.into_iter().map(|v| self.param(v)).collect();
+        self.conditions.push(if placeholders.is_empty() {
+            "1 = 0".to_owned()
+        } else {
+            format!("{column} IN ({})", placeholders.join(", "))
+        });
+        self
+    }
+
     /// Adds a parameter that is not a condition (a limit) and returns its
     /// placeholder.
     pub fn param(&mut self, value: impl Into<Value<'a>>) -> String {
@@ -76,5 +92,15 @@ mod tests {
             ]
         );
         assert_eq!(Filter::new().where_clause(), "");
+    }
+
+    #[test]
+    fn a_key_list_is_one_placeholder_per_key_and_an_empty_one_matches_nothing() {
+        let mut filter = Filter::new();
+        filter.and("kind =", Some("order")).and_in("id", ["a", "b"]);
+        assert_eq!(filter.where_clause(), "WHERE kind = $1 AND id IN ($2, $3)");
+        let mut empty = Filter::new();
+        empty.and_in("id", Vec::<&str>::new());
+        assert_eq!(empty.where_clause(), "WHERE 1 = 0");
     }
 }

@@ -84,6 +84,22 @@ pub async fn get<B: SqlBackend>(store: &B, id: &str) -> Result<Option<SagaRecord
     row.as_ref().map(saga_from_row::<B::Dialect>).transpose()
 }
 
+/// [`SagaStore::saga_get_many`](keel_messaging::store::SagaStore::saga_get_many):
+/// one `IN` list.
+pub async fn get_many<B: SqlBackend>(
+    store: &B,
+    ids: &[String],
+) -> Result<Vec<SagaRecord>, StoreError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut filter = Filter::new();
+    filter.and_in("id", ids.iter().map(String::as_str));
+    let sql = format!("SELECT {COLUMNS} FROM keel_sagas {}", filter.where_clause());
+    let rows = store.read_all(&sql, filter.params()).await?;
+    rows.iter().map(saga_from_row::<B::Dialect>).collect()
+}
+
 /// [`SagaStore::saga_get_in`](keel_messaging::store::SagaStore::saga_get_in).
 pub async fn get_in<B: SqlBackend>(
     tx: &mut Tx<B>,
@@ -262,6 +278,16 @@ macro_rules! saga_store {
                 $crate::__private::StoreError,
             > {
                 $crate::saga::get(self, id).await
+            }
+
+            async fn saga_get_many(
+                &self,
+                ids: &[::std::string::String],
+            ) -> ::std::result::Result<
+                ::std::vec::Vec<$crate::__private::store::SagaRecord>,
+                $crate::__private::StoreError,
+            > {
+                $crate::saga::get_many(self, ids).await
             }
 
             async fn saga_get_in(

@@ -149,6 +149,7 @@ macro_rules! store_conformance_tests {
                 failure_history_is_per_group_and_message,
             }
             saga {
+                get_many_returns_the_existing_ones,
                 insert_is_idempotent,
                 rolled_back_insert_leaves_nothing,
                 save_is_optimistic_on_version,

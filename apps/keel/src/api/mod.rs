@@ -1,6 +1,7 @@
 //! The reference system's HTTP API: one router for `keel serve` and
 //! `keel demo` alike.
 
+pub mod graphql;
 pub mod orders;
 
 use std::time::Duration;
@@ -134,7 +135,12 @@ pub fn public_router<S: ShopStore>(
     let experiments = ExperimentLayer::builder()
         .enabled(state.experiments)
         .build();
+    let graphql = graphql::ShopGraphql::new(
+        std::sync::Arc::new(state.store.clone()),
+        state.pagination.clone(),
+    );
     Ok(Router::new()
+        .merge(graphql.routes())
         .route("/orders", orders)
         .route("/orders/{id}", get(orders::get_order::<S>))
         .route(

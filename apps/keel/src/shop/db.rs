@@ -26,7 +26,7 @@ use keel_sql::Dialect;
 use keel_sqlite::SqliteStore;
 use keel_sqlite::store::SqliteDialect;
 
-use super::model::{DemoFault, Item, Order, OrderStatus};
+use super::model::{Customer, DemoFault, Item, Order, OrderStatus, Product};
 use super::sql::{ShopBackend, ShopTypes, shop_schema};
 
 /// An order whose fulfilment reached a new state.
@@ -131,6 +131,12 @@ pub trait ShopDb: Store {
         customer: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Order>, StoreError>;
+    /// The customers with these ids, as their orders describe them, in one
+    /// statement (a DataLoader's batch); ids without orders are left out.
+    async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError>;
+    /// The products (stock rows) with these SKUs, in one statement; unknown
+    /// SKUs are left out.
+    async fn products(&self, skus: &[String]) -> Result<Vec<Product>, StoreError>;
     /// Orders counted by status.
     async fn order_counts(&self) -> Result<Vec<(OrderStatus, u64)>, StoreError>;
     /// Records, in the consumer's transaction, that `handler` applied

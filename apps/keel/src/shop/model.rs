@@ -261,6 +261,27 @@ impl OrderStatus {
     }
 }
 
+/// A customer, as their orders describe them (the shop keeps no customer
+/// table of its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Customer {
+    /// The customer's id.
+    pub id: String,
+    /// How many orders they placed.
+    pub order_count: i64,
+    /// The sum of their orders' totals, in cents.
+    pub total_spent_cents: i64,
+}
+
+/// A product: a stock row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Product {
+    /// Its SKU.
+    pub sku: String,
+    /// Units in stock.
+    pub available: i64,
+}
+
 /// An accepted order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]

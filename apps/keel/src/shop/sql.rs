@@ -27,7 +27,7 @@ use keel_sql::filter::Filter;
 use keel_sql::{Dialect, Exec, SqlBackend, SqlRow};
 
 use super::db::{Audit, AuditOrder, Capture, Effect, Reservation, Settled, ShopDb};
-use super::model::{DemoFault, Item, Order, OrderStatus};
+use super::model::{Customer, DemoFault, Item, Order, OrderStatus, Product};
 
 /// How many published outbox rows the audit reads at once.
 const AUDIT_PAGE: usize = 1_000;
@@ -295,6 +295,45 @@ impl<B: ShopBackend> ShopDb for B {
         );
         let rows = self.read_all(&sql, conditions.params()).await?;
         rows.iter().map(order_from_row::<B::Dialect>).collect()
+    }
+
+    async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError> {
+        let mut filter = Filter::new();
+        filter.and_in("customer_id", ids.iter().map(String::as_str));
+        // SUM of a BIGINT is NUMERIC on PostgreSQL: cast it back.
+        let sql = format!(
+            "SELECT customer_id, COUNT(*) AS orders, CAST(SUM(total_cents) AS BIGINT) AS spent
+             FROM shop_orders {} GROUP BY customer_id",
+            filter.where_clause()
+        );
+        let rows = self.read_all(&sql, filter.params()).await?;
+        rows.iter()
+            .map(|row| {
+                Ok(Customer {
+                    id: row.text("customer_id")?,
+                    order_count: row.int("orders")?,
+                    total_spent_cents: row.int("spent")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn products(&self, skus: &[String]) -> Result<Vec<Product>, StoreError> {
+        let mut filter = Filter::new();
+        filter.and_in("sku", skus.iter().map(String::as_str));
+        let sql = format!(
+            "SELECT sku, available FROM shop_stock {}",
+            filter.where_clause()
+        );
+        let rows = self.read_all(&sql, filter.params()).await?;
+        rows.iter()
+            .map(|row| {
+                Ok(Product {
+                    sku: row.text("sku")?,
+                    available: row.int("available")?,
+                })
+            })
+            .collect()
     }
 
     async fn order_counts(&self) -> Result<Vec<(OrderStatus, u64)>, StoreError> {

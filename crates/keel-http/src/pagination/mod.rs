@@ -69,7 +69,7 @@ pub use cursor::{
 };
 pub use request::{
     CURSOR_PARAM, DEFAULT_LIMIT, DEFAULT_MAX_LIMIT, InvalidLimits, LIMIT_PARAM, Page,
-    PageRejection, PageRequest, Pagination,
+    PageRejection, PageRequest, Pagination, list_scope,
 };
 pub use seek::{InvalidColumn, Order, Seek};
 

@@ -99,25 +99,45 @@ impl Pagination {
                 )));
             }
         }
+        let limit = limit
+            .map(|raw| {
+                raw.trim()
+                    .parse::<i64>()
+                    .map_err(|_| PageRejection::InvalidLimit {
+                        value: raw.chars().take(32).collect(),
+                    })
+            })
+            .transpose()?;
+        self.request(scope, limit, cursor.as_deref())
+    }
+
+    /// A page request for the list named `scope` (see [`list_scope`]) from
+    /// a limit and a cursor that came some other way than a query string
+    /// (a GraphQL connection's `first` and `after`), under the same rules:
+    /// the limit within `1..=max`, the cursor signed for this scope.
+    pub fn request<S, I>(
+        &self,
+        scope: String,
+        limit: Option<i64>,
+        cursor: Option<&str>,
+    ) -> Result<PageRequest<S, I>, PageRejection>
+    where
+        S: DeserializeOwned,
+        I: DeserializeOwned,
+    {
         let limit = match limit {
             None => self.default_limit,
-            Some(raw) => {
-                let parsed =
-                    raw.trim()
-                        .parse::<i64>()
-                        .map_err(|_| PageRejection::InvalidLimit {
-                            value: raw.chars().take(32).collect(),
-                        })?;
-                if parsed < 1 || parsed > i64::from(self.max_limit) {
+            Some(asked) => {
+                if asked < 1 || asked > i64::from(self.max_limit) {
                     return Err(PageRejection::LimitOutOfRange {
-                        limit: parsed,
+                        limit: asked,
                         max: self.max_limit,
                     });
                 }
-                u32::try_from(parsed).unwrap_or(self.max_limit)
+                u32::try_from(asked).unwrap_or(self.max_limit)
             }
         };
-        let after = match cursor.as_deref() {
+        let after = match cursor {
             None | Some("") => None,
             Some(raw) => Some(
                 self.codec
@@ -148,12 +168,24 @@ pub struct InvalidLimits {
 /// parameters (sorted), so a cursor only works on the listing it came from,
 /// with the same filters and sort.
 fn scope_of(parts: &Parts) -> String {
-    let mut pairs = Query::<Vec<(String, String)>>::try_from_uri(&parts.uri)
+    let pairs = Query::<Vec<(String, String)>>::try_from_uri(&parts.uri)
         .map(|Query(pairs)| pairs)
         .unwrap_or_default();
-    pairs.retain(|(name, _)| name != CURSOR_PARAM && name != LIMIT_PARAM);
+    list_scope(parts.uri.path(), pairs)
+}
+
+/// The scope cursors of a list are bound to: its path and its filters
+/// (the query parameters other than `cursor` and `limit`), in any order.
+/// A cursor made for one scope is refused by any other; another API over
+/// the same list (GraphQL) that names the same path and filters shares the
+/// REST cursors.
+pub fn list_scope(path: &str, filters: impl IntoIterator<Item = (String, String)>) -> String {
+    let mut pairs: Vec<(String, String)> = filters
+        .into_iter()
+        .filter(|(name, _)| name != CURSOR_PARAM && name != LIMIT_PARAM)
+        .collect();
     pairs.sort();
-    let mut scope = parts.uri.path().to_owned();
+    let mut scope = path.to_owned();
     for (name, value) in pairs {
         scope.push('\n');
         scope.push_str(&name);
@@ -316,12 +348,19 @@ impl PageRejection {
     }
 }
 
-impl IntoResponse for PageRejection {
-    fn into_response(self) -> Response {
+impl PageRejection {
+    /// The `400` problem for this refusal (counted), for any API that
+    /// reports it: the REST extractor, a GraphQL error's extensions.
+    pub fn problem(&self) -> Problem {
         metrics::counter!("keel_pagination_rejected_total", "reason" => self.kind()).increment(1);
         tracing::debug!(reason = self.kind(), error = %self, "page request refused");
         Problem::new(StatusCode::BAD_REQUEST, self.to_string())
             .typed(&format!("pagination:{}", self.kind()))
-            .into_response()
+    }
+}
+
+impl IntoResponse for PageRejection {
+    fn into_response(self) -> Response {
+        self.problem().into_response()
     }
 }

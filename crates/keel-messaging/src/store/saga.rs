@@ -126,6 +126,18 @@ pub trait SagaStore: Store {
     /// Loads a saga.
     async fn saga_get(&self, id: &str) -> Result<Option<SagaRecord>, StoreError>;
 
+    /// Loads the sagas with these ids (those that exist, in no particular
+    /// order): one read for a page of orders, not one per order (a
+    /// GraphQL DataLoader's batch). The default asks one by one; the SQL
+    /// stores answer with one statement.
+    async fn saga_get_many(&self, ids: &[String]) -> Result<Vec<SagaRecord>, StoreError> {
+        let mut found = Vec::with_capacity(ids.len());
+        for id in ids {
+            found.extend(self.saga_get(id).await?);
+        }
+        Ok(found)
+    }
+
     /// [`saga_get`](Self::saga_get) inside the caller's transaction: what
     /// the transaction itself wrote included, for a read-modify-save in one
     /// transaction (a choreographed flow's step).

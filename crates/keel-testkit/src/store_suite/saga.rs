@@ -67,6 +67,21 @@ pub async fn insert_is_idempotent<S: MessagingStore>(store: &S) {
     assert_eq!(store.saga_get("saga-404").await.expect("get"), None);
 }
 
+/// A batch read by ids returns the sagas that exist, each once, and
+/// nothing for an empty list.
+pub async fn get_many_returns_the_existing_ones<S: MessagingStore>(store: &S) {
+    let t = now_ms();
+    for id in ["saga-1", "saga-2", "saga-3"] {
+        assert!(insert_committed(store, &saga(id, SagaStatus::Running, t, t)).await);
+    }
+    let asked = ["saga-3", "saga-404", "saga-1", "saga-1"].map(String::from);
+    let mut found = store.saga_get_many(&asked).await.expect("get many");
+    found.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(ids(&found), ["saga-1", "saga-3"]);
+    assert_eq!(found[0], saga("saga-1", SagaStatus::Running, t, t));
+    assert!(store.saga_get_many(&[]).await.expect("get none").is_empty());
+}
+
 /// A saga inserted in a transaction that rolls back does not exist; the
 /// transaction itself reads what it inserted.
 pub async fn rolled_back_insert_leaves_nothing<S: MessagingStore>(store: &S) {

@@ -1,0 +1,142 @@
+//! The DataLoaders: each batches the keys one request asks for into ONE
+//! query, and they are built PER REQUEST ([`Loaders::for_request`]).
+//!
+//! Why per request (seed 000): a loader caches what it loaded, and a
+//! process-wide loader would hand one caller's cached rows to the next,
+//! whoever they are: a data leak, and stale reads besides. The only way to
+//! run a query is [`ShopGraphql::execute`](super::ShopGraphql::execute),
+//! which builds a fresh set each time, so the per-request rule is the easy
+//! path rather than a convention.
+//!
+//! A batch answers with a map from key to value; a key the store does not
+//! know is simply absent, and async-graphql hands every caller the value of
+//! its own key (or `null`), whatever order the store returned rows in.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_graphql::dataloader::{DataLoader, HashMapCache, Loader};
+use async_trait::async_trait;
+use keel_messaging::StoreError;
+use keel_messaging::store::SagaRecord;
+
+use crate::shop::ShopStore;
+use crate::shop::model::{Customer, Order, Product};
+
+/// The most keys one batch asks the store for; more are split.
+pub const MAX_BATCH: usize = 100;
+
+/// What the GraphQL API reads, type-erased so its resolvers are not
+/// generic over the store.
+#[async_trait]
+pub trait ShopReads: Send + Sync + 'static {
+    /// A page of orders (see [`ShopDb::orders_after`](crate::shop::db::ShopDb::orders_after)).
+    async fn orders_after(
+        &self,
+        after: Option<&str>,
+        customer: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Order>, StoreError>;
+    /// One order.
+    async fn order(&self, id: &str) -> Result<Option<Order>, StoreError>;
+    /// Customers by id, in one statement.
+    async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError>;
+    /// Products by SKU, in one statement.
+    async fn products(&self, skus: &[String]) -> Result<Vec<Product>, StoreError>;
+    /// Sagas by id, in one statement.
+    async fn sagas(&self, ids: &[String]) -> Result<Vec<SagaRecord>, StoreError>;
+}
+
+#[async_trait]
+impl<S: ShopStore> ShopReads for S {
+    async fn orders_after(
+        &self,
+        after: Option<&str>,
+        customer: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Order>, StoreError> {
+        crate::shop::db::ShopDb::orders_after(self, after, customer, limit).await
+    }
+
+    async fn order(&self, id: &str) -> Result<Option<Order>, StoreError> {
+        crate::shop::db::ShopDb::order(self, id).await
+    }
+
+    async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError> {
+        crate::shop::db::ShopDb::customers(self, ids).await
+    }
+
+    async fn products(&self, skus: &[String]) -> Result<Vec<Product>, StoreError> {
+        crate::shop::db::ShopDb::products(self, skus).await
+    }
+
+    async fn sagas(&self, ids: &[String]) -> Result<Vec<SagaRecord>, StoreError> {
+        keel_messaging::store::SagaStore::saga_get_many(self, ids).await
+    }
+}
+
+/// Loads customers by id.
+pub struct CustomerLoader(Arc<dyn ShopReads>);
+/// Loads products by SKU.
+pub struct ProductLoader(Arc<dyn ShopReads>);
+/// Loads an order's saga by the order id (the saga's id).
+pub struct SagaLoader(Arc<dyn ShopReads>);
+
+/// A store failure, shared by every key of the failed batch.
+pub type LoadError = Arc<StoreError>;
+
+impl Loader<String> for CustomerLoader {
+    type Value = Customer;
+    type Error = LoadError;
+
+    async fn load(&self, keys: &[String]) -> Result<HashMap<String, Customer>, LoadError> {
+        let found = self.0.customers(keys).await.map_err(Arc::new)?;
+        Ok(found.into_iter().map(|c| (c.id.clone(), c)).collect())
+    }
+}
+
+impl Loader<String> for ProductLoader {
+    type Value = Product;
+    type Error = LoadError;
+
+    async fn load(&self, keys: &[String]) -> Result<HashMap<String, Product>, LoadError> {
+        let found = self.0.products(keys).await.map_err(Arc::new)?;
+        Ok(found.into_iter().map(|p| (p.sku.clone(), p)).collect())
+    }
+}
+
+impl Loader<String> for SagaLoader {
+    type Value = SagaRecord;
+    type Error = LoadError;
+
+    async fn load(&self, keys: &[String]) -> Result<HashMap<String, SagaRecord>, LoadError> {
+        let found = self.0.sagas(keys).await.map_err(Arc::new)?;
+        Ok(found.into_iter().map(|s| (s.id.clone(), s)).collect())
+    }
+}
+
+/// One request's loaders. Not `Clone`, and built only by
+/// [`for_request`](Self::for_request): a set never outlives its request.
+pub struct Loaders {
+    /// Customers by id.
+    pub customers: DataLoader<CustomerLoader, HashMapCache>,
+    /// Products by SKU.
+    pub products: DataLoader<ProductLoader, HashMapCache>,
+    /// Sagas by order id.
+    pub sagas: DataLoader<SagaLoader, HashMapCache>,
+}
+
+impl Loaders {
+    /// A fresh set, with empty caches, for one request.
+    pub fn for_request(reads: &Arc<dyn ShopReads>) -> Self {
+        fn loader<L: Loader<String>>(loader: L) -> DataLoader<L, HashMapCache> {
+            DataLoader::with_cache(loader, tokio::spawn, HashMapCache::default())
+                .max_batch_size(MAX_BATCH)
+        }
+        Self {
+            customers: loader(CustomerLoader(Arc::clone(reads))),
+            products: loader(ProductLoader(Arc::clone(reads))),
+            sagas: loader(SagaLoader(Arc::clone(reads))),
+        }
+    }
+}
