@@ -929,6 +929,15 @@ async fn graphql_pages_take_the_rest_cursors_and_bad_bodies_are_problems() {
         .await
         .unwrap();
     assert_eq!(late.status(), 504);
+    // A method the route does not serve is a 405 first, whatever the deadline.
+    let trace = http
+        .request(reqwest::Method::TRACE, format!("{}/graphql", s.url))
+        .header("x-request-deadline-unix-ms", "1000")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(trace.status(), 405);
+    assert_eq!(trace.headers()["allow"], "POST");
 
     let sdl = http
         .get(format!("{}/graphql/schema.graphql", s.url))

@@ -4,12 +4,13 @@
 pub mod graphql;
 pub mod orders;
 
+use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, FromRef};
 use axum::http::request::Parts;
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use keel_http::experiment::ExperimentLayer;
 use keel_http::idempotency::{IdempotencyLayer, IdempotencyOptions};
 use keel_http::pagination::Pagination;
@@ -139,23 +140,41 @@ pub fn public_router<S: ShopStore>(
         std::sync::Arc::new(state.store.clone()),
         state.pagination.clone(),
     );
+    // Per route, not router-wide: a method the route does not serve is a
+    // 405 with `Allow` before anything else, even with a deadline that has
+    // passed (router-wide, the deadline's 504 came first). The experiment
+    // runs inside the deadline: an injected delay counts against it, as a
+    // slow dependency's would.
+    let guarded = |route: MethodRouter<AppState<S>>| {
+        route
+            .route_layer(experiments.clone())
+            .route_layer(deadline.clone())
+    };
     Ok(Router::new()
-        .merge(graphql.routes())
-        .route("/orders", orders)
-        .route("/orders/{id}", get(orders::get_order::<S>))
+        .route("/graphql", guarded(graphql.query_route()))
+        .route(
+            "/graphql/schema.graphql",
+            guarded(graphql::ShopGraphql::sdl_route()),
+        )
+        .route("/orders", guarded(orders))
+        .route("/orders/{id}", guarded(get(orders::get_order::<S>)))
         .route(
             "/orders/{id}/shipping-quotes",
-            get(orders::shipping_quotes::<S>),
+            guarded(get(orders::shipping_quotes::<S>)),
         )
-        .route("/updates", realtime.long_poll())
-        .route("/stream", realtime.sse())
-        .route("/ws", realtime.websocket())
+        .route("/updates", guarded(realtime.long_poll()))
+        .route("/stream", guarded(realtime.sse()))
+        // Any method upgrades (HTTP/2 extended CONNECT as well as GET): no
+        // 405 to keep first.
+        .route(
+            "/ws",
+            realtime
+                .websocket()
+                .layer::<_, Infallible>(experiments.clone())
+                .layer::<_, Infallible>(deadline.clone()),
+        )
         .with_state(state)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        // Inside the deadline and trace: an injected delay counts against
-        // the request's deadline, as a slow dependency's would.
-        .layer(experiments)
-        .layer(deadline)
         // A malformed traceparent starts a new trace, as W3C Trace Context
         // says: a client's broken tracer never fails its orders.
         .layer(TraceContextLayer::new().lenient()))

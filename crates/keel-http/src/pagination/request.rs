@@ -338,17 +338,6 @@ pub enum PageRejection {
 }
 
 impl PageRejection {
-    /// A short name for metrics and the problem type.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::InvalidQuery(_) => "invalid-query",
-            Self::InvalidLimit { .. } | Self::LimitOutOfRange { .. } => "invalid-limit",
-            Self::InvalidCursor(_) => "invalid-cursor",
-        }
-    }
-}
-
-impl PageRejection {
     /// The `400` problem for this refusal (counted), for any API that
     /// reports it: the REST extractor, a GraphQL error's extensions.
     pub fn problem(&self) -> Problem {
@@ -356,6 +345,15 @@ impl PageRejection {
         tracing::debug!(reason = self.kind(), error = %self, "page request refused");
         Problem::new(StatusCode::BAD_REQUEST, self.to_string())
             .typed(&format!("pagination:{}", self.kind()))
+    }
+
+    /// A short name for metrics and the problem type.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidQuery(_) => "invalid-query",
+            Self::InvalidLimit { .. } | Self::LimitOutOfRange { .. } => "invalid-limit",
+            Self::InvalidCursor(_) => "invalid-cursor",
+        }
     }
 }
 

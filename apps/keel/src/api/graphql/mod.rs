@@ -33,12 +33,12 @@ mod schema;
 use std::sync::Arc;
 
 use async_graphql::{EmptyMutation, EmptySubscription, Schema, SchemaBuilder};
+use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::routing::{MethodRouter, get, post};
 use keel_http::pagination::Pagination;
 
 pub use errors::INVALID_QUERY;
@@ -103,13 +103,14 @@ impl ShopGraphql {
         response
     }
 
-    /// `POST /graphql` and `GET /graphql/schema.graphql`, for any router
-    /// state.
-    pub fn routes<St: Clone + Send + Sync + 'static>(self) -> Router<St> {
-        Router::new()
-            .route("/graphql", post(graphql))
-            .route("/graphql/schema.graphql", get(sdl))
-            .with_state(self)
+    /// `POST /graphql`, for any router state.
+    pub fn query_route<St: Clone + Send + Sync + 'static>(&self) -> MethodRouter<St> {
+        post(graphql).with_state(self.clone())
+    }
+
+    /// `GET /graphql/schema.graphql`: the SDL.
+    pub fn sdl_route<St: Clone + Send + Sync + 'static>() -> MethodRouter<St> {
+        get(sdl)
     }
 }
 

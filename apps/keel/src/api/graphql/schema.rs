@@ -6,10 +6,10 @@ use std::sync::Arc;
 use async_graphql::connection::{Connection, Edge};
 use async_graphql::{ComplexObject, Context, Enum, ID, Object, Result, SimpleObject};
 use keel_http::pagination::{Cursor, Pagination, list_scope};
-use keel_messaging::store::{SagaRecord, SagaStatus};
+use keel_messaging::store::SagaRecord;
 
 use super::errors::{page_error, store_error};
-use super::loaders::{Loaders, ShopReads};
+use super::loaders::{Loaders, PageWants, ShopReads};
 use crate::shop::model::{self, Order};
 
 /// The path whose cursors the `orders` connection shares with REST.
@@ -48,8 +48,13 @@ impl Query {
             .await
             .map_err(|e| store_error(&e))?;
         let more = rows.len() > page.limit() as usize;
+        let rows: Vec<Order> = rows.into_iter().take(page.limit() as usize).collect();
+        ctx.data::<Loaders>()?
+            .prime_page(&rows, page_wants(ctx))
+            .await
+            .map_err(|e| store_error(&e))?;
         let mut connection = Connection::new(page.after().is_some(), more);
-        for order in rows.into_iter().take(page.limit() as usize) {
+        for order in rows {
             let position = Cursor::new(order.id.clone(), order.id.clone());
             let cursor = pagination
                 .codec()
@@ -67,6 +72,25 @@ impl Query {
         let reads = ctx.data::<Arc<dyn ShopReads>>()?;
         let order = reads.order(&id).await.map_err(|e| store_error(&e))?;
         Ok(order.map(OrderNode::from))
+    }
+}
+
+/// What the query asks of each order of the page, whether through `edges
+/// { node }` or `nodes`.
+fn page_wants(ctx: &Context<'_>) -> PageWants {
+    let look = ctx.look_ahead();
+    let asks = |field: &str, then: Option<&str>| {
+        [look.field("edges").field("node"), look.field("nodes")]
+            .iter()
+            .any(|order| match then {
+                Some(inner) => order.field(field).field(inner).exists(),
+                None => order.field(field).exists(),
+            })
+    };
+    PageWants {
+        customers: asks("customer", None),
+        products: asks("items", Some("product")),
+        sagas: asks("saga", None),
     }
 }
 
@@ -130,7 +154,7 @@ impl OrderNode {
             .load_one(self.customer_id.clone())
             .await
             .map_err(|e| store_error(&e))?;
-        Ok(customer.map(CustomerNode::from))
+        Ok(customer.flatten().map(CustomerNode::from))
     }
 
     /// The lines of the order.
@@ -146,7 +170,7 @@ impl OrderNode {
             .load_one(self.id.to_string())
             .await
             .map_err(|e| store_error(&e))?;
-        Ok(saga.as_ref().map(SagaNode::from))
+        Ok(saga.flatten().as_ref().map(SagaNode::from))
     }
 }
 
@@ -182,7 +206,7 @@ impl ItemNode {
             .load_one(self.sku.clone())
             .await
             .map_err(|e| store_error(&e))?;
-        Ok(product.map(|p| ProductNode {
+        Ok(product.flatten().map(|p| ProductNode {
             sku: p.sku,
             available: p.available,
         }))
@@ -246,7 +270,7 @@ impl From<&SagaRecord> for SagaNode {
     fn from(saga: &SagaRecord) -> Self {
         Self {
             id: ID(saga.id.clone()),
-            status: status_name(saga.status).to_owned(),
+            status: saga.status.as_str().to_owned(),
             step: saga.step,
             attempts: saga.attempts,
             outcome_unknown: saga.outcome_unknown,
@@ -254,8 +278,4 @@ impl From<&SagaRecord> for SagaNode {
             updated_at: saga.updated_at.to_rfc3339(),
         }
     }
-}
-
-fn status_name(status: SagaStatus) -> &'static str {
-    status.as_str()
 }
