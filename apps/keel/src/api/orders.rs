@@ -330,6 +330,8 @@ pub async fn get_order<S: ShopStore>(
         (status = 200, description = "The quotes that arrived within the budget; `partial` with the `missing` carriers and why when not all did", body = ShippingQuotes),
         (status = 400, description = "Malformed id or deadline"),
         (status = 404, description = "No such order"),
+        (status = 503, description = "Store unavailable; retry after Retry-After"),
+        (status = 504, description = "The X-Request-Deadline-Unix-Ms had passed on arrival"),
     ),
     tag = "orders"
 )]
