@@ -30,7 +30,9 @@ use keel_messaging::store::SagaRecord;
 use crate::shop::ShopStore;
 use crate::shop::model::{Customer, Order, Product};
 
-/// The most keys one batch asks the store for; more are split.
+/// When this many keys wait, the loader runs their batch at once instead
+/// of waiting out its collection window (a primed page's keys go in one
+/// batch however many there are).
 pub const MAX_BATCH: usize = 100;
 
 /// What the GraphQL API reads, type-erased so its resolvers are not
