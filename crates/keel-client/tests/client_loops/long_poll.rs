@@ -2,7 +2,7 @@ use keel_client::{LongPoll, PropagatingClient};
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use super::server::{Server, USER, stream};
+use super::server::{Server, USER};
 use super::{STEP, quick_reconnect};
 
 pub(crate) fn client() -> PropagatingClient {
@@ -54,17 +54,7 @@ async fn long_poll_resumes_across_a_killed_server_missing_and_repeating_nothing(
     }
     assert_eq!(take(&mut events, 3).await, [1, 2, 3]);
     // Killed while the consumer waits in a poll; events land while it is down.
-    server.kill();
-    let log = server.log().await;
-    for n in 4..=6 {
-        log.publish(&stream(), "tick", &json!({ "n": n }))
-            .await
-            .expect("publish");
-    }
-    server.restart().await;
-    for n in 7..=9 {
-        server.publish(n).await;
-    }
+    server.publish_while_down_then_restart().await;
     assert_eq!(take(&mut events, 6).await, [4, 5, 6, 7, 8, 9]);
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert!(events.try_recv().is_err(), "an event came twice");

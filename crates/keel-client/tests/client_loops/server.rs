@@ -121,6 +121,24 @@ impl Server {
         SqliteStore::open(&self.path).await.expect("open store")
     }
 
+    /// The scenario every client loop must survive, after events 1 to 3:
+    /// the server killed, events 4 to 6 published straight into its file
+    /// while it is down, the server restarted, events 7 to 9 published
+    /// through it.
+    pub(crate) async fn publish_while_down_then_restart(&mut self) {
+        self.kill();
+        let log = self.log().await;
+        for n in 4..=6 {
+            log.publish(&stream(), "tick", &json!({ "n": n }))
+                .await
+                .expect("publish");
+        }
+        self.restart().await;
+        for n in 7..=9 {
+            self.publish(n).await;
+        }
+    }
+
     /// Publishes through the server, which wakes its waiting clients.
     pub(crate) async fn publish(&self, n: i64) -> i64 {
         let response = reqwest::Client::new()

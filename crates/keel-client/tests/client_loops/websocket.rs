@@ -3,7 +3,7 @@ use std::sync::atomic::Ordering;
 use keel_client::{KeelSocket, LoopError, SocketMessage};
 use serde_json::{Map, Value, json};
 
-use super::server::{ORIGIN, Server, USER, stream};
+use super::server::{ORIGIN, Server, USER};
 use super::{STEP, quick_reconnect};
 
 fn body(value: Value) -> Map<String, Value> {
@@ -78,16 +78,7 @@ async fn the_socket_resumes_and_resends_across_a_killed_server_missing_and_repea
         .send(body(json!({ "text": "three" })))
         .await
         .expect("queued");
-    let log = server.log().await;
-    for n in 4..=6 {
-        log.publish(&stream(), "tick", &json!({ "n": n }))
-            .await
-            .expect("publish");
-    }
-    server.restart().await;
-    for n in 7..=9 {
-        server.publish(n).await;
-    }
+    server.publish_while_down_then_restart().await;
     drive(&mut socket, &mut seen, |seen| {
         seen.events.len() == 9 && seen.acks.len() == 3
     })
