@@ -96,7 +96,7 @@ impl Classify for BoxError {
     }
 
     fn retry_after(&self) -> Option<Duration> {
-        find_cause::<Rejected>(self.as_ref()).and_then(Rejected::retry_after)
+        retry_after(self.as_ref())
     }
 }
 
@@ -168,6 +168,18 @@ pub fn classify(err: &(dyn StdError + 'static)) -> ErrorClass {
     ErrorClass::Unclassified
 }
 
+/// When the failing side asked to be tried again, found by walking the
+/// error's causes: the first [`Rejected`] or [`Classified`] that carries a
+/// `Retry-After`.
+pub fn retry_after(err: &(dyn StdError + 'static)) -> Option<Duration> {
+    causes(err).find_map(|cause| {
+        if let Some(r) = cause.downcast_ref::<Rejected>() {
+            return r.retry_after();
+        }
+        cause.downcast_ref::<Classified>()?.retry_after
+    })
+}
+
 /// Iterates over an error and its chain of [`source`](StdError::source)s,
 /// outermost first.
 pub fn causes<'a>(err: &'a (dyn StdError + 'static)) -> Causes<'a> {
@@ -223,6 +235,7 @@ pub fn report(err: &(dyn StdError + 'static)) -> String {
 #[derive(Debug)]
 pub struct Classified {
     class: ErrorClass,
+    retry_after: Option<Duration>,
     source: BoxError,
 }
 
@@ -231,8 +244,18 @@ impl Classified {
     pub fn new(class: ErrorClass, source: impl Into<BoxError>) -> Self {
         Self {
             class,
+            retry_after: None,
             source: source.into(),
         }
+    }
+
+    /// Says when the failing side asked to be tried again (an HTTP
+    /// `Retry-After`, gRPC's `grpc-retry-pushback-ms`); retries wait at
+    /// least this long.
+    #[must_use]
+    pub fn with_retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
     }
 
     /// A transient failure that is safe to retry.
@@ -259,6 +282,10 @@ impl Classified {
 impl Classify for Classified {
     fn class(&self) -> ErrorClass {
         self.class
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
     }
 }
 

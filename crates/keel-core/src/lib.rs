@@ -11,6 +11,8 @@
 //! - [`deadline`]: the current request's [`Deadline`], carried in a task-local
 //!   and across the wire as `X-Request-Deadline-Unix-Ms` or gRPC's `grpc-timeout`.
 //! - [`trace`]: W3C `traceparent` parsing and formatting.
+//! - [`status`]: the one mapping from Keel's errors to HTTP statuses and
+//!   gRPC codes, and what a gRPC code received says about a call.
 //! - [`id`]: time-ordered UUIDv7 identifiers.
 //! - [`clock`]: the one place that reads time, so tests can pause it.
 
@@ -18,6 +20,7 @@ pub mod clock;
 pub mod deadline;
 pub mod error;
 pub mod id;
+pub mod status;
 pub mod trace;
 
 pub use deadline::Deadline;

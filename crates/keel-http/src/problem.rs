@@ -107,13 +107,11 @@ impl Problem {
         self
     }
 
-    /// The problem for a policy's refusal.
+    /// The problem for a policy's refusal, its status from
+    /// [`keel_core::status`], the table the gRPC edge answers from too.
     pub fn from_rejected(rejected: &Rejected) -> Self {
-        let status = match rejected {
-            Rejected::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Rejected::DeadlineExceeded | Rejected::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            _ => StatusCode::SERVICE_UNAVAILABLE,
-        };
+        let status = StatusCode::from_u16(keel_core::status::http_status(rejected))
+            .unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let mut problem = Self::new(status, rejected.to_string()).typed(rejected.kind());
         problem.retry_after = rejected.retry_after();
         problem

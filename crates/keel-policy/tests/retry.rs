@@ -210,6 +210,48 @@ async fn http_responses_are_retried_by_status_with_http_verdict() {
     assert_eq!(retried(200, true).await.0, 1);
 }
 
+#[cfg(feature = "http")]
+#[tokio::test(start_paused = true)]
+async fn grpc_statuses_are_retried_by_class_after_the_servers_pushback() {
+    use keel_policy::retry::grpc_verdict;
+
+    let retried = |code: &'static str, pushback: Option<&'static str>, idempotent: bool| async move {
+        let retry = Retry::builder("dep")
+            .max_attempts(3)
+            .backoff(exact(MS * 10, 1.0))
+            .retry_outcome_unknown(idempotent)
+            .retry_on_result(grpc_verdict::<()>)
+            .build()
+            .unwrap();
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = Arc::clone(&calls);
+        let started = clock::now();
+        let inner = tower::service_fn(move |_: ()| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut response = http::Response::builder().header("grpc-status", code);
+            if let Some(ms) = pushback {
+                response = response.header("grpc-retry-pushback-ms", ms);
+            }
+            let response = response.body(()).unwrap();
+            async move { Ok::<_, BoxError>(response) }
+        });
+        retry.layer().layer(inner).oneshot(()).await.unwrap();
+        (calls.load(Ordering::SeqCst), clock::now() - started)
+    };
+    // UNAVAILABLE: retried, no sooner than the pushback.
+    assert_eq!(retried("14", Some("500"), false).await, (3, MS * 1000));
+    assert_eq!(retried("8", None, false).await, (3, MS * 20));
+    // A pushback that is not a number: the server said not to retry.
+    assert_eq!(retried("14", Some("never"), false).await.0, 1);
+    // DEADLINE_EXCEEDED may have taken effect: only idempotent calls.
+    assert_eq!(retried("4", None, false).await.0, 1);
+    assert_eq!(retried("4", None, true).await.0, 3);
+    // The caller's own fault, and OK: never repeated.
+    assert_eq!(retried("5", None, true).await.0, 1);
+    assert_eq!(retried("3", None, true).await.0, 1);
+    assert_eq!(retried("0", None, true).await.0, 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn refusals_of_other_policies_are_not_retried() {
     let retry = Retry::builder("dep").max_attempts(10).build().unwrap();

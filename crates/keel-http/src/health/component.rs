@@ -401,6 +401,11 @@ impl Health {
         get(deep).with_state(self.clone())
     }
 
+    /// The drain this component's readiness follows, if one was given.
+    pub fn drain(&self) -> Option<&Drain> {
+        self.inner.drain.as_ref()
+    }
+
     /// Whether the instance should get traffic: not draining, and every
     /// readiness check passing within its time limit (checks run
     /// concurrently; none runs while draining).

@@ -184,4 +184,12 @@ impl CircuitBreaker {
     pub fn http_layer(&self) -> CircuitBreakerLayer<super::HttpStatus> {
         self.layer().classify_response(super::HttpStatus)
     }
+
+    /// A tower layer for a gRPC client service (a tonic `Channel`):
+    /// errors count by their class, and calls the server ended with a
+    /// failing status count as failures ([`GrpcStatus`](super::GrpcStatus)).
+    #[cfg(feature = "http")]
+    pub fn grpc_layer(&self) -> CircuitBreakerLayer<super::GrpcStatus> {
+        self.layer().classify_response(super::GrpcStatus)
+    }
 }

@@ -45,7 +45,8 @@
 //! no error class sees: give the layer a [`ClassifyResponse`] with
 //! [`CircuitBreakerLayer::classify_response`]. `HttpStatus` (feature `http`,
 //! or `CircuitBreaker::http_layer`) counts `5xx` and `429` as failures and
-//! every other status, `404` and `422` included, as a success; a closure
+//! every other status, `404` and `422` included, as a success; `GrpcStatus`
+//! judges a gRPC call's status by its code; a closure
 //! `Fn(&Response) -> Outcome` decides anything else. [`CircuitBreaker::call_with`]
 //! decides per result in the plain async API.
 //!
@@ -130,9 +131,9 @@ mod window;
 #[cfg(test)]
 mod tests;
 
-#[cfg(feature = "http")]
-pub use classify::HttpStatus;
 pub use classify::{Answered, ClassifyResponse};
+#[cfg(feature = "http")]
+pub use classify::{GrpcStatus, HttpStatus};
 pub use config::{
     CircuitBreakerBuilder, CircuitBreakerConfig, MAX_WINDOW_CALLS, MAX_WINDOW_SECONDS,
     SlidingWindow,

@@ -15,7 +15,7 @@
 //!   not repeated: it is not known to be safe. Predicates on the error and on
 //!   successful results ([`retry_if`](RetryBuilder::retry_if),
 //!   [`retry_on_result`](RetryBuilder::retry_on_result); `http_verdict`
-//!   for HTTP responses, feature `http`) override this;
+//!   for HTTP responses and `grpc_verdict` for gRPC statuses, feature `http`) override this;
 //! - attempts are left ([`max_attempts`](RetryBuilder::max_attempts) counts
 //!   the first one; default 3);
 //! - a `Retry-After` the dependency sent ([`Classify::retry_after`](keel_core::Classify::retry_after))
@@ -87,9 +87,9 @@ pub use budget::{RetryBudget, RetryBudgetBuilder, RetryBudgetConfig};
 pub use config::{OnRetry, RetryBuilder, RetryConfig, RetryEvent};
 pub use jitter::Jitter;
 pub use layer::{ResponseFuture, RetryLayer, RetryService};
-#[cfg(feature = "http")]
-pub use policy::http_verdict;
 pub use policy::{ByClass, RetryIf, RetryOnResult, RetryPolicy, Verdict};
+#[cfg(feature = "http")]
+pub use policy::{grpc_verdict, http_verdict};
 
 use std::fmt;
 use std::future::Future;

@@ -10,7 +10,8 @@
 //!
 //! A tower service answering HTTP returns a `503` as `Ok(response)`, which
 //! no error class sees: add `http_verdict` (feature `http`) with
-//! [`retry_on_result`](super::RetryBuilder::retry_on_result) to retry those.
+//! [`retry_on_result`](super::RetryBuilder::retry_on_result) to retry those,
+//! or `grpc_verdict` for gRPC statuses over a tonic `Channel`.
 
 use std::fmt;
 use std::time::Duration;
@@ -107,6 +108,58 @@ pub fn http_verdict<B>(response: &http::Response<B>) -> Verdict {
             Verdict::Retry { after: after() }
         }
         status if status.is_server_error() => Verdict::RetryIfIdempotent { after: after() },
+        _ => Verdict::Accept,
+    }
+}
+
+/// The verdict on a gRPC call's response head, for
+/// [`retry_on_result`](super::RetryBuilder::retry_on_result) over a tonic
+/// `Channel`: a trailers-only answer's `grpc-status` is judged by
+/// [`GrpcCode::class`](keel_core::status::GrpcCode::class) (`UNAVAILABLE`
+/// and `RESOURCE_EXHAUSTED` retry; `DEADLINE_EXCEEDED`, `CANCELLED` and
+/// `INTERNAL` retry only an idempotent call; the rest are accepted), waiting
+/// at least the server's `grpc-retry-pushback-ms`. A pushback that is not a
+/// number, or negative, means "do not retry", as gRFC A6 says. A head
+/// without `grpc-status` is a call under way: accepted. A head that is not
+/// HTTP `200` came from a proxy and is judged by [`http_verdict`].
+///
+/// ```
+/// use keel_policy::retry::{Verdict, grpc_verdict};
+///
+/// let busy = http::Response::builder()
+///     .header("grpc-status", "14")
+///     .header("grpc-retry-pushback-ms", "250")
+///     .body(())
+///     .unwrap();
+/// assert_eq!(grpc_verdict(&busy), Verdict::retry_after(std::time::Duration::from_millis(250)));
+/// ```
+#[cfg(feature = "http")]
+pub fn grpc_verdict<B>(response: &http::Response<B>) -> Verdict {
+    use keel_core::status::GrpcCode;
+    if response.status() != http::StatusCode::OK {
+        return http_verdict(response);
+    }
+    let Some(status) = response.headers().get("grpc-status") else {
+        return Verdict::Accept;
+    };
+    let code = GrpcCode::from_header(status.as_bytes());
+    if code == GrpcCode::Ok {
+        return Verdict::Accept;
+    }
+    let after = match response.headers().get("grpc-retry-pushback-ms") {
+        None => None,
+        Some(value) => match value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        {
+            Some(ms) => Some(Duration::from_millis(ms)),
+            None => return Verdict::Accept,
+        },
+    };
+    match code.class() {
+        ErrorClass::Retryable => Verdict::Retry { after },
+        ErrorClass::OutcomeUnknown => Verdict::RetryIfIdempotent { after },
         _ => Verdict::Accept,
     }
 }

@@ -1,0 +1,248 @@
+//! The client half: the current deadline as `grpc-timeout`, the current
+//! trace as `traceparent`, and Keel's refusals as the statuses they mean.
+//!
+//! [`PropagationLayer`] goes outermost on a tonic `Channel`, above Keel's
+//! policies, so that everything below it (retries, breaker, timeout) runs
+//! within the call's deadline and every refusal reaches the caller as its
+//! gRPC code:
+//!
+//! ```
+//! use std::time::Duration;
+//! use keel_grpc::client::PropagationLayer;
+//! use keel_grpc::replay::{ChannelBodyLayer, ReplayBodyLayer};
+//! use keel_policy::breaker::CircuitBreaker;
+//! use keel_policy::bulkhead::{Bulkhead, BulkheadLayer};
+//! use keel_policy::retry::{grpc_verdict, Retry};
+//! use keel_policy::timeout::Timeout;
+//! use tonic_health::pb::health_client::HealthClient;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:50051").connect_lazy();
+//! let retry = Retry::builder("shipping")
+//!     .max_attempts(3)
+//!     .retry_on_result(grpc_verdict::<tonic::body::Body>)
+//!     .build()?;
+//! let breaker = CircuitBreaker::builder("shipping").build()?;
+//! let per_attempt = Timeout::builder("shipping").timeout(Duration::from_millis(300)).build()?;
+//! let bulkhead = Bulkhead::builder("shipping").max_concurrent(32).build()?;
+//! let stack = tower::ServiceBuilder::new()
+//!     .layer(PropagationLayer::new())
+//!     // Retries (and hedges) resend the request: its body is kept.
+//!     .layer(ReplayBodyLayer::new())
+//!     .layer(retry.layer())
+//!     .layer(breaker.grpc_layer())
+//!     .layer(per_attempt.layer())
+//!     .layer(BulkheadLayer::new(bulkhead))
+//!     .layer(ChannelBodyLayer)
+//!     .service(channel);
+//! let mut client = HealthClient::new(stack);
+//! # let _ = &mut client;
+//! # Ok(()) }
+//! ```
+//!
+//! A hedge (`keel_policy::hedge`) goes where the retry is, on idempotent
+//! calls only. The breaker judges statuses with `GrpcStatus` and the retry
+//! with `grpc_verdict`, which honours the server's
+//! `grpc-retry-pushback-ms`; refusals below (a breaker open, a bulkhead
+//! full, a timeout) come out of [`PropagationLayer`] as `UNAVAILABLE` or
+//! `DEADLINE_EXCEEDED`, never tonic's `UNKNOWN`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use keel_core::deadline::{GRPC_TIMEOUT_HEADER, MIN_TIME_TO_START, grpc_timeout};
+use keel_core::trace::TRACEPARENT_HEADER;
+use keel_core::{BoxError, Deadline, TraceParent};
+use tonic::Status;
+use tonic::body::Body;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::body::Ending;
+
+/// Sends the current deadline and trace with every call, refuses to send
+/// what cannot finish in time, and turns every error from below into the
+/// [`Status`] it means ([`crate::status::from_error`]).
+///
+/// | current context | the call |
+/// |---|---|
+/// | a deadline with more than `min_time_to_start` left | sent with `grpc-timeout` (the earlier of the deadline and a timeout tonic already set); cut off with `DEADLINE_EXCEEDED` when it passes, stream included |
+/// | a deadline with no more than that left | not sent: `DEADLINE_EXCEEDED` |
+/// | no deadline | sent as it is |
+/// | a trace context | `traceparent` of a child span; a new trace without one |
+#[derive(Debug, Clone, Copy)]
+pub struct PropagationLayer {
+    min_time_to_start: Duration,
+}
+
+impl Default for PropagationLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PropagationLayer {
+    /// A layer that refuses to send with [`MIN_TIME_TO_START`] (50 ms) or
+    /// less left.
+    pub fn new() -> Self {
+        Self {
+            min_time_to_start: MIN_TIME_TO_START,
+        }
+    }
+
+    /// Refuses to send with `min` or less left before the deadline.
+    #[must_use]
+    pub fn min_time_to_start(mut self, min: Duration) -> Self {
+        self.min_time_to_start = min;
+        self
+    }
+}
+
+impl<S> Layer<S> for PropagationLayer {
+    type Service = Propagation<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Propagation {
+            inner,
+            min_time_to_start: self.min_time_to_start,
+        }
+    }
+}
+
+/// The service made by [`PropagationLayer`].
+#[derive(Debug, Clone)]
+pub struct Propagation<S> {
+    inner: S,
+    min_time_to_start: Duration,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Propagation<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = BoxFuture<Result<Response<Body>, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner
+            .poll_ready(cx)
+            .map_err(|err| as_status(err.into()))
+    }
+
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        let deadline = Deadline::current();
+        if let Some(Err(status)) =
+            deadline.map(|d| send_timeout(&mut request, d, self.min_time_to_start))
+        {
+            count("too_late_to_send");
+            return Box::pin(std::future::ready(Err(Box::new(status) as BoxError)));
+        }
+        let span = TraceParent::current().map_or_else(TraceParent::new_root, |t| t.child());
+        if let Ok(value) = HeaderValue::try_from(span.to_string()) {
+            request.headers_mut().insert(TRACEPARENT_HEADER, value);
+        }
+        let call = self.inner.call(request);
+        Box::pin(async move {
+            let answered = match deadline {
+                None => call.await,
+                Some(deadline) => match tokio::time::timeout_at(deadline.instant(), call).await {
+                    Ok(answered) => answered,
+                    Err(_elapsed) => {
+                        count("deadline_passed");
+                        return Err(Box::new(Status::deadline_exceeded(
+                            "the call's deadline passed before the server answered",
+                        )) as BoxError);
+                    }
+                },
+            };
+            match answered {
+                Ok(response) => {
+                    Ok(response.map(|body| Body::new(Ending::new(body, deadline, None))))
+                }
+                Err(err) => Err(as_status(err.into())),
+            }
+        })
+    }
+}
+
+/// Writes `grpc-timeout` for the time left (or keeps a shorter one tonic
+/// wrote), or refuses if no more than `min` is left.
+fn send_timeout<B>(
+    request: &mut Request<B>,
+    deadline: Deadline,
+    min: Duration,
+) -> Result<(), Status> {
+    let left = deadline.check_start(min).map_err(|_| {
+        Status::deadline_exceeded(format!(
+            "{:?} left before the deadline, no more than the {min:?} a call needs: not sent",
+            deadline.remaining()
+        ))
+    })?;
+    let already = request
+        .headers()
+        .get(GRPC_TIMEOUT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| grpc_timeout::decode(v).ok());
+    let send = already.map_or(left, |set| set.min(left));
+    let value = HeaderValue::try_from(grpc_timeout::encode(send))
+        .unwrap_or_else(|_| unreachable!("grpc_timeout::encode writes digits and a unit"));
+    request.headers_mut().insert(GRPC_TIMEOUT_HEADER, value);
+    Ok(())
+}
+
+/// The error as the [`Status`] it means, boxed as tonic wants it.
+fn as_status(err: BoxError) -> BoxError {
+    if err.is::<Status>() {
+        return err;
+    }
+    Box::new(crate::status::from_error(err.as_ref()))
+}
+
+fn count(outcome: &'static str) {
+    metrics::counter!("keel_grpc_client_calls_total", "outcome" => outcome).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_earlier_of_the_deadline_and_tonics_timeout_is_sent() {
+        let deadline = Deadline::after(Duration::from_millis(300));
+        let mut request = Request::new(());
+        send_timeout(&mut request, deadline, MIN_TIME_TO_START).unwrap();
+        assert_eq!(request.headers()[GRPC_TIMEOUT_HEADER], "300000u");
+        let mut shorter = Request::new(());
+        shorter
+            .headers_mut()
+            .insert(GRPC_TIMEOUT_HEADER, HeaderValue::from_static("100m"));
+        send_timeout(&mut shorter, deadline, MIN_TIME_TO_START).unwrap();
+        assert_eq!(shorter.headers()[GRPC_TIMEOUT_HEADER], "100000u");
+        let nearly = Deadline::after(Duration::from_millis(40));
+        let refused = send_timeout(&mut Request::new(()), nearly, MIN_TIME_TO_START).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::DeadlineExceeded);
+    }
+
+    #[test]
+    fn refusals_from_below_become_their_codes() {
+        let open: BoxError = Box::new(keel_core::Rejected::CircuitOpen {
+            name: "shipping".into(),
+            retry_after: Duration::from_secs(1),
+        });
+        let status = Status::from_error(as_status(open));
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(crate::status::retry_pushback(&status).is_some());
+    }
+}
