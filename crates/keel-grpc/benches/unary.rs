@@ -30,7 +30,7 @@ use tonic_health::pb::health_client::HealthClient;
 type Stack = tower::util::BoxCloneService<
     http::Request<tonic::body::Body>,
     http::Response<tonic::body::Body>,
-    keel_core::BoxError,
+    tonic::Status,
 >;
 
 async fn serve(keel: bool) -> Channel {

@@ -132,10 +132,13 @@ where
     ResBody::Error: Into<BoxError>,
 {
     type Response = Response<Body>;
-    type Error = BoxError;
-    type Future = BoxFuture<Result<Response<Body>, BoxError>>;
+    // A concrete error, not a `BoxError`: the caller gets the status as it
+    // is, and a generated client's future stays provably `Send` (with a
+    // boxed error it trips rustc's higher-ranked lifetime inference).
+    type Error = Status;
+    type Future = BoxFuture<Result<Response<Body>, Status>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
         self.inner
             .poll_ready(cx)
             .map_err(|err| as_status(err.into()))
@@ -147,7 +150,7 @@ where
             deadline.map(|d| send_timeout(&mut request, d, self.min_time_to_start))
         {
             count("too_late_to_send");
-            return Box::pin(std::future::ready(Err(Box::new(status) as BoxError)));
+            return Box::pin(std::future::ready(Err(status)));
         }
         let span = TraceParent::current().map_or_else(TraceParent::new_root, |t| t.child());
         if let Ok(value) = HeaderValue::try_from(span.to_string()) {
@@ -161,9 +164,9 @@ where
                     Ok(answered) => answered,
                     Err(_elapsed) => {
                         count("deadline_passed");
-                        return Err(Box::new(Status::deadline_exceeded(
+                        return Err(Status::deadline_exceeded(
                             "the call's deadline passed before the server answered",
-                        )) as BoxError);
+                        ));
                     }
                 },
             };
@@ -202,12 +205,16 @@ fn send_timeout<B>(
     Ok(())
 }
 
-/// The error as the [`Status`] it means, boxed as tonic wants it.
-fn as_status(err: BoxError) -> BoxError {
-    if err.is::<Status>() {
-        return err;
-    }
-    Box::new(crate::status::from_error(err.as_ref()))
+/// The error as the [`Status`] it means, the error itself kept as its
+/// source (so a caller can still find a [`keel_core::Rejected`] in it).
+fn as_status(err: BoxError) -> Status {
+    let err = match err.downcast::<Status>() {
+        Ok(status) => return *status,
+        Err(err) => err,
+    };
+    let mut status = crate::status::from_error(err.as_ref());
+    status.set_source(std::sync::Arc::from(err));
+    status
 }
 
 fn count(outcome: &'static str) {
@@ -241,8 +248,10 @@ mod tests {
             name: "shipping".into(),
             retry_after: Duration::from_secs(1),
         });
-        let status = Status::from_error(as_status(open));
+        let status = as_status(open);
         assert_eq!(status.code(), tonic::Code::Unavailable);
         assert!(crate::status::retry_pushback(&status).is_some());
+        let cause = keel_core::error::find_cause::<keel_core::Rejected>(&status);
+        assert!(cause.is_some(), "the refusal stays findable");
     }
 }

@@ -188,7 +188,14 @@ impl StdError for GrpcCallError {
 }
 
 impl Classify for GrpcCallError {
+    /// The class of the status's code, or, for a status made from a Keel
+    /// refusal on this side ([`crate::client::PropagationLayer`] keeps the
+    /// refusal as the status's source), the refusal's own class: the call
+    /// never left.
     fn class(&self) -> ErrorClass {
+        if let Some(rejected) = keel_core::error::find_cause::<Rejected>(&self.0) {
+            return rejected.class();
+        }
         if pushback_forbids_retry(&self.0) && class_of(&self.0) == ErrorClass::Retryable {
             // The server said not to retry; it is still a failure of it.
             return ErrorClass::Unclassified;
@@ -198,6 +205,7 @@ impl Classify for GrpcCallError {
 
     fn retry_after(&self) -> Option<Duration> {
         retry_pushback(&self.0)
+            .or_else(|| keel_core::error::find_cause::<Rejected>(&self.0)?.retry_after())
     }
 }
 

@@ -11,6 +11,7 @@ pub mod experiment;
 pub mod history;
 pub mod quotes;
 pub mod report;
+pub mod shipments;
 mod table;
 pub mod workload;
 
@@ -220,6 +221,13 @@ pub async fn run_on<S: ShopStore>(
     if !quotes.violations.is_empty() {
         report.invariants.ok = false;
         report.invariants.violations.extend(quotes.violations);
+    }
+    let shipping_grpc = &handle.dependencies.urls().shipping_grpc;
+    let watched = shipments::run(shipping_grpc, &order_ids).await?;
+    report.shipment_watch = watched.summary;
+    if !watched.violations.is_empty() {
+        report.invariants.ok = false;
+        report.invariants.violations.extend(watched.violations);
     }
     if !quiet {
         report

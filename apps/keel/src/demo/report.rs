@@ -123,6 +123,8 @@ pub struct Report {
     pub shipping_quotes: String,
     /// Quote answers that said they were partial.
     pub quotes_partial: u64,
+    /// What the gRPC watch of a shipment (dropped, then resumed) showed.
+    pub shipment_watch: String,
     /// Request latency, median, in milliseconds.
     pub latency_p50_ms: f64,
     /// Request latency, 99th percentile, in milliseconds.

@@ -55,6 +55,7 @@ impl Report {
             ("webhooks delivered", self.webhooks_received.to_string()),
             ("chaos experiment", self.experiment.clone()),
             ("shipping quotes", self.shipping_quotes.clone()),
+            ("shipment watch (gRPC)", self.shipment_watch.clone()),
             (
                 "latency p50 / p99",
                 format!(

@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use keel_admin::AdminToken;
 use keel_http::access::{AllowedHosts, ApiKeys};
-use keel_http::health::{
-    ConnectionLimits, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
-};
+use keel_http::health::ConnectionLimits;
 use keel_webhooks::sealing::SecretSealer;
 use keel_webhooks::signing::Secret;
 use serde::Deserialize;
@@ -18,6 +16,10 @@ use crate::api::webhooks::{self};
 use crate::backend::{self, BackendOptions, InvalidBackend};
 
 use super::DEFAULT_LISTEN;
+
+mod sources;
+
+use sources::{api_keys, connection_limits, pick, secret};
 
 /// `keel serve`'s flags; each also reads `KEEL_<NAME>`.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -28,6 +30,11 @@ pub struct ServeArgs {
     /// Where to listen [default: 127.0.0.1:8080].
     #[arg(long, env = "KEEL_LISTEN")]
     pub listen: Option<String>,
+    /// Where the shop's shipping service answers gRPC
+    /// (`shipping.v1.Shipping`, health, reflection) [default: 127.0.0.1:0,
+    /// a free port, printed at start].
+    #[arg(long, env = "KEEL_SHIPPING_GRPC_LISTEN")]
+    pub shipping_grpc_listen: Option<String>,
     /// `sqlite:PATH` (default `sqlite:keel.db`), or `postgres://...` with the
     /// `postgres` feature.
     #[arg(long, env = "KEEL_DATABASE_URL")]
@@ -148,6 +155,8 @@ pub struct ServeArgs {
 pub struct ServeFile {
     /// See [`ServeArgs::listen`].
     pub listen: Option<String>,
+    /// See [`ServeArgs::shipping_grpc_listen`].
+    pub shipping_grpc_listen: Option<String>,
     /// See [`ServeArgs::database_url`].
     pub database_url: Option<String>,
     /// See [`ServeArgs::broker`].
@@ -213,6 +222,8 @@ pub use crate::backend::{BrokerKind, Database};
 pub struct ServeConfig {
     /// The listen address.
     pub listen: SocketAddr,
+    /// The shipping service's gRPC address.
+    pub shipping_grpc_listen: SocketAddr,
     /// The database.
     pub database: Database,
     /// The broker.
@@ -264,6 +275,7 @@ impl std::fmt::Debug for ServeConfig {
         let set = |secret: &Option<String>| if secret.is_some() { "<set>" } else { "<none>" };
         f.debug_struct("ServeConfig")
             .field("listen", &self.listen)
+            .field("shipping_grpc_listen", &self.shipping_grpc_listen)
             .field("database", &self.database)
             .field("broker", &self.broker)
             .field("admin_token", &set(&self.admin_token))
@@ -359,6 +371,17 @@ impl ServeArgs {
         let listen: SocketAddr = listen
             .parse()
             .map_err(|e| invalid("listen", format!("`{listen}` is not IP:PORT ({e})")))?;
+        let grpc = self
+            .shipping_grpc_listen
+            .clone()
+            .or(file.shipping_grpc_listen)
+            .unwrap_or_else(|| "127.0.0.1:0".to_owned());
+        let shipping_grpc_listen: SocketAddr = grpc.parse().map_err(|e| {
+            invalid(
+                "shipping-grpc-listen",
+                format!("`{grpc}` is not IP:PORT ({e})"),
+            )
+        })?;
         let database = parse_database(
             &self
                 .database_url
@@ -476,6 +499,7 @@ impl ServeArgs {
         }
         Ok(ServeConfig {
             listen,
+            shipping_grpc_listen,
             database,
             broker,
             pg_schema,
@@ -501,83 +525,6 @@ impl ServeArgs {
             cursor_key,
         })
     }
-}
-
-/// A secret given as a value (flag, environment or file setting), else
-/// read from the file at `path`.
-fn secret(
-    value: Option<String>,
-    path: Option<PathBuf>,
-    setting: &'static str,
-) -> Result<Option<String>, ConfigError> {
-    match value {
-        Some(value) => Ok(Some(value)),
-        None => path.map(|path| first_line(setting, &path)).transpose(),
-    }
-}
-
-/// The tenants' keys: `given`, then one `tenant:key` per line of `path`
-/// (blank lines and `#` comments skipped).
-fn api_keys(mut given: Vec<String>, path: Option<PathBuf>) -> Result<ApiKeys, ConfigError> {
-    if let Some(path) = path {
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| invalid("api-keys-file", format!("{}: {e}", path.display())))?;
-        given.extend(
-            text.lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(str::to_owned),
-        );
-    }
-    ApiKeys::parse(&given).map_err(|e| invalid("api-key", e.to_string()))
-}
-
-/// The edge's limits, each defaulted; the idle timeout must outlast a
-/// quiet long poll.
-fn connection_limits(
-    max_connections: Option<usize>,
-    header_read_secs: Option<u64>,
-    idle_secs: Option<u64>,
-) -> Result<ConnectionLimits, ConfigError> {
-    let limits = ConnectionLimits::new()
-        .max_connections(max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS))
-        .header_read_timeout(
-            header_read_secs.map_or(DEFAULT_HEADER_READ_TIMEOUT, Duration::from_secs),
-        )
-        .idle_timeout(idle_secs.map_or(DEFAULT_IDLE_TIMEOUT, Duration::from_secs))
-        .validate()
-        .map_err(|e| invalid("connection limits", e.to_string()))?;
-    let poll = keel_realtime::DEFAULT_POLL_TIMEOUT;
-    if limits.idle() <= poll {
-        return Err(invalid(
-            "idle-timeout-secs",
-            format!(
-                "must be more than the long poll's {} s wait, or every quiet poll is cut off",
-                poll.as_secs()
-            ),
-        ));
-    }
-    Ok(limits)
-}
-
-/// The flag's values if any were given, else the file's.
-fn pick(flags: Vec<String>, file: Option<Vec<String>>) -> Vec<String> {
-    if flags.is_empty() {
-        file.unwrap_or_default()
-    } else {
-        flags
-    }
-}
-
-/// The first line of a secret's file, trimmed.
-fn first_line(setting: &'static str, path: &std::path::Path) -> Result<String, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| invalid(setting, format!("{}: {e}", path.display())))?;
-    let line = text.lines().next().unwrap_or_default().trim().to_owned();
-    if line.is_empty() {
-        return Err(invalid(setting, format!("{} is empty", path.display())));
-    }
-    Ok(line)
 }
 
 impl ServeConfig {

@@ -9,6 +9,7 @@ mod config;
 #[cfg(test)]
 mod tests;
 
+use std::io::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -239,6 +240,7 @@ async fn serve_on<S: ShopStore>(
     warn_about_exposure(&config);
     let system = SystemConfig {
         listen: config.listen,
+        shipping_grpc: config.shipping_grpc_listen,
         demo_faults: config.demo_faults,
         chaos_experiments: config.chaos_experiments,
         allow_loopback_webhooks: config.allow_loopback_webhooks,
@@ -298,6 +300,13 @@ async fn serve_on<S: ShopStore>(
             .await
     });
     println!("keel: listening on {}", handle.base_url);
+    // A reader may stop after the first line (a supervisor, a test); a
+    // closed pipe must not end the server, so this line's error is ignored.
+    let _ = writeln!(
+        std::io::stdout(),
+        "keel: shipping gRPC (shipping.v1.Shipping) on {}",
+        handle.dependencies.urls().shipping_grpc
+    );
     let _ = std::io::Write::flush(&mut std::io::stdout());
     let urls = handle.dependencies.urls().clone();
     tracing::info!(?urls, "dependencies on loopback");

@@ -39,6 +39,32 @@ fn flags_win_over_the_file_which_wins_over_defaults() {
 }
 
 #[test]
+fn the_shipping_grpc_port_comes_from_the_flag_or_the_file() {
+    assert_eq!(
+        args().resolve().unwrap().shipping_grpc_listen,
+        "127.0.0.1:0".parse().unwrap(),
+        "a free port by default, so two processes on one host do not collide"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keel.toml");
+    std::fs::write(&path, "shipping_grpc_listen = \"127.0.0.1:50051\"\n").unwrap();
+    let mut a = args();
+    a.config = Some(path);
+    assert_eq!(
+        a.resolve().unwrap().shipping_grpc_listen,
+        "127.0.0.1:50051".parse().unwrap()
+    );
+    a.shipping_grpc_listen = Some("127.0.0.1:50052".into());
+    assert_eq!(
+        a.resolve().unwrap().shipping_grpc_listen,
+        "127.0.0.1:50052".parse().unwrap()
+    );
+    a.shipping_grpc_listen = Some("grpc.local".into());
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("shipping-grpc-listen"), "{refused}");
+}
+
+#[test]
 fn scale_out_backends_resolve_with_their_schema_and_prefix() {
     let mut a = args();
     a.database_url = Some("postgres://keel@127.0.0.1/keel".into());

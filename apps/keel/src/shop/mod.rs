@@ -22,6 +22,7 @@ pub mod projection;
 pub mod quotes;
 pub mod saga;
 pub mod services;
+pub mod shipping;
 pub mod sql;
 
 use std::net::SocketAddr;
@@ -123,6 +124,10 @@ pub struct SystemConfig {
     /// sharing one: each of those needs a name of its own (default
     /// `shop-relay`).
     pub relay_name: String,
+    /// Where the shipping service's gRPC server listens (port 0 picks one).
+    pub shipping_grpc: SocketAddr,
+    /// How fast shipping's courier moves a shipment to delivered.
+    pub courier_pace: shipping::CourierPace,
 }
 
 impl Default for SystemConfig {
@@ -153,6 +158,8 @@ impl Default for SystemConfig {
             chaos_experiments: false,
             poll_interval: Duration::from_millis(50),
             relay_name: "shop-relay".to_owned(),
+            shipping_grpc: SocketAddr::from(([127, 0, 0, 1], 0)),
+            courier_pace: shipping::CourierPace::default(),
         }
     }
 }
@@ -262,12 +269,8 @@ impl System {
         let (stop_dependencies, dependencies_stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
 
-        let urls = services::start_dependencies(
-            store.clone(),
-            config.payments_faults.clone(),
-            dependencies_stopped,
-        )
-        .await?;
+        let urls =
+            services::start_dependencies(store.clone(), &config, dependencies_stopped).await?;
         let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
         let dependencies =
             Dependencies::new(urls, &breakers, &config.tuning).map_err(config_err)?;

@@ -1,9 +1,10 @@
 //! The order fulfilment saga: capture the payment, reserve the stock,
 //! schedule the shipment (the pivot), send the receipt.
 //!
-//! Every call goes to a dependency over HTTP through its own
-//! [`Dependency`] (deadline, retry with a budget, one breaker per
-//! dependency from a shared [`BreakerRegistry`], bulkhead, timeouts) and
+//! Every call goes to a dependency through its own policies: over HTTP
+//! through a [`Dependency`], and to shipping over gRPC through a
+//! [`ShippingClient`] (deadline on the wire, retry, one breaker per
+//! dependency from a shared [`BreakerRegistry`], bulkhead, timeouts), and
 //! carries the step's derived idempotency key (`saga_id:step`, or
 //! `saga_id:undo:step` for a compensation), so a repeated call is deduped
 //! by the service. Out of stock is permanent and makes the saga refund;
@@ -30,6 +31,7 @@ use serde::{Deserialize, Serialize};
 use super::model::{DeliveryEstimate, DemoFault, Item};
 use super::quotes::CarrierQuotes;
 use super::services::DependencyUrls;
+use super::shipping::ShippingClient;
 
 /// The saga's name.
 pub const SAGA: &str = "order_fulfilment";
@@ -75,7 +77,7 @@ pub struct Dependencies {
     urls: DependencyUrls,
     payments: Dependency,
     inventory: Dependency,
-    shipping: Dependency,
+    shipping: ShippingClient,
     notifications: Dependency,
     estimates: DeliveryEstimates,
     quotes: CarrierQuotes,
@@ -170,7 +172,7 @@ impl Dependencies {
             quotes: CarrierQuotes::new(client.clone(), &urls.shipping, breakers)?,
             payments: build("payments")?,
             inventory: build("inventory")?,
-            shipping: build("shipping")?,
+            shipping: ShippingClient::new(&urls.shipping_grpc, breakers, tuning)?,
             notifications: build("notifications")?,
             urls,
             stuck_refunds: Arc::default(),
@@ -349,14 +351,12 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
     let ship = Step::new("schedule_shipment", move |ctx: Ctx| {
         let d = d.clone();
         async move {
-            let body = serde_json::json!({"orderId": ctx.data().order_id});
-            call(
-                &d.shipping,
-                format!("{}/shipments", d.urls.shipping),
-                ctx.idempotency_key(),
-                body,
-            )
-            .await
+            d.shipping
+                .create_shipment(
+                    ctx.data().order_id.clone(),
+                    ctx.idempotency_key().to_owned(),
+                )
+                .await
         }
     });
     let d = deps.clone();

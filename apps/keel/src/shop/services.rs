@@ -1,5 +1,6 @@
-//! The shop's dependencies as real HTTP services on loopback: payments,
-//! inventory, shipping and notifications.
+//! The shop's dependencies as real services on loopback: payments,
+//! inventory and notifications over HTTP, shipping over gRPC (its
+//! shipments; its estimates and carrier quotes are HTTP reads).
 //!
 //! They run in the same process (so `keel demo` needs nothing installed)
 //! but are called over HTTP through the policy pipeline, exactly as remote
@@ -81,9 +82,11 @@ pub struct DependencyUrls {
     pub payments: String,
     /// Inventory: `POST /reservations`, `POST /releases`.
     pub inventory: String,
-    /// Shipping: `POST /shipments`, `GET /estimates/{customer}`,
+    /// Shipping's reads: `GET /estimates/{customer}`,
     /// `GET /carriers/{carrier}/quotes/{customer}`.
     pub shipping: String,
+    /// Shipping's gRPC service (`shipping.v1.Shipping`), `http://IP:PORT`.
+    pub shipping_grpc: String,
     /// Notifications: `POST /receipts`.
     pub notifications: String,
 }
@@ -291,14 +294,6 @@ async fn effect<S: ShopDb>(
     }
 }
 
-async fn ship<S: ShopDb>(
-    State(state): State<Shared<S>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    effect(state, headers, &body, "schedule_shipment").await
-}
-
 async fn receipt<S: ShopDb>(
     State(state): State<Shared<S>>,
     headers: HeaderMap,
@@ -376,16 +371,24 @@ async fn serve(router: Router, shutdown: watch::Receiver<bool>) -> std::io::Resu
     Ok(format!("http://{addr}"))
 }
 
-/// Starts the four dependencies on `127.0.0.1:0`, each its own server,
-/// until `shutdown` turns `true`.
+/// Starts the four dependencies, each its own server, until `shutdown`
+/// turns `true`: the HTTP ones on `127.0.0.1:0`, shipping's gRPC server on
+/// `config.shipping_grpc`.
 pub async fn start_dependencies<S: ShopDb>(
     db: S,
-    faults: PaymentsFaults,
+    config: &super::SystemConfig,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<DependencyUrls> {
+    let grpc = TcpListener::bind(config.shipping_grpc).await?;
+    let shipping_grpc = super::shipping::serve(
+        grpc,
+        super::shipping::ShippingService::new(db.clone(), config.courier_pace),
+        shutdown.clone(),
+    )
+    .await?;
     let state = Arc::new(ServiceState {
         db,
-        faults,
+        faults: config.payments_faults.clone(),
         captures_seen: AtomicU64::new(0),
         outage_began: std::sync::OnceLock::new(),
     });
@@ -398,7 +401,6 @@ pub async fn start_dependencies<S: ShopDb>(
         .route("/releases", post(release::<S>))
         .with_state(Arc::clone(&state));
     let shipping = Router::new()
-        .route("/shipments", post(ship::<S>))
         .route("/estimates/{customer}", get(estimate))
         .route("/carriers/{carrier}/quotes/{customer}", get(carrier_quote))
         .with_state(Arc::clone(&state))
@@ -411,5 +413,6 @@ pub async fn start_dependencies<S: ShopDb>(
         inventory: serve(inventory, shutdown.clone()).await?,
         shipping: serve(shipping, shutdown.clone()).await?,
         notifications: serve(notifications, shutdown).await?,
+        shipping_grpc: format!("http://{shipping_grpc}"),
     })
 }

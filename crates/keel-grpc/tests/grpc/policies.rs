@@ -20,7 +20,7 @@ use crate::support::{Server, ask};
 type Stack = tower::util::BoxCloneService<
     http::Request<tonic::body::Body>,
     http::Response<tonic::body::Body>,
-    keel_core::BoxError,
+    tonic::Status,
 >;
 
 fn protected(channel: Channel, breaker: &CircuitBreaker) -> HealthClient<Stack> {

@@ -1,0 +1,92 @@
+//! Where the settings' values come from: a value or a file's first line,
+//! flags or the TOML file, and the edge's limits with their defaults.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use keel_http::access::ApiKeys;
+use keel_http::health::{
+    ConnectionLimits, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+};
+
+use super::{ConfigError, invalid};
+
+/// A secret given as a value (flag, environment or file setting), else
+/// read from the file at `path`.
+pub(super) fn secret(
+    value: Option<String>,
+    path: Option<PathBuf>,
+    setting: &'static str,
+) -> Result<Option<String>, ConfigError> {
+    match value {
+        Some(value) => Ok(Some(value)),
+        None => path.map(|path| first_line(setting, &path)).transpose(),
+    }
+}
+
+/// The tenants' keys: `given`, then one `tenant:key` per line of `path`
+/// (blank lines and `#` comments skipped).
+pub(super) fn api_keys(
+    mut given: Vec<String>,
+    path: Option<PathBuf>,
+) -> Result<ApiKeys, ConfigError> {
+    if let Some(path) = path {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| invalid("api-keys-file", format!("{}: {e}", path.display())))?;
+        given.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_owned),
+        );
+    }
+    ApiKeys::parse(&given).map_err(|e| invalid("api-key", e.to_string()))
+}
+
+/// The edge's limits, each defaulted; the idle timeout must outlast a
+/// quiet long poll.
+pub(super) fn connection_limits(
+    max_connections: Option<usize>,
+    header_read_secs: Option<u64>,
+    idle_secs: Option<u64>,
+) -> Result<ConnectionLimits, ConfigError> {
+    let limits = ConnectionLimits::new()
+        .max_connections(max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS))
+        .header_read_timeout(
+            header_read_secs.map_or(DEFAULT_HEADER_READ_TIMEOUT, Duration::from_secs),
+        )
+        .idle_timeout(idle_secs.map_or(DEFAULT_IDLE_TIMEOUT, Duration::from_secs))
+        .validate()
+        .map_err(|e| invalid("connection limits", e.to_string()))?;
+    let poll = keel_realtime::DEFAULT_POLL_TIMEOUT;
+    if limits.idle() <= poll {
+        return Err(invalid(
+            "idle-timeout-secs",
+            format!(
+                "must be more than the long poll's {} s wait, or every quiet poll is cut off",
+                poll.as_secs()
+            ),
+        ));
+    }
+    Ok(limits)
+}
+
+/// The flag's values if any were given, else the file's.
+pub(super) fn pick(flags: Vec<String>, file: Option<Vec<String>>) -> Vec<String> {
+    if flags.is_empty() {
+        file.unwrap_or_default()
+    } else {
+        flags
+    }
+}
+
+/// The first line of a secret's file, trimmed.
+fn first_line(setting: &'static str, path: &std::path::Path) -> Result<String, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| invalid(setting, format!("{}: {e}", path.display())))?;
+    let line = text.lines().next().unwrap_or_default().trim().to_owned();
+    if line.is_empty() {
+        return Err(invalid(setting, format!("{} is empty", path.display())));
+    }
+    Ok(line)
+}

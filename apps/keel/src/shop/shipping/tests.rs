@@ -1,0 +1,261 @@
+//! The shipping service over loopback with tonic's client: resume without
+//! gap or duplicate, the client stream's summary, acknowledgements both
+//! ways, and refusals with the codes a client of any language can act on.
+
+use std::time::Duration;
+
+use keel_sqlite::SqliteStore;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::Code;
+use tonic::transport::Channel;
+
+use super::pb::shipping_client::ShippingClient;
+use super::pb::{
+    ClientMsg, CreateShipmentRequest, EventAck, GetShipmentRequest, Scan, ShipmentEvent,
+    WatchShipmentRequest, client_msg, server_msg, shipment,
+};
+use super::{CourierPace, ShippingService, serve};
+use crate::shop::db::ShopDb;
+
+struct Running {
+    client: ShippingClient<Channel>,
+    store: SqliteStore,
+    _stop: watch::Sender<bool>,
+}
+
+async fn start(pace: CourierPace) -> Running {
+    let store = SqliteStore::open_in_memory().await.expect("store");
+    store.migrate_shop().await.expect("shop tables");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let (stop, stopped) = watch::channel(false);
+    let addr = serve(listener, ShippingService::new(store.clone(), pace), stopped)
+        .await
+        .expect("serve");
+    let client = ShippingClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    Running {
+        client,
+        store,
+        _stop: stop,
+    }
+}
+
+fn create(order: &str, key: &str) -> CreateShipmentRequest {
+    CreateShipmentRequest {
+        order_id: order.to_owned(),
+        request_id: key.to_owned(),
+    }
+}
+
+fn scan(shipment: &str, id: &str) -> Scan {
+    Scan {
+        shipment_id: shipment.to_owned(),
+        scan_id: id.to_owned(),
+        location: format!("depot {id}"),
+    }
+}
+
+const SLOW: CourierPace = CourierPace {
+    to_transit: Duration::from_millis(100),
+    to_delivered: Duration::from_millis(600),
+};
+
+#[tokio::test]
+async fn a_watch_dropped_mid_way_resumes_after_the_last_sequence_seen() {
+    let Running {
+        mut client, _stop, ..
+    } = start(SLOW).await;
+    let shipment = client
+        .create_shipment(create("o-1", "o-1:schedule_shipment"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(shipment.status(), shipment::Status::Picked);
+
+    let watch = |after| WatchShipmentRequest {
+        id: shipment.id.clone(),
+        after_sequence: after,
+    };
+    let mut seen: Vec<ShipmentEvent> = Vec::new();
+    let mut first = client.watch_shipment(watch(0)).await.unwrap().into_inner();
+    while seen.len() < 2 {
+        seen.push(first.message().await.unwrap().expect("an event"));
+    }
+    drop(first);
+    // Events happen while nobody watches.
+    let scans = tokio_stream::iter(vec![scan(&shipment.id, "s-1"), scan(&shipment.id, "s-2")]);
+    client.upload_scans(scans).await.unwrap();
+
+    let last = seen.last().unwrap().sequence;
+    let mut resumed = client
+        .watch_shipment(watch(last))
+        .await
+        .unwrap()
+        .into_inner();
+    while let Some(event) = resumed.message().await.unwrap() {
+        seen.push(event);
+    }
+    let sequences: Vec<u64> = seen.iter().map(|e| e.sequence).collect();
+    let expected: Vec<u64> = (1..=sequences.len() as u64).collect();
+    assert_eq!(sequences, expected, "no gap, no duplicate");
+    assert_eq!(seen.len(), 5, "picked, in transit, two scans, delivered");
+    assert_eq!(seen.last().unwrap().status(), shipment::Status::Delivered);
+    assert!(
+        seen.iter()
+            .all(|e| e.status() != shipment::Status::Unspecified)
+    );
+    let now = client
+        .get_shipment(GetShipmentRequest {
+            id: shipment.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(now.last_sequence, 5);
+
+    // A watch of a delivered shipment replays and ends at once.
+    let mut again = client.watch_shipment(watch(3)).await.unwrap().into_inner();
+    assert_eq!(again.message().await.unwrap().unwrap().sequence, 4);
+    assert_eq!(again.message().await.unwrap().unwrap().sequence, 5);
+    assert!(again.message().await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn uploaded_scans_are_summarised_once_the_client_stream_ends() {
+    let Running {
+        mut client, _stop, ..
+    } = start(SLOW).await;
+    let id = client
+        .create_shipment(create("o-2", "o-2:schedule_shipment"))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let scans = vec![
+        scan(&id, "a"),
+        scan(&id, "b"),
+        scan(&id, "a"),
+        scan("shp-nobody", "c"),
+        scan(&id, ""),
+    ];
+    let summary = client
+        .upload_scans(tokio_stream::iter(scans))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            summary.received,
+            summary.applied,
+            summary.duplicates,
+            summary.refused
+        ),
+        (5, 2, 1, 2)
+    );
+}
+
+#[tokio::test]
+async fn sync_acknowledges_every_scan_and_sends_the_events_they_made() {
+    let Running {
+        mut client, _stop, ..
+    } = start(SLOW).await;
+    let id = client
+        .create_shipment(create("o-3", "o-3:schedule_shipment"))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let (send, outgoing) = tokio::sync::mpsc::channel(8);
+    let mut incoming = client
+        .sync(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    let message = |kind| ClientMsg { kind: Some(kind) };
+    send.send(message(client_msg::Kind::Scan(scan(&id, "x-1"))))
+        .await
+        .unwrap();
+    send.send(message(client_msg::Kind::Scan(scan(&id, "x-1"))))
+        .await
+        .unwrap();
+    let mut acks = Vec::new();
+    let mut events = Vec::new();
+    while acks.len() < 2 {
+        match incoming.message().await.unwrap().unwrap().kind.unwrap() {
+            server_msg::Kind::ScanAck(ack) => acks.push((ack.scan_id, ack.applied)),
+            server_msg::Kind::Event(event) => {
+                send.send(message(client_msg::Kind::Ack(EventAck {
+                    shipment_id: event.shipment_id.clone(),
+                    sequence: event.sequence,
+                })))
+                .await
+                .unwrap();
+                events.push(event);
+            }
+        }
+    }
+    assert_eq!(
+        acks,
+        vec![("x-1".to_owned(), true), ("x-1".to_owned(), false)],
+        "the duplicate is acknowledged too, so the client stops sending it"
+    );
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].location, "depot x-1");
+    drop(send);
+    assert!(
+        incoming.message().await.unwrap().is_none(),
+        "ends with the client"
+    );
+}
+
+#[tokio::test]
+async fn creating_twice_ships_once_and_bad_calls_get_their_codes() {
+    let Running {
+        mut client,
+        store,
+        _stop,
+    } = start(CourierPace::default()).await;
+    let first = client
+        .create_shipment(create("o-4", "o-4:schedule_shipment"))
+        .await
+        .unwrap()
+        .into_inner();
+    let again = client
+        .create_shipment(create("o-4", "o-4:schedule_shipment"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.id, again.id);
+    assert_eq!(again.last_sequence, 1, "nothing scheduled twice");
+    let audit = store.audit().await.unwrap();
+    let shipped = audit
+        .effects
+        .iter()
+        .filter(|e| e.order_id == "o-4" && e.step == "schedule_shipment")
+        .count();
+    assert_eq!(shipped, 1);
+
+    let refused = client.create_shipment(create("", "k")).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    let mut late = tonic::Request::new(create("o-5", "o-5:schedule_shipment"));
+    late.set_timeout(Duration::from_millis(20));
+    let refused = client.create_shipment(late).await.unwrap_err();
+    assert_eq!(refused.code(), Code::DeadlineExceeded, "{refused:?}");
+    let missing = client
+        .get_shipment(GetShipmentRequest {
+            id: "shp-nobody".to_owned(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+    let nothing = client
+        .watch_shipment(WatchShipmentRequest {
+            id: String::new(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(nothing.code(), Code::InvalidArgument);
+}
