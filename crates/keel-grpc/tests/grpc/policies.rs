@@ -105,16 +105,21 @@ async fn an_open_breaker_stops_the_calls_and_says_when_to_come_back() {
     );
 }
 
-#[tokio::test]
-async fn a_hedge_a_timeout_and_a_bulkhead_work_on_a_channel_too() {
-    let server = Server::start(Duration::from_secs(10), &Drain::new()).await;
-    let hedge = Hedge::builder("shipping")
+/// One hedged attempt, sent 50 ms after the first.
+fn hedge_after_50ms() -> Hedge {
+    Hedge::builder("shipping")
         .delay(HedgeDelay::Fixed {
             delay: Duration::from_millis(50),
         })
         .max_hedged_attempts(1)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_hedge_a_timeout_and_a_bulkhead_work_on_a_channel_too() {
+    let server = Server::start(Duration::from_secs(10), &Drain::new()).await;
+    let hedge = hedge_after_50ms();
     let timeout = Timeout::builder("shipping")
         .timeout(Duration::from_millis(300))
         .build()
@@ -155,13 +160,7 @@ async fn a_hedge_a_timeout_and_a_bulkhead_work_on_a_channel_too() {
 #[tokio::test]
 async fn a_hedge_answers_for_a_slow_first_attempt() {
     let server = Server::start(Duration::from_secs(10), &Drain::new()).await;
-    let hedge = Hedge::builder("shipping")
-        .delay(HedgeDelay::Fixed {
-            delay: Duration::from_millis(50),
-        })
-        .max_hedged_attempts(1)
-        .build()
-        .unwrap();
+    let hedge = hedge_after_50ms();
     let stack = tower::ServiceBuilder::new()
         .layer(PropagationLayer::new())
         .layer(ReplayBodyLayer::new())

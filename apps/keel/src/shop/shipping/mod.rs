@@ -24,7 +24,11 @@ pub use client::ShippingClient;
 pub use log::{CourierPace, shipment_id};
 pub use server::{MAX_SCANS_PER_UPLOAD, MIN_TIME_TO_CREATE, SYNC_OUTBOX, ShippingService};
 
+use std::time::Duration;
+
+use keel_grpc::health::GrpcHealth;
 use keel_grpc::server::{DeadlineLayer, TraceContextLayer};
+use keel_http::health::{Drain, Health, Phase};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -40,36 +44,62 @@ pub mod pb {
         include_bytes!(concat!(env!("OUT_DIR"), "/shipping_descriptor.bin"));
 }
 
+/// How long open streams get once shipping stops: they are ended with
+/// `UNAVAILABLE` (resumable) at once, so this only bounds a client that
+/// does not hang up.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Serves `service` on `listener` (deadline capped at 10 s, the caller's
-/// trace, `grpc.health.v1` and reflection) until `shutdown` turns `true`.
+/// trace, `grpc.health.v1` and reflection) until `shutdown` turns `true`;
+/// then health answers `NOT_SERVING`, open streams end with `UNAVAILABLE`
+/// for their clients to resume elsewhere, and the server stops.
 pub async fn serve<S: ShopDb>(
     listener: TcpListener,
     service: ShippingService<S>,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<pb::shipping_server::ShippingServer<ShippingService<S>>>()
+    let drain = Drain::builder()
+        .lb_notice(Duration::ZERO)
+        .drain_timeout(DRAIN_TIMEOUT)
+        .build()
+        .map_err(std::io::Error::other)?;
+    let ready = Health::builder()
+        .drain(&drain)
+        .build()
+        .map_err(std::io::Error::other)?;
+    let (health, _checks) = GrpcHealth::new(&ready)
+        .service("shipping.v1.Shipping")
+        .start()
         .await;
     let reflection = keel_grpc::reflection::reflection_service(&[pb::FILE_DESCRIPTOR_SET])
         .map_err(std::io::Error::other)?;
-    let deadline = DeadlineLayer::with_max(std::time::Duration::from_secs(10))
-        .map_err(std::io::Error::other)?;
+    let deadline = DeadlineLayer::with_max(Duration::from_secs(10))
+        .map_err(std::io::Error::other)?
+        .drain(&drain);
     let router = tonic::transport::Server::builder()
         .layer(deadline)
         .layer(TraceContextLayer::new())
         .add_service(pb::shipping_server::ShippingServer::new(service))
         .add_service(health)
         .add_service(reflection);
+    let trigger = drain.clone();
     tokio::spawn(async move {
         let mut shutdown = shutdown;
-        let stop = async move {
-            let _ = shutdown.wait_for(|stop| *stop).await;
-        };
+        let _ = shutdown.wait_for(|stop| *stop).await;
+        trigger.trigger();
+    });
+    tokio::spawn(async move {
         let incoming = tonic::transport::server::TcpIncoming::from(listener);
-        if let Err(err) = router.serve_with_incoming_shutdown(incoming, stop).await {
-            tracing::error!(error = %err, "shipping gRPC server failed");
+        let serving = router.serve_with_incoming_shutdown(incoming, drain.closing());
+        tokio::select! {
+            served = serving => if let Err(err) = served {
+                tracing::error!(error = %err, "shipping gRPC server failed");
+            },
+            // Dropping the server closes what is still open.
+            () = drain.wait_for(Phase::Aborting) => {
+                tracing::warn!("shipping gRPC: connections outlived the drain timeout; closed");
+            }
         }
     });
     Ok(addr)

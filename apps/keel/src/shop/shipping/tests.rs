@@ -57,6 +57,31 @@ fn scan(shipment: &str, id: &str) -> Scan {
     }
 }
 
+/// A shipment for `order`, and a `Sync` call open on it: the sender of
+/// client messages and the server's stream.
+async fn shipment_in_sync(
+    client: &mut ShippingClient<Channel>,
+    order: &str,
+) -> (
+    String,
+    tokio::sync::mpsc::Sender<ClientMsg>,
+    tonic::Streaming<super::pb::ServerMsg>,
+) {
+    let id = client
+        .create_shipment(create(order, &format!("{order}:schedule_shipment")))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let (send, outgoing) = tokio::sync::mpsc::channel(8);
+    let incoming = client
+        .sync(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    (id, send, incoming)
+}
+
 const SLOW: CourierPace = CourierPace {
     to_transit: Duration::from_millis(100),
     to_delivered: Duration::from_millis(600),
@@ -161,18 +186,7 @@ async fn sync_acknowledges_every_scan_and_sends_the_events_they_made() {
     let Running {
         mut client, _stop, ..
     } = start(SLOW).await;
-    let id = client
-        .create_shipment(create("o-3", "o-3:schedule_shipment"))
-        .await
-        .unwrap()
-        .into_inner()
-        .id;
-    let (send, outgoing) = tokio::sync::mpsc::channel(8);
-    let mut incoming = client
-        .sync(tokio_stream::wrappers::ReceiverStream::new(outgoing))
-        .await
-        .unwrap()
-        .into_inner();
+    let (id, send, mut incoming) = shipment_in_sync(&mut client, "o-3").await;
     let message = |kind| ClientMsg { kind: Some(kind) };
     send.send(message(client_msg::Kind::Scan(scan(&id, "x-1"))))
         .await
@@ -258,4 +272,33 @@ async fn creating_twice_ships_once_and_bad_calls_get_their_codes() {
         .await
         .unwrap_err();
     assert_eq!(nothing.code(), Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn stopping_shipping_ends_open_streams_with_a_status_to_resume_from() {
+    let Running {
+        mut client, _stop, ..
+    } = start(SLOW).await;
+    let (id, send, mut incoming) = shipment_in_sync(&mut client, "o-6").await;
+    send.send(ClientMsg {
+        kind: Some(client_msg::Kind::Scan(scan(&id, "y-1"))),
+    })
+    .await
+    .unwrap();
+    assert!(incoming.message().await.unwrap().is_some());
+
+    _stop.send(true).unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            match incoming.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the stream ended without a status"),
+                Err(status) => break status,
+            }
+        }
+    })
+    .await
+    .expect("the open stream ended promptly");
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+    drop(send);
 }
