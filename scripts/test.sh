@@ -46,6 +46,10 @@ log "schemathesis for the OpenAPI fuzz test"
 KEEL_TEST_SCHEMATHESIS="$(scripts/schemathesis.sh)"
 export KEEL_TEST_SCHEMATHESIS
 
+log "Python's gRPC (grpcio) for the shipping service's interop test"
+KEEL_TEST_GRPC_PYTHON="$(scripts/grpc_python.sh)"
+export KEEL_TEST_GRPC_PYTHON
+
 log "cargo nextest run (unit, integration and behaviour tests) with PostgreSQL and NATS"
 # Build first, so the servers only run while the tests do.
 cargo nextest run --workspace --all-features --no-run

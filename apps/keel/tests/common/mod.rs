@@ -30,6 +30,8 @@ pub struct Server {
     child: std::process::Child,
     /// `http://127.0.0.1:PORT`.
     pub url: String,
+    /// The shipping service's gRPC address, `http://127.0.0.1:PORT`.
+    pub grpc: String,
     /// The database file.
     pub db: std::path::PathBuf,
     log: std::path::PathBuf,
@@ -86,17 +88,21 @@ pub fn serve(extra: &[&str]) -> Server {
         .stderr(Stdio::from(stderr))
         .spawn()
         .expect("keel serve starts");
-    let stdout = child.stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("keel: listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut next = |prefix: &str| {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        line.trim()
+            .strip_prefix(prefix)
+            .unwrap_or_else(|| panic!("expected {prefix:?}, got {line:?}"))
+            .to_owned()
+    };
+    let url = next("keel: listening on ");
+    let grpc = next("keel: shipping gRPC (shipping.v1.Shipping) on ");
     Server {
         child,
         url,
+        grpc,
         db,
         log,
         _dir: dir,
