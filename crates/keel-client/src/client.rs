@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use http::HeaderValue;
 use keel_core::deadline::{DEADLINE_HEADER, MIN_TIME_TO_START};
-use keel_core::trace::TRACEPARENT_HEADER;
+use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceState};
 use keel_core::{Deadline, Rejected, TraceParent};
 use keel_policy::chaos::{ChaosExperiment, EXPERIMENT_HEADER};
 
@@ -171,6 +171,11 @@ impl PropagatingClient {
         }
         if let Ok(value) = HeaderValue::from_str(&span.to_string()) {
             headers.insert(TRACEPARENT_HEADER, value);
+        }
+        if let Some(state) = TraceState::current()
+            && let Ok(value) = HeaderValue::from_str(state.as_str())
+        {
+            headers.insert(TRACESTATE_HEADER, value);
         }
         // The experiment follows the request downstream, as the trace does.
         if let Some(experiment) = ChaosExperiment::current()

@@ -40,6 +40,7 @@ async fn serve(router: Router) -> SocketAddr {
 struct Seen {
     deadline: Option<String>,
     traceparent: Option<String>,
+    tracestate: Option<String>,
 }
 
 #[derive(Clone, Default)]
@@ -56,6 +57,7 @@ impl Downstream {
             d.seen.lock().push(Seen {
                 deadline: text(DEADLINE_HEADER),
                 traceparent: text("traceparent"),
+                tracestate: text("tracestate"),
             });
             "ok"
         }
@@ -130,6 +132,8 @@ async fn headers_arrive_downstream_with_the_deadline_capped() {
     let response = reqwest::Client::new()
         .get(format!("http://{up}/checkout"))
         .header("traceparent", TRACEPARENT)
+        .header("tracestate", "rojo=00f067aa0ba902b7")
+        .header("tracestate", "congo=t61rcWkgMzE")
         .header(DEADLINE_HEADER, an_hour.to_string())
         .send()
         .await
@@ -154,6 +158,11 @@ async fn headers_arrive_downstream_with_the_deadline_capped() {
     assert_eq!(outgoing.trace_id(), caller.trace_id());
     assert_ne!(outgoing.parent_id(), server.parent_id());
     assert_ne!(outgoing.parent_id(), caller.parent_id());
+    // The vendors' tracestate is carried on unchanged, as one list.
+    assert_eq!(
+        seen[0].tracestate.as_deref(),
+        Some("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE")
+    );
     // The hour the caller asked for was capped at our 2 s maximum.
     let deadline: u64 = seen[0].deadline.as_deref().unwrap().parse().unwrap();
     assert!(
@@ -174,6 +183,8 @@ async fn a_tighter_inbound_deadline_is_passed_on_as_it_is() {
     let response = reqwest::Client::new()
         .get(format!("http://{up}/checkout"))
         .header(DEADLINE_HEADER, soon.to_string())
+        // Without its traceparent a tracestate means nothing: dropped.
+        .header("tracestate", "rojo=00f067aa0ba902b7")
         .send()
         .await
         .unwrap();
@@ -186,6 +197,7 @@ async fn a_tighter_inbound_deadline_is_passed_on_as_it_is() {
     );
     // No traceparent in: a new trace was started and carried on.
     assert!(seen.traceparent.unwrap().parse::<TraceParent>().is_ok());
+    assert_eq!(seen.tracestate, None);
 }
 
 fn guarded_app(ran: Arc<AtomicUsize>) -> Router {

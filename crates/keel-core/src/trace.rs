@@ -1,4 +1,4 @@
-//! W3C Trace Context: the `traceparent` header.
+//! W3C Trace Context: the `traceparent` and `tracestate` headers.
 //!
 //! A trace only stays whole if every hop carries it on, HTTP calls and broker
 //! messages alike: without it the trace stops dead at every queue.
@@ -15,6 +15,10 @@
 //! assert_ne!(child.parent_id(), tp.parent_id());
 //! assert!("00-00000000000000000000000000000000-00f067aa0ba902b7-01".parse::<TraceParent>().is_err());
 //! ```
+
+mod state;
+
+pub use state::{InvalidTraceState, MAX_LEN, MAX_MEMBERS, TRACESTATE_HEADER, TraceState};
 
 use std::fmt;
 use std::future::Future;
@@ -80,6 +84,18 @@ impl TraceParent {
         }
     }
 
+    /// A new trace for work this span caused but is not part of (a
+    /// message's consumer): new ids, the same sampling decision. Link the
+    /// new trace to this span; do not nest it under this one, or one
+    /// producer's trace swallows every consumer's retries and delays.
+    pub fn linked_root(&self) -> Self {
+        Self {
+            trace_id: nonzero_random::<16>(),
+            parent_id: nonzero_random::<8>(),
+            flags: self.flags,
+        }
+    }
+
     /// The 16-byte trace id.
     pub fn trace_id(&self) -> [u8; 16] {
         self.trace_id
@@ -93,6 +109,11 @@ impl TraceParent {
     /// The 8-byte id of the parent span.
     pub fn parent_id(&self) -> [u8; 8] {
         self.parent_id
+    }
+
+    /// The parent span id as 16 lowercase hex digits.
+    pub fn parent_id_hex(&self) -> String {
+        hex(&self.parent_id)
     }
 
     /// The trace flags byte.

@@ -56,7 +56,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use keel_core::deadline::{GRPC_TIMEOUT_HEADER, MIN_TIME_TO_START, grpc_timeout};
-use keel_core::trace::TRACEPARENT_HEADER;
+use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceState};
 use keel_core::{BoxError, Deadline, TraceParent};
 use tonic::Status;
 use tonic::body::Body;
@@ -155,6 +155,11 @@ where
         let span = TraceParent::current().map_or_else(TraceParent::new_root, |t| t.child());
         if let Ok(value) = HeaderValue::try_from(span.to_string()) {
             request.headers_mut().insert(TRACEPARENT_HEADER, value);
+        }
+        if let Some(state) = TraceState::current()
+            && let Ok(value) = HeaderValue::try_from(state.as_str())
+        {
+            request.headers_mut().insert(TRACESTATE_HEADER, value);
         }
         let call = self.inner.call(request);
         Box::pin(async move {

@@ -35,6 +35,8 @@ pub mod header {
     pub const EVENT_ID: &str = "event-id";
     /// W3C trace context of the producer.
     pub const TRACEPARENT: &str = "traceparent";
+    /// The producer's W3C trace state, carried with `traceparent`.
+    pub const TRACESTATE: &str = keel_core::trace::TRACESTATE_HEADER;
     /// The request deadline (Unix ms) for request-reply and time-bound work.
     pub const DEADLINE: &str = keel_core::deadline::DEADLINE_HEADER;
     /// Where a responder publishes its reply.
@@ -74,6 +76,9 @@ impl Message {
         headers.insert(header::EVENT_ID.to_owned(), id.clone());
         if let Some(tp) = keel_core::TraceParent::current() {
             headers.insert(header::TRACEPARENT.to_owned(), tp.to_string());
+        }
+        if let Some(state) = keel_core::trace::TraceState::current() {
+            headers.insert(header::TRACESTATE.to_owned(), state.to_string());
         }
         Self {
             id,

@@ -120,6 +120,10 @@ pub struct Envelope {
     /// W3C trace context of the producer (distributed tracing extension).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// The vendors' trace state that rides with `traceparent` (distributed
+    /// tracing extension), carried across the broker unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
     /// The event payload.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<Value>,
@@ -173,6 +177,7 @@ impl Envelope {
             time: Some(keel_core::clock::utc_now().trunc_subsecs(3)),
             datacontenttype: Some("application/json".to_owned()),
             traceparent: TraceParent::current().map(|t| t.to_string()),
+            tracestate: keel_core::trace::TraceState::current().map(|t| t.to_string()),
             data: None,
             extensions: BTreeMap::new(),
         }
@@ -266,6 +271,14 @@ impl Envelope {
         self.traceparent.as_deref()?.parse().ok()
     }
 
+    /// The trace state carried by the event, if valid (an invalid one is
+    /// dropped, as the W3C specification asks).
+    pub fn trace_state(&self) -> Option<keel_core::trace::TraceState> {
+        keel_core::trace::TraceState::from_values([self.tracestate.as_deref()?])
+            .ok()
+            .flatten()
+    }
+
     /// Encodes in structured mode (`application/cloudevents+json`), refusing
     /// envelopes over [`DEFAULT_MAX_SIZE`].
     pub fn to_json(&self) -> Result<Vec<u8>, EnvelopeError> {
@@ -328,6 +341,7 @@ impl Envelope {
             ),
             ("content-type", self.datacontenttype.clone()),
             ("traceparent", self.traceparent.clone()),
+            ("tracestate", self.tracestate.clone()),
         ];
         headers.extend(
             optional
@@ -362,8 +376,8 @@ impl Envelope {
                 "content-type" => {
                     attrs.insert("datacontenttype".into(), value.into());
                 }
-                "traceparent" => {
-                    attrs.insert("traceparent".into(), value.into());
+                "traceparent" | "tracestate" => {
+                    attrs.insert(lower.clone(), value.into());
                 }
                 _ => {
                     let Some(attr) = lower.strip_prefix("ce-") else {
@@ -436,6 +450,7 @@ mod tests {
             "subject": "A-4471",
             "time": "2026-09-16T10:31:02.441Z",
             "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "tracestate": "rojo=00f067aa0ba902b7",
             "partitionhint": 7,
             "data": {"id": "A-4471", "amountMinor": 8210, "giftWrap": true, "version": 3,
                      "occurredAt": "2026-09-16T10:31:02.180Z"}
@@ -485,6 +500,8 @@ mod tests {
             back.extensions.get("partitionhint"),
             Some(&Value::String("7".into()))
         );
+        assert_eq!(back.tracestate, env.tracestate);
+        assert_eq!(back.traceparent, env.traceparent);
     }
 
     #[test]

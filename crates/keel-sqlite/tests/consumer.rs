@@ -754,3 +754,83 @@ async fn the_consumer_prunes_old_inbox_rows() {
     .await;
     running.stop().await;
 }
+
+/// The trace a handler ran in, and the `tracestate` it saw.
+type SeenTrace = (keel_core::TraceParent, Option<String>);
+
+/// What a handler saw of the trace it ran in.
+struct TraceSeen {
+    seen: Arc<RwLock<Vec<SeenTrace>>>,
+}
+
+#[async_trait]
+impl keel_messaging::consumer::Handler<Tx> for TraceSeen {
+    async fn handle(
+        &self,
+        _tx: &mut Tx,
+        _envelope: &Envelope,
+        _info: &keel_messaging::consumer::DeliveryInfo,
+    ) -> Result<(), HandlerError> {
+        let trace = keel_core::TraceParent::current().expect("a trace for every delivery");
+        let state = keel_core::trace::TraceState::current().map(|s| s.to_string());
+        self.seen.write().unwrap().push((trace, state));
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_links_to_the_producers_trace_and_keeps_its_tracestate() {
+    let f = fixture().await;
+    let group = "tracing";
+    let producer: keel_core::TraceParent =
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            .parse()
+            .unwrap();
+    let vendors = keel_core::trace::TraceState::from_values(["rojo=00f067aa0ba902b7"])
+        .unwrap()
+        .unwrap();
+    // The event is appended inside the producer's request: it takes the
+    // request's trace context, and the relay carries it as headers.
+    let env = producer
+        .scope(vendors.scope(async { charge("A-4471", 100) }))
+        .await;
+    let outbox = Outbox::new(f.store.clone());
+    let mut tx = f.store.begin().await.unwrap();
+    outbox.append(&mut tx, TOPIC, &env).await.unwrap();
+    outbox.commit(tx).await.unwrap();
+    let relay = OutboxRelay::builder(&outbox, Arc::clone(&f.broker))
+        .build()
+        .unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 1);
+
+    let seen = Arc::new(RwLock::new(Vec::new()));
+    let handler = Group::new(TOPIC, group).on(
+        ChargeRequested::TYPE,
+        TraceSeen {
+            seen: Arc::clone(&seen),
+        },
+    );
+    let running = start(
+        consumer(&f.store, Arc::clone(&f.broker))
+            .group(handler)
+            .build()
+            .unwrap(),
+    );
+    eventually("the delivery", Duration::from_secs(20), || async {
+        !seen.read().unwrap().is_empty()
+    })
+    .await;
+    running.stop().await;
+    let (trace, state) = seen.read().unwrap()[0].clone();
+    assert_ne!(
+        trace.trace_id(),
+        producer.trace_id(),
+        "the handler's trace is its own: linked to the producer, not nested"
+    );
+    assert!(trace.sampled(), "the producer's sampling decision holds");
+    assert_eq!(
+        state.as_deref(),
+        Some("rojo=00f067aa0ba902b7"),
+        "tracestate crossed the broker"
+    );
+}

@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 
 use http::{HeaderMap, Request};
 use keel_core::TraceParent;
-use keel_core::trace::TRACEPARENT_HEADER;
+use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceState};
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::Instrument;
@@ -58,19 +58,24 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let context = inbound(request.headers());
+        let (context, state) = inbound(request.headers());
         let span = tracing::debug_span!(
             "grpc.server",
             rpc.method = %request.uri().path(),
             trace_id = %context.trace_id_hex(),
         );
         let call = self.inner.call(request);
-        Box::pin(context.scope(call).instrument(span))
+        Box::pin(
+            context
+                .scope(TraceState::scope_option(state, call))
+                .instrument(span),
+        )
     }
 }
 
-/// The handler's trace context: a child of the caller's, or a new root.
-fn inbound(headers: &HeaderMap) -> TraceParent {
+/// The handler's trace context: a child of the caller's, with its
+/// `tracestate` (dropped whole if invalid), or a new root without one.
+fn inbound(headers: &HeaderMap) -> (TraceParent, Option<TraceState>) {
     let mut values = headers.get_all(TRACEPARENT_HEADER).iter();
     let parsed = match (values.next(), values.next()) {
         (Some(value), None) => value
@@ -84,7 +89,14 @@ fn inbound(headers: &HeaderMap) -> TraceParent {
             .increment(1);
         tracing::debug!("malformed or repeated traceparent ignored: a new trace starts");
     }
-    parsed.map_or_else(TraceParent::new_root, |caller| caller.child())
+    match parsed {
+        Some(caller) => {
+            let values = headers.get_all(TRACESTATE_HEADER).iter();
+            let state = TraceState::from_raw(values.map(|v| v.to_str().ok()));
+            (caller.child(), state)
+        }
+        None => (TraceParent::new_root(), None),
+    }
 }
 
 #[cfg(test)]
@@ -97,7 +109,9 @@ mod tests {
     fn a_valid_caller_is_continued_and_anything_else_starts_anew() {
         let mut map = HeaderMap::new();
         map.insert(TRACEPARENT_HEADER, CALLER.parse().unwrap());
-        let child = inbound(&map);
+        map.insert(TRACESTATE_HEADER, "rojo=1".parse().unwrap());
+        let (child, state) = inbound(&map);
+        assert_eq!(state.unwrap().as_str(), "rojo=1");
         assert_eq!(child.trace_id_hex(), "0af7651916cd43dd8448eb211c80319c");
         for bad in [
             "00-xyz",
@@ -105,14 +119,14 @@ mod tests {
         ] {
             let mut map = HeaderMap::new();
             map.insert(TRACEPARENT_HEADER, bad.parse().unwrap());
-            assert_ne!(
-                inbound(&map).trace_id_hex(),
-                "0af7651916cd43dd8448eb211c80319c"
-            );
+            map.insert(TRACESTATE_HEADER, "rojo=1".parse().unwrap());
+            let (fresh, state) = inbound(&map);
+            assert_eq!(state, None, "no tracestate without its traceparent");
+            assert_ne!(fresh.trace_id_hex(), "0af7651916cd43dd8448eb211c80319c");
         }
         let mut twice = HeaderMap::new();
         twice.append(TRACEPARENT_HEADER, CALLER.parse().unwrap());
         twice.append(TRACEPARENT_HEADER, CALLER.parse().unwrap());
-        assert_ne!(inbound(&twice).trace_id_hex(), child.trace_id_hex());
+        assert_ne!(inbound(&twice).0.trace_id_hex(), child.trace_id_hex());
     }
 }

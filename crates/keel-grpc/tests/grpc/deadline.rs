@@ -31,10 +31,21 @@ async fn the_callers_deadline_crosses_the_wire_and_the_server_sees_it_tightened(
     let mut client = HealthClient::new(channel);
 
     let caller = TraceParent::new_root();
-    let response = caller
-        .scope(Deadline::after(Duration::from_millis(800)).scope(client.check(ask("echo"))))
-        .await
+    let vendors = keel_core::trace::TraceState::from_values(["rojo=00f067aa0ba902b7"])
+        .unwrap()
         .unwrap();
+    let response =
+        caller
+            .scope(vendors.scope(
+                Deadline::after(Duration::from_millis(800)).scope(client.check(ask("echo"))),
+            ))
+            .await
+            .unwrap();
+    assert_eq!(
+        response.metadata().get("x-tracestate").unwrap(),
+        "rojo=00f067aa0ba902b7",
+        "the tracestate crossed the wire"
+    );
     let left = remaining_ms(&response);
     assert!((500..800).contains(&left), "the server saw {left} ms left");
     assert_eq!(

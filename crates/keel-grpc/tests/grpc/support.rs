@@ -66,6 +66,10 @@ impl Health for Scripted {
                     let id = MetadataValue::try_from(trace.trace_id_hex()).unwrap();
                     response.metadata_mut().insert("x-trace-id", id);
                 }
+                if let Some(state) = keel_core::trace::TraceState::current() {
+                    let state = MetadataValue::try_from(state.as_str()).unwrap();
+                    response.metadata_mut().insert("x-tracestate", state);
+                }
             }
             "slow" => tokio::time::sleep(Duration::from_secs(2)).await,
             // Slow on its first call only: what a hedge is for.

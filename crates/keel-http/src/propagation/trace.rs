@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use axum::response::IntoResponse;
-use keel_core::trace::TRACEPARENT_HEADER;
+use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceState};
 use keel_core::{BoxError, TraceParent};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -121,8 +121,14 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // A tracestate only means something beside the traceparent it
+        // came with (W3C): a new trace starts without one.
+        let mut state = None;
         let span = match incoming(request.headers()) {
-            Ok(Some(parent)) => parent.child(),
+            Ok(Some(parent)) => {
+                state = incoming_state(request.headers());
+                parent.child()
+            }
             Ok(None) => TraceParent::new_root(),
             Err(detail) if self.lenient => {
                 tracing::debug!(%detail, "malformed traceparent ignored: new trace started");
@@ -145,7 +151,9 @@ where
         );
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let handler = span.scope(async move { inner.call(request).await });
+        let handler = span.scope(TraceState::scope_option(state, async move {
+            inner.call(request).await
+        }));
         ResponseFuture::new(
             async move {
                 let mut response = handler.await?.map(Body::new);
@@ -161,6 +169,12 @@ where
             .instrument(log_span),
         )
     }
+}
+
+/// The caller's `tracestate`, or none if absent or invalid (dropped whole).
+fn incoming_state(headers: &HeaderMap) -> Option<TraceState> {
+    let values = headers.get_all(TRACESTATE_HEADER).iter();
+    TraceState::from_raw(values.map(|v| v.to_str().ok()))
 }
 
 /// The caller's trace context: none without a header; an error (the

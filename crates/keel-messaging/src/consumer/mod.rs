@@ -95,6 +95,7 @@ mod handler;
 mod options;
 mod process;
 mod runtime;
+mod trace;
 
 #[cfg(test)]
 pub(crate) mod testing;

@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use keel_core::{Deadline, TraceParent, clock};
+use keel_core::{Deadline, clock};
+use tracing::Instrument;
 
 use super::handler::{DeliveryInfo, Disposition, Handler, HandlerError};
 use super::options::ConsumerOptions;
+use super::trace::{ProducerLink, in_context};
 use crate::broker::{BrokerError, Delivery, Message, header};
 use crate::dead_letter::{self, kind};
 use crate::envelope::{Envelope, EnvelopeError};
@@ -121,14 +123,17 @@ impl<S: Store + ConsumerStore> Processor<S> {
             Err(settled) => return settled,
         };
         let msg = &delivery.message;
-        let trace = ready
+        let producer = ready
             .envelope
             .trace_parent()
-            .or_else(|| msg.header(header::TRACEPARENT)?.parse().ok())
-            .map_or_else(TraceParent::new_root, |tp| tp.child());
+            .or_else(|| msg.header(header::TRACEPARENT)?.parse().ok());
+        let context = ProducerLink::new(producer, &ready.envelope, msg);
+        let span = context.span(route, msg);
         let attempt = self.attempt(route, ready.handler, &ready.envelope, &ready.info);
         let attempt = keep_lease(delivery, &self.options, attempt);
-        let result = in_context(trace, ready.deadline, attempt).await;
+        let result = in_context(context, ready.deadline, attempt)
+            .instrument(span)
+            .await;
         self.conclude(route, delivery, &ready.info, result).await
     }
 
@@ -519,18 +524,6 @@ async fn keep_lease<F: Future>(
                 }
             }
         }
-    }
-}
-
-/// Runs `fut` under the message's trace context and deadline.
-async fn in_context<F: Future>(
-    trace: TraceParent,
-    deadline: Option<Deadline>,
-    fut: F,
-) -> F::Output {
-    match deadline {
-        Some(d) => trace.scope(d.scope(fut)).await,
-        None => trace.scope(fut).await,
     }
 }
 

@@ -243,6 +243,9 @@ fn headers_for(envelope: &Envelope) -> Headers {
     if let Some(tp) = &envelope.traceparent {
         headers.insert(header::TRACEPARENT.to_owned(), tp.clone());
     }
+    if let Some(state) = &envelope.tracestate {
+        headers.insert(header::TRACESTATE.to_owned(), state.clone());
+    }
     headers
 }
 

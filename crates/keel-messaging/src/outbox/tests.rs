@@ -43,6 +43,7 @@ fn the_record_carries_event_id_key_and_trace() {
     let outbox = Outbox::new(MemStore::default());
     let mut env = event("A-4471");
     env.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
+    env.tracestate = Some("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE".into());
     let record = outbox.record(TOPIC, &env).unwrap();
     assert_eq!(record.event_id, env.id, "event id on the row");
     assert_eq!(
@@ -57,6 +58,7 @@ fn the_record_carries_event_id_key_and_trace() {
         "and on the message"
     );
     assert_eq!(msg.header(header::TRACEPARENT), env.traceparent.as_deref());
+    assert_eq!(msg.header(header::TRACESTATE), env.tracestate.as_deref());
     assert_eq!(msg.header(header::EVENT_TYPE), Some("shop.order.placed.v1"));
     assert_eq!(Envelope::from_json(&msg.payload).unwrap(), env);
 }
