@@ -93,22 +93,11 @@ where
         if *this.done {
             return Poll::Ready(None);
         }
-        let end = |done: &mut bool, status: Status| {
+        let end = |done: &mut bool, why: &'static str, status: Status| {
             *done = true;
+            count(why);
             Poll::Ready(Some(Ok(Frame::trailers(trailers(&status)))))
         };
-        if this.deadline.is_some_and(|d| d.is_expired()) {
-            count("deadline");
-            return end(this.done, deadline_passed_mid_stream());
-        }
-        if this
-            .drain
-            .as_ref()
-            .is_some_and(|d| d.phase() >= Phase::Closing)
-        {
-            count("drain");
-            return end(this.done, draining());
-        }
         let inner = this.inner;
         let polled = match this.deadline {
             Some(deadline) => deadline.sync_scope(|| inner.poll_frame(cx)),
@@ -119,20 +108,37 @@ where
                 *this.done = true;
                 Poll::Ready(None)
             }
-            Poll::Ready(Some(frame)) => {
-                if frame.as_ref().is_ok_and(Frame::is_trailers) {
-                    *this.done = true;
-                }
-                Poll::Ready(Some(frame.map_err(Into::into)))
+            // The call ended on its own: its status goes through as it is.
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => {
+                *this.done = true;
+                Poll::Ready(Some(Ok(frame)))
             }
+            // A message ready after the deadline or the drain is not sent:
+            // the stream ends before it (a resuming client asks for it
+            // again). Checked here, not only on `Pending`, so a stream that
+            // is always ready is cut too; a unary answer that was ready in
+            // time goes out whole.
+            Poll::Ready(Some(Ok(frame))) => {
+                if this.deadline.is_some_and(|d| d.is_expired()) {
+                    return end(this.done, "deadline", deadline_passed_mid_stream());
+                }
+                if this
+                    .drain
+                    .as_ref()
+                    .is_some_and(|d| d.phase() >= Phase::Closing)
+                {
+                    return end(this.done, "drain", draining());
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(err))) => Poll::Ready(Some(Err(err.into()))),
             Poll::Pending => {
                 if let Some(deadline) = this.deadline {
                     let sleep = this.sleep.get_or_insert_with(|| {
                         Box::pin(tokio::time::sleep_until(deadline.instant()))
                     });
                     if sleep.as_mut().poll(cx).is_ready() {
-                        count("deadline");
-                        return end(this.done, deadline_passed_mid_stream());
+                        return end(this.done, "deadline", deadline_passed_mid_stream());
                     }
                 }
                 if let Some(drain) = this.drain {
@@ -140,8 +146,7 @@ where
                         .closing
                         .get_or_insert_with(|| Box::pin(drain.closing()));
                     ready!(closing.as_mut().poll(cx));
-                    count("drain");
-                    return end(this.done, draining());
+                    return end(this.done, "drain", draining());
                 }
                 Poll::Pending
             }
@@ -163,4 +168,70 @@ where
 
 fn count(why: &'static str) {
     metrics::counter!("keel_grpc_streams_ended_total", "why" => why).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::time::Duration;
+
+    use http_body_util::{BodyExt, StreamBody};
+
+    use super::*;
+
+    type Frames = Vec<Result<Frame<Bytes>, Infallible>>;
+
+    fn ok_trailers() -> Frame<Bytes> {
+        let mut map = HeaderMap::new();
+        map.insert(Status::GRPC_STATUS, 0.into());
+        Frame::trailers(map)
+    }
+
+    fn status_of(frame: &Frame<Bytes>) -> Option<i32> {
+        let value = frame.trailers_ref()?.get(Status::GRPC_STATUS)?;
+        value.to_str().ok()?.parse().ok()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_ended_on_its_own_keeps_its_status_even_after_the_deadline() {
+        let frames: Frames = vec![Ok(ok_trailers())];
+        let deadline = Deadline::after(Duration::from_millis(10));
+        tokio::time::advance(Duration::from_millis(20)).await;
+        let mut body = Ending::new(
+            StreamBody::new(futures_util::stream::iter(frames)),
+            Some(deadline),
+            None,
+        );
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(status_of(&frame), Some(0));
+        assert!(body.frame().await.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_is_always_ready_is_cut_at_its_deadline() {
+        let endless = futures_util::stream::repeat_with(|| {
+            Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"\0\0\0\0\x01x")))
+        });
+        let deadline = Deadline::after(Duration::from_millis(50));
+        let mut body = Ending::new(StreamBody::new(endless), Some(deadline), None);
+        for _ in 0..3 {
+            assert!(body.frame().await.unwrap().unwrap().is_data());
+        }
+        tokio::time::advance(Duration::from_millis(60)).await;
+        let last = body.frame().await.unwrap().unwrap();
+        assert_eq!(status_of(&last), Some(tonic::Code::DeadlineExceeded as i32));
+        assert!(body.frame().await.is_none(), "nothing after the status");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quiet_stream_ends_at_the_drain_with_unavailable() {
+        let drain = Drain::builder().lb_notice(Duration::ZERO).build().unwrap();
+        let quiet = futures_util::stream::pending::<Result<Frame<Bytes>, Infallible>>();
+        let mut body = Ending::new(StreamBody::new(quiet), None, Some(drain.clone()));
+        let waiting = tokio::spawn(async move { body.frame().await.map(|f| f.unwrap()) });
+        tokio::task::yield_now().await;
+        drain.trigger();
+        let last = waiting.await.unwrap().unwrap();
+        assert_eq!(status_of(&last), Some(tonic::Code::Unavailable as i32));
+    }
 }
