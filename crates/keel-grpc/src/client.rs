@@ -192,11 +192,15 @@ fn send_timeout<B>(
     deadline: Deadline,
     min: Duration,
 ) -> Result<(), Status> {
-    let left = deadline.check_start(min).map_err(|_| {
-        Status::deadline_exceeded(format!(
+    let left = deadline.check_start(min).map_err(|refusal| {
+        let mut status = Status::deadline_exceeded(format!(
             "{:?} left before the deadline, no more than the {min:?} a call needs: not sent",
             deadline.remaining()
-        ))
+        ));
+        // The refusal stays findable: the call never left, so a saga or a
+        // retry does not count it as an attempt.
+        status.set_source(std::sync::Arc::new(refusal));
+        status
     })?;
     let already = request
         .headers()
@@ -245,6 +249,12 @@ mod tests {
         let nearly = Deadline::after(Duration::from_millis(40));
         let refused = send_timeout(&mut Request::new(()), nearly, MIN_TIME_TO_START).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::DeadlineExceeded);
+        let refused = crate::GrpcCallError::from(refused);
+        assert_eq!(
+            keel_core::Classify::class(&refused),
+            keel_core::ErrorClass::Rejected,
+            "never sent: a refusal, not an outcome unknown"
+        );
     }
 
     #[test]

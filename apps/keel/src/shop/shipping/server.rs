@@ -61,6 +61,20 @@ fn required<'a>(value: &'a str, field: &str) -> Result<&'a str, Status> {
     Ok(value)
 }
 
+/// A store failure, answered without its text (it names tables and
+/// hosts): `UNAVAILABLE`, retry in a second, with the same request id.
+fn store_unavailable(err: keel_messaging::StoreError) -> Status {
+    tracing::warn!(error = %err, "shipping's store failed");
+    let mut status = Status::unavailable(
+        "shipping's store is unavailable; nothing was scheduled, retry with the same request_id",
+    );
+    status.metadata_mut().insert(
+        keel_grpc::status::RETRY_PUSHBACK_KEY,
+        tonic::metadata::MetadataValue::from(1_000_u64),
+    );
+    status
+}
+
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -78,7 +92,7 @@ impl<S: ShopDb> Shipping for ShippingService<S> {
         self.db
             .record_effect(key, order_id, "schedule_shipment")
             .await
-            .map_err(|err| keel_grpc::status::from_error(&keel_core::Classified::retryable(err)))?;
+            .map_err(store_unavailable)?;
         let (shipment, created) = self.shipments.create(order_id, self.pace);
         metrics::counter!("keel_shop_shipments_total", "created" => if created { "new" } else { "again" })
             .increment(1);
@@ -237,6 +251,14 @@ impl Watch {
                 self.next += 1;
                 self.done = event.status() == ShipmentStatus::Delivered;
                 return Some((Ok(event), self));
+            }
+            // Asked to resume at or past the delivery: nothing more comes.
+            if self
+                .shipments
+                .get(&self.id)
+                .is_some_and(|s| s.status() == ShipmentStatus::Delivered)
+            {
+                return None;
             }
             // The log lives as long as the service: a closed channel means
             // the service is going away, and the stream ends with it.

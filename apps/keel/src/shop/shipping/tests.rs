@@ -302,3 +302,46 @@ async fn stopping_shipping_ends_open_streams_with_a_status_to_resume_from() {
     assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
     drop(send);
 }
+
+#[tokio::test]
+async fn a_watch_resumed_at_the_delivery_ends_at_once() {
+    let fast = CourierPace {
+        to_transit: Duration::from_millis(10),
+        to_delivered: Duration::from_millis(10),
+    };
+    let Running {
+        mut client, _stop, ..
+    } = start(fast).await;
+    let id = client
+        .create_shipment(create("o-7", "o-7:schedule_shipment"))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let delivered = loop {
+        let now = client
+            .get_shipment(GetShipmentRequest { id: id.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        if now.status() == shipment::Status::Delivered {
+            break now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    for after in [delivered.last_sequence, delivered.last_sequence + 5] {
+        let mut stream = client
+            .watch_shipment(WatchShipmentRequest {
+                id: id.clone(),
+                after_sequence: after,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let end = tokio::time::timeout(Duration::from_secs(1), stream.message()).await;
+        assert!(
+            matches!(end, Ok(Ok(None))),
+            "after {after}: nothing more will come, so the stream ends: {end:?}"
+        );
+    }
+}
