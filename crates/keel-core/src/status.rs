@@ -28,7 +28,33 @@
 //! assert_eq!(GrpcCode::DeadlineExceeded.class(), ErrorClass::OutcomeUnknown);
 //! ```
 
+use std::time::Duration;
+
 use crate::{ErrorClass, Rejected};
+
+/// The header (or trailer) carrying a gRPC call's status code.
+pub const GRPC_STATUS_HEADER: &str = "grpc-status";
+
+/// The metadata a server uses to say when to retry, in milliseconds
+/// (gRFC A6). A client retries no sooner; a value that is not a number
+/// means "do not retry".
+pub const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
+
+/// A `grpc-retry-pushback-ms` value as a delay; `None` for one that is not
+/// a number of milliseconds, which gRFC A6 reads as "do not retry".
+pub fn parse_retry_pushback(value: &[u8]) -> Option<Duration> {
+    let ms = std::str::from_utf8(value)
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(Duration::from_millis(ms))
+}
+
+/// A delay as a `grpc-retry-pushback-ms` value: whole milliseconds.
+pub fn format_retry_pushback(after: Duration) -> u64 {
+    u64::try_from(after.as_millis()).unwrap_or(u64::MAX)
+}
 
 /// A gRPC status code, as numbered by the gRPC specification
 /// (`google.rpc.Code`).
@@ -180,6 +206,16 @@ mod tests {
         }
         assert_eq!(GrpcCode::from_header(b"fourteen"), GrpcCode::Unknown);
         assert_eq!(GrpcCode::from_header(b"\xff"), GrpcCode::Unknown);
+    }
+
+    #[test]
+    fn a_pushback_round_trips_and_a_bad_one_reads_as_none() {
+        let after = Duration::from_millis(250);
+        let text = format_retry_pushback(after).to_string();
+        assert_eq!(parse_retry_pushback(text.as_bytes()), Some(after));
+        for bad in [&b"never"[..], b"-1", b"1.5", b"\xff"] {
+            assert_eq!(parse_retry_pushback(bad), None);
+        }
     }
 
     #[test]

@@ -14,13 +14,13 @@ use std::time::Duration;
 use keel_core::error::{causes, report};
 use keel_core::status::{GrpcCode, grpc_code};
 use keel_core::{Classify, ErrorClass, Rejected};
-use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
 /// The metadata key a server uses to say when to retry, in milliseconds
 /// (gRFC A6). A client retries no sooner; a value that is not a number
 /// means "do not retry".
-pub const RETRY_PUSHBACK_KEY: &str = "grpc-retry-pushback-ms";
+pub const RETRY_PUSHBACK_KEY: &str = keel_core::status::RETRY_PUSHBACK_HEADER;
 
 /// The status for a policy's refusal: its code from
 /// [`keel_core::status::grpc_code`], its message saying what to do, and
@@ -37,12 +37,20 @@ pub const RETRY_PUSHBACK_KEY: &str = "grpc-retry-pushback-ms";
 /// assert_eq!(retry_pushback(&status), Some(Duration::from_millis(1500)));
 /// ```
 pub fn from_rejected(rejected: &Rejected) -> Status {
-    let mut metadata = MetadataMap::new();
+    let mut status = Status::new(code(grpc_code(rejected)), rejected.to_string());
     if let Some(after) = rejected.retry_after() {
-        let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
-        metadata.insert(RETRY_PUSHBACK_KEY, MetadataValue::from(ms));
+        set_retry_pushback(&mut status, after);
     }
-    Status::with_metadata(code(grpc_code(rejected)), rejected.to_string(), metadata)
+    status
+}
+
+/// Tells the caller to retry no sooner than `after`
+/// (`grpc-retry-pushback-ms`).
+pub fn set_retry_pushback(status: &mut Status, after: Duration) {
+    let ms = keel_core::status::format_retry_pushback(after);
+    status
+        .metadata_mut()
+        .insert(RETRY_PUSHBACK_KEY, MetadataValue::from(ms));
 }
 
 /// The status for any error, the one conversion a gRPC handler or client
@@ -98,10 +106,7 @@ pub fn from_error(err: &(dyn StdError + 'static)) -> Status {
     }
     let mut status = Status::new(code(GrpcCode::for_class(class)), report(err));
     if let Some(after) = keel_core::error::retry_after(err) {
-        let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
-        status
-            .metadata_mut()
-            .insert(RETRY_PUSHBACK_KEY, MetadataValue::from(ms));
+        set_retry_pushback(&mut status, after);
     }
     status
 }
@@ -115,8 +120,7 @@ pub fn class_of(status: &Status) -> ErrorClass {
 /// The retry pushback a status carries, if it carries a valid one.
 pub fn retry_pushback(status: &Status) -> Option<Duration> {
     let value = status.metadata().get(RETRY_PUSHBACK_KEY)?;
-    let ms = value.to_str().ok()?.trim().parse::<u64>().ok()?;
-    Some(Duration::from_millis(ms))
+    keel_core::status::parse_retry_pushback(value.as_encoded_bytes())
 }
 
 /// Whether a status's pushback says "do not retry": present, but not a

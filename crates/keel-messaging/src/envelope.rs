@@ -274,9 +274,7 @@ impl Envelope {
     /// The trace state carried by the event, if valid (an invalid one is
     /// dropped, as the W3C specification asks).
     pub fn trace_state(&self) -> Option<keel_core::trace::TraceState> {
-        keel_core::trace::TraceState::from_values([self.tracestate.as_deref()?])
-            .ok()
-            .flatten()
+        keel_core::trace::TraceState::from_raw([self.tracestate.as_deref()])
     }
 
     /// Encodes in structured mode (`application/cloudevents+json`), refusing

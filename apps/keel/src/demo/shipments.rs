@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use keel_core::Deadline;
-use keel_grpc::client::PropagationLayer;
-use tonic::transport::Endpoint;
+use keel_grpc::client::{Propagation, PropagationLayer};
+use tonic::transport::{Channel, Endpoint};
 
 use crate::shop::shipping::pb::shipment::Status;
 use crate::shop::shipping::pb::shipping_client::ShippingClient;
@@ -54,17 +54,10 @@ pub async fn run(shipping_grpc: &str, order_ids: &[String]) -> anyhow::Result<Wa
         .await
 }
 
-async fn watch<S>(
-    client: &mut ShippingClient<S>,
-    order_id: &str,
-    id: &str,
-) -> anyhow::Result<WatchOutcome>
-where
-    S: tonic::client::GrpcService<tonic::body::Body>,
-    S::Error: Into<tonic::codegen::StdError>,
-    S::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
-    <S::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
-{
+/// The demo's client: tonic's channel under Keel's propagation layer.
+type Client = ShippingClient<Propagation<Channel>>;
+
+async fn watch(client: &mut Client, order_id: &str, id: &str) -> anyhow::Result<WatchOutcome> {
     let request = |after| WatchShipmentRequest {
         id: id.to_owned(),
         after_sequence: after,

@@ -23,11 +23,9 @@ pub(super) struct ProducerLink {
 
 impl ProducerLink {
     pub(super) fn new(producer: Option<TraceParent>, envelope: &Envelope, msg: &Message) -> Self {
-        let state = envelope.trace_state().or_else(|| {
-            TraceState::from_values([msg.header(header::TRACESTATE)?])
-                .ok()
-                .flatten()
-        });
+        let state = envelope
+            .trace_state()
+            .or_else(|| TraceState::from_raw([msg.header(header::TRACESTATE)]));
         Self {
             own: producer.map_or_else(TraceParent::new_root, |p| p.linked_root()),
             producer,

@@ -99,7 +99,9 @@ pub struct GrpcStatus;
 impl GrpcStatus {
     /// The gRPC code in a response head, if the call ended in it.
     pub fn code<B>(response: &http::Response<B>) -> Option<keel_core::status::GrpcCode> {
-        let value = response.headers().get("grpc-status")?;
+        let value = response
+            .headers()
+            .get(keel_core::status::GRPC_STATUS_HEADER)?;
         Some(keel_core::status::GrpcCode::from_header(value.as_bytes()))
     }
 }

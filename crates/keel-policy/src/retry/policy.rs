@@ -135,25 +135,21 @@ pub fn http_verdict<B>(response: &http::Response<B>) -> Verdict {
 /// ```
 #[cfg(feature = "http")]
 pub fn grpc_verdict<B>(response: &http::Response<B>) -> Verdict {
-    use keel_core::status::GrpcCode;
+    use keel_core::status::{GRPC_STATUS_HEADER, GrpcCode, RETRY_PUSHBACK_HEADER};
     if response.status() != http::StatusCode::OK {
         return http_verdict(response);
     }
-    let Some(status) = response.headers().get("grpc-status") else {
+    let Some(status) = response.headers().get(GRPC_STATUS_HEADER) else {
         return Verdict::Accept;
     };
     let code = GrpcCode::from_header(status.as_bytes());
     if code == GrpcCode::Ok {
         return Verdict::Accept;
     }
-    let after = match response.headers().get("grpc-retry-pushback-ms") {
+    let after = match response.headers().get(RETRY_PUSHBACK_HEADER) {
         None => None,
-        Some(value) => match value
-            .to_str()
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-        {
-            Some(ms) => Some(Duration::from_millis(ms)),
+        Some(value) => match keel_core::status::parse_retry_pushback(value.as_bytes()) {
+            Some(after) => Some(after),
             None => return Verdict::Accept,
         },
     };

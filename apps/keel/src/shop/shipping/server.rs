@@ -68,10 +68,7 @@ fn store_unavailable(err: keel_messaging::StoreError) -> Status {
     let mut status = Status::unavailable(
         "shipping's store is unavailable; nothing was scheduled, retry with the same request_id",
     );
-    status.metadata_mut().insert(
-        keel_grpc::status::RETRY_PUSHBACK_KEY,
-        tonic::metadata::MetadataValue::from(1_000_u64),
-    );
+    keel_grpc::status::set_retry_pushback(&mut status, Duration::from_secs(1));
     status
 }
 

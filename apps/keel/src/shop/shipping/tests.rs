@@ -57,6 +57,16 @@ fn scan(shipment: &str, id: &str) -> Scan {
     }
 }
 
+/// Ships `order` under its saga step's key; the shipment's id.
+async fn ship(client: &mut ShippingClient<Channel>, order: &str) -> String {
+    client
+        .create_shipment(create(order, &format!("{order}:schedule_shipment")))
+        .await
+        .unwrap()
+        .into_inner()
+        .id
+}
+
 /// A shipment for `order`, and a `Sync` call open on it: the sender of
 /// client messages and the server's stream.
 async fn shipment_in_sync(
@@ -67,12 +77,7 @@ async fn shipment_in_sync(
     tokio::sync::mpsc::Sender<ClientMsg>,
     tonic::Streaming<super::pb::ServerMsg>,
 ) {
-    let id = client
-        .create_shipment(create(order, &format!("{order}:schedule_shipment")))
-        .await
-        .unwrap()
-        .into_inner()
-        .id;
+    let id = ship(client, order).await;
     let (send, outgoing) = tokio::sync::mpsc::channel(8);
     let incoming = client
         .sync(tokio_stream::wrappers::ReceiverStream::new(outgoing))
@@ -152,12 +157,7 @@ async fn uploaded_scans_are_summarised_once_the_client_stream_ends() {
     let Running {
         mut client, _stop, ..
     } = start(SLOW).await;
-    let id = client
-        .create_shipment(create("o-2", "o-2:schedule_shipment"))
-        .await
-        .unwrap()
-        .into_inner()
-        .id;
+    let id = ship(&mut client, "o-2").await;
     let scans = vec![
         scan(&id, "a"),
         scan(&id, "b"),
@@ -312,12 +312,7 @@ async fn a_watch_resumed_at_the_delivery_ends_at_once() {
     let Running {
         mut client, _stop, ..
     } = start(fast).await;
-    let id = client
-        .create_shipment(create("o-7", "o-7:schedule_shipment"))
-        .await
-        .unwrap()
-        .into_inner()
-        .id;
+    let id = ship(&mut client, "o-7").await;
     let delivered = loop {
         let now = client
             .get_shipment(GetShipmentRequest { id: id.clone() })
