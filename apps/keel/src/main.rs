@@ -106,6 +106,11 @@ fn init_tracing(default: &str) {
         .try_init();
 }
 
+/// `keel serve`'s logs and span export, as its settings ask.
+fn serve_telemetry(args: &serve::ServeArgs) -> anyhow::Result<keel_otel::Telemetry> {
+    Ok(args.telemetry()?.install()?)
+}
+
 async fn demo_command(args: DemoArgs) -> anyhow::Result<bool> {
     let backend = keel::backend::demo_backend(
         &args.backend,
@@ -144,8 +149,9 @@ async fn chaos_command(args: ChaosArgs) -> anyhow::Result<bool> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut telemetry = None;
     // The demo's table is the output; logs only when asked for (KEEL_LOG).
-    match cli.command {
+    match &cli.command {
         // Chaos installs its own subscriber: it watches keel-messaging's
         // events to see its failpoints fire.
         #[cfg(feature = "chaos")]
@@ -153,7 +159,13 @@ fn main() -> ExitCode {
             chaos::init_tracing("off");
         }
         Command::Demo(_) => init_tracing("off"),
-        Command::Serve(_) => init_tracing("info"),
+        Command::Serve(args) => match serve_telemetry(args) {
+            Ok(installed) => telemetry = Some(installed),
+            Err(e) => {
+                eprintln!("keel: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        },
         _ => init_tracing("warn"),
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -184,6 +196,11 @@ fn main() -> ExitCode {
             }
         }
     });
+    // Outside the runtime: the last spans are exported, or dropped after
+    // the export timeout.
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(2),

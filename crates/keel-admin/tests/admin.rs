@@ -289,6 +289,7 @@ impl World {
             event_id: "evt_1".to_owned(),
             event_type: "order.placed".to_owned(),
             payload: "{}".into(),
+            traceparent: None,
         };
         self.store
             .webhook_enqueue(&mut tx, &[message], now)

@@ -8,6 +8,7 @@ use keel_core::deadline::{DEADLINE_HEADER, MIN_TIME_TO_START};
 use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceState};
 use keel_core::{Deadline, Rejected, TraceParent};
 use keel_policy::chaos::{ChaosExperiment, EXPERIMENT_HEADER};
+use tracing::Instrument as _;
 
 use crate::dependency::DependencyBuilder;
 use crate::error::{HttpCallError, parse_retry_after};
@@ -164,7 +165,13 @@ impl PropagatingClient {
         }
         *request.timeout_mut() = Some(allowed);
         let deadline = Deadline::after(allowed).min_with(current);
-        let span = TraceParent::current().map_or_else(TraceParent::new_root, |t| t.child());
+        let client_span = client_span(&request);
+        let state = TraceState::current();
+        let span = keel_core::trace::span::child(
+            &client_span,
+            TraceParent::current().as_ref(),
+            state.as_ref(),
+        );
         let headers = request.headers_mut();
         if let Ok(value) = HeaderValue::from_str(&deadline.to_header_value()) {
             headers.insert(DEADLINE_HEADER, value);
@@ -172,7 +179,7 @@ impl PropagatingClient {
         if let Ok(value) = HeaderValue::from_str(&span.to_string()) {
             headers.insert(TRACEPARENT_HEADER, value);
         }
-        if let Some(state) = TraceState::current()
+        if let Some(state) = state
             && let Ok(value) = HeaderValue::from_str(state.as_str())
         {
             headers.insert(TRACESTATE_HEADER, value);
@@ -183,15 +190,27 @@ impl PropagatingClient {
         {
             headers.insert(EXPERIMENT_HEADER, value);
         }
-        let url = request.url().clone();
-        let response = self
-            .client
-            .for_call()
-            .execute(request)
+        self.transmit(request, allowed)
+            .instrument(client_span)
             .await
-            .map_err(|source| HttpCallError::from_reqwest(source, allowed))?;
+    }
+
+    async fn transmit(
+        &self,
+        request: reqwest::Request,
+        allowed: Duration,
+    ) -> Result<reqwest::Response, HttpCallError> {
+        let url = request.url().clone();
+        let sent = self.client.for_call().execute(request).await;
+        let response = sent.map_err(|source| {
+            tracing::Span::current().record("otel.status_code", "ERROR");
+            HttpCallError::from_reqwest(source, allowed)
+        })?;
         let status = response.status();
+        let span = tracing::Span::current();
+        span.record("http.response.status_code", i64::from(status.as_u16()));
         if status.is_client_error() || status.is_server_error() {
+            span.record("otel.status_code", "ERROR");
             let retry_after = parse_retry_after(response.headers());
             let body = body_excerpt(response).await;
             tracing::debug!(%url, %status, ?retry_after, "dependency answered with an error status");
@@ -204,6 +223,24 @@ impl PropagatingClient {
         }
         Ok(response)
     }
+}
+
+/// The client span, with the OpenTelemetry HTTP client conventions
+/// attributes.
+fn client_span(request: &reqwest::Request) -> tracing::Span {
+    let method = request.method().as_str();
+    let url = request.url();
+    tracing::info_span!(
+        "http.client",
+        otel.name = %method,
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+        "http.request.method" = %method,
+        "server.address" = url.host_str().unwrap_or_default(),
+        "server.port" = i64::from(url.port_or_known_default().unwrap_or_default()),
+        "url.full" = %url,
+        "http.response.status_code" = tracing::field::Empty,
+    )
 }
 
 /// The start of a response body, at most [`ERROR_BODY_LIMIT`] bytes; what

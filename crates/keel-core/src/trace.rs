@@ -16,6 +16,7 @@
 //! assert!("00-00000000000000000000000000000000-00f067aa0ba902b7-01".parse::<TraceParent>().is_err());
 //! ```
 
+pub mod span;
 mod state;
 
 pub use state::{InvalidTraceState, MAX_LEN, MAX_MEMBERS, TRACESTATE_HEADER, TraceState};
@@ -135,6 +136,30 @@ impl TraceParent {
     /// Runs `fut` with this trace context as the current one.
     pub fn scope<F: Future>(self, fut: F) -> impl Future<Output = F::Output> {
         CURRENT.scope(self, fut)
+    }
+}
+
+/// `fut` carrying the running task's trace context (`traceparent`,
+/// `tracestate` and the `tracing` span), for work a request hands to a
+/// task of its own: a spawned task starts with none, and what it writes
+/// (an outbox row, a log line) would fall out of the request's trace.
+///
+/// ```
+/// # async fn demo() {
+/// let work = keel_core::trace::carried(async { keel_core::TraceParent::current() });
+/// let _ = tokio::spawn(work).await;
+/// # }
+/// ```
+pub fn carried<F: Future>(fut: F) -> impl Future<Output = F::Output> {
+    use tracing::Instrument as _;
+    let parent = TraceParent::current();
+    let state = TraceState::current();
+    let fut = TraceState::scope_option(state, fut).instrument(tracing::Span::current());
+    async move {
+        match parent {
+            Some(parent) => parent.scope(fut).await,
+            None => fut.await,
+        }
     }
 }
 

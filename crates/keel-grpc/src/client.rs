@@ -62,6 +62,7 @@ use tonic::Status;
 use tonic::body::Body;
 use tower_layer::Layer;
 use tower_service::Service;
+use tracing::Instrument as _;
 
 use crate::body::Ending;
 
@@ -152,17 +153,23 @@ where
             count("too_late_to_send");
             return Box::pin(std::future::ready(Err(status)));
         }
-        let span = TraceParent::current().map_or_else(TraceParent::new_root, |t| t.child());
+        let client_span = crate::span::rpc(request.uri().path(), "client");
+        let state = TraceState::current();
+        let span = keel_core::trace::span::child(
+            &client_span,
+            TraceParent::current().as_ref(),
+            state.as_ref(),
+        );
         if let Ok(value) = HeaderValue::try_from(span.to_string()) {
             request.headers_mut().insert(TRACEPARENT_HEADER, value);
         }
-        if let Some(state) = TraceState::current()
+        if let Some(state) = state
             && let Ok(value) = HeaderValue::try_from(state.as_str())
         {
             request.headers_mut().insert(TRACESTATE_HEADER, value);
         }
         let call = self.inner.call(request);
-        Box::pin(async move {
+        let answer = async move {
             let answered = match deadline {
                 None => call.await,
                 Some(deadline) => match tokio::time::timeout_at(deadline.instant(), call).await {
@@ -181,7 +188,8 @@ where
                 }
                 Err(err) => Err(as_status(err.into())),
             }
-        })
+        };
+        Box::pin(answer.instrument(client_span))
     }
 }
 

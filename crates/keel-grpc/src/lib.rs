@@ -42,6 +42,7 @@ pub mod health;
 pub mod reflection;
 pub mod replay;
 pub mod server;
+mod span;
 pub mod status;
 
 pub use status::GrpcCallError;

@@ -21,14 +21,14 @@ const DEFAULT_LIMIT: usize = 100;
 
 const COLUMNS: &str = "id, kind, status, step, data, attempts, last_error, \
                        next_attempt_at, created_at, updated_at, version, \
-                       outcome_unknown, first_attempt_at";
+                       outcome_unknown, first_attempt_at, traceparent";
 
 /// Inserts unless the id exists.
 const INSERT_SQL: &str = "\
 INSERT INTO keel_sagas (id, kind, status, step, data, attempts, last_error,
                         next_attempt_at, created_at, updated_at, version,
-                        outcome_unknown, first_attempt_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+                        outcome_unknown, first_attempt_at, traceparent)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 ON CONFLICT (id) DO NOTHING
 RETURNING id";
 
@@ -37,7 +37,7 @@ const SAVE_SQL: &str = "\
 UPDATE keel_sagas
    SET kind = $2, status = $3, step = $4, data = $5, attempts = $6, last_error = $7,
        next_attempt_at = $8, updated_at = $9, version = $11,
-       outcome_unknown = $12, first_attempt_at = $13
+       outcome_unknown = $12, first_attempt_at = $13, traceparent = $14
  WHERE id = $1 AND version = $10
 RETURNING id";
 
@@ -231,6 +231,7 @@ fn record_params<'a>(
         saga.version.into(),
         saga.outcome_unknown.into(),
         saga.first_attempt_at.into(),
+        saga.traceparent.as_deref().into(),
     ]
 }
 
@@ -252,6 +253,7 @@ fn saga_from_row<D: Dialect>(row: &D::Row) -> Result<SagaRecord, StoreError> {
         version: row.int("version")?,
         outcome_unknown: row.flag("outcome_unknown")?,
         first_attempt_at: row.time_opt("first_attempt_at")?,
+        traceparent: row.text_opt("traceparent")?,
     })
 }
 

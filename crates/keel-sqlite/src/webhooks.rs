@@ -47,7 +47,7 @@ candidates AS (
 UPDATE keel_webhook_deliveries SET leased_by = $1, leased_until = $2
  WHERE id IN (SELECT id FROM candidates WHERE slot <= $5 ORDER BY next_attempt_at, id LIMIT $4)
 RETURNING id, endpoint_id, event_id, event_type, payload, status, attempts, next_attempt_at,
-          created_at, updated_at, leased_by, leased_until";
+          created_at, updated_at, leased_by, leased_until, traceparent";
 
 impl WebhookBackend for SqliteStore {
     async fn claim_rows(

@@ -332,7 +332,15 @@ async fn a_published_message_carries_event_id_key_type_and_trace() {
         root.trace_id(),
         "the trace crosses the broker"
     );
-    assert_eq!(Envelope::from_json(&msg.payload).unwrap(), env);
+    let sent = Envelope::from_json(&msg.payload).unwrap();
+    assert_eq!(sent.trace_parent(), Some(tp), "the producer span's context");
+    assert_eq!(
+        Envelope {
+            traceparent: env.traceparent.clone(),
+            ..sent
+        },
+        env
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

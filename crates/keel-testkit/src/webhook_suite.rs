@@ -82,6 +82,9 @@ pub fn endpoint(id: &str, event_types: &[&str]) -> WebhookEndpoint {
     }
 }
 
+/// The trace every [`message`] was queued in.
+pub const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
 /// A message for event `event_id` of `event_type`.
 pub fn message(event_id: &str, event_type: &str) -> WebhookMessage {
     WebhookMessage {
@@ -90,6 +93,7 @@ pub fn message(event_id: &str, event_type: &str) -> WebhookMessage {
         payload: Bytes::from(format!(
             r#"{{"id":"{event_id}","type":"{event_type}","data":{{}}}}"#
         )),
+        traceparent: Some(TRACEPARENT.to_owned()),
     }
 }
 

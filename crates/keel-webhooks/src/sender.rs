@@ -168,6 +168,7 @@ impl WebhookEvent {
             event_id: self.id.clone(),
             event_type: self.event_type.clone(),
             payload: Bytes::from(body),
+            traceparent: keel_core::TraceParent::current().map(|t| t.to_string()),
         })
     }
 }

@@ -146,7 +146,9 @@ pub async fn place_order<S: ShopStore>(
     // to its end in a task of its own, and a retry under the same key finds
     // the order it placed.
     let placed = order.clone();
-    let inserting = tokio::spawn(async move { insert(&state, &placed, event_id, fault).await });
+    let inserting = tokio::spawn(keel_core::trace::carried(async move {
+        insert(&state, &placed, event_id, fault).await
+    }));
     match inserting.await {
         Ok(Ok(())) => created(order),
         Ok(Err(response)) => response,

@@ -18,6 +18,9 @@ use crate::backend::{self, BackendOptions, InvalidBackend};
 use super::DEFAULT_LISTEN;
 
 mod sources;
+mod telemetry;
+
+pub use telemetry::SERVICE_NAME;
 
 use sources::{api_keys, connection_limits, pick, secret};
 
@@ -129,6 +132,19 @@ pub struct ServeArgs {
     /// open `/ws`, besides the server's own.
     #[arg(long, env = "KEEL_WS_ALLOWED_ORIGINS", value_delimiter = ',')]
     pub ws_allowed_origins: Vec<String>,
+    /// Export spans over OTLP to this collector (`http://host:4318`, or
+    /// `:4317` with `--otlp-protocol grpc`); without it the standard
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` decides, and unset nothing is exported.
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
+    /// `http/protobuf` or `grpc` [default: `OTEL_EXPORTER_OTLP_PROTOCOL`,
+    /// else `http/protobuf`].
+    #[arg(long)]
+    pub otlp_protocol: Option<String>,
+    /// `text` or `json` (one object per line, with `trace_id` and
+    /// `span_id`) [default: text].
+    #[arg(long, env = "KEEL_LOG_FORMAT")]
+    pub log_format: Option<String>,
     /// Honour `X-Keel-Demo-Fault` on `POST /orders` (for demos and tests).
     #[arg(long, env = "KEEL_DEMO_FAULTS")]
     pub demo_faults: bool,
@@ -203,6 +219,12 @@ pub struct ServeFile {
     pub max_streams_per_client: Option<usize>,
     /// See [`ServeArgs::ws_allowed_origins`].
     pub ws_allowed_origins: Option<Vec<String>>,
+    /// See [`ServeArgs::otlp_endpoint`].
+    pub otlp_endpoint: Option<String>,
+    /// See [`ServeArgs::otlp_protocol`].
+    pub otlp_protocol: Option<String>,
+    /// See [`ServeArgs::log_format`].
+    pub log_format: Option<String>,
     /// See [`ServeArgs::demo_faults`].
     pub demo_faults: Option<bool>,
     /// See [`ServeArgs::chaos_experiments`].
@@ -347,22 +369,25 @@ pub fn parse_broker(broker: &str, database: &Database) -> Result<BrokerKind, Con
 }
 
 impl ServeArgs {
+    /// The TOML file's settings, or none without a file.
+    fn file(&self) -> Result<ServeFile, ConfigError> {
+        let Some(path) = &self.config else {
+            return Ok(ServeFile::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        toml::from_str::<ServeFile>(&text).map_err(|e| ConfigError::File {
+            path: path.clone(),
+            reason: e.to_string(),
+        })
+    }
+
     /// Merges flags/environment over the file over the defaults, and
     /// validates the result.
     pub fn resolve(&self) -> Result<ServeConfig, ConfigError> {
-        let file = match &self.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?;
-                toml::from_str::<ServeFile>(&text).map_err(|e| ConfigError::File {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?
-            }
-            None => ServeFile::default(),
-        };
+        let file = self.file()?;
         let listen = self
             .listen
             .clone()

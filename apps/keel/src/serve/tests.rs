@@ -156,3 +156,35 @@ fn security_settings_are_checked_and_secrets_come_from_files() {
         "{shown}"
     );
 }
+
+#[test]
+fn telemetry_comes_from_the_flags_or_the_file_and_bad_values_are_refused() {
+    let off = format!("{:?}", args().telemetry().unwrap());
+    assert!(off.contains("format: Text"), "{off}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keel.toml");
+    std::fs::write(
+        &path,
+        "otlp_endpoint = \"http://collector:4317\"\notlp_protocol = \"grpc\"\nlog_format = \"json\"\n",
+    )
+    .unwrap();
+    let mut a = args();
+    a.config = Some(path);
+    let on = format!("{:?}", a.telemetry().unwrap());
+    for part in ["format: Json", "http://collector:4317", "Grpc", "\"keel\""] {
+        assert!(on.contains(part), "{part} in {on}");
+    }
+    a.log_format = Some("xml".into());
+    let refused = a.telemetry().unwrap_err().to_string();
+    assert!(
+        refused.contains("log-format") && refused.contains("json"),
+        "{refused}"
+    );
+    a.log_format = None;
+    a.otlp_protocol = Some("http/json".into());
+    let refused = a.telemetry().unwrap_err().to_string();
+    assert!(
+        refused.contains("otlp-protocol") && refused.contains("grpc"),
+        "{refused}"
+    );
+}

@@ -63,22 +63,31 @@ pub const ACME_KEY: &str = "acme-key-0123456789abcdef";
 /// Runs `keel serve` on loopback (port 0) with `extra` flags and tenant
 /// `acme` ([`ACME_KEY`]), and waits for its `listening` line.
 pub fn serve(extra: &[&str]) -> Server {
+    serve_on(&[], extra)
+}
+
+/// [`serve`] on the backend `backend`'s flags name (`--database-url`,
+/// `--broker`, ...); none is a fresh SQLite file.
+pub fn serve_on(backend: &[String], extra: &[&str]) -> Server {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("shop.db");
-    let database = format!("sqlite:{}", db.display());
+    let sqlite = [
+        "--database-url".to_owned(),
+        format!("sqlite:{}", db.display()),
+    ];
+    let backend = if backend.is_empty() {
+        &sqlite[..]
+    } else {
+        backend
+    };
     let acme = format!("acme:{ACME_KEY}");
     let log = dir.path().join("stderr.log");
     let stderr = std::fs::File::create(&log).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--database-url",
-            &database,
-        ])
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(backend)
         .args(["--api-key", &acme])
         .args(extra)
         .env_remove("KEEL_ADMIN_TOKEN")

@@ -58,12 +58,10 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let (context, state) = inbound(request.headers());
-        let span = tracing::debug_span!(
-            "grpc.server",
-            rpc.method = %request.uri().path(),
-            trace_id = %context.trace_id_hex(),
-        );
+        let (caller, state) = inbound(request.headers());
+        let span = crate::span::rpc(request.uri().path(), "server");
+        let context = keel_core::trace::span::child(&span, caller.as_ref(), state.as_ref());
+        span.record("trace_id", context.trace_id_hex().as_str());
         let call = self.inner.call(request);
         Box::pin(
             context
@@ -73,9 +71,9 @@ where
     }
 }
 
-/// The handler's trace context: a child of the caller's, with its
-/// `tracestate` (dropped whole if invalid), or a new root without one.
-fn inbound(headers: &HeaderMap) -> (TraceParent, Option<TraceState>) {
+/// The caller's trace context and its `tracestate` (dropped whole if
+/// invalid); none for a missing, malformed or repeated `traceparent`.
+fn inbound(headers: &HeaderMap) -> (Option<TraceParent>, Option<TraceState>) {
     let mut values = headers.get_all(TRACEPARENT_HEADER).iter();
     let parsed = match (values.next(), values.next()) {
         (Some(value), None) => value
@@ -93,9 +91,9 @@ fn inbound(headers: &HeaderMap) -> (TraceParent, Option<TraceState>) {
         Some(caller) => {
             let values = headers.get_all(TRACESTATE_HEADER).iter();
             let state = TraceState::from_raw(values.map(|v| v.to_str().ok()));
-            (caller.child(), state)
+            (Some(caller), state)
         }
-        None => (TraceParent::new_root(), None),
+        None => (None, None),
     }
 }
 
@@ -110,9 +108,9 @@ mod tests {
         let mut map = HeaderMap::new();
         map.insert(TRACEPARENT_HEADER, CALLER.parse().unwrap());
         map.insert(TRACESTATE_HEADER, "rojo=1".parse().unwrap());
-        let (child, state) = inbound(&map);
+        let (caller, state) = inbound(&map);
         assert_eq!(state.unwrap().as_str(), "rojo=1");
-        assert_eq!(child.trace_id_hex(), "0af7651916cd43dd8448eb211c80319c");
+        assert_eq!(caller.unwrap().to_string(), CALLER);
         for bad in [
             "00-xyz",
             "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
@@ -120,13 +118,13 @@ mod tests {
             let mut map = HeaderMap::new();
             map.insert(TRACEPARENT_HEADER, bad.parse().unwrap());
             map.insert(TRACESTATE_HEADER, "rojo=1".parse().unwrap());
-            let (fresh, state) = inbound(&map);
+            let (caller, state) = inbound(&map);
             assert_eq!(state, None, "no tracestate without its traceparent");
-            assert_ne!(fresh.trace_id_hex(), "0af7651916cd43dd8448eb211c80319c");
+            assert_eq!(caller, None);
         }
         let mut twice = HeaderMap::new();
         twice.append(TRACEPARENT_HEADER, CALLER.parse().unwrap());
         twice.append(TRACEPARENT_HEADER, CALLER.parse().unwrap());
-        assert_ne!(inbound(&twice).0.trace_id_hex(), child.trace_id_hex());
+        assert_eq!(inbound(&twice), (None, None));
     }
 }

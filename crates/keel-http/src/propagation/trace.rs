@@ -47,7 +47,12 @@ const INVALID_TRACEPARENT: &str = "urn:keel:problem:invalid_traceparent";
 ///
 /// The handler also runs inside a `tracing` span named `http.request` with
 /// `trace_id`, `span_id`, `method` and `path`, so every log line of the
-/// request carries the trace id. `tracestate` is not interpreted.
+/// request carries the trace id. It is the server span of the OpenTelemetry
+/// HTTP conventions (`otel.kind = "server"`, named `{method} {route}`, with
+/// `http.request.method`, `http.route`, `url.path` and
+/// `http.response.status_code`): with `keel-core`'s `otel` feature and a
+/// `tracing-opentelemetry` layer it is exported, and the ids the handler
+/// carries on are its ids. `tracestate` is not interpreted.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TraceContextLayer {
     lenient: bool,
@@ -123,16 +128,12 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // A tracestate only means something beside the traceparent it
         // came with (W3C): a new trace starts without one.
-        let mut state = None;
-        let span = match incoming(request.headers()) {
-            Ok(Some(parent)) => {
-                state = incoming_state(request.headers());
-                parent.child()
-            }
-            Ok(None) => TraceParent::new_root(),
+        let (parent, state) = match incoming(request.headers()) {
+            Ok(Some(parent)) => (Some(parent), incoming_state(request.headers())),
+            Ok(None) => (None, None),
             Err(detail) if self.lenient => {
                 tracing::debug!(%detail, "malformed traceparent ignored: new trace started");
-                TraceParent::new_root()
+                (None, None)
             }
             Err(detail) => {
                 metrics::counter!("keel_http_traceparent_malformed_total").increment(1);
@@ -141,14 +142,11 @@ where
                 return ResponseFuture::new(async move { Ok(problem.into_response()) });
             }
         };
+        let log_span = server_span(&request);
+        let span = keel_core::trace::span::child(&log_span, parent.as_ref(), state.as_ref());
         let trace_id = span.trace_id_hex();
-        let log_span = tracing::info_span!(
-            "http.request",
-            trace_id = %trace_id,
-            span_id = %hex::encode(span.parent_id()),
-            method = %request.method(),
-            path = %request.uri().path(),
-        );
+        log_span.record("trace_id", trace_id.as_str());
+        log_span.record("span_id", span.parent_id_hex().as_str());
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let handler = span.scope(TraceState::scope_option(state, async move {
@@ -157,6 +155,7 @@ where
         ResponseFuture::new(
             async move {
                 let mut response = handler.await?.map(Body::new);
+                record_status(response.status());
                 let headers = response.headers_mut();
                 if let Ok(value) = HeaderValue::from_str(&span.to_string()) {
                     headers.insert(TRACERESPONSE_HEADER, value);
@@ -168,6 +167,44 @@ where
             }
             .instrument(log_span),
         )
+    }
+}
+
+/// The server span, with the OpenTelemetry HTTP semantic conventions
+/// attributes; named `{method} {route}` once the router matched one.
+fn server_span<B>(request: &Request<B>) -> tracing::Span {
+    let method = request.method().as_str();
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str().to_owned());
+    let name = match &route {
+        Some(route) => format!("{method} {route}"),
+        None => method.to_owned(),
+    };
+    tracing::info_span!(
+        "http.request",
+        otel.name = %name,
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+        span_id = tracing::field::Empty,
+        method = %method,
+        path = %request.uri().path(),
+        "http.request.method" = %method,
+        "http.route" = route,
+        "url.path" = %request.uri().path(),
+        "http.response.status_code" = tracing::field::Empty,
+    )
+}
+
+/// Records the answer on the current (server) span; a 5xx is an error,
+/// a 4xx is the client's (OpenTelemetry HTTP server conventions).
+fn record_status(status: axum::http::StatusCode) {
+    let span = tracing::Span::current();
+    span.record("http.response.status_code", i64::from(status.as_u16()));
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
     }
 }
 

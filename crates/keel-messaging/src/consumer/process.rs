@@ -127,14 +127,14 @@ impl<S: Store + ConsumerStore> Processor<S> {
             .envelope
             .trace_parent()
             .or_else(|| msg.header(header::TRACEPARENT)?.parse().ok());
-        let context = ProducerLink::new(producer, &ready.envelope, msg);
-        let span = context.span(route, msg);
+        let context = ProducerLink::new(producer, &ready.envelope, msg, &route.group);
+        let span = context.span().clone();
         let attempt = self.attempt(route, ready.handler, &ready.envelope, &ready.info);
         let attempt = keep_lease(delivery, &self.options, attempt);
-        let result = in_context(context, ready.deadline, attempt)
+        let result = in_context(context, ready.deadline, attempt).await;
+        self.conclude(route, delivery, &ready.info, result)
             .instrument(span)
-            .await;
-        self.conclude(route, delivery, &ready.info, result).await
+            .await
     }
 
     /// The checks before any work: replays for other groups, deadlines,

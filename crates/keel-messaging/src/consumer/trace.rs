@@ -7,47 +7,55 @@ use std::future::Future;
 use keel_core::trace::TraceState;
 use keel_core::{Deadline, TraceParent};
 
-use super::process::Route;
 use crate::broker::{Message, header};
 use crate::envelope::Envelope;
+use tracing::Instrument as _;
 
 /// What a delivery's handler runs in: a trace of its own, linked to the
 /// producer's span, not nested under it (a consumer's retries, delays and
 /// dead letters are not the producer's request taking longer), with the
 /// producer's `tracestate` carried across the broker.
 pub(super) struct ProducerLink {
-    producer: Option<TraceParent>,
     own: TraceParent,
     state: Option<TraceState>,
+    span: tracing::Span,
 }
 
 impl ProducerLink {
-    pub(super) fn new(producer: Option<TraceParent>, envelope: &Envelope, msg: &Message) -> Self {
+    /// The delivery's `process` span, with the messaging semantic
+    /// conventions' attributes and the producer's span as its link.
+    pub(super) fn new(
+        producer: Option<TraceParent>,
+        envelope: &Envelope,
+        msg: &Message,
+        group: &str,
+    ) -> Self {
         let state = envelope
             .trace_state()
             .or_else(|| TraceState::from_raw([msg.header(header::TRACESTATE)]));
-        Self {
-            own: producer.map_or_else(TraceParent::new_root, |p| p.linked_root()),
-            producer,
-            state,
-        }
-    }
-
-    /// The delivery's span, with the messaging semantic conventions'
-    /// attributes and the producer's span as its link.
-    pub(super) fn span<T>(&self, route: &Route<T>, msg: &Message) -> tracing::Span {
-        let link = |f: fn(&TraceParent) -> String| self.producer.as_ref().map(f);
-        tracing::info_span!(
+        let link = |f: fn(&TraceParent) -> String| producer.as_ref().map(f);
+        let span = tracing::info_span!(
             "process",
+            otel.name = %format_args!("process {}", msg.topic),
+            otel.kind = "consumer",
+            otel.status_code = tracing::field::Empty,
             messaging.system = "keel",
             messaging.operation.type = "process",
             messaging.destination.name = %msg.topic,
-            messaging.consumer.group.name = %route.group,
+            messaging.consumer.group.name = %group,
             messaging.message.id = %msg.id,
-            trace_id = %self.own.trace_id_hex(),
+            trace_id = tracing::field::Empty,
             link.trace_id = link(TraceParent::trace_id_hex),
             link.span_id = link(TraceParent::parent_id_hex),
-        )
+        );
+        let own = keel_core::trace::span::linked(&span, producer.as_ref(), state.as_ref());
+        span.record("trace_id", own.trace_id_hex().as_str());
+        Self { own, state, span }
+    }
+
+    /// The delivery's span: the handler, and the settling after it, run in it.
+    pub(super) fn span(&self) -> &tracing::Span {
+        &self.span
     }
 }
 
@@ -60,7 +68,8 @@ pub(super) async fn in_context<F: Future>(
 ) -> F::Output {
     let traced = context
         .own
-        .scope(TraceState::scope_option(context.state, fut));
+        .scope(TraceState::scope_option(context.state, fut))
+        .instrument(context.span);
     match deadline {
         Some(d) => d.scope(traced).await,
         None => traced.await,
@@ -87,7 +96,7 @@ mod tests {
         envelope.traceparent = Some(PRODUCER.to_owned());
         envelope.tracestate = Some("rojo=00f067aa0ba902b7".to_owned());
         let producer = envelope.trace_parent();
-        let link = ProducerLink::new(producer, &envelope, &message(&[]));
+        let link = ProducerLink::new(producer, &envelope, &message(&[]), "g");
         let (trace, state) = in_context(link, None, async {
             (TraceParent::current().unwrap(), TraceState::current())
         })
@@ -110,11 +119,11 @@ mod tests {
     async fn the_headers_stand_in_for_an_envelope_without_them_and_bad_state_is_dropped() {
         let envelope = Envelope::new("test", "t");
         let msg = message(&[(header::TRACESTATE, "congo=t61rcWkgMzE")]);
-        let link = ProducerLink::new(None, &envelope, &msg);
+        let link = ProducerLink::new(None, &envelope, &msg, "g");
         let state = in_context(link, None, async { TraceState::current() }).await;
         assert_eq!(state.unwrap().as_str(), "congo=t61rcWkgMzE");
         let bad = message(&[(header::TRACESTATE, "Not Valid")]);
-        let link = ProducerLink::new(None, &envelope, &bad);
+        let link = ProducerLink::new(None, &envelope, &bad, "g");
         assert_eq!(
             in_context(link, None, async { TraceState::current() }).await,
             None

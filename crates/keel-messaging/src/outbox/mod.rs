@@ -208,6 +208,7 @@ impl<S: OutboxStore> Outbox<S> {
     /// [`with_broker`](Self::with_broker) could never accept.
     pub fn record(&self, topic: &str, envelope: &Envelope) -> Result<OutboxRecord, OutboxError> {
         envelope.validate()?;
+        let envelope = &created(topic, envelope);
         let payload = envelope.to_json_limited(self.max_size)?;
         let record = OutboxRecord {
             event_id: envelope.id.clone(),
@@ -230,6 +231,27 @@ impl<S: OutboxStore> Outbox<S> {
     pub(crate) fn waker(&self) -> Arc<Notify> {
         Arc::clone(&self.wake)
     }
+}
+
+/// `envelope` as its producer span made it: the span (a child of the
+/// trace the event was made in) is started here, and its context is what
+/// the row, the relay and the consumer carry on.
+fn created(topic: &str, envelope: &Envelope) -> Envelope {
+    let span = tracing::info_span!(
+        "outbox.create",
+        otel.name = %format_args!("create {topic}"),
+        otel.kind = "producer",
+        "messaging.system" = "keel",
+        "messaging.operation.type" = "create",
+        "messaging.destination.name" = topic,
+        "messaging.message.id" = %envelope.id,
+    );
+    let parent = envelope.trace_parent();
+    let state = envelope.trace_state();
+    let context = keel_core::trace::span::child(&span, parent.as_ref(), state.as_ref());
+    let mut envelope = envelope.clone();
+    envelope.traceparent = Some(context.to_string());
+    envelope
 }
 
 fn headers_for(envelope: &Envelope) -> Headers {

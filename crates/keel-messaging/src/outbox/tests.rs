@@ -4,7 +4,7 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::clock;
+use keel_core::{TraceParent, clock};
 
 use super::*;
 use crate::broker::header;
@@ -57,10 +57,29 @@ fn the_record_carries_event_id_key_and_trace() {
         Some(env.id.as_str()),
         "and on the message"
     );
-    assert_eq!(msg.header(header::TRACEPARENT), env.traceparent.as_deref());
+    let producer: TraceParent = msg.header(header::TRACEPARENT).unwrap().parse().unwrap();
+    let made_in = env.trace_parent().unwrap();
+    assert_eq!(producer.trace_id(), made_in.trace_id(), "the event's trace");
+    assert_ne!(
+        producer.parent_id(),
+        made_in.parent_id(),
+        "the producer span's own id, a child of the one it was made in"
+    );
     assert_eq!(msg.header(header::TRACESTATE), env.tracestate.as_deref());
     assert_eq!(msg.header(header::EVENT_TYPE), Some("shop.order.placed.v1"));
-    assert_eq!(Envelope::from_json(&msg.payload).unwrap(), env);
+    let stored = Envelope::from_json(&msg.payload).unwrap();
+    assert_eq!(
+        stored.traceparent.as_deref(),
+        msg.header(header::TRACEPARENT)
+    );
+    assert_eq!(
+        Envelope {
+            traceparent: env.traceparent.clone(),
+            ..stored
+        },
+        env,
+        "everything else as given"
+    );
 }
 
 #[test]

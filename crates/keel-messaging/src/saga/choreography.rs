@@ -74,7 +74,7 @@ pub fn follow_up<E: Event>(
     let mut envelope = Envelope::from_event(source, &next.event, next.meta)?;
     envelope.id = format!("{}:{}", cause.id, E::TYPE);
     if let Some(tp) = cause.trace_parent() {
-        envelope.traceparent = Some(tp.child().to_string());
+        envelope.traceparent = Some(tp.to_string());
     }
     let correlation = cause
         .extensions

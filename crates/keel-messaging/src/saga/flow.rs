@@ -377,6 +377,7 @@ impl Flow {
             created_at: now,
             updated_at: now,
             version: 1,
+            traceparent: keel_core::TraceParent::current().map(|t| t.to_string()),
         }
     }
 

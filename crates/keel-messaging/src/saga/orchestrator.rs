@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::error::{classify, find_cause, report};
-use keel_core::{Deadline, Rejected};
+use keel_core::{Deadline, Rejected, TraceParent};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -218,6 +218,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             created_at: now,
             updated_at: now,
             version: 1,
+            traceparent: TraceParent::current().map(|t| t.to_string()),
         };
         let created = self.inner.store.saga_insert(tx, &record).await?;
         if created {
@@ -416,8 +417,10 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         ];
         tracing::info!(step = %step.name, call = call.kind(), attempt = record.attempts, %key, "saga call");
         let started = keel_core::clock::now();
-        let fut = Deadline::after(timeout).scope(saga.call(call, record, key));
-        let (outcome, label) = match tokio::time::timeout(timeout, fut).await {
+        let (span, context) = step_span(saga.name(), &step.name, call, record);
+        let fut = context.scope(Deadline::after(timeout).scope(saga.call(call, record, key)));
+        let fut = tokio::time::timeout(timeout, fut).instrument(span.clone());
+        let (outcome, label) = match fut.await {
             Ok(Ok(data)) => (Outcome::Done(data), "ok"),
             Ok(Err(e)) => {
                 let class = classify(e.as_ref());
@@ -447,7 +450,10 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let mut labels = labels.to_vec();
         labels.push(("outcome", label.to_owned()));
         metrics::counter!("keel_saga_calls_total", &labels).increment(1);
+        span.record("keel.saga.outcome", label);
         if let Outcome::Failed { error, class, .. } = &outcome {
+            span.record("otel.status_code", "ERROR");
+            span.record("error.type", tracing::field::debug(class));
             tracing::warn!(step = %step.name, call = call.kind(), ?class, %error, "saga call failed");
         }
         outcome
@@ -458,7 +464,14 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     async fn save(&self, prev: &SagaRecord, next: &SagaRecord) -> Result<bool, SagaError> {
         let hooked = prev.status != next.status && !self.inner.hooks.is_empty();
         let saved = if hooked {
-            self.save_with_hooks(prev, next).await?
+            // What a hook writes (a webhook, an event) joins the story of
+            // what started the saga.
+            let started_in = next.traceparent.as_deref().and_then(|t| t.parse().ok());
+            let hooks = self.save_with_hooks(prev, next);
+            match started_in {
+                Some(trace) => TraceParent::scope(trace, hooks).await?,
+                None => hooks.await?,
+            }
         } else {
             self.inner.store.saga_save(next).await?
         };
@@ -542,4 +555,30 @@ fn crash_point(name: &'static str, saga_id: &str) -> Result<(), SagaError> {
 #[inline]
 fn crash_point(_name: &'static str, _saga_id: &str) -> Result<(), SagaError> {
     Ok(())
+}
+
+/// The span of one saga call, a child of the trace the saga was started
+/// in; the call runs in it, so its own calls (HTTP, gRPC) nest under it.
+fn step_span(
+    saga: &str,
+    step: &str,
+    call: Call,
+    record: &SagaRecord,
+) -> (tracing::Span, TraceParent) {
+    let span = tracing::info_span!(
+        "saga.step",
+        otel.name = %format_args!("{saga} {step}"),
+        otel.kind = "internal",
+        otel.status_code = tracing::field::Empty,
+        "keel.saga.name" = saga,
+        "keel.saga.id" = %record.id,
+        "keel.saga.step" = step,
+        "keel.saga.call" = call.kind(),
+        "keel.saga.attempt" = i64::from(record.attempts),
+        "keel.saga.outcome" = tracing::field::Empty,
+        "error.type" = tracing::field::Empty,
+    );
+    let started_in = record.traceparent.as_deref().and_then(|t| t.parse().ok());
+    let context = keel_core::trace::span::child(&span, started_in.as_ref(), None);
+    (span, context)
 }

@@ -103,6 +103,9 @@ pub struct SagaRecord {
     pub updated_at: DateTime<Utc>,
     /// Optimistic-concurrency version, bumped on every save.
     pub version: i64,
+    /// The trace it was started in (a W3C `traceparent`): its step spans
+    /// are children of it, so they join the story of what started it.
+    pub traceparent: Option<String>,
 }
 
 /// Which sagas to list.

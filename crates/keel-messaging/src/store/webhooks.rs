@@ -195,6 +195,9 @@ pub struct WebhookMessage {
     pub event_type: String,
     /// The exact body to send (and sign).
     pub payload: Bytes,
+    /// The trace it was queued in (a W3C `traceparent`): each attempt's
+    /// span is a child of it. It is not sent to the endpoint.
+    pub traceparent: Option<String>,
 }
 
 /// One event queued for one endpoint.
@@ -224,6 +227,8 @@ pub struct WebhookDelivery {
     pub leased_by: Option<String>,
     /// Until when that worker holds it; afterwards another worker may.
     pub leased_until: Option<DateTime<Utc>>,
+    /// The trace it was queued in (a W3C `traceparent`).
+    pub traceparent: Option<String>,
 }
 
 /// A due delivery leased to a worker, with its endpoint (URL, secrets).

@@ -97,19 +97,22 @@ async fn enqueue_chunk<B: SqlBackend>(
             DeliveryStatus::Disabled
         };
         let first = params.len() + 1;
-        params.extend::<[Value<'_>; 5]>([
+        params.extend::<[Value<'_>; 6]>([
             endpoint.id.as_str().into(),
             message.event_id.as_str().into(),
             message.event_type.as_str().into(),
             message.payload.as_ref().into(),
             status.as_str().into(),
+            message.traceparent.as_deref().into(),
         ]);
-        let [e, i, t, p, s] = std::array::from_fn(|n| first + n);
-        rows.push(format!("(${e}, ${i}, ${t}, ${p}, ${s}, 0, $1, $1, $1)"));
+        let [e, i, t, p, s, tp] = std::array::from_fn(|n| first + n);
+        rows.push(format!(
+            "(${e}, ${i}, ${t}, ${p}, ${s}, ${tp}, 0, $1, $1, $1)"
+        ));
     }
     let insert = format!(
         "INSERT INTO keel_webhook_deliveries (endpoint_id, event_id, event_type, payload, status,
-             attempts, next_attempt_at, created_at, updated_at)
+             traceparent, attempts, next_attempt_at, created_at, updated_at)
          VALUES {}
          ON CONFLICT (endpoint_id, event_id) DO NOTHING
          RETURNING status",
@@ -377,6 +380,7 @@ fn delivery_from_row<D: Dialect>(row: &D::Row) -> Result<WebhookDelivery, StoreE
         updated_at: row.time("updated_at")?,
         leased_by: row.text_opt("leased_by")?,
         leased_until: row.time_opt("leased_until")?,
+        traceparent: row.text_opt("traceparent")?,
     })
 }
 

@@ -48,7 +48,7 @@ pub const ENDPOINT_COLUMNS: &str = "id, url, description, event_types, secrets, 
 
 /// The columns of a delivery, as [`WebhookBackend::claim_rows`] returns them.
 pub const DELIVERY_COLUMNS: &str = "id, endpoint_id, event_id, event_type, payload, status, \
-    attempts, next_attempt_at, created_at, updated_at, leased_by, leased_until";
+    attempts, next_attempt_at, created_at, updated_at, leased_by, leased_until, traceparent";
 
 /// What only the backend knows how to do with its webhook deliveries.
 pub trait WebhookBackend: SqlBackend {

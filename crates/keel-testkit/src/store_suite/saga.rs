@@ -33,6 +33,7 @@ pub fn saga(id: &str, status: SagaStatus, at: DateTime<Utc>, due: DateTime<Utc>)
         created_at: at,
         updated_at: at,
         version: 1,
+        traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned()),
     }
 }
 

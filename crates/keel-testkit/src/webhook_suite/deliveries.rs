@@ -35,6 +35,11 @@ pub async fn enqueue_fans_out_to_subscribed_endpoints<S: WebhookStore>(store: &S
         assert_eq!(d.payload, message("evt-1", "order.paid").payload);
         assert_eq!((d.next_attempt_at, d.created_at), (t0(), t0()));
         assert_eq!((d.leased_by.as_deref(), d.leased_until), (None, None));
+        assert_eq!(
+            d.traceparent.as_deref(),
+            Some(TRACEPARENT),
+            "its trace kept"
+        );
     }
     assert!(
         deliveries(store, "invoices").await.is_empty(),

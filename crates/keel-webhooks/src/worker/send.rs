@@ -7,17 +7,57 @@ use keel_messaging::store::{
     ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookStore,
 };
 
+use tracing::Instrument as _;
+
 use crate::attempt::{self, AttemptResult};
 use crate::signing::{Secret, signature_headers};
 use crate::wire;
 
 use super::{Finished, Inner};
 
-/// Signs, sends and judges one delivery.
+/// Signs, sends and judges one delivery, in a span of its own: a child of
+/// the trace the delivery was queued in.
 pub(super) async fn attempt_one<S: WebhookStore>(
     inner: Arc<Inner<S>>,
     claimed: ClaimedDelivery,
 ) -> Finished {
+    let span = delivery_span(&claimed);
+    let finished = attempt(inner, claimed).instrument(span.clone()).await;
+    let outcome = &finished.outcome;
+    if let Some(status) = outcome.attempt.response_status {
+        span.record("http.response.status_code", i64::from(status));
+    }
+    span.record("keel.webhook.outcome", outcome.status.as_str());
+    if outcome.status != DeliveryStatus::Succeeded {
+        span.record("otel.status_code", "ERROR");
+    }
+    finished
+}
+
+fn delivery_span(claimed: &ClaimedDelivery) -> tracing::Span {
+    let ClaimedDelivery { delivery, endpoint } = claimed;
+    let host = reqwest::Url::parse(&endpoint.url)
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_owned));
+    let span = tracing::info_span!(
+        "webhook.deliver",
+        otel.name = %format_args!("webhook {}", delivery.event_type),
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+        "http.request.method" = "POST",
+        "server.address" = host,
+        "http.response.status_code" = tracing::field::Empty,
+        "keel.webhook.endpoint" = %endpoint.id,
+        "keel.webhook.event_id" = %delivery.event_id,
+        "keel.webhook.attempt" = i64::from(delivery.attempts.saturating_add(1)),
+        "keel.webhook.outcome" = tracing::field::Empty,
+    );
+    let queued_in = delivery.traceparent.as_deref().and_then(|t| t.parse().ok());
+    keel_core::trace::span::child(&span, queued_in.as_ref(), None);
+    span
+}
+
+async fn attempt<S: WebhookStore>(inner: Arc<Inner<S>>, claimed: ClaimedDelivery) -> Finished {
     let ClaimedDelivery { delivery, endpoint } = claimed;
     let opts = &inner.options;
     let started = opts.clock.now();

@@ -118,6 +118,7 @@ async fn start_saga(store: &SqliteStore, order: &Order) {
         created_at: at,
         updated_at: at,
         version: 1,
+        traceparent: None,
     };
     let mut tx = store.begin().await.expect("begin");
     store.saga_insert(&mut tx, &saga).await.expect("saga");

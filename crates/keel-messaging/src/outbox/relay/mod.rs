@@ -42,11 +42,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::clock::{self, Instant};
-use keel_core::{Classify, ErrorClass};
+use keel_core::trace::{TraceState, span};
+use keel_core::{Classify, ErrorClass, TraceParent};
 use tokio::sync::Notify;
+use tracing::Instrument as _;
 
 use super::Outbox;
-use crate::broker::{Broker, BrokerError};
+use crate::broker::{Broker, BrokerError, header};
 use crate::store::{OutboxStore, PendingOutbox, StoreError};
 
 mod options;
@@ -175,7 +177,7 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         fail::fail_point!("relay-after-claim", |_| Err(RelayError::Crashed(
             "relay-after-claim"
         )));
-        let mut round = Round {
+        let round = Round {
             claimed: rows.len(),
             ..Round::default()
         };
@@ -184,6 +186,45 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         }
         // Publish in id order whatever order the store returned them in.
         rows.sort_unstable_by_key(|r| r.id);
+        let span = self.batch_span(&rows);
+        self.publish(rows, round, started).instrument(span).await
+    }
+
+    /// The batch's span: a new trace linked to each row's producer span
+    /// (one send of many messages, as the messaging conventions model it).
+    fn batch_span(&self, rows: &[PendingOutbox]) -> tracing::Span {
+        let span = tracing::info_span!(
+            "outbox.relay",
+            otel.name = %format_args!("send {}", self.options.name),
+            otel.kind = "producer",
+            otel.status_code = tracing::field::Empty,
+            "messaging.system" = "keel",
+            "messaging.operation.type" = "send",
+            "messaging.batch.message_count" = i64::try_from(rows.len()).unwrap_or(i64::MAX),
+            "keel.relay.published" = tracing::field::Empty,
+        );
+        for row in rows {
+            let headers = &row.record.headers;
+            let Some(producer) = headers
+                .get(header::TRACEPARENT)
+                .and_then(|t| t.parse::<TraceParent>().ok())
+            else {
+                continue;
+            };
+            let state = TraceState::from_raw([headers.get(header::TRACESTATE).map(String::as_str)]);
+            span::link(&span, &producer, state.as_ref());
+        }
+        span::child(&span, None, None);
+        span
+    }
+
+    /// Publishes the claimed `rows` and marks them (see [`run_once`](Self::run_once)).
+    async fn publish(
+        &self,
+        rows: Vec<PendingOutbox>,
+        mut round: Round,
+        started: Instant,
+    ) -> Result<Round, RelayError> {
         let mut batch = Batch::default();
         for row in rows {
             if batch.is_blocked(&row) {
@@ -214,6 +255,7 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
                 self.one_by_one(&mut batch, &mut round).await?
             }
             Err(err) => {
+                tracing::Span::current().record("otel.status_code", "ERROR");
                 let ids: Vec<i64> = batch.send.iter().map(|(row, _)| row.id).collect();
                 self.release_failed(&ids, &err).await;
                 self.release(&batch.held).await;
@@ -230,6 +272,10 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         )));
         self.release(&batch.held).await;
         round.published = published.len();
+        tracing::Span::current().record(
+            "keel.relay.published",
+            i64::try_from(published.len()).unwrap_or(i64::MAX),
+        );
         record_published(&published, started);
         tracing::debug!(relay = %self.options.name, rows = published.len(),
             parked = round.parked, first_id = ids.first(), last_id = ids.last(),

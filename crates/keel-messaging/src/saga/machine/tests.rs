@@ -61,6 +61,7 @@ fn new_saga() -> SagaRecord {
         created_at: t0(),
         updated_at: t0(),
         version: 1,
+        traceparent: None,
     }
 }
 
