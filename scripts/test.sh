@@ -6,7 +6,9 @@
 # warnings as errors, the docs with broken links as errors, every test of
 # every crate with every feature (against SQLite, the embedded broker,
 # PostgreSQL and NATS JetStream), the shipped alert rules (promtool) and
-# Kubernetes manifests (kubernetes-validate), and the doc tests. Set KEEL_TEST_QUICK=1 to
+# Kubernetes manifests (kubernetes-validate), the doc tests, and a short
+# coverage-guided fuzzing run of every network parser (cargo-fuzz, installed
+# from crates.io when missing). Set KEEL_TEST_QUICK=1 to
 # skip fmt/clippy/doc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,3 +59,6 @@ scripts/services.sh run cargo nextest run --workspace --all-features --no-fail-f
 
 log "doc tests"
 cargo test --workspace --all-features --doc
+
+log "coverage-guided fuzzing of the network parsers, 15 s per target (scripts/fuzz.sh)"
+scripts/fuzz.sh 15

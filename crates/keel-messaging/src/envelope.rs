@@ -230,7 +230,26 @@ impl Envelope {
         if !has_version_suffix(&self.ty) {
             return invalid("type", "must end in a version, like `shop.order.placed.v1`");
         }
-        Ok(())
+        self.check_extension_names()
+    }
+
+    /// CloudEvents attribute names are lowercase ASCII letters and digits.
+    /// Any other name could not cross binary mode, whose header names are
+    /// case-insensitive, without changing the event.
+    fn check_extension_names(&self) -> Result<(), EnvelopeError> {
+        let valid = |name: &str| {
+            !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        };
+        match self.extensions.keys().all(|name| valid(name)) {
+            true => Ok(()),
+            false => Err(EnvelopeError::Invalid {
+                attribute: "extensions",
+                reason: "attribute names must be lowercase ASCII letters and digits (CloudEvents)",
+            }),
+        }
     }
 
     /// The event type without its version: `shop.order.placed`.
@@ -323,7 +342,12 @@ impl Envelope {
 
     /// Binary mode: the attributes as message headers (`ce-id`, `ce-type`,
     /// ..., `content-type`, `traceparent`), with `data` as the body.
+    /// An extension whose name is not lowercase letters and digits is
+    /// refused: header names are case-insensitive, so it would not come
+    /// back the same. Extension values travel as text (a number `2` comes
+    /// back as the string `"2"`), as CloudEvents' HTTP binding has it.
     pub fn to_binary(&self) -> Result<BinaryParts, EnvelopeError> {
+        self.check_extension_names()?;
         let mut headers = vec![
             ("ce-specversion".to_owned(), self.specversion.clone()),
             ("ce-id".to_owned(), self.id.clone()),
@@ -332,11 +356,7 @@ impl Envelope {
         ];
         let optional = [
             ("ce-subject", self.subject.clone()),
-            (
-                "ce-time",
-                self.time
-                    .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true)),
-            ),
+            ("ce-time", self.time.map(|t| binary_time(&t))),
             ("content-type", self.datacontenttype.clone()),
             ("traceparent", self.traceparent.clone()),
             ("tracestate", self.tracestate.clone()),
@@ -403,6 +423,16 @@ impl Envelope {
         env.validate_received()?;
         Ok(env)
     }
+}
+
+/// `ce-time`: milliseconds, as Keel's own events carry them, or the finer
+/// precision a received event had, so binary mode never rounds it away.
+fn binary_time(t: &DateTime<Utc>) -> String {
+    let format = match t.timestamp_subsec_nanos() % 1_000_000 {
+        0 => SecondsFormat::Millis,
+        _ => SecondsFormat::AutoSi,
+    };
+    t.to_rfc3339_opts(format, true)
 }
 
 fn has_version_suffix(ty: &str) -> bool {

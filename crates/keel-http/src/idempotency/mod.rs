@@ -115,6 +115,25 @@ mod settle;
 
 #[cfg(feature = "jobs")]
 pub(crate) use key::parse_key;
+/// The key parser and the request fingerprint, for the fuzz targets only
+/// (`cargo fuzz` builds with `--cfg fuzzing`).
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzzing {
+    use axum::http::request::Parts;
+    use axum::http::{HeaderMap, HeaderName};
+
+    /// See the layer's key parsing.
+    pub fn parse_key(headers: &HeaderMap) -> Result<Option<String>, super::IdempotencyRejection> {
+        super::key::parse_key(headers)
+    }
+
+    /// See the layer's fingerprint.
+    pub fn fingerprint(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> String {
+        super::fingerprint::fingerprint(parts, headers, body)
+    }
+}
+
 pub use key::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyRejection, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use options::{

@@ -16,12 +16,11 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use super::super::feed::{Fed, Mode, feed};
 use super::super::notifier::Subscription;
-use super::super::options::MAX_CLIENT_ID_LEN;
 use super::super::queue::{Pop, Push, Receiver, SendQueue};
 use super::super::stream::StreamId;
 use super::super::{Gauge, Realtime, wait_drain};
 use super::acks::Begin;
-use super::protocol::{ClientMessage, Control, frame_text};
+use super::protocol::{self, Control, Request, frame_text};
 use super::{SendMessage, SendRejected, TRANSPORT};
 
 /// Why the loop stopped.
@@ -194,21 +193,12 @@ impl<S: EventLogStore> Connection<S> {
     }
 
     async fn on_text(&mut self, text: &str) -> Option<Stop> {
-        let message = match serde_json::from_str::<ClientMessage>(text) {
-            Ok(message) => message,
-            Err(err) => {
-                let detail = format!(
-                    "unreadable message ({err}); expected {{\"type\":\"send\",\"id\":\"...\",...}} \
-                     or {{\"type\":\"resume\",\"after\":<seq>}}"
-                );
-                return self.control(&Control::Error { detail: &detail });
-            }
+        let request = match protocol::read(text) {
+            Ok(request) => request,
+            Err(detail) => return self.control(&Control::Error { detail: &detail }),
         };
-        match message {
-            ClientMessage::Resume { after } if after < 0 => self.control(&Control::Error {
-                detail: "`after` must be a sequence number (0 or more)",
-            }),
-            ClientMessage::Resume { after } => {
+        match request {
+            Request::Resume { after } => {
                 self.last = after;
                 if !self.catching_up {
                     self.stall_at = clock::now() + self.realtime.options().stall_timeout;
@@ -216,17 +206,12 @@ impl<S: EventLogStore> Connection<S> {
                 self.catching_up = true;
                 None
             }
-            ClientMessage::Send { id, body } => self.on_send(SendMessage { id, body }).await,
+            Request::Send(message) => self.on_send(message).await,
         }
     }
 
     async fn on_send(&mut self, message: SendMessage) -> Option<Stop> {
         let id = message.id.clone();
-        if id.is_empty() || id.len() > MAX_CLIENT_ID_LEN || id.chars().any(char::is_control) {
-            return self.control(&Control::Error {
-                detail: "`id` must be 1 to 255 bytes without control characters (a UUID)",
-            });
-        }
         let realtime = self.realtime.clone();
         let in_flight = match realtime.acks().begin(&self.stream, &id) {
             Begin::Duplicate => {

@@ -23,6 +23,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::super::feed::{Frame, TRUNCATED_EVENT};
+use super::super::options::MAX_CLIENT_ID_LEN;
+use super::SendMessage;
 
 /// A message from the client.
 #[derive(Debug, Deserialize)]
@@ -41,6 +43,56 @@ pub(crate) enum ClientMessage {
         /// The last seq the client has.
         after: i64,
     },
+}
+
+/// A client message, read and checked: what the connection acts on.
+#[derive(Debug)]
+pub(crate) enum Request {
+    /// A message for the application, with a usable id.
+    Send(SendMessage),
+    /// Replay after this seq (0 or more).
+    Resume {
+        /// The last seq the client has.
+        after: i64,
+    },
+}
+
+/// Reads one text frame: a `send` with a usable id or a `resume` at a
+/// sequence number; anything else is the detail of the `error` to answer.
+pub(crate) fn read(text: &str) -> Result<Request, String> {
+    let message = serde_json::from_str::<ClientMessage>(text).map_err(|err| {
+        format!(
+            "unreadable message ({err}); expected {{\"type\":\"send\",\"id\":\"...\",...}} \
+             or {{\"type\":\"resume\",\"after\":<seq>}}"
+        )
+    })?;
+    match message {
+        ClientMessage::Resume { after } if after < 0 => {
+            Err("`after` must be a sequence number (0 or more)".to_owned())
+        }
+        ClientMessage::Resume { after } => Ok(Request::Resume { after }),
+        ClientMessage::Send { id, .. }
+            if id.is_empty()
+                || id.len() > MAX_CLIENT_ID_LEN
+                || id.chars().any(char::is_control) =>
+        {
+            Err("`id` must be 1 to 255 bytes without control characters (a UUID)".to_owned())
+        }
+        ClientMessage::Send { id, body } => Ok(Request::Send(SendMessage { id, body })),
+    }
+}
+
+/// [`read`] for the fuzz target (`cargo fuzz` builds with `--cfg
+/// fuzzing`): the id of a `send`, or the seq of a `resume`, or the JSON
+/// text of the `error` the server answers.
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub fn fuzz_read(text: &str) -> Result<Result<String, i64>, String> {
+    match read(text) {
+        Ok(Request::Send(message)) => Ok(Ok(message.id)),
+        Ok(Request::Resume { after }) => Ok(Err(after)),
+        Err(detail) => Err(Control::Error { detail: &detail }.to_text()),
+    }
 }
 
 /// A control message to the client.
