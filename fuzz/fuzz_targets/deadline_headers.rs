@@ -1,6 +1,6 @@
 //! `X-Request-Deadline-Unix-Ms` and `grpc-timeout`: a parsed value encodes
-//! back to a valid header, a deadline near now survives the round trip to
-//! the millisecond, and re-encoding a timeout never shortens it.
+//! back to a valid header, a deadline near now survives the round trip, and
+//! re-encoding a timeout never shortens it.
 #![no_main]
 
 use keel_core::Deadline;
@@ -8,6 +8,13 @@ use keel_core::deadline::{MAX_UNIX_MILLIS, grpc_timeout};
 use libfuzzer_sys::fuzz_target;
 
 const DAY_MS: u64 = 86_400_000;
+
+/// How far a deadline near now may move in a round trip. Each conversion
+/// between the wall clock and the monotonic clock reads both clocks (so it
+/// follows wall-clock steps) and truncates to the millisecond: a round trip
+/// moves it by a millisecond or two, more only if the thread is preempted
+/// between two clock reads. A unit or offset bug moves it by far more.
+const DRIFT_MS: u64 = 1_000;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
@@ -20,10 +27,8 @@ fuzz_target!(|data: &[u8]| {
         let again = Deadline::parse_header(&header).expect("an encoded deadline parses");
         let now = keel_core::clock::unix_millis();
         if ms.abs_diff(now) < DAY_MS {
-            assert!(
-                again.to_unix_millis().abs_diff(ms) <= 1,
-                "{ms} came back as {header}"
-            );
+            let back = again.to_unix_millis();
+            assert!(back.abs_diff(ms) <= DRIFT_MS, "{ms} came back as {back}");
         }
     }
     if let Ok(timeout) = grpc_timeout::decode(text) {
