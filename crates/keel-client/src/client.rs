@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use http::HeaderValue;
 use keel_core::deadline::{DEADLINE_HEADER, MIN_TIME_TO_START};
-use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceState};
-use keel_core::{Deadline, Rejected, TraceParent};
+use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER};
+use keel_core::{Deadline, Rejected};
 use keel_policy::chaos::{ChaosExperiment, EXPERIMENT_HEADER};
 use tracing::Instrument as _;
 
@@ -34,7 +34,7 @@ pub const ERROR_BODY_LIMIT: usize = 4 * 1024;
 ///    the deadline that makes, `X-Request-Deadline-Unix-Ms`, so the
 ///    dependency stops when we stop waiting;
 /// 3. sends `traceparent` as a new child span of the current
-///    [`TraceParent`] (a new trace without one), and the chaos experiment
+///    [`TraceParent`](keel_core::TraceParent) (a new trace without one), and the chaos experiment
 ///    the request belongs to, if any (`x-chaos-experiment`);
 /// 4. turns an error status into [`HttpCallError::Status`], with its
 ///    `Retry-After` and the start of its body.
@@ -166,12 +166,7 @@ impl PropagatingClient {
         *request.timeout_mut() = Some(allowed);
         let deadline = Deadline::after(allowed).min_with(current);
         let client_span = client_span(&request);
-        let state = TraceState::current();
-        let span = keel_core::trace::span::child(
-            &client_span,
-            TraceParent::current().as_ref(),
-            state.as_ref(),
-        );
+        let (span, state) = keel_core::trace::span::outgoing(&client_span);
         let headers = request.headers_mut();
         if let Ok(value) = HeaderValue::from_str(&deadline.to_header_value()) {
             headers.insert(DEADLINE_HEADER, value);

@@ -56,8 +56,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use keel_core::deadline::{GRPC_TIMEOUT_HEADER, MIN_TIME_TO_START, grpc_timeout};
-use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceState};
-use keel_core::{BoxError, Deadline, TraceParent};
+use keel_core::trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER};
+use keel_core::{BoxError, Deadline};
 use tonic::Status;
 use tonic::body::Body;
 use tower_layer::Layer;
@@ -154,12 +154,7 @@ where
             return Box::pin(std::future::ready(Err(status)));
         }
         let client_span = crate::span::rpc(request.uri().path(), "client");
-        let state = TraceState::current();
-        let span = keel_core::trace::span::child(
-            &client_span,
-            TraceParent::current().as_ref(),
-            state.as_ref(),
-        );
+        let (span, state) = keel_core::trace::span::outgoing(&client_span);
         if let Ok(value) = HeaderValue::try_from(span.to_string()) {
             request.headers_mut().insert(TRACEPARENT_HEADER, value);
         }

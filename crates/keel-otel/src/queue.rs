@@ -11,8 +11,7 @@
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::thread::JoinHandle;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::time::Duration;
 
 use opentelemetry::Context;
@@ -87,7 +86,6 @@ enum Command {
 pub struct SpanQueue {
     queue: SyncSender<Command>,
     counts: Arc<SpanCounts>,
-    worker: parking_lot::Mutex<Option<JoinHandle<()>>>,
 }
 
 impl fmt::Debug for SpanQueue {
@@ -116,7 +114,7 @@ impl SpanQueue {
     {
         let (queue, commands) = mpsc::sync_channel(capacity.max(1));
         let counts = Arc::new(SpanCounts::default());
-        let worker = {
+        {
             let counts = Arc::clone(&counts);
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -124,7 +122,7 @@ impl SpanQueue {
             std::thread::Builder::new()
                 .name("keel-otel-export".to_owned())
                 .spawn(move || {
-                    let exporter = {
+                    let mut exporter = {
                         let _entered = runtime.enter();
                         make()
                     };
@@ -132,7 +130,6 @@ impl SpanQueue {
                         tracing::error!(target: "keel_otel", error = %why,
                             "cannot build the span exporter: spans are dropped");
                     }
-                    let mut exporter = exporter;
                     Worker {
                         commands,
                         counts,
@@ -152,13 +149,9 @@ impl SpanQueue {
                     if let Ok(exporter) = exporter {
                         let _ = exporter.shutdown();
                     }
-                })?
-        };
-        Ok(Self {
-            queue,
-            counts,
-            worker: parking_lot::Mutex::new(Some(worker)),
-        })
+                })?;
+        }
+        Ok(Self { queue, counts })
     }
 
     /// The counts, shared: read them at any time.
@@ -174,11 +167,9 @@ impl SpanProcessor for SpanQueue {
         if !span.span_context.is_sampled() {
             return;
         }
-        match self.queue.try_send(Command::Span(Box::new(span))) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.counts.drop_span();
-            }
+        // Full, or the export thread is gone: either way the span is lost.
+        if self.queue.try_send(Command::Span(Box::new(span))).is_err() {
+            self.counts.drop_span();
         }
     }
 
@@ -194,17 +185,10 @@ impl SpanProcessor for SpanQueue {
         let _ = self.queue.send(Command::Resource(resource.clone()));
     }
 
+    /// Exports what is queued. The export thread itself ends when the
+    /// provider drops this processor, its last sender.
     fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
-        let flushed = self.force_flush();
-        // Dropping every sender is what ends the worker; ours is the last
-        // one once the provider lets go of the processor, so only wait for
-        // a worker that has already drained.
-        if let Some(worker) = self.worker.lock().take()
-            && worker.is_finished()
-        {
-            let _ = worker.join();
-        }
-        flushed
+        self.force_flush()
     }
 }
 

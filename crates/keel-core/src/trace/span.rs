@@ -37,6 +37,16 @@ pub fn child(
         .unwrap_or_else(|| parent.map_or_else(TraceParent::new_root, TraceParent::child))
 }
 
+/// Starts `span` as a call out of the running task's trace (a new trace
+/// outside one) and returns what goes on the wire: the span's context, and
+/// the task's `tracestate`, which travels with it unchanged. Every client
+/// edge (HTTP, gRPC) sends these two.
+pub fn outgoing(span: &tracing::Span) -> (TraceParent, Option<TraceState>) {
+    let state = TraceState::current();
+    let context = child(span, TraceParent::current().as_ref(), state.as_ref());
+    (context, state)
+}
+
 /// Starts `span` as the root of a new trace linked to `producer`: the
 /// consumer of a message, which is caused by the producer but not part of
 /// its work (see [`TraceParent::linked_root`]).
