@@ -9,6 +9,11 @@
 #       the scale-out crash test (two keel serve processes; PostgreSQL
 #       immediate shutdown and nats-server SIGKILL mid-run) RUNS times in a
 #       row, under scripts/services.sh.
+#   scripts/reliability.sh network-faults FIRST LAST
+#       the scale-out pair under the seeded network fault schedules of
+#       every seed FIRST..LAST (fault proxies between each keel serve and
+#       PostgreSQL / nats-server), under scripts/services.sh; one line per
+#       seed, then the totals.
 #   scripts/reliability.sh chaos-busy-disk ROUNDS [BINARY]
 #       the chaos tests of seeds 3, 5 and 13 at once, ROUNDS times, next to
 #       a loop of fsynced 300 MB writes (a busy disk, as a parallel build
@@ -70,6 +75,17 @@ scale_out_crash() {
   echo "scale-out crash: $runs runs, $passed passed"
 }
 
+network_faults() {
+  local first="$1" last="$2" rc=0 log
+  log="target/network-faults-$first-$last.log"
+  cargo nextest run -p keel --all-features --test network_faults --no-run
+  KEEL_NETFAULT_SEEDS="$first-$last" scripts/services.sh run cargo nextest run -p keel \
+    --all-features --test network_faults --run-ignored only --no-capture soak >"$log" 2>&1 || rc=$?
+  grep -E "^seed [0-9]+: |^soak: |panicked" "$log" || true
+  echo "network faults: seeds $first..$last, exit $rc (log: $log)"
+  return "$rc"
+}
+
 chaos_busy_disk() {
   local rounds="$1" bin="${2:-}" runs=0 failed=0
   if [ -z "$bin" ]; then
@@ -127,7 +143,8 @@ openapi_fuzz() {
 case "${1:-}" in
   chaos) shift; chaos "$@" ;;
   scale-out-crash) shift; scale_out_crash "$@" ;;
+  network-faults) shift; network_faults "$@" ;;
   chaos-busy-disk) shift; chaos_busy_disk "$@" ;;
   openapi-fuzz) shift; openapi_fuzz "$@" ;;
-  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES]" >&2; exit 2 ;;
+  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | network-faults FIRST LAST | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES]" >&2; exit 2 ;;
 esac

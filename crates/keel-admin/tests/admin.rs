@@ -892,7 +892,7 @@ async fn park_outbox_rows(store: &SqliteStore, keys: &[&str], poison: &str) -> V
                 .await
                 .unwrap();
         } else {
-            store.outbox_release(&[row.id]).await.unwrap();
+            store.outbox_release("relay-1", &[row.id]).await.unwrap();
         }
     }
     claimed.iter().map(|r| r.id).collect()
@@ -973,7 +973,7 @@ async fn parked_outbox_rows_are_listed_inspected_replayed_and_discarded() {
 
     // The broker refuses it again; this time the operator discards it.
     w.store
-        .outbox_release(&claimed.iter().map(|r| r.id).collect::<Vec<_>>())
+        .outbox_release("relay-2", &claimed.iter().map(|r| r.id).collect::<Vec<_>>())
         .await
         .unwrap();
     assert!(w.store.outbox_park(parked, "refused again").await.unwrap());

@@ -905,16 +905,19 @@ async fn a_hang_up_while_the_response_is_stored_still_completes_the_key() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
 
+/// The handler ran but the store could not take its response: the client
+/// gets `503` (the answer is withheld, not lost), and its retry, within
+/// seconds, the response kept once the store was back.
 #[tokio::test]
 async fn a_response_the_store_could_not_take_is_stored_once_it_is_back() {
     let (store, _dir) = restarting_store(4).await;
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(store.clone()));
 
-    let (status, _, _) = send(&app, post_req(Some("during-restart"), "{}")).await;
-    assert_eq!(status, StatusCode::CREATED, "the handler's answer goes out");
+    let (status, headers, body) = send(&app, post_req(Some("during-restart"), "{}")).await;
+    assert_problem(status, &headers, &body, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.contains_key("retry-after"));
 
-    // Within seconds, not the 5-minute lock, the retry gets the replay.
     let (status, headers) =
         answer_after_in_flight(&app, "during-restart", Duration::from_secs(10)).await;
     assert_eq!(status, StatusCode::CREATED);
@@ -925,6 +928,36 @@ async fn a_response_the_store_could_not_take_is_stored_once_it_is_back() {
         5,
         "4 failures, then stored"
     );
+}
+
+/// A holder whose response the store does not take (cut off from it) and
+/// whose lock then passes: a retry elsewhere takes the key over and runs
+/// again, and of the two runs exactly one answers fresh. The network-fault
+/// test found the first run answering `201` too, with its key not settled.
+#[tokio::test]
+async fn a_key_taken_over_after_an_unconfirmed_response_has_one_fresh_answer() {
+    let (mut cut_off, _dir) = restarting_store(usize::MAX).await;
+    cut_off.renewals_fail = true;
+    let lock = Duration::from_secs(1);
+    let options = || IdempotencyOptions::new().lock(lock);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let first = counting_app(runs.clone())
+        .layer(IdempotencyLayer::with_options(cut_off.clone(), options()).expect("options"));
+    let second = counting_app(runs.clone())
+        .layer(IdempotencyLayer::with_options(cut_off.inner.clone(), options()).expect("options"));
+
+    let (status, headers, body) = send(&first, post_req(Some("cut"), "{}")).await;
+    assert_problem(status, &headers, &body, StatusCode::SERVICE_UNAVAILABLE);
+
+    let (status, headers) = answer_after_in_flight(&second, "cut", Duration::from_secs(5)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(
+        !headers.contains_key("idempotent-replayed"),
+        "the one fresh answer"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "taken over after the lock");
+    let (_, headers, _) = send(&second, post_req(Some("cut"), "{}")).await;
+    assert_eq!(headers["idempotent-replayed"], "true");
 }
 
 #[tokio::test]
@@ -959,7 +992,7 @@ async fn settling_stops_after_five_minutes() {
     let app =
         counting_app(Arc::new(AtomicUsize::new(0))).layer(IdempotencyLayer::new(store.clone()));
     let (status, _, _) = send(&app, post_req(Some("down-for-good"), "{}")).await;
-    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "not recorded");
     // From here only failing settles run, none touching SQLite (whose pool
     // would time out under paused time).
     tokio::time::pause();

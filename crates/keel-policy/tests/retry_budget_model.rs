@@ -24,6 +24,8 @@ const ONE: u64 = 1_000_000;
 enum Op {
     Requests(u32),
     Retry,
+    /// What `available` reports (it refills the reserve, as a retry would).
+    Available,
     Advance(u64),
 }
 
@@ -31,6 +33,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (1_u32..30).prop_map(Op::Requests),
         4 => Just(Op::Retry),
+        1 => Just(Op::Available),
         2 => prop_oneof![0..400_u64, 1_000..5_000_u64, Just(3_600_000_u64)].prop_map(Op::Advance),
     ]
 }
@@ -69,17 +72,26 @@ impl Model {
         self.tokens = (self.tokens + self.per_request).min(self.max_tokens);
     }
 
-    fn retry(&mut self) -> bool {
-        if self.tokens >= ONE {
-            self.tokens -= ONE;
-            return true;
-        }
+    fn refill(&mut self) {
         let earned =
             ((self.now_ms - self.refilled_at_ms) * self.per_sec / 1_000).min(self.reserve_cap);
         if earned > 0 {
             self.refilled_at_ms = self.now_ms;
             self.reserve = (self.reserve + earned).min(self.reserve_cap);
         }
+    }
+
+    fn available(&mut self) -> f64 {
+        self.refill();
+        (self.tokens + self.reserve) as f64 / ONE as f64
+    }
+
+    fn retry(&mut self) -> bool {
+        if self.tokens >= ONE {
+            self.tokens -= ONE;
+            return true;
+        }
+        self.refill();
         if self.reserve >= ONE {
             self.reserve -= ONE;
             return true;
@@ -110,6 +122,16 @@ async fn run(ratio: u64, per_sec: u64, max_tokens: u64, ops: Vec<Op>) -> Result<
                 let real = budget.try_withdraw();
                 prop_assert_eq!(real, model.retry(), "step {}: retry granted", step);
                 granted += u64::from(real);
+            }
+            Op::Available => {
+                let (real, expected) = (budget.available(), model.available());
+                prop_assert!(
+                    (real - expected).abs() < 1e-9,
+                    "step {}: {} available, the model says {}",
+                    step,
+                    real,
+                    expected
+                );
             }
             Op::Advance(ms) => {
                 tokio::time::advance(Duration::from_millis(ms)).await;

@@ -167,19 +167,43 @@ pub async fn mark_published<B: SqlBackend>(store: &B, ids: &[i64]) -> Result<(),
 }
 
 /// [`OutboxStore::outbox_release`](keel_messaging::store::OutboxStore::outbox_release).
-pub async fn release<B: SqlBackend>(store: &B, ids: &[i64]) -> Result<(), StoreError> {
+pub async fn release<B: SqlBackend>(store: &B, relay: &str, ids: &[i64]) -> Result<(), StoreError> {
     let set = "claimed_by = NULL, claimed_until = NULL";
-    update_unpublished(store, "outbox_release", set, ids, &[]).await
+    release_claimed(store, "outbox_release", set, relay, ids, None).await
 }
 
 /// [`OutboxStore::outbox_release_failed`](keel_messaging::store::OutboxStore::outbox_release_failed).
 pub async fn release_failed<B: SqlBackend>(
     store: &B,
+    relay: &str,
     ids: &[i64],
     error: &str,
 ) -> Result<(), StoreError> {
-    let set = "claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1, last_error = $2";
-    update_unpublished(store, "outbox_release_failed", set, ids, &[error.into()]).await
+    let set = "claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1, last_error = $3";
+    release_claimed(store, "outbox_release_failed", set, relay, ids, Some(error)).await
+}
+
+/// Runs `SET <set>` on the unpublished rows of `ids` that `relay` still
+/// claims (`$2`), with `error` as `$3`.
+async fn release_claimed<B: SqlBackend>(
+    store: &B,
+    what: &'static str,
+    set: &str,
+    relay: &str,
+    ids: &[i64],
+    error: Option<&str>,
+) -> Result<(), StoreError> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let sql = format!(
+        "UPDATE keel_outbox SET {set} WHERE {} AND published_at IS NULL AND claimed_by = $2",
+        B::Dialect::any_of("id", "$1")
+    );
+    let mut params = vec![Value::Ids(ids), relay.into()];
+    params.extend(error.map(Value::from));
+    write(store, what, &sql, &params).await?;
+    Ok(())
 }
 
 /// The prune statement: a bounded batch of published rows.
@@ -408,9 +432,10 @@ macro_rules! outbox_store {
 
             async fn outbox_release(
                 &self,
+                relay: &str,
                 ids: &[i64],
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
-                $crate::outbox::release(self, ids).await
+                $crate::outbox::release(self, relay, ids).await
             }
 
             async fn outbox_prune(
@@ -462,10 +487,11 @@ macro_rules! outbox_store {
 
             async fn outbox_release_failed(
                 &self,
+                relay: &str,
                 ids: &[i64],
                 error: &str,
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
-                $crate::outbox::release_failed(self, ids, error).await
+                $crate::outbox::release_failed(self, relay, ids, error).await
             }
 
             async fn outbox_park(

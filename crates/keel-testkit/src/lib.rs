@@ -13,6 +13,10 @@
 //! `scripts/services.sh` runs, and fails loudly in CI when they are missing;
 //! [`browser`] starts chromedriver for the console's browser tests.
 //!
+//! [`netfault`] (feature `netfault`) puts a fault proxy between a process and
+//! its servers and plays a seeded schedule of latency, resets, black holes,
+//! slow closes and partitions on it.
+//!
 //! [`bench`](mod@bench) (feature `bench`) is what the backends' messaging benchmarks
 //! share. [`eventually`] waits for what another task does; [`metrics`] (feature
 //! `metrics`) records what the code under test emits, for assertions.
@@ -33,6 +37,8 @@ pub mod jobs_suite;
 pub mod ledger;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+#[cfg(feature = "netfault")]
+pub mod netfault;
 pub mod services;
 #[cfg(feature = "store-suite")]
 pub mod store_suite;

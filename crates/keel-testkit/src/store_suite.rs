@@ -116,6 +116,7 @@ macro_rules! store_conformance_tests {
                 lease_excludes_other_relays,
                 relay_reclaims_its_own_lease,
                 expired_lease_is_claimable_again,
+                a_stale_release_leaves_the_new_claim,
                 per_key_order_holds_across_relays,
                 published_rows_are_not_claimed_and_leave_stats,
                 stats_report_relay_lag,

@@ -143,6 +143,19 @@ pub enum IdempotencyRejection {
         /// Sent as `Retry-After`.
         retry_after: Duration,
     },
+    /// `503` + `Retry-After`: the handler ran, but the key store did not
+    /// confirm that it kept the response (it failed, or another request
+    /// took the key over after this one's lock passed). A fresh answer goes
+    /// out only once its key is settled, so this request's is withheld;
+    /// retrying with the same key gets the response that was kept.
+    #[error(
+        "this request ran, but its response could not be recorded under its Idempotency-Key (the \
+         key store did not confirm it); retry with the same key to receive the recorded response"
+    )]
+    NotRecorded {
+        /// Sent as `Retry-After`.
+        retry_after: Duration,
+    },
 }
 
 impl IdempotencyRejection {
@@ -157,7 +170,7 @@ impl IdempotencyRejection {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::LockLost { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::LockLost { .. } | Self::NotRecorded { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -173,6 +186,7 @@ impl IdempotencyRejection {
             Self::InFlight { .. } => "in-flight",
             Self::KeyReused => "key-reused",
             Self::LockLost { .. } => "lock-lost",
+            Self::NotRecorded { .. } => "not-recorded",
         }
     }
 
@@ -180,7 +194,10 @@ impl IdempotencyRejection {
     pub fn to_problem(&self) -> Problem {
         let mut problem = Problem::new(self.status(), self.to_string())
             .typed(&format!("idempotency:{}", self.kind()));
-        if let Self::InFlight { retry_after } | Self::LockLost { retry_after } = self {
+        if let Self::InFlight { retry_after }
+        | Self::LockLost { retry_after }
+        | Self::NotRecorded { retry_after } = self
+        {
             problem = problem.with_retry_after(*retry_after);
         }
         problem

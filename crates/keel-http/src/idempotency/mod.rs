@@ -16,7 +16,8 @@
 //! | no key, key required (the default) | `400` problem |
 //! | malformed key, or longer than 255 characters | `400` problem |
 //! | body over the limit (default 1 MiB) | `413` problem |
-//! | new key | the handler runs; its response is stored and sent |
+//! | new key | the handler runs; its response is stored, then sent |
+//! | new key, the store did not confirm the stored response | `503` problem + `Retry-After`; the retry gets the response kept |
 //! | same key, same request, finished | the stored response, `Idempotent-Replayed: true` |
 //! | same key, same request, still running | `409` problem + `Retry-After` |
 //! | same key, different request | `422` problem |
@@ -58,15 +59,19 @@
 //! and answers `503`, so two runs of one key never overlap (work a handler
 //! hands to a task of its own is beyond the layer's reach: make it safe to
 //! repeat, as the reference shop does by deriving its event id from the
-//! key). If the store
-//! fails while the response is stored or the key released (a database
-//! restart), the layer keeps trying in the background, so retries get the
-//! replay once the store is back. That is the window a short lock trades
-//! for a fast takeover: a store down for longer than the lock between a
-//! handler's effect and its stored response may see a retry take the key
-//! over and run the handler again when it returns. Handlers whose effect is
-//! in the same store close it as the shop does: derive the effect's id from
-//! the key, and answer with what a first run did.
+//! key).
+//!
+//! If the store fails while the response is stored or the key released (a
+//! database restart), the layer keeps trying in the background, so retries
+//! get the replay once the store is back. The request itself answers `503`
+//! rather than the handler's response: a fresh answer goes out only once
+//! the store confirmed it kept it, so one key never has two fresh answers.
+//! That is the window a short lock trades for a fast takeover: a store
+//! down for longer than the lock between a handler's effect and its stored
+//! response may see a retry take the key over and run the handler again
+//! when it returns. Handlers whose effect is in the same store close it as
+//! the shop does: derive the effect's id from the key, and answer with
+//! what a first run did.
 //!
 //! Keys live 24 hours by default ([`IdempotencyOptions::ttl`]);
 //! [`spawn_pruner`] or [`prune_expired`] delete them afterwards.

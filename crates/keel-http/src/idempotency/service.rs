@@ -20,7 +20,7 @@ use super::fingerprint::fingerprint;
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyRejection, parse_key};
 use super::lease::{Lease, LockLost};
 use super::options::IdempotencyOptions;
-use super::settle::Settle;
+use super::settle::{Settle, Settled};
 use crate::problem::Problem;
 
 /// The header on a replay whose body was too large to store.
@@ -223,7 +223,13 @@ where
         return Ok(Response::from_parts(head, Body::from(body)));
     }
     let stored = to_stored(&head, &body, options.max_response_body);
-    guard.complete(&stored).await;
+    if guard.complete(&stored).await == Settled::Unconfirmed {
+        // See `settle`: a fresh answer only for a confirmed key.
+        return Ok(IdempotencyRejection::NotRecorded {
+            retry_after: std::time::Duration::from_secs(1),
+        }
+        .into_response());
+    }
     // The stored copy has no length; the live response gets its own again.
     head.headers.remove(header::CONTENT_LENGTH);
     Ok(Response::from_parts(head, Body::from(body)))
@@ -321,8 +327,8 @@ impl<S: IdempotencyStore> InFlight<S> {
         }
     }
 
-    async fn complete(&mut self, response: &StoredResponse) {
-        self.settle(Settle::Complete(response.clone())).await;
+    async fn complete(&mut self, response: &StoredResponse) -> Settled {
+        self.settle(Settle::Complete(response.clone())).await
     }
 
     async fn release(&mut self, why: &'static str) {
@@ -350,12 +356,16 @@ impl<S: IdempotencyStore> InFlight<S> {
     /// Settles in a task of its own: a client that hangs up while the
     /// response is being stored must not cut the write in half, or the key
     /// would stay locked with its effect done and no answer to replay.
-    async fn settle(&mut self, settle: Settle) {
-        if let Some(lease) = self.lease.take()
-            && let Err(err) = tokio::spawn(lease.settle(settle)).await
-        {
-            tracing::error!(error = %err, "settling an idempotency key panicked");
-        }
+    async fn settle(&mut self, settle: Settle) -> Settled {
+        let Some(lease) = self.lease.take() else {
+            return Settled::Confirmed;
+        };
+        tokio::spawn(lease.settle(settle))
+            .await
+            .unwrap_or_else(|err| {
+                tracing::error!(error = %err, "settling an idempotency key panicked");
+                Settled::Unconfirmed
+            })
     }
 }
 

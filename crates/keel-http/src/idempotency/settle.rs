@@ -10,6 +10,13 @@
 //! [`SETTLE_RETRY_FOR`]. A late write is safe: the store accepts it only
 //! from the key's owner, so once a retry took the key over, this settle
 //! changes nothing and stops.
+//!
+//! The handler's answer goes out fresh only if the first try was
+//! confirmed. An unconfirmed key is not renewed, so its lock can pass and a
+//! retry take it over and run the handler again: had the first answer gone
+//! out too, one key would have two fresh answers. The client gets `503`
+//! instead, and its retry the response that was kept, whichever request
+//! kept it.
 
 use std::time::Duration;
 
@@ -47,24 +54,51 @@ impl Settle {
     }
 }
 
+/// Whether the store confirmed a settle on its first try.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// The key is this request's no more: completed with its response, or
+    /// released.
+    Confirmed,
+    /// The store failed (a background task may keep trying), or the key is
+    /// another request's now.
+    Unconfirmed,
+}
+
 impl<S: IdempotencyStore> Lease<S> {
     /// Settles the key once; if the store failed in a way worth retrying,
     /// keeps trying in a background task (see the module docs).
-    pub(crate) async fn settle(self, settle: Settle) {
+    pub(crate) async fn settle(self, settle: Settle) -> Settled {
         if let Settle::Release(why) = &settle {
             metrics::counter!("keel_idempotency_released_total", "reason" => *why).increment(1);
             tracing::debug!(principal = %self.principal, key = %self.key, reason = why,
                 "idempotency key released");
         }
-        match self.try_once(&settle).await {
-            Ok(()) => {}
+        match self.write(&settle).await {
+            Ok(()) => return Settled::Confirmed,
+            Err(StoreError::NotFound(_)) => {
+                metrics::counter!("keel_idempotency_lock_lost_total").increment(1);
+                tracing::warn!(principal = %self.principal, key = %self.key,
+                    "{} found the key taken over by another request", settle.name());
+            }
             Err(err) if worth_retrying(&err) => self.retry_in_background(settle, err),
             Err(err) => self.give_up(&settle, &err),
         }
+        Settled::Unconfirmed
     }
 
+    /// One later try: a complete whose key is not found is done, because an
+    /// earlier try whose outcome was unknown did commit, or a retry took the
+    /// key over; either way there is nothing left to do.
     async fn try_once(&self, settle: &Settle) -> Result<(), StoreError> {
-        let done = match settle {
+        match self.write(settle).await {
+            Err(StoreError::NotFound(_)) if matches!(settle, Settle::Complete(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    async fn write(&self, settle: &Settle) -> Result<(), StoreError> {
+        match settle {
             Settle::Complete(response) => {
                 self.store
                     .idempotency_complete(&self.principal, &self.key, &self.owner, response)
@@ -75,12 +109,6 @@ impl<S: IdempotencyStore> Lease<S> {
                     .idempotency_release(&self.principal, &self.key, &self.owner)
                     .await
             }
-        };
-        match done {
-            // An earlier try whose outcome was unknown did commit, or a
-            // retry took the key over: either way there is nothing to do.
-            Err(StoreError::NotFound(_)) if matches!(settle, Settle::Complete(_)) => Ok(()),
-            other => other,
         }
     }
 

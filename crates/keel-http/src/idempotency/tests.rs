@@ -80,6 +80,18 @@ fn every_refusal_has_its_status() {
             IdempotencyRejection::KeyReused,
             StatusCode::UNPROCESSABLE_ENTITY,
         ),
+        (
+            IdempotencyRejection::LockLost {
+                retry_after: Duration::from_secs(1),
+            },
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
+        (
+            IdempotencyRejection::NotRecorded {
+                retry_after: Duration::from_secs(1),
+            },
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
     ];
     for (rejection, status) in cases {
         assert_eq!(rejection.to_problem().status, status.as_u16());

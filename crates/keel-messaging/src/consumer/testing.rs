@@ -35,6 +35,13 @@ struct Row {
     parked_at: Option<DateTime<Utc>>,
 }
 
+/// Whether `row` is one of `ids`, unpublished and still claimed by `relay`.
+fn claimed_by(row: &Row, relay: &str, ids: &[i64]) -> bool {
+    ids.contains(&row.id)
+        && row.published_at.is_none()
+        && row.claim.as_ref().is_some_and(|(by, _)| by == relay)
+}
+
 impl Row {
     fn parked(&self, rows: &[Row]) -> ParkedOutbox {
         ParkedOutbox {
@@ -239,9 +246,9 @@ impl OutboxStore for MemStore {
         Ok(())
     }
 
-    async fn outbox_release(&self, ids: &[i64]) -> Result<(), StoreError> {
+    async fn outbox_release(&self, relay: &str, ids: &[i64]) -> Result<(), StoreError> {
         let mut s = self.state.lock();
-        for row in s.outbox.iter_mut().filter(|r| ids.contains(&r.id)) {
+        for row in s.outbox.iter_mut().filter(|r| claimed_by(r, relay, ids)) {
             row.claim = None;
         }
         Ok(())
@@ -300,13 +307,14 @@ impl OutboxStore for MemStore {
         Ok(published)
     }
 
-    async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {
+    async fn outbox_release_failed(
+        &self,
+        relay: &str,
+        ids: &[i64],
+        error: &str,
+    ) -> Result<(), StoreError> {
         let mut s = self.state.lock();
-        for row in s
-            .outbox
-            .iter_mut()
-            .filter(|r| ids.contains(&r.id) && r.published_at.is_none())
-        {
+        for row in s.outbox.iter_mut().filter(|r| claimed_by(r, relay, ids)) {
             row.claim = None;
             row.attempts += 1;
             row.last_error = Some(error.to_owned());

@@ -379,11 +379,12 @@ impl<D: SagaData> SagaDefinitionBuilder<D> {
 
     /// The whole saga's deadline: the time it may take from its start,
     /// however its steps spend it (default: none). When it passes before
-    /// the pivot, the saga compensates, with the reason in `last_error`;
-    /// past the pivot it cannot turn back, so it is parked as stuck for an
-    /// operator. No call runs past it: a step does not start with less than
-    /// 50 ms left, its timeout is cut to the time left, and a retry's
-    /// backoff ends at the deadline.
+    /// the pivot, the saga compensates, with the reason in `last_error`.
+    /// Before the pivot no call runs past it: a step does not start with
+    /// less than 50 ms left, its timeout is cut to the time left, and a
+    /// retry's backoff ends at the deadline. Past the pivot the saga cannot
+    /// turn back, so the deadline no longer applies: forward recovery goes
+    /// on within its [budget](Self::forward_budget).
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
         self

@@ -63,7 +63,8 @@
 //!
 //! A definition's [`deadline`](SagaDefinitionBuilder::deadline) bounds the
 //! whole saga by elapsed time, however its steps spend it: it turns back
-//! (or parks past the pivot) with the reason when it passes.
+//! with the reason when it passes before the pivot; past the pivot, where
+//! there is no way back, forward recovery goes on.
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -213,7 +213,7 @@ impl OutboxStore for MemStore {
         Err(unsupported())
     }
 
-    async fn outbox_release(&self, _ids: &[i64]) -> Result<(), StoreError> {
+    async fn outbox_release(&self, _relay: &str, _ids: &[i64]) -> Result<(), StoreError> {
         Err(unsupported())
     }
 

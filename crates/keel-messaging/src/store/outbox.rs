@@ -145,8 +145,11 @@ pub trait OutboxStore: Store {
     /// Marks rows published (after the broker accepted them).
     async fn outbox_mark_published(&self, ids: &[i64]) -> Result<(), StoreError>;
 
-    /// Gives claimed rows back without publishing them.
-    async fn outbox_release(&self, ids: &[i64]) -> Result<(), StoreError>;
+    /// Gives rows `relay` claimed back without publishing them. A row whose
+    /// claim is no longer `relay`'s (its lease ran out and another relay
+    /// claimed it) is left alone: a relay slower than its lease must not
+    /// free its successor's claim.
+    async fn outbox_release(&self, relay: &str, ids: &[i64]) -> Result<(), StoreError>;
 
     /// Deletes up to `batch` rows published before `before`; returns how many.
     async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
@@ -184,13 +187,20 @@ pub trait OutboxStore: Store {
         limit: usize,
     ) -> Result<Vec<PublishedOutbox>, StoreError>;
 
-    /// Gives claimed rows back after a failed publish that may succeed
-    /// later (the broker was unreachable, the outcome is unknown): each
-    /// row's attempt count goes up by one and `error` is kept as its last
-    /// error. The default releases them without counting.
-    async fn outbox_release_failed(&self, ids: &[i64], error: &str) -> Result<(), StoreError> {
+    /// Gives rows `relay` claimed back after a failed publish that may
+    /// succeed later (the broker was unreachable, the outcome is unknown):
+    /// each row's attempt count goes up by one and `error` is kept as its
+    /// last error. Rows no longer claimed by `relay` are left alone, as in
+    /// [`outbox_release`](Self::outbox_release). The default releases them
+    /// without counting.
+    async fn outbox_release_failed(
+        &self,
+        relay: &str,
+        ids: &[i64],
+        error: &str,
+    ) -> Result<(), StoreError> {
         let _ = error;
-        self.outbox_release(ids).await
+        self.outbox_release(relay, ids).await
     }
 
     /// Parks an unpublished row the broker refused for good: it is

@@ -370,6 +370,21 @@ fn retry_config_defaults_and_round_trip() {
         retry.budget().unwrap().config(),
         &RetryBudgetConfig::default()
     );
+    let tuned: RetryConfig =
+        serde_json::from_str(r#"{"budget": {"ratio": 0.5, "min_per_sec": 2.0}}"#).unwrap();
+    let budget = tuned
+        .clone()
+        .build("r")
+        .unwrap()
+        .budget()
+        .unwrap()
+        .config()
+        .clone();
+    assert_eq!(
+        Some(budget),
+        tuned.budget,
+        "the budget keeps its configuration"
+    );
 }
 
 #[test]
@@ -380,4 +395,23 @@ fn futures_are_send_for_multi_threaded_servers() {
     let service = tower::service_fn(|x: u32| async move { Ok::<u32, std::io::Error>(x) });
     let mut retried = tower_layer::Layer::layer(&retry.layer(), service);
     assert_send(&tower_service::Service::call(&mut retried, 1));
+}
+
+#[test]
+fn a_budget_debugs_in_whole_retries() {
+    let budget = RetryBudget::builder("b")
+        .ratio(0.5)
+        .min_per_sec(2.0)
+        .build()
+        .unwrap();
+    for _ in 0..3 {
+        budget.deposit();
+    }
+    let text = format!("{budget:?}");
+    assert!(
+        text.starts_with("RetryBudget")
+            && text.contains("tokens: 1.5")
+            && text.contains("reserve: 2.0"),
+        "{text}"
+    );
 }

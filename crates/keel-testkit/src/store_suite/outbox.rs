@@ -155,7 +155,10 @@ pub async fn lease_excludes_other_relays<S: MessagingStore>(store: &S) {
         .expect("claim");
     assert!(b.is_empty(), "relay-b must not get leased rows: {b:?}");
 
-    store.outbox_release(&row_ids(&a)).await.expect("release");
+    store
+        .outbox_release("relay-a", &row_ids(&a))
+        .await
+        .expect("release");
     let b = store
         .outbox_claim("relay-b", 10, LEASE)
         .await
@@ -176,6 +179,49 @@ pub async fn relay_reclaims_its_own_lease<S: MessagingStore>(store: &S) {
         .await
         .expect("claim");
     assert_eq!(event_ids(&first), event_ids(&again));
+}
+
+/// A relay slower than its lease gives back only what it still holds: a
+/// row another relay claimed since stays that relay's, whether the slow one
+/// releases it or counts a failed publish on it.
+pub async fn a_stale_release_leaves_the_new_claim<S: MessagingStore>(store: &S) {
+    append_committed(store, &[record("e-1", "A-1")]).await;
+    let short = Duration::from_millis(300);
+    let a = store
+        .outbox_claim("relay-a", 10, short)
+        .await
+        .expect("claim");
+    tokio::time::sleep(short + Duration::from_millis(300)).await;
+    let b = store
+        .outbox_claim("relay-b", 10, LEASE)
+        .await
+        .expect("claim");
+    assert_eq!(event_ids(&b), ["e-1"], "the expired lease is taken over");
+
+    store
+        .outbox_release_failed("relay-a", &row_ids(&a), "publish timed out")
+        .await
+        .expect("release");
+    store
+        .outbox_release("relay-a", &row_ids(&a))
+        .await
+        .expect("release");
+    let c = store
+        .outbox_claim("relay-c", 10, LEASE)
+        .await
+        .expect("claim");
+    assert!(c.is_empty(), "relay-b's claim stands: {c:?}");
+
+    store
+        .outbox_release("relay-b", &row_ids(&b))
+        .await
+        .expect("release");
+    let c = store
+        .outbox_claim("relay-c", 10, LEASE)
+        .await
+        .expect("claim");
+    assert_eq!(event_ids(&c), ["e-1"], "its holder gave it back");
+    assert_eq!(c[0].attempts, 0, "the stale failure was not counted");
 }
 
 /// A lease runs out: a relay that died holding rows does not hold them
@@ -266,7 +312,10 @@ pub async fn published_rows_are_not_claimed_and_leave_stats<S: MessagingStore>(s
         .expect("claim");
     let ids = row_ids(&a);
     store.outbox_mark_published(&ids[..2]).await.expect("mark");
-    store.outbox_release(&ids[2..]).await.expect("release");
+    store
+        .outbox_release("relay-a", &ids[2..])
+        .await
+        .expect("release");
 
     let stats = store.outbox_stats().await.expect("stats");
     assert_eq!(stats.unpublished, 1);
@@ -326,7 +375,10 @@ pub async fn prune_deletes_in_bounded_batches<S: MessagingStore>(store: &S) {
         .expect("claim");
     let ids = row_ids(&claimed);
     store.outbox_mark_published(&ids[..7]).await.expect("mark");
-    store.outbox_release(&ids[7..]).await.expect("release");
+    store
+        .outbox_release("relay-a", &ids[7..])
+        .await
+        .expect("release");
 
     let none = store
         .outbox_prune(before_publishing, 100)

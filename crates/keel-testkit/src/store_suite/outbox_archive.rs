@@ -22,7 +22,10 @@ pub async fn archive_moves_published_rows_in_bounded_batches<S: MessagingStore>(
         .expect("claim");
     let ids: Vec<i64> = claimed.iter().map(|p| p.id).collect();
     store.outbox_mark_published(&ids[..5]).await.expect("mark");
-    store.outbox_release(&ids[5..]).await.expect("release");
+    store
+        .outbox_release("relay-a", &ids[5..])
+        .await
+        .expect("release");
 
     let earlier = now_ms() - chrono::TimeDelta::seconds(5);
     assert_eq!(

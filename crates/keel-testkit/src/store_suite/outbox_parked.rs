@@ -35,7 +35,10 @@ async fn park_first_of_k1<S: MessagingStore>(store: &S) -> i64 {
         .map(|(_, id)| *id)
         .filter(|id| *id != parked)
         .collect();
-    store.outbox_release(&others).await.expect("release");
+    store
+        .outbox_release("relay-a", &others)
+        .await
+        .expect("release");
     parked
 }
 
@@ -56,7 +59,7 @@ pub async fn parked_row_holds_back_only_its_key<S: MessagingStore>(store: &S) {
             "{relay}: k1-second waits behind the parked k1-first; K-2 flows"
         );
         let ids: Vec<i64> = claimed.iter().map(|(_, id)| *id).collect();
-        store.outbox_release(&ids).await.expect("release");
+        store.outbox_release(relay, &ids).await.expect("release");
     }
 
     let stats = store.outbox_stats().await.expect("stats");
@@ -134,7 +137,10 @@ pub async fn discarded_row_frees_its_key<S: MessagingStore>(store: &S) {
         !store.outbox_discard(k2).await.expect("discard"),
         "an unparked row is not discarded"
     );
-    store.outbox_release(&[k2]).await.expect("release");
+    store
+        .outbox_release("relay-b", &[k2])
+        .await
+        .expect("release");
 
     assert!(store.outbox_discard(parked).await.expect("discard"));
     assert!(
@@ -173,7 +179,11 @@ pub async fn failed_release_counts_attempts<S: MessagingStore>(store: &S) {
             .expect("claim");
         assert!(claimed.iter().all(|p| p.attempts == attempt - 1));
         store
-            .outbox_release_failed(&row_ids(&claimed), "broker unavailable: restarting")
+            .outbox_release_failed(
+                "relay-a",
+                &row_ids(&claimed),
+                "broker unavailable: restarting",
+            )
             .await
             .expect("release failed");
     }

@@ -340,7 +340,7 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         }
         if let Err(store_err) = self
             .store
-            .outbox_release_failed(ids, &err.to_string())
+            .outbox_release_failed(&self.options.name, ids, &err.to_string())
             .await
         {
             tracing::warn!(relay = %self.options.name, error = %store_err,
@@ -352,7 +352,7 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
         if ids.is_empty() {
             return;
         }
-        if let Err(err) = self.store.outbox_release(ids).await {
+        if let Err(err) = self.store.outbox_release(&self.options.name, ids).await {
             tracing::warn!(relay = %self.options.name, error = %err,
                 "could not release outbox claims; they are retried when the lease ends");
         }

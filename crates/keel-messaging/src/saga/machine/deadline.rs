@@ -1,18 +1,27 @@
 //! The whole saga's deadline: elapsed time from the saga's start, however
 //! its steps spend it. A step does not start with too little time left, a
-//! call is cut to the time left, and when it passes the saga turns back, or
-//! parks past the pivot.
+//! call is cut to the time left, and when it passes the saga turns back.
+//!
+//! Past the pivot there is no way back, so the deadline no longer applies:
+//! forward recovery goes on with backoff (the seed: "retry forever"), within
+//! its own budget, and parks only when that budget is spent. Parking there
+//! for the deadline instead left a saga no operator could move: a retry met
+//! the passed deadline again at once (the saga model found it).
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use super::{Call, Shape, bump, delta, enter_compensation, note_error, park};
+use super::{Call, Shape, bump, delta, enter_compensation, note_error};
 use crate::store::SagaRecord;
 
 impl Shape {
-    /// When `record`'s whole-saga deadline passes, if it has one.
+    /// When `record`'s whole-saga deadline passes, if it has one and it
+    /// still applies: not past the pivot, where the saga cannot turn back.
     pub(crate) fn deadline_at(&self, record: &SagaRecord) -> Option<DateTime<Utc>> {
+        if self.forward_only(record.step as usize, record.outcome_unknown) {
+            return None;
+        }
         self.deadline.map(|d| record.created_at + delta(d))
     }
 }
@@ -32,9 +41,8 @@ pub(crate) fn call_timeout(
     }
 }
 
-/// A running saga at step `i` whose deadline passed: compensating what was
-/// done (and step `i` if it may have happened), or, when it can no longer
-/// turn back, parked for an operator.
+/// A running saga at step `i` whose deadline passed, before the pivot:
+/// compensating what was done, and step `i` if it may have happened.
 pub(super) fn expire(
     record: &SagaRecord,
     shape: &Shape,
@@ -44,22 +52,11 @@ pub(super) fn expire(
     let mut next = bump(record, now);
     let deadline = shape.deadline.unwrap_or_default();
     let step = &shape.steps[i].name;
-    if shape.forward_only(i, record.outcome_unknown) {
-        note_error(
-            &mut next,
-            format!(
-                "saga deadline of {deadline:?} passed at step `{step}`, past the pivot: an \
-                 operator must retry it (it cannot be compensated)"
-            ),
-        );
-        park(&mut next, now);
-    } else {
-        note_error(
-            &mut next,
-            format!("saga deadline of {deadline:?} passed at step `{step}`: compensating"),
-        );
-        let upper = if record.outcome_unknown { i + 1 } else { i };
-        enter_compensation(&mut next, shape, upper);
-    }
+    note_error(
+        &mut next,
+        format!("saga deadline of {deadline:?} passed at step `{step}`: compensating"),
+    );
+    let upper = if record.outcome_unknown { i + 1 } else { i };
+    enter_compensation(&mut next, shape, upper);
     next
 }

@@ -208,7 +208,7 @@ fn the_saga_deadline_counts_elapsed_time_not_steps_and_compensates_before_the_pi
 }
 
 #[test]
-fn a_saga_deadline_that_passes_during_a_maybe_applied_step_undoes_it_and_past_the_pivot_parks() {
+fn a_saga_deadline_that_passes_during_a_maybe_applied_step_undoes_it_and_past_the_pivot_goes_on() {
     let shape = shape_with_deadline();
     let (_, record) = run(&new_saga(), &shape, ok()); // capture_payment
     let (_, record) = run(&record, &shape, failed(ErrorClass::OutcomeUnknown)); // reserve_stock?
@@ -224,20 +224,23 @@ fn a_saga_deadline_that_passes_during_a_maybe_applied_step_undoes_it_and_past_th
     let (_, record) = run(&new_saga(), &shape, ok());
     let (_, record) = run(&record, &shape, ok()); // reserve_stock
     let (_, record) = run(&record, &shape, failed(ErrorClass::OutcomeUnknown)); // the pivot?
-    let Plan::Save(parked) = plan(&record, &shape, t0() + TimeDelta::seconds(25), GRACE) else {
-        panic!("the deadline decides");
-    };
-    assert_eq!(
-        parked.status,
-        SagaStatus::Stuck,
-        "no way back past a maybe-applied pivot"
-    );
-    assert!(parked.next_attempt_at > t0() + TimeDelta::days(365));
-    let reason = parked.last_error.unwrap();
     assert!(
-        reason.contains("past the pivot: an operator must retry it"),
-        "{reason}"
+        record.next_attempt_at < t0() + TimeDelta::seconds(20),
+        "its retry backs off as usual, not cut to the deadline"
     );
+    let late = t0() + TimeDelta::seconds(25);
+    let Plan::Call(retry) = plan(&record, &shape, late, GRACE) else {
+        panic!("no way back past a maybe-applied pivot: it is tried again");
+    };
+    assert_eq!(retry.call, Call::Action(2));
+    assert_eq!(
+        call_timeout(&record, &shape, Call::Action(2), late),
+        shape.steps[2].timeout,
+        "not cut to a deadline that no longer applies"
+    );
+    let (_, next) = run(&record, &shape, ok());
+    let (_, done) = run(&next, &shape, ok()); // send_receipt, past the deadline
+    assert_eq!(done.status, SagaStatus::Completed);
 }
 
 #[test]

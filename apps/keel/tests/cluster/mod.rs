@@ -1,0 +1,306 @@
+//! What the scale-out tests share: two or more `keel serve` processes on
+//! one PostgreSQL and one NATS JetStream, a workload of orders with
+//! duplicates sent to both, and the demo's invariant check as the verdict.
+//!
+//! Each test has a PostgreSQL schema and a NATS stream prefix of its own,
+//! so tests running in parallel on one server never see each other.
+#![allow(dead_code, unreachable_pub)]
+
+use std::fs::File;
+use std::process::Stdio;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use hdrhistogram::Histogram;
+use keel::demo::report::{self, Invariants};
+use keel::demo::workload::{History, Outcome, WorkloadResult, order_for, read_answer};
+use keel::metrics_report::Totals;
+use keel_postgres::PgStore;
+use keel_testkit::services;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// Orders per run.
+pub const ORDERS: u64 = 200;
+
+/// Held for the whole test: shared normally, exclusive by a test that
+/// restarts the servers. The lock files are the ones the keel-postgres and
+/// keel-nats tests use, so a restart here never hits their tests either.
+pub struct ServerLease {
+    _files: Vec<File>,
+}
+
+impl ServerLease {
+    pub fn take(exclusive: bool) -> Self {
+        let Some(dir) = std::env::var_os("KEEL_TEST_SERVICES_DIR") else {
+            return Self { _files: Vec::new() };
+        };
+        let files = ["keel-postgres-tests.lock", "keel-nats-restart.lock"]
+            .iter()
+            .map(|name| {
+                let file = File::options()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(std::path::Path::new(&dir).join(name))
+                    .expect("open a test lock file");
+                if exclusive {
+                    file.lock().expect("exclusive test lock");
+                } else {
+                    file.lock_shared().expect("shared test lock");
+                }
+                file
+            })
+            .collect();
+        Self { _files: files }
+    }
+}
+
+/// The shared backends of one test.
+pub struct Cluster {
+    pub pg_url: String,
+    pub nats_url: String,
+    pub schema: String,
+    pub prefix: String,
+}
+
+impl Cluster {
+    pub fn new() -> Option<Self> {
+        let pg_url = services::postgres_url()?;
+        let nats_url = services::nats_url()?;
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        Some(Self {
+            pg_url,
+            nats_url,
+            schema: format!("keel_so_{id}"),
+            prefix: format!("so_{}", &id[id.len() - 24..]),
+        })
+    }
+
+    pub async fn serve(&self, name: &str) -> Server {
+        self.serve_via(name, &self.pg_url, &self.nats_url).await
+    }
+
+    /// A `keel serve` that reaches PostgreSQL and NATS at these URLs (a
+    /// fault proxy's, say) rather than the servers' own.
+    pub async fn serve_via(&self, name: &str, pg_url: &str, nats_url: &str) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["--database-url", pg_url])
+            .args(["--broker", nats_url])
+            .args(["--pg-schema", &self.schema])
+            .args(["--stream-prefix", &self.prefix])
+            .env("KEEL_LOG", "warn")
+            .env_remove("KEEL_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start keel serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(line) = lines.next_line().await.expect("read stdout") {
+                if let Some(url) = line.strip_prefix("keel: listening on ") {
+                    return url.to_owned();
+                }
+            }
+            panic!("keel serve ({name}) exited before listening");
+        })
+        .await
+        .unwrap_or_else(|_| panic!("keel serve ({name}) did not listen within 60 s"));
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Server {
+            child,
+            base_url: line,
+        }
+    }
+
+    pub async fn store(&self) -> PgStore {
+        PgStore::options()
+            .schema(self.schema.clone())
+            .max_connections(4)
+            .open(&self.pg_url)
+            .await
+            .expect("open the shared schema")
+    }
+}
+
+/// A running `keel serve`, killed when dropped.
+pub struct Server {
+    /// The process.
+    pub child: Child,
+    pub base_url: String,
+}
+
+impl Server {
+    pub async fn totals(&self, http: &reqwest::Client) -> Totals {
+        let text = http
+            .get(format!("{}/metrics", self.base_url))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics body");
+        Totals::from_text(&text)
+    }
+}
+
+/// Submits until accepted or refused, recording every call in `history`
+/// as ok, failed or unknown.
+pub async fn submit(
+    http: &reqwest::Client,
+    base_url: &str,
+    key: &str,
+    body: &[u8],
+    history: &History,
+) {
+    for attempt in 0..300u64 {
+        let sent = http
+            .post(format!("{base_url}/orders"))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body.to_vec())
+            .send()
+            .await;
+        let outcome = match sent {
+            Ok(response) => read_answer(response).await,
+            Err(e) => Outcome::Unknown { why: e.to_string() },
+        };
+        let done = match &outcome {
+            Outcome::Ok { .. } => true,
+            Outcome::Failed { status } if *status != 409 => {
+                panic!("key {key}: refused with {status}")
+            }
+            Outcome::Failed { .. } | Outcome::Unknown { .. } => false,
+        };
+        history.record(key, outcome);
+        if done {
+            return;
+        }
+        // A duplicate in flight (409), a 5xx or no connection (a server
+        // restarting): the same key again, as a client would.
+        tokio::time::sleep(Duration::from_millis(40 * (attempt.min(10) + 1))).await;
+    }
+}
+
+/// Sends `ORDERS` orders, alternating between the servers; every 5th is
+/// sent again to the *other* server after its answer, every 10th to both
+/// at once. Returns what the clients saw, as the demo's check wants it.
+pub async fn workload(servers: &[&Server], seed: u64) -> WorkloadResult {
+    let http = reqwest::Client::new();
+    let history = History::default();
+    let urls: Vec<String> = servers.iter().map(|s| s.base_url.clone()).collect();
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let jobs: Vec<(u64, String, Vec<u8>)> = (0..ORDERS)
+        .map(|n| {
+            let order = order_for(n, &mut rng);
+            (
+                n,
+                format!("so-{seed}-{n}"),
+                serde_json::to_vec(&order).unwrap(),
+            )
+        })
+        .collect();
+    let duplicates: u64 = futures_util::stream::iter(jobs)
+        .map(|(n, key, body)| {
+            let (http, history) = (http.clone(), &history);
+            let first = urls[(n % 2) as usize].clone();
+            let other = urls[((n + 1) % 2) as usize].clone();
+            async move {
+                let mut duplicates = 0;
+                if n % 10 == 9 {
+                    tokio::join!(
+                        submit(&http, &first, &key, &body, history),
+                        submit(&http, &other, &key, &body, history)
+                    );
+                    duplicates += 1;
+                } else {
+                    submit(&http, &first, &key, &body, history).await;
+                }
+                if n % 5 == 4 {
+                    submit(&http, &other, &key, &body, history).await;
+                    duplicates += 1;
+                }
+                duplicates
+            }
+        })
+        .buffer_unordered(16)
+        .fold(0, |total, d| async move { total + d })
+        .await;
+    let mut result = history.summarize(Histogram::new(3).unwrap());
+    result.duplicates_sent = duplicates;
+    eprintln!(
+        "client calls: {} ok, {} failed, {} unknown ({} keys with an unknown call)",
+        result.calls.ok,
+        result.calls.failed,
+        result.calls.unknown,
+        result.unknown_keys.len()
+    );
+    result
+}
+
+/// Waits until every order settled, then judges the invariants; returns
+/// them and the number of dead letters.
+pub async fn verdict(store: &PgStore, result: &WorkloadResult) -> (Invariants, usize) {
+    let settled = keel::demo::wait_quiescent(store, Duration::from_secs(120), || {}).await;
+    assert!(settled, "not every order settled within 120 s");
+    let (audit, dead, money, invariants) = report::check(store, result).await.unwrap();
+    let unsettled = report::unsettled_sagas(store, &audit).await.unwrap();
+    assert!(
+        invariants.ok && unsettled.is_empty(),
+        "invariants: {invariants:#?}\nmoney: {money:?}\ndead letters: {dead:?}\n\
+         sagas neither completed nor compensated:\n{}\n\
+         sagas that ended without all their actions' effects:\n{}",
+        unsettled.join("\n"),
+        sagas_missing_effects(store).await
+    );
+    assert_eq!(invariants.lost, 0);
+    assert_eq!(invariants.duplicated, 0);
+    assert_eq!(invariants.unexpected, 0);
+    assert!(money.conserved(), "{money:?}");
+    assert_eq!(audit.orders.len() as u64, ORDERS);
+    // Every event applied once, or (after repeated failures during an
+    // outage) parked as a dead letter for an operator: never both.
+    assert_eq!(
+        (audit.applied.len() + dead.len()) as u64,
+        ORDERS,
+        "applied {} + dead {}",
+        audit.applied.len(),
+        dead.len()
+    );
+    let captures = audit
+        .effects
+        .iter()
+        .filter(|e| e.step == "capture_payment" && !e.compensation)
+        .count();
+    assert!(captures > 0 && captures as u64 <= ORDERS);
+    (invariants, dead.len())
+}
+
+/// A saga's id, step, attempts, version and last error, and its effects.
+pub type SagaRow = (String, i64, i64, i64, Option<String>, Vec<String>);
+
+/// For a failed verdict: every saga that ended completed without all four
+/// actions' effects, with its record and the effects that do exist.
+pub async fn sagas_missing_effects(store: &PgStore) -> String {
+    let rows: Vec<SagaRow> = sqlx::query_as(
+        "SELECT s.id, s.step, s.attempts, s.version, s.last_error,
+                COALESCE(array_agg(e.step || CASE WHEN e.compensation THEN ' (undo)' ELSE '' END
+                                   || ' key=' || e.idem_key ORDER BY e.seq)
+                         FILTER (WHERE e.step IS NOT NULL), '{}')
+           FROM keel_sagas s LEFT JOIN shop_effects e ON e.order_id = s.id
+          WHERE s.status = 'completed'
+          GROUP BY s.id
+         HAVING COUNT(*) FILTER (WHERE NOT e.compensation) < 4",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap_or_default();
+    rows.iter()
+        .map(|r| format!("{r:?}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
