@@ -22,6 +22,7 @@ use keel_messaging::store::{
     IdempotencyBegin, IdempotencyClaim, IdempotencyStore, Store, StoredResponse,
 };
 use keel_sqlite::SqliteStore;
+use keel_testkit::metrics::MetricsRecorder;
 use tempfile::TempDir;
 use tokio::sync::Notify;
 use tower::ServiceExt;
@@ -233,6 +234,18 @@ async fn an_oversized_body_is_413() {
     let (s, _, _) = send(&app, post_req(Some("big-3"), &"x".repeat(1024))).await;
     assert_eq!(s, StatusCode::CREATED);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // Declared at the limit: fine too.
+    let mut declared = post_req(Some("big-5"), &"x".repeat(1024));
+    declared
+        .headers_mut()
+        .insert(header::CONTENT_LENGTH, HeaderValue::from_static("1024"));
+    let (s, _, _) = send(&app, declared).await;
+    assert_eq!(
+        s,
+        StatusCode::CREATED,
+        "a declared length at the limit is read"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     // The default limit is 1 MiB.
     let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
@@ -763,6 +776,10 @@ struct RestartingStore {
     renewals_fail: bool,
     /// Whether every settle hangs (a write into a black hole).
     settles_hang: bool,
+    /// Errors the next settles fail with, in order, before `failures`.
+    scripted: Arc<parking_lot::Mutex<std::collections::VecDeque<StoreError>>>,
+    /// Whether beginning a key fails (the store unreachable).
+    begins_fail: bool,
 }
 
 impl RestartingStore {
@@ -771,6 +788,9 @@ impl RestartingStore {
             std::future::pending::<()>().await;
         }
         self.settles.fetch_add(1, Ordering::SeqCst);
+        if let Some(err) = self.scripted.lock().pop_front() {
+            return Err(err);
+        }
         let failing = self
             .failures
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -805,6 +825,9 @@ impl IdempotencyStore for RestartingStore {
         &self,
         claim: &IdempotencyClaim<'_>,
     ) -> Result<IdempotencyBegin, StoreError> {
+        if self.begins_fail {
+            return Err(StoreError::Unavailable("the store is unreachable".into()));
+        }
         self.inner.idempotency_begin(claim).await
     }
     async fn idempotency_renew(
@@ -814,8 +837,11 @@ impl IdempotencyStore for RestartingStore {
         owner: &str,
         locked_until: DateTime<Utc>,
     ) -> Result<bool, StoreError> {
-        self.renewals.fetch_add(1, Ordering::SeqCst);
+        let renewals = self.renewals.fetch_add(1, Ordering::SeqCst) + 1;
         if self.renewals_fail {
+            // A holder renewing without waiting would spin, and under
+            // paused time never let the clock move: fail, not hang.
+            assert!(renewals < 1000, "renewals do not wait between tries");
             return Err(StoreError::Unavailable("the store is unreachable".into()));
         }
         self.inner
@@ -859,6 +885,8 @@ async fn restarting_store(failures: usize) -> (RestartingStore, TempDir) {
         renewals: Arc::new(AtomicUsize::new(0)),
         renewals_fail: false,
         settles_hang: false,
+        scripted: Arc::default(),
+        begins_fail: false,
     };
     (store, dir)
 }
@@ -988,6 +1016,8 @@ async fn a_release_the_store_could_not_take_is_retried_so_the_retry_runs() {
 
 #[tokio::test]
 async fn settling_stops_after_five_minutes() {
+    // The jitter is drawn on this thread: the same waits on every run.
+    fastrand::seed(7);
     let (store, _dir) = restarting_store(usize::MAX).await;
     let app =
         counting_app(Arc::new(AtomicUsize::new(0))).layer(IdempotencyLayer::new(store.clone()));
@@ -1005,10 +1035,275 @@ async fn settling_stops_after_five_minutes() {
     assert!(tries > 40, "it kept trying: {tries}");
     tokio::time::sleep(Duration::from_secs(60)).await;
     let last = store.settles.load(Ordering::SeqCst);
+    // Waits double from 100 ms to at most 5 s, each jittered to between
+    // half and all of itself: some 80 tries in five minutes, and never
+    // more than 126 (every wait at its shortest).
+    assert!(
+        (70..=126).contains(&last),
+        "backoff with jitter: {last} tries"
+    );
     tokio::time::sleep(Duration::from_secs(10 * 60)).await;
     assert_eq!(
         store.settles.load(Ordering::SeqCst),
         last,
         "no try after five minutes"
     );
+}
+
+/// A holder whose renewals fail tries again every 250 ms from a third of
+/// its lock, and stops its handler (`503`) only once the next try could not
+/// land a fifth of the lock before it passes: with a 30 s lock, renewals at
+/// 10 s, 10.25 s, ... 23.75 s (56 tries), then stopped, before 24 s.
+///
+/// Time is paused once the handler runs; the lock was taken a moment of
+/// real time before, so the checks leave seconds for that moment (a busy
+/// machine) and count the tries only at the end, where it cannot matter.
+#[tokio::test]
+async fn failing_renewals_are_tried_again_until_a_fifth_of_the_lock_is_left() {
+    let (mut store, _dir) = restarting_store(usize::MAX).await;
+    store.renewals_fail = true;
+    let runs = Runs::default();
+    let lock = Duration::from_secs(30);
+    let options = IdempotencyOptions::new().lock(lock);
+    let app = runs
+        .app()
+        .layer(IdempotencyLayer::with_options(store.clone(), options).expect("options"));
+    let holder = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_req(Some("renew"), "{}")).await }
+    });
+    runs.entered.notified().await;
+    // From here nothing touches SQLite: renewals and settles fail first.
+    tokio::time::pause();
+    let paused = tokio::time::Instant::now();
+
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        store.renewals.load(Ordering::SeqCst),
+        0,
+        "not renewed before a third of the lock"
+    );
+    tokio::time::sleep_until(paused + Duration::from_secs(16)).await;
+    assert!(store.renewals.load(Ordering::SeqCst) >= 1, "renewing");
+    assert!(
+        !holder.is_finished(),
+        "a failed renewal with time left does not stop the handler"
+    );
+
+    let (status, headers, body) = holder.await.expect("task");
+    assert_problem(status, &headers, &body, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        paused.elapsed() < lock.mul_f64(0.8),
+        "stopped a fifth of the lock before it passes: {:?}",
+        paused.elapsed()
+    );
+    assert_eq!(
+        store.renewals.load(Ordering::SeqCst),
+        56,
+        "10 s, then every 250 ms while one more could land before 24 s"
+    );
+    assert_eq!(
+        runs.running.load(Ordering::SeqCst),
+        0,
+        "its handler was dropped"
+    );
+}
+
+/// A settle that failed in a way not worth retrying (here the store's
+/// `Other`) is given up at once: no try in the background, the failure
+/// counted, and the key left to its lock.
+#[tokio::test]
+async fn a_settle_failing_for_good_is_not_tried_again() {
+    let metrics = MetricsRecorder::global();
+    let (store, _dir) = restarting_store(0).await;
+    store
+        .scripted
+        .lock()
+        .push_back(StoreError::Other("a constraint failed".into()));
+    let app =
+        counting_app(Arc::new(AtomicUsize::new(0))).layer(IdempotencyLayer::new(store.clone()));
+    let (status, headers, body) = send(&app, post_req(Some("broken"), "{}")).await;
+    assert_problem(status, &headers, &body, StatusCode::SERVICE_UNAVAILABLE);
+    // From here nothing may touch SQLite (its pool times out when paused).
+    tokio::time::pause();
+    tokio::time::sleep(Duration::from_secs(10 * 60)).await;
+    assert_eq!(store.settles.load(Ordering::SeqCst), 1, "not tried again");
+    assert_eq!(
+        metrics.counter("keel_idempotency_store_errors_total"),
+        1,
+        "the failure is counted"
+    );
+    assert_eq!(metrics.counter("keel_idempotency_settle_retried_total"), 0);
+}
+
+/// A settle tried again in the background stops at the first error not
+/// worth retrying.
+#[tokio::test]
+async fn settling_in_the_background_stops_at_an_error_for_good() {
+    let (store, _dir) = restarting_store(0).await;
+    store.scripted.lock().extend([
+        StoreError::Unavailable("the database is restarting".into()),
+        StoreError::Other("a constraint failed".into()),
+    ]);
+    let app =
+        counting_app(Arc::new(AtomicUsize::new(0))).layer(IdempotencyLayer::new(store.clone()));
+    let (status, _, _) = send(&app, post_req(Some("broken-later"), "{}")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::pause();
+    tokio::time::sleep(Duration::from_secs(10 * 60)).await;
+    assert_eq!(
+        store.settles.load(Ordering::SeqCst),
+        2,
+        "tried once more, then given up"
+    );
+}
+
+/// A response stored on a later try whose key is not found is done: an
+/// earlier try whose outcome was unknown committed, or a retry took the key
+/// over. It counts as stored on a later try, not as a failure.
+#[tokio::test]
+async fn a_later_complete_finding_no_key_is_done() {
+    let metrics = MetricsRecorder::global();
+    let (store, _dir) = restarting_store(0).await;
+    store.scripted.lock().extend([
+        StoreError::OutcomeUnknown("the commit's answer was lost".into()),
+        StoreError::NotFound("no such key in flight".into()),
+    ]);
+    let app =
+        counting_app(Arc::new(AtomicUsize::new(0))).layer(IdempotencyLayer::new(store.clone()));
+    let (status, _, _) = send(&app, post_req(Some("done-already"), "{}")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::pause();
+    tokio::time::sleep(Duration::from_secs(10 * 60)).await;
+    assert_eq!(store.settles.load(Ordering::SeqCst), 2);
+    assert_eq!(metrics.counter("keel_idempotency_settle_retried_total"), 1);
+    assert_eq!(
+        metrics.counter("keel_idempotency_store_errors_total"),
+        1,
+        "only the first try failed"
+    );
+}
+
+/// A release tried again whose key is not found is not counted as done: it
+/// is given up as a failure.
+#[tokio::test]
+async fn a_later_release_finding_no_key_is_a_failure() {
+    let metrics = MetricsRecorder::global();
+    let (store, _dir) = restarting_store(0).await;
+    store.scripted.lock().extend([
+        StoreError::Unavailable("the database is restarting".into()),
+        StoreError::NotFound("no such key in flight".into()),
+    ]);
+    let app = Router::new()
+        .route("/orders", post(|| async { StatusCode::BAD_GATEWAY }))
+        .layer(IdempotencyLayer::new(store.clone()));
+    let (status, _, _) = send(&app, post_req(Some("gone"), "{}")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    tokio::time::pause();
+    tokio::time::sleep(Duration::from_secs(10 * 60)).await;
+    assert_eq!(store.settles.load(Ordering::SeqCst), 2);
+    assert_eq!(metrics.counter("keel_idempotency_settle_retried_total"), 0);
+    assert_eq!(metrics.counter("keel_idempotency_store_errors_total"), 2);
+}
+
+/// A store that cannot begin a key answers `503`, and the handler does not
+/// run.
+#[tokio::test]
+async fn a_store_that_cannot_begin_a_key_is_503() {
+    let (mut store, _dir) = restarting_store(0).await;
+    store.begins_fail = true;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(store.clone()));
+    let (status, headers, body) = send(&app, post_req(Some("unreachable"), "{}")).await;
+    assert_problem(status, &headers, &body, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// A response exactly at the stored-body limit is stored whole.
+#[tokio::test]
+async fn a_response_at_the_store_limit_replays_with_its_body() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    // `{"run":1,"who":"nobody","bytes":2}`: 34 bytes.
+    let options = IdempotencyOptions::new().max_response_body(34);
+    let app = counting_app(runs.clone())
+        .layer(IdempotencyLayer::with_options(fx.store.clone(), options).expect("options"));
+    let (_, _, live) = send(&app, post_req(Some("at-limit"), "{}")).await;
+    assert_eq!(live.len(), 34);
+    let (s, h, b) = send(&app, post_req(Some("at-limit"), "{}")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert!(h.get("idempotent-body-omitted").is_none());
+    assert_eq!(b, live);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A request body that breaks off while it is read is `400`, not `413`,
+/// and the handler does not run.
+#[tokio::test]
+async fn a_body_that_breaks_off_is_400() {
+    let fx = fixture().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(runs.clone()).layer(IdempotencyLayer::new(fx.store.clone()));
+    let chunks = futures_util::stream::iter([
+        Ok(Bytes::from_static(b"{")),
+        Err(std::io::Error::other("connection reset")),
+    ]);
+    let request = Request::post("/orders")
+        .header("idempotency-key", "broken-body")
+        .body(Body::from_stream(chunks))
+        .expect("request");
+    let (s, h, b) = send(&app, request).await;
+    assert_problem(s, &h, &b, StatusCode::BAD_REQUEST);
+    let problem: serde_json::Value = serde_json::from_slice(&b).expect("problem json");
+    assert_eq!(
+        problem["type"], "urn:keel:problem:idempotency:unreadable_body",
+        "the problem type names the refusal"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// A key released because its handler failed is released before the answer
+/// goes out, not later in the background.
+#[tokio::test]
+async fn a_key_is_released_before_the_answer_goes_out() {
+    let (store, _dir) = restarting_store(0).await;
+    let app = Router::new()
+        .route("/orders", post(|| async { StatusCode::BAD_GATEWAY }))
+        .layer(IdempotencyLayer::new(store.clone()));
+    let (status, _, _) = send(&app, post_req(Some("released"), "{}")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        store.settles.load(Ordering::SeqCst),
+        1,
+        "released before the answer"
+    );
+}
+
+/// A service not ready (here: failing readiness, as a load shedder does)
+/// is not ready behind the layer either.
+#[tokio::test]
+async fn the_layer_is_ready_only_when_its_service_is() {
+    #[derive(Clone)]
+    struct Overloaded;
+    impl tower::Service<Request<Body>> for Overloaded {
+        type Response = axum::response::Response;
+        type Error = &'static str;
+        type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), Self::Error>> {
+            std::task::Poll::Ready(Err("overloaded"))
+        }
+        fn call(&mut self, _: Request<Body>) -> Self::Future {
+            std::future::ready(Ok(axum::response::Response::new(Body::empty())))
+        }
+    }
+    let fx = fixture().await;
+    let mut service = tower::Layer::layer(&IdempotencyLayer::new(fx.store.clone()), Overloaded);
+    let ready = ServiceExt::<Request<Body>>::ready(&mut service)
+        .await
+        .map(|_| ());
+    assert_eq!(ready, Err("overloaded"));
 }

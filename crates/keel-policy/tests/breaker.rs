@@ -193,6 +193,46 @@ async fn time_window_forgets_failures_older_than_its_span() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn time_window_counts_every_second_of_its_span() {
+    let b = breaker().time_window(10).minimum_calls(5).build().unwrap();
+    for _ in 0..5 {
+        advance(SECOND).await;
+        fail_times(&b, 1).await;
+    }
+    assert_eq!(b.state(), State::Open, "5 failures within the last 10 s");
+}
+
+#[tokio::test(start_paused = true)]
+async fn time_window_metrics_forget_calls_older_than_its_span() {
+    let b = breaker().time_window(10).minimum_calls(5).build().unwrap();
+    fail_times(&b, 4).await;
+    advance(5 * SECOND).await;
+    assert_eq!(b.metrics().failed_calls, 4);
+    advance(6 * SECOND).await;
+    assert_eq!(
+        b.metrics().buffered_calls,
+        0,
+        "11 s later, no call is left in the window"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn closing_starts_a_fresh_time_window() {
+    let b = breaker().time_window(60).minimum_calls(5).build().unwrap();
+    fail_times(&b, 5).await;
+    advance(30 * SECOND).await;
+    call(&b, Ok(1)).await.unwrap();
+    assert_eq!(b.state(), State::Closed);
+    fail_times(&b, 1).await;
+    assert_eq!(
+        b.state(),
+        State::Closed,
+        "the 5 failures before the close, 30 s ago, no longer count"
+    );
+    assert_eq!(b.metrics().buffered_calls, 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn permanent_errors_count_as_answers() {
     let b = breaker().minimum_calls(5).build().unwrap();
     for _ in 0..20 {
@@ -368,6 +408,27 @@ async fn an_ignored_probe_gives_its_slot_back() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_probe_cancelled_after_its_round_ended_frees_no_slot_in_the_next() {
+    let b = breaker()
+        .minimum_calls(5)
+        .permitted_calls_in_half_open(2)
+        .build()
+        .unwrap();
+    fail_times(&b, 5).await;
+    advance(30 * SECOND).await;
+    let stale = b.try_acquire().unwrap();
+    b.try_acquire().unwrap().record(Outcome::Failure);
+    advance(60 * SECOND).await;
+    let _probes = (b.try_acquire().unwrap(), b.try_acquire().unwrap());
+    drop(stale);
+    assert!(
+        b.try_acquire().is_err(),
+        "the new round's 2 probes are out; the old round's cancel is not one of them"
+    );
+    assert_eq!(b.metrics().probes_in_flight, 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn probes_that_never_answer_count_as_failed_after_max_wait() {
     let b = breaker()
         .minimum_calls(5)
@@ -454,6 +515,29 @@ async fn slow_calls_open_the_breaker() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_slow_call_rate_below_the_threshold_keeps_it_closed() {
+    let b = breaker()
+        .count_window(4)
+        .minimum_calls(4)
+        .slow_call_duration_threshold(2 * SECOND)
+        .slow_call_rate_threshold(50.0)
+        .build()
+        .unwrap();
+    let slow = || async {
+        tokio::time::sleep(3 * SECOND).await;
+        Ok::<u32, DepError>(1)
+    };
+    for _ in 0..3 {
+        call(&b, Ok(1)).await.unwrap();
+    }
+    b.call(slow).await.unwrap();
+    assert_eq!(b.state(), State::Closed, "1 of 4 calls slow: 25% < 50%");
+    assert_eq!(b.metrics().slow_calls, 1, "fast calls are not slow");
+    b.call(slow).await.unwrap();
+    assert_eq!(b.state(), State::Open, "2 of the last 4 were slow");
+}
+
+#[tokio::test(start_paused = true)]
 async fn force_open_refuses_until_reset() {
     let b = breaker().build().unwrap();
     let mut events = b.subscribe();
@@ -492,6 +576,20 @@ async fn disabled_lets_everything_through_and_still_records() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn reset_of_a_closed_breaker_forgets_its_failures() {
+    let b = breaker().minimum_calls(5).build().unwrap();
+    fail_times(&b, 4).await;
+    b.reset();
+    assert_eq!(b.metrics().buffered_calls, 0);
+    fail_times(&b, 4).await;
+    assert_eq!(
+        b.state(),
+        State::Closed,
+        "4 calls since the reset are too few to open"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn reset_closes_an_open_breaker_and_forgets_its_backoff() {
     let b = breaker().minimum_calls(5).build().unwrap();
     fail_times(&b, 5).await;
@@ -501,6 +599,138 @@ async fn reset_closes_an_open_breaker_and_forgets_its_backoff() {
     assert_eq!(b.state(), State::Closed);
     fail_times(&b, 5).await;
     assert_eq!(retry_after(call(&b, Ok(1)).await), 30 * SECOND);
+}
+
+#[tokio::test(start_paused = true)]
+async fn only_half_open_permits_are_probes() {
+    let b = breaker().minimum_calls(5).build().unwrap();
+    assert!(!b.try_acquire().unwrap().is_probe());
+    assert!(!b.try_acquire_owned().unwrap().is_probe());
+    fail_times(&b, 5).await;
+    advance(30 * SECOND).await;
+    assert!(b.try_acquire().unwrap().is_probe());
+}
+
+#[tokio::test(start_paused = true)]
+async fn record_result_counts_a_result_by_its_class() {
+    let b = breaker().minimum_calls(5).build().unwrap();
+    b.try_acquire()
+        .unwrap()
+        .record_result(&Err::<u32, _>(DepError::Down));
+    b.try_acquire_owned()
+        .unwrap()
+        .record_result(&Err::<u32, _>(DepError::Down));
+    b.try_acquire()
+        .unwrap()
+        .record_result(&Ok::<u32, DepError>(1));
+    b.try_acquire_owned()
+        .unwrap()
+        .record_result(&Err::<u32, _>(DepError::BadInput));
+    let m = b.metrics();
+    assert_eq!((m.buffered_calls, m.failed_calls), (4, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_transition_moves_the_state_gauge_and_is_counted_by_state_names() {
+    let recorder = keel_testkit::metrics::MetricsRecorder::new();
+    let b = metrics::with_local_recorder(&recorder, || breaker().minimum_calls(5).build().unwrap());
+    let gauge = || recorder.gauge("keel_breaker_state,name=prices");
+    fail_times(&b, 5).await;
+    assert_eq!(gauge(), 1.0, "open");
+    advance(30 * SECOND).await;
+    let probe = b.try_acquire().unwrap();
+    assert_eq!(gauge(), 2.0, "half-open");
+    probe.record(Outcome::Success);
+    assert_eq!(gauge(), 0.0, "closed");
+    b.force_open();
+    assert_eq!(gauge(), 3.0, "forced open");
+    b.disable();
+    assert_eq!(gauge(), 4.0, "disabled");
+    let moved = |from: &str, to: &str| {
+        recorder.counter(&format!(
+            "keel_breaker_transitions_total,name=prices,from={from},to={to}"
+        ))
+    };
+    assert_eq!(
+        [
+            moved("closed", "open"),
+            moved("open", "half_open"),
+            moved("half_open", "closed"),
+            moved("closed", "forced_open"),
+            moved("forced_open", "disabled"),
+        ],
+        [1; 5]
+    );
+}
+
+#[test]
+fn states_display_as_their_stable_names() {
+    let names = State::ALL.map(|s| s.to_string());
+    assert_eq!(
+        names,
+        ["closed", "open", "half_open", "forced_open", "disabled"]
+    );
+    for state in State::ALL {
+        assert_eq!(serde_json::to_value(state).unwrap(), state.as_str());
+    }
+}
+
+/// Collects the `why` of every event: the reason a transition was logged with.
+#[derive(Debug, Clone, Default)]
+struct Reasons(Arc<parking_lot::Mutex<Vec<String>>>);
+
+struct WhyField<'a>(&'a mut Option<String>);
+
+impl tracing::field::Visit for WhyField<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "why" {
+            *self.0 = Some(format!("{value:?}"));
+        }
+    }
+}
+
+impl tracing::Subscriber for Reasons {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut why = None;
+        event.record(&mut WhyField(&mut why));
+        self.0.lock().extend(why);
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn each_transition_is_logged_with_its_reason() {
+    let reasons = Reasons::default();
+    let b = breaker()
+        .sliding_window(SlidingWindow::Off)
+        .consecutive_failures(2)
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(reasons.clone(), || {
+        for _ in 0..2 {
+            b.try_acquire().unwrap().record(Outcome::Failure);
+        }
+        b.reset();
+    });
+    assert_eq!(
+        *reasons.0.lock(),
+        ["2 calls failed in a row", "reset by an operator"]
+    );
 }
 
 #[tokio::test(start_paused = true)]

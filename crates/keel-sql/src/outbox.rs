@@ -137,12 +137,13 @@ pub async fn claim<B: OutboxBackend>(
     Ok(claimed)
 }
 
-/// Runs `SET <set> WHERE id is one of ids AND published_at IS NULL`, with
-/// `extra` bound after the ids.
+/// Runs `SET <set> WHERE id is one of ids AND published_at IS NULL <and>`,
+/// with `extra` bound after the ids (from `$2`).
 async fn update_unpublished<B: SqlBackend>(
     store: &B,
     what: &'static str,
     set: &str,
+    and: &str,
     ids: &[i64],
     extra: &[Value<'_>],
 ) -> Result<(), StoreError> {
@@ -150,7 +151,7 @@ async fn update_unpublished<B: SqlBackend>(
         return Ok(());
     }
     let sql = format!(
-        "UPDATE keel_outbox SET {set} WHERE {} AND published_at IS NULL",
+        "UPDATE keel_outbox SET {set} WHERE {} AND published_at IS NULL{and}",
         B::Dialect::any_of("id", "$1")
     );
     let mut params = vec![Value::Ids(ids)];
@@ -159,17 +160,22 @@ async fn update_unpublished<B: SqlBackend>(
     Ok(())
 }
 
+/// Only the rows the relay bound as `$2` still claims: one slower than its
+/// lease must not free its successor's claim.
+const CLAIMED_BY_RELAY: &str = " AND claimed_by = $2";
+
 /// [`OutboxStore::outbox_mark_published`](keel_messaging::store::OutboxStore::outbox_mark_published).
 pub async fn mark_published<B: SqlBackend>(store: &B, ids: &[i64]) -> Result<(), StoreError> {
     let set = "published_at = $2, claimed_by = NULL, claimed_until = NULL";
     let now = [B::Dialect::now().into()];
-    update_unpublished(store, "outbox_mark_published", set, ids, &now).await
+    update_unpublished(store, "outbox_mark_published", set, "", ids, &now).await
 }
 
 /// [`OutboxStore::outbox_release`](keel_messaging::store::OutboxStore::outbox_release).
 pub async fn release<B: SqlBackend>(store: &B, relay: &str, ids: &[i64]) -> Result<(), StoreError> {
     let set = "claimed_by = NULL, claimed_until = NULL";
-    release_claimed(store, "outbox_release", set, relay, ids, None).await
+    let relay = [relay.into()];
+    update_unpublished(store, "outbox_release", set, CLAIMED_BY_RELAY, ids, &relay).await
 }
 
 /// [`OutboxStore::outbox_release_failed`](keel_messaging::store::OutboxStore::outbox_release_failed).
@@ -180,30 +186,16 @@ pub async fn release_failed<B: SqlBackend>(
     error: &str,
 ) -> Result<(), StoreError> {
     let set = "claimed_by = NULL, claimed_until = NULL, attempts = attempts + 1, last_error = $3";
-    release_claimed(store, "outbox_release_failed", set, relay, ids, Some(error)).await
-}
-
-/// Runs `SET <set>` on the unpublished rows of `ids` that `relay` still
-/// claims (`$2`), with `error` as `$3`.
-async fn release_claimed<B: SqlBackend>(
-    store: &B,
-    what: &'static str,
-    set: &str,
-    relay: &str,
-    ids: &[i64],
-    error: Option<&str>,
-) -> Result<(), StoreError> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    let sql = format!(
-        "UPDATE keel_outbox SET {set} WHERE {} AND published_at IS NULL AND claimed_by = $2",
-        B::Dialect::any_of("id", "$1")
-    );
-    let mut params = vec![Value::Ids(ids), relay.into()];
-    params.extend(error.map(Value::from));
-    write(store, what, &sql, &params).await?;
-    Ok(())
+    let extra = [relay.into(), error.into()];
+    update_unpublished(
+        store,
+        "outbox_release_failed",
+        set,
+        CLAIMED_BY_RELAY,
+        ids,
+        &extra,
+    )
+    .await
 }
 
 /// The prune statement: a bounded batch of published rows.

@@ -264,6 +264,29 @@ async fn jitter_spreads_open_durations_within_bounds() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn unseeded_jitter_spreads_open_durations_within_bounds() {
+    let open_for: Vec<_> = (0..40)
+        .map(|_| {
+            let breaker = CircuitBreaker::builder("unseeded")
+                .consecutive_failures(1)
+                .open_duration(Duration::from_secs(30))
+                .open_duration_jitter(0.1)
+                .build()
+                .unwrap();
+            breaker.try_acquire().unwrap().record(Outcome::Failure);
+            breaker.metrics().retry_after.unwrap()
+        })
+        .collect();
+    let bounds = Duration::from_secs(27)..=Duration::from_secs(33);
+    assert!(open_for.iter().all(|d| bounds.contains(d)), "{open_for:?}");
+    let thirty = Duration::from_secs(30);
+    assert!(
+        open_for.iter().any(|d| *d < thirty) && open_for.iter().any(|d| *d > thirty),
+        "spread both ways: {open_for:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_same_seed_gives_the_same_open_duration() {
     let open_for = |seed| {
         let breaker = CircuitBreaker::builder("seeded")

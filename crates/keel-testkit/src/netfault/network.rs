@@ -88,23 +88,10 @@ mod tests {
     use std::time::Duration;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::net::TcpStream;
 
+    use super::super::proxy::tests::echo;
     use super::*;
-
-    async fn sink() -> SocketAddr {
-        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let (mut r, mut w) = stream.split();
-                    let _ = tokio::io::copy(&mut r, &mut w).await;
-                });
-            }
-        });
-        addr
-    }
 
     async fn answers(addr: SocketAddr) -> bool {
         let exchange = async {
@@ -120,7 +107,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_partition_cuts_one_process_off_and_heals_when_it_ends() {
-        let (pg, nats) = (sink().await, sink().await);
+        let (pg, nats) = (echo().await, echo().await);
         let mut network = Network::default();
         let a_pg = network.link("a", "postgres", pg).await.unwrap();
         let a_nats = network.link("a", "nats", nats).await.unwrap();

@@ -258,11 +258,11 @@ async fn passable(condition: &mut watch::Receiver<Condition>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// An echo server on loopback.
-    async fn echo() -> SocketAddr {
+    pub(in crate::netfault) async fn echo() -> SocketAddr {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
