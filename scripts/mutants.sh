@@ -10,6 +10,8 @@
 #
 # MODULE: breaker | budget | retry | saga | consumer | idempotency. MUTANTS_JOBS
 # (default 1) builds that many mutants at once.
+# Tests run under nextest, one process per test, as in CI: tests that read
+# the process-wide metrics recorder cannot see each other's counts.
 # Results go to target/mutants/MODULE/mutants.out (missed.txt lists the
 # survivors); the last line printed is the score.
 set -euo pipefail
@@ -55,7 +57,7 @@ for t in "${tests[@]}"; do args+=("--cargo-test-arg=$t"); done
 [ -n "$features" ] && args+=(--features "$features")
 out="target/mutants/$module"
 mkdir -p "$out"
-cargo mutants --package "$pkg" "${args[@]}" --profile mutants --jobs "${MUTANTS_JOBS:-1}" \
+cargo mutants --package "$pkg" "${args[@]}" --profile mutants --jobs "${MUTANTS_JOBS:-1}" --test-tool nextest \
   --output "$out" "$@" || true
 dir="$out/mutants.out"
 count() { if [ -s "$dir/$1.txt" ]; then grep -c . "$dir/$1.txt"; else echo 0; fi; }
