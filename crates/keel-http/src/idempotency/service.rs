@@ -23,6 +23,10 @@ use super::options::IdempotencyOptions;
 use super::settle::{Settle, Settled};
 use crate::problem::Problem;
 
+/// `Retry-After` on a `503` for a request that was stopped or whose
+/// response was not recorded: the store may answer again in a moment.
+const STOPPED_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The header on a replay whose body was too large to store.
 pub const IDEMPOTENT_BODY_OMITTED: HeaderName = HeaderName::from_static("idempotent-body-omitted");
 
@@ -226,7 +230,7 @@ where
     if guard.complete(&stored).await == Settled::Unconfirmed {
         // See `settle`: a fresh answer only for a confirmed key.
         return Ok(IdempotencyRejection::NotRecorded {
-            retry_after: std::time::Duration::from_secs(1),
+            retry_after: STOPPED_RETRY_AFTER,
         }
         .into_response());
     }
@@ -348,7 +352,7 @@ impl<S: IdempotencyStore> InFlight<S> {
             tokio::spawn(lease.settle(Settle::Release("lock lost")));
         }
         IdempotencyRejection::LockLost {
-            retry_after: std::time::Duration::from_secs(1),
+            retry_after: STOPPED_RETRY_AFTER,
         }
         .into_response()
     }
