@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing (cargo-fuzz, libFuzzer) of the parsers that face
-# the network: fuzz/fuzz_targets/*.rs, each asserting a property (a round
+# the network, and of `keel serve`'s TOML configuration:
+# fuzz/fuzz_targets/*.rs, each asserting a property (a round
 # trip, a bound), not only "no panic". Seeds are in fuzz/seeds/<target>;
 # what a run learns goes to fuzz/corpus/<target> (not committed); a crash
 # stops the run with its input in fuzz/artifacts/<target>.

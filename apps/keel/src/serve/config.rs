@@ -237,6 +237,14 @@ pub struct ServeFile {
     pub cursor_key: Option<String>,
 }
 
+impl ServeFile {
+    /// Reads the file's text: TOML, every setting optional, unknown ones
+    /// refused.
+    pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
+        toml::from_str(text)
+    }
+}
+
 pub use crate::backend::{BrokerKind, Database};
 
 /// The validated configuration. Its `Debug` output shows no secret.
@@ -374,20 +382,23 @@ impl ServeArgs {
         let Some(path) = &self.config else {
             return Ok(ServeFile::default());
         };
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+        let file_error = |reason: String| ConfigError::File {
             path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        toml::from_str::<ServeFile>(&text).map_err(|e| ConfigError::File {
-            path: path.clone(),
-            reason: e.to_string(),
-        })
+            reason,
+        };
+        let text = sources::read_bounded(path).map_err(file_error)?;
+        ServeFile::from_toml(&text).map_err(|e| file_error(e.to_string()))
     }
 
     /// Merges flags/environment over the file over the defaults, and
     /// validates the result.
     pub fn resolve(&self) -> Result<ServeConfig, ConfigError> {
-        let file = self.file()?;
+        self.resolve_with(self.file()?)
+    }
+
+    /// Like [`resolve`](Self::resolve), with `file` in place of the file
+    /// `--config` names.
+    pub fn resolve_with(&self, file: ServeFile) -> Result<ServeConfig, ConfigError> {
         let listen = self
             .listen
             .clone()

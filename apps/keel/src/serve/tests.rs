@@ -188,3 +188,31 @@ fn telemetry_comes_from_the_flags_or_the_file_and_bad_values_are_refused() {
         "{refused}"
     );
 }
+
+#[test]
+fn a_file_the_configuration_names_is_read_only_up_to_a_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big");
+    std::fs::write(&big, vec![b'a'; 1024 * 1024 + 1]).unwrap();
+    let mut a = args();
+    a.config = Some(big.clone());
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("larger than 1024 KiB"), "{refused}");
+    let mut a = args();
+    a.admin_token_file = Some("/dev/zero".into());
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("larger than 1024 KiB"), "{refused}");
+    let mut a = args();
+    a.api_keys_file = Some(big);
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("api-keys-file"), "{refused}");
+}
+
+#[test]
+fn a_parsed_file_resolves_like_the_file_it_came_from() {
+    let file = ServeFile::from_toml("listen = \"127.0.0.1:7000\"\nmax_connections = 5\n").unwrap();
+    let config = args().resolve_with(file).unwrap();
+    assert_eq!(config.listen, "127.0.0.1:7000".parse().unwrap());
+    let unknown = ServeFile::from_toml("listne = \"127.0.0.1:7000\"\n").unwrap_err();
+    assert!(unknown.to_string().contains("listne"), "{unknown}");
+}

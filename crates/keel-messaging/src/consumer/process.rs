@@ -25,7 +25,7 @@ use crate::store::{
 const REPEAT_WARNING: u32 = 3;
 
 /// The most inbox rows deleted per prune statement.
-const INBOX_PRUNE_BATCH: usize = 1_000;
+pub(crate) const INBOX_PRUNE_BATCH: usize = 1_000;
 
 /// The store capabilities a consumer needs: the inbox and dead letters.
 pub trait ConsumerStore: InboxStore + DeadLetterStore {}

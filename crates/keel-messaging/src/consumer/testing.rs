@@ -67,11 +67,15 @@ impl Row {
 struct StoreState {
     next_id: i64,
     outbox: Vec<Row>,
-    inbox: HashSet<(String, String)>,
+    /// Each inbox row, with when it was committed.
+    inbox: HashMap<(String, String), DateTime<Utc>>,
     letters: Vec<DeadLetter>,
     failures: HashMap<(String, String), Vec<AttemptError>>,
     ledger: Vec<String>,
     prune_calls: usize,
+    rollbacks: usize,
+    failure_clears: usize,
+    refuse_failure_records: bool,
 }
 
 /// A store whose transactions buffer writes until commit.
@@ -123,6 +127,33 @@ impl MemStore {
         self.state.lock().prune_calls
     }
 
+    /// Adds `n` inbox rows for `handler`, committed at `at`.
+    pub(crate) fn add_inbox_rows(&self, handler: &str, n: usize, at: DateTime<Utc>) {
+        let mut s = self.state.lock();
+        let first = s.inbox.len();
+        s.inbox
+            .extend((first..first + n).map(|i| ((format!("event-{i}"), handler.to_owned()), at)));
+    }
+
+    pub(crate) fn inbox_len(&self) -> usize {
+        self.state.lock().inbox.len()
+    }
+
+    /// Transactions rolled back explicitly (not just dropped).
+    pub(crate) fn rollbacks(&self) -> usize {
+        self.state.lock().rollbacks
+    }
+
+    /// Makes recording a failed attempt fail (a store hiccup) while `refuse`.
+    pub(crate) fn refuse_failure_records(&self, refuse: bool) {
+        self.state.lock().refuse_failure_records = refuse;
+    }
+
+    /// Calls that cleared a message's failure history.
+    pub(crate) fn failure_clears(&self) -> usize {
+        self.state.lock().failure_clears
+    }
+
     /// Pretends every published row was published `age` ago.
     pub(crate) fn age_published(&self, age: chrono::Duration) {
         for row in &mut self.state.lock().outbox {
@@ -147,7 +178,7 @@ impl Store for MemStore {
 
     async fn commit(&self, tx: MemTx) -> Result<(), StoreError> {
         let mut s = self.state.lock();
-        if tx.inbox.iter().any(|k| s.inbox.contains(k)) {
+        if tx.inbox.iter().any(|k| s.inbox.contains_key(k)) {
             return Err(StoreError::Conflict("inbox row exists".into()));
         }
         for (id, _) in &tx.settle {
@@ -159,7 +190,8 @@ impl Store for MemStore {
                 return Err(StoreError::Conflict(format!("letter {id} settled")));
             }
         }
-        s.inbox.extend(tx.inbox);
+        let now = keel_core::clock::utc_now();
+        s.inbox.extend(tx.inbox.into_iter().map(|k| (k, now)));
         s.ledger.extend(tx.effects);
         for (id, status) in tx.settle {
             if let Some(l) = s.letters.iter_mut().find(|l| l.id == id) {
@@ -184,6 +216,7 @@ impl Store for MemStore {
     }
 
     async fn rollback(&self, _tx: MemTx) -> Result<(), StoreError> {
+        self.state.lock().rollbacks += 1;
         Ok(())
     }
 
@@ -390,15 +423,26 @@ impl InboxStore for MemStore {
         handler: &str,
     ) -> Result<bool, StoreError> {
         let key = (event_id.to_owned(), handler.to_owned());
-        if self.state.lock().inbox.contains(&key) || tx.inbox.contains(&key) {
+        if self.state.lock().inbox.contains_key(&key) || tx.inbox.contains(&key) {
             return Ok(false);
         }
         tx.inbox.push(key);
         Ok(true)
     }
 
-    async fn inbox_prune(&self, _before: DateTime<Utc>, _batch: usize) -> Result<u64, StoreError> {
-        Ok(0)
+    async fn inbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
+        let mut s = self.state.lock();
+        let old: Vec<_> = s
+            .inbox
+            .iter()
+            .filter(|(_, at)| **at < before)
+            .map(|(k, _)| k.clone())
+            .take(batch)
+            .collect();
+        for k in &old {
+            s.inbox.remove(k);
+        }
+        Ok(old.len() as u64)
     }
 }
 
@@ -478,8 +522,11 @@ impl DeadLetterStore for MemStore {
         message_id: &str,
         failure: &AttemptError,
     ) -> Result<(), StoreError> {
-        self.state
-            .lock()
+        let mut state = self.state.lock();
+        if state.refuse_failure_records {
+            return Err(StoreError::Unavailable("the store hiccuped".into()));
+        }
+        state
             .failures
             .entry((group.to_owned(), message_id.to_owned()))
             .or_default()
@@ -502,8 +549,9 @@ impl DeadLetterStore for MemStore {
     }
 
     async fn failure_clear(&self, group: &str, message_id: &str) -> Result<(), StoreError> {
-        self.state
-            .lock()
+        let mut state = self.state.lock();
+        state.failure_clears += 1;
+        state
             .failures
             .remove(&(group.to_owned(), message_id.to_owned()));
         Ok(())

@@ -18,6 +18,8 @@ use crate::envelope::{Event, EventMeta};
 use crate::outbox::Outbox;
 use crate::store::{DeadLetterStatus, DeadLetterStore};
 
+mod observed;
+
 const TOPIC: &str = "payments";
 const GROUP: &str = "billing";
 
@@ -63,6 +65,17 @@ fn ledger_group() -> Group<MemTx> {
     Group::new(TOPIC, GROUP).on_event(|tx: &mut MemTx, ev: ChargeRequested, _env| {
         Box::pin(async move {
             tx.effects.push(format!("{}:{}", ev.order, ev.amount));
+            Ok(())
+        })
+    })
+}
+
+/// Records each order after `handling` of work.
+fn slow_group(handling: Duration) -> Group<MemTx> {
+    Group::new(TOPIC, GROUP).on_event(move |tx: &mut MemTx, ev: ChargeRequested, _| {
+        Box::pin(async move {
+            tokio::time::sleep(handling).await;
+            tx.effects.push(ev.order);
             Ok(())
         })
     })
@@ -364,17 +377,10 @@ async fn the_lease_is_extended_while_a_slow_handler_runs() {
     let _serial = serial();
     let (store, broker) = (MemStore::default(), MemBroker::default());
     publish(&broker, [message(&charge("SLOW", 1))]).await;
-    let group = Group::new(TOPIC, GROUP).on_event(|tx: &mut MemTx, ev: ChargeRequested, _| {
-        Box::pin(async move {
-            // Ten leases long.
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            tx.effects.push(ev.order);
-            Ok(())
-        })
-    });
     let consumer = builder(&store, &broker)
         .lease(Duration::from_millis(300))
-        .group(group)
+        // Ten leases long.
+        .group(slow_group(Duration::from_secs(3)))
         .build()
         .unwrap();
     run_until(consumer, || broker.all_done(TOPIC, GROUP)).await;

@@ -415,3 +415,124 @@ fn a_budget_debugs_in_whole_retries() {
         "{text}"
     );
 }
+
+#[test]
+fn a_backoff_reports_the_jitter_it_was_given() {
+    for jitter in [
+        Jitter::None,
+        Jitter::Proportional(0.25),
+        Jitter::Decorrelated,
+    ] {
+        assert_eq!(exp(MS, 2.0, MS * 10, jitter).unwrap().jitter(), jitter);
+    }
+}
+
+#[test]
+fn a_schedule_read_without_jitter_follows_its_delays_exactly() {
+    let config: BackoffConfig =
+        serde_json::from_str(r#"{"kind":"schedule","delays":["1s","5s"]}"#).unwrap();
+    let backoff = config.build().unwrap();
+    assert_eq!(backoff.jitter(), Jitter::None);
+    assert_eq!(
+        backoff.iter().collect::<Vec<_>>(),
+        [Duration::from_secs(1), Duration::from_secs(5)]
+    );
+}
+
+/// The first two delays of `backoff` under each of 500 seeds.
+fn first_two_delays(backoff: &Backoff) -> Vec<(f64, f64)> {
+    (0..500)
+        .map(|seed| {
+            let mut delays = backoff.iter_seeded(seed).map(|d| d.as_secs_f64());
+            (delays.next().unwrap(), delays.next().unwrap())
+        })
+        .collect()
+}
+
+fn spread(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    values.fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)))
+}
+
+/// Bounds alone pass a jitter that does nothing: the delays must also reach
+/// both ends of their range, or a herd of clients still retries in step.
+#[test]
+fn proportional_and_full_jitter_reach_both_ends_of_their_range() {
+    let base = MS * 100;
+    let proportional = exp(base, 2.0, MS * 10_000, Jitter::Proportional(0.5)).unwrap();
+    let (lo, hi) = spread(first_two_delays(&proportional).into_iter().map(|d| d.0));
+    assert!(
+        lo < 0.055 && hi > 0.145,
+        "±50% of 100 ms spread over {lo}..{hi}"
+    );
+    let full = exp(base, 2.0, MS * 10_000, Jitter::Full).unwrap();
+    let (lo, hi) = spread(first_two_delays(&full).into_iter().map(|d| d.0));
+    assert!(lo < 0.01 && hi > 0.09, "0..100 ms spread over {lo}..{hi}");
+}
+
+/// Decorrelated jitter draws each delay from `[base, 3 × previous]`.
+#[test]
+fn decorrelated_jitter_draws_from_base_to_three_times_the_previous_delay() {
+    let base = 0.1;
+    let backoff = exp(MS * 100, 2.0, MS * 100_000, Jitter::Decorrelated).unwrap();
+    let delays = first_two_delays(&backoff);
+    let (lo, hi) = spread(delays.iter().map(|d| d.0));
+    assert!(lo < base * 1.2 && hi > base * 2.7, "first: {lo}..{hi}");
+    let (lo, hi) = spread(delays.iter().map(|(first, second)| second / first));
+    assert!(hi > 2.7, "the second reaches 3× the first: at most {hi}×");
+    assert!(lo < 0.6, "and goes back towards the base: at least {lo}×");
+    let (lo, _) = spread(delays.iter().map(|d| d.1));
+    assert!(lo < base * 1.2, "second: from {lo}");
+}
+
+/// The stateless form grows from the previous attempt's nominal delay: the
+/// fifth retry of 100 ms × 2ⁿ may wait up to 3 × 800 ms, not 3 × 100 ms.
+#[test]
+fn stateless_decorrelated_delays_grow_from_the_previous_nominal_delay() {
+    let backoff = exp(MS * 100, 2.0, Duration::from_secs(60), Jitter::Decorrelated).unwrap();
+    let longest = (0..200).filter_map(|_| backoff.delay(4)).max().unwrap();
+    assert!(longest > Duration::from_secs(1), "{longest:?}");
+    assert!(longest <= MS * 2_400, "{longest:?}");
+}
+
+/// A zero delay retries at once: no timer, no yield to the scheduler, so a
+/// call that fails once and then succeeds is done within its first poll.
+#[test]
+fn a_zero_delay_retries_within_the_same_poll() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let _context = runtime.enter();
+    let retry = Retry::builder("r")
+        .backoff(Backoff::schedule([Duration::ZERO]).unwrap())
+        .build()
+        .unwrap();
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let call = retry.call(|| {
+        let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        async move {
+            match n {
+                0 => Err(keel_core::Classified::retryable("refused")),
+                _ => Ok(n),
+            }
+        }
+    });
+    let mut call = std::pin::pin!(call);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match call.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(result) => assert_eq!(result.unwrap(), 1),
+        std::task::Poll::Pending => panic!("a zero delay waited for a timer"),
+    }
+}
+
+#[test]
+fn predicate_policies_name_themselves_in_debug_output() {
+    let on_error = RetryIf::new(|_: &std::io::Error| true);
+    assert_eq!(format!("{on_error:?}"), "RetryIf");
+    let on_result = RetryOnResult::new(ByClass, |_: &u32| false);
+    let text = format!("{on_result:?}");
+    assert!(
+        text.starts_with("RetryOnResult") && text.contains("errors"),
+        "{text}"
+    );
+}

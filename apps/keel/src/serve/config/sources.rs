@@ -31,7 +31,7 @@ pub(super) fn api_keys(
     path: Option<PathBuf>,
 ) -> Result<ApiKeys, ConfigError> {
     if let Some(path) = path {
-        let text = std::fs::read_to_string(&path)
+        let text = read_bounded(&path)
             .map_err(|e| invalid("api-keys-file", format!("{}: {e}", path.display())))?;
         given.extend(
             text.lines()
@@ -82,11 +82,33 @@ pub(super) fn pick(flags: Vec<String>, file: Option<Vec<String>>) -> Vec<String>
 
 /// The first line of a secret's file, trimmed.
 fn first_line(setting: &'static str, path: &std::path::Path) -> Result<String, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| invalid(setting, format!("{}: {e}", path.display())))?;
+    let text =
+        read_bounded(path).map_err(|e| invalid(setting, format!("{}: {e}", path.display())))?;
     let line = text.lines().next().unwrap_or_default().trim().to_owned();
     if line.is_empty() {
         return Err(invalid(setting, format!("{} is empty", path.display())));
     }
     Ok(line)
+}
+
+/// The most a file the configuration names (itself, a secret, the API keys)
+/// may hold: far more than any of them needs, and a bound on what a wrong
+/// path (`/dev/zero`, a log file) can make the process read.
+const MAX_FILE_BYTES: u64 = 1024 * 1024;
+
+/// The text of `path`, refused past [`MAX_FILE_BYTES`] or if not UTF-8.
+pub(super) fn read_bounded(path: &std::path::Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| e.to_string())?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!(
+            "is larger than {} KiB, more than any configuration, key or secret needs; check the path",
+            MAX_FILE_BYTES / 1024
+        ));
+    }
+    Ok(text)
 }

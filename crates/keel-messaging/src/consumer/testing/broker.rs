@@ -29,6 +29,7 @@ struct BrokerState {
     publish_calls: HashMap<String, u32>,
     batches: u32,
     next_token: u64,
+    extensions: u32,
 }
 
 /// A broker with per-key order, leases and redelivery, on tokio's clock.
@@ -50,6 +51,21 @@ struct Refusals {
 }
 
 impl MemBroker {
+    /// Lease extensions granted so far.
+    pub(crate) fn extensions(&self) -> u32 {
+        self.state.lock().extensions
+    }
+
+    /// Every lease held now is lost, as if it had expired unnoticed: its
+    /// holder's next ack, nack or extension fails with `LeaseLost`.
+    pub(crate) fn lose_leases(&self) {
+        for (_, entries) in self.state.lock().groups.values_mut() {
+            for entry in entries {
+                entry.lease = None;
+            }
+        }
+    }
+
     /// Every message with `key` is refused by `publish` (not by
     /// `validate`) with `Invalid`, like a broker that finds out only when
     /// it tries; the messages before it in the batch are stored.
@@ -273,7 +289,9 @@ impl DeliveryControl for MemControl {
             if let Some((token, _)) = e.lease {
                 e.lease = Some((token, now + lease));
             }
-        })
+        })?;
+        self.state.lock().extensions += 1;
+        Ok(())
     }
 
     async fn terminate(&self) -> Result<(), BrokerError> {

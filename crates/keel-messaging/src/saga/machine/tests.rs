@@ -7,6 +7,8 @@ use serde_json::json;
 use super::*;
 use crate::saga::SagaError;
 
+mod compensation;
+
 const GRACE: Duration = Duration::from_secs(1);
 
 /// Seed 000's saga: capture_payment, reserve_stock, schedule_shipment (the
