@@ -56,6 +56,15 @@ fn message(env: &Envelope) -> Message {
         .to_message()
 }
 
+/// `n` messages of one event, each with its own message id.
+fn copies(env: &Envelope, n: usize) -> impl Iterator<Item = Message> + '_ {
+    (0..n).map(move |i| {
+        let mut m = message(env);
+        m.id = format!("copy-{i}");
+        m
+    })
+}
+
 async fn publish(broker: &MemBroker, messages: impl IntoIterator<Item = Message>) {
     let messages: Vec<_> = messages.into_iter().collect();
     broker.publish(&messages).await.unwrap();
@@ -117,14 +126,8 @@ async fn run_until(
 async fn applies_once_under_triple_delivery() {
     let _serial = serial();
     let (store, broker) = (MemStore::default(), MemBroker::default());
-    let env = charge("A-1", 8210);
     // Redelivery, relay republish, rebalance: three messages, one event id.
-    let copies = (0..3).map(|i| {
-        let mut m = message(&env);
-        m.id = format!("copy-{i}");
-        m
-    });
-    publish(&broker, copies).await;
+    publish(&broker, copies(&charge("A-1", 8210), 3)).await;
     let consumer = builder(&store, &broker)
         .group(ledger_group())
         .build()

@@ -172,13 +172,7 @@ async fn dead_letters_are_counted_under_their_kind() {
 async fn the_store_sees_no_needless_writes_and_duplicates_are_rolled_back() {
     let _serial = serial();
     let (store, broker) = (MemStore::default(), MemBroker::default());
-    let env = charge("S-1", 1);
-    let copies = (0..2).map(|i| {
-        let mut m = message(&env);
-        m.id = format!("copy-{i}");
-        m
-    });
-    publish(&broker, copies).await;
+    publish(&broker, copies(&charge("S-1", 1), 2)).await;
     let consumer = builder(&store, &broker)
         .group(ledger_group())
         .build()
