@@ -1,6 +1,7 @@
 //! A store the core can run on: its pools, its transaction, its wake-ups.
 
 use std::future::Future;
+use std::ops::DerefMut;
 
 use keel_messaging::StoreError;
 
@@ -10,9 +11,10 @@ use crate::dialect::{Dialect, Exec, Value};
 pub type Db<B> = <<B as SqlBackend>::Dialect as Dialect>::Db;
 /// The row of a backend.
 pub type Row<B> = <<B as SqlBackend>::Dialect as Dialect>::Row;
-/// The transaction of a backend: the database's own, the one the user's
-/// business SQL runs in.
-pub type Tx<B> = sqlx::Transaction<'static, Db<B>>;
+/// The transaction of a backend, the one the user's business SQL runs in.
+pub type Tx<B> = <B as SqlBackend>::Tx;
+/// The connection of a backend's database.
+pub type Conn<B> = <Db<B> as sqlx::Database>::Connection;
 
 /// What a wake-up announces to workers in other processes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +33,12 @@ pub enum Wake {
 pub trait SqlBackend: Send + Sync + 'static {
     /// The database's dialect.
     type Dialect: Dialect;
+
+    /// The transaction handed to users: the database's own
+    /// (`sqlx::Transaction`), or a backend's handle over one (SQLite's
+    /// group-committed write). Either way it lends its connection, so
+    /// `query.execute(&mut *tx)` runs the user's SQL in it.
+    type Tx: DerefMut<Target = Conn<Self>> + Send + 'static;
 
     /// The pool for writes outside a transaction.
     fn writer(&self) -> &sqlx::Pool<Db<Self>>;
@@ -53,6 +61,9 @@ pub trait SqlBackend: Send + Sync + 'static {
     /// ask what became of a lost `COMMIT` (PostgreSQL), it does, instead of
     /// answering [`StoreError::OutcomeUnknown`].
     fn commit_own(&self, tx: Tx<Self>) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls back one of the store's own transactions.
+    fn rollback_own(&self, tx: Tx<Self>) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Runs a write outside a transaction; returns the rows it changed.
     fn write<'a>(

@@ -9,6 +9,7 @@
 //! function of the core.
 
 use std::future::Future;
+use std::ops::DerefMut;
 
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
@@ -107,8 +108,9 @@ impl From<Option<DateTime<Utc>>> for Value<'_> {
 pub enum Exec<'a, D: Dialect> {
     /// A connection from the pool, in autocommit mode.
     Pool(&'a sqlx::Pool<D::Db>),
-    /// The caller's transaction (the user's, for the outbox and inbox).
-    Tx(&'a mut sqlx::Transaction<'static, D::Db>),
+    /// The caller's transaction (the user's, for the outbox and inbox): any
+    /// handle that lends the connection it runs on.
+    Tx(&'a mut (dyn DerefMut<Target = <D::Db as sqlx::Database>::Connection> + Send + 'static)),
 }
 
 /// A row as the core reads it: each getter names the column and says what

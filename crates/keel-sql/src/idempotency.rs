@@ -112,12 +112,12 @@ pub async fn begin<B: SqlBackend>(
             let row =
                 B::Dialect::fetch_optional(Exec::Tx(&mut tx), &locked_select, &key_params).await?;
             let Some(row) = row else {
-                tx.rollback().await.map_err(B::Dialect::error)?;
+                store.rollback_own(tx).await?;
                 return Ok(None);
             };
             match decide::<B::Dialect>(&row, fingerprint, now)? {
                 Decision::Answer(answer) => {
-                    tx.rollback().await.map_err(B::Dialect::error)?;
+                    store.rollback_own(tx).await?;
                     Ok(Some(answer))
                 }
                 Decision::TakeOver => {

@@ -16,11 +16,12 @@
 //! # Why not `sqlx::Any`
 //!
 //! The outbox and the inbox rest on one promise: Keel's row commits in the
-//! *user's* transaction, and that transaction is the backend's own
-//! (`sqlx::Transaction<'static, Sqlite>` or `<Postgres>`), so the user's
-//! business SQL runs in it unchanged. `Any` would hand out a different
-//! transaction type and lose each database's types. So the core is generic
-//! over [`SqlBackend`], whose transaction is the backend's own, and talks to
+//! *user's* transaction, and that transaction lends the backend's own
+//! connection (`sqlx::Transaction<'static, Postgres>`, SQLite's
+//! group-committed `WriteTx`), so the user's business SQL runs in it
+//! unchanged. `Any` would hand out a different connection type and lose each
+//! database's types. So the core is generic over [`SqlBackend`], whose
+//! transaction derefs to the backend's own connection, and talks to
 //! the database only through a handful of [`Value`] kinds and the
 //! [`SqlRow`] getters a dialect implements.
 //!

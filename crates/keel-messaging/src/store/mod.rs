@@ -2,8 +2,9 @@
 //!
 //! The user's own database transaction is the unit of work. A [`Store`] hands
 //! out its backend's transaction type ([`Store::Tx`], e.g.
-//! `sqlx::Transaction<'static, Sqlite>`), the user writes business rows in it
-//! with their own SQL, and Keel adds its rows to the *same* transaction: the
+//! `sqlx::Transaction<'static, Postgres>`, or SQLite's group-committed
+//! `WriteTx`, both lending their connection to `&mut *tx`), the user writes
+//! business rows in it with their own SQL, and Keel adds its rows to the *same* transaction: the
 //! outbox row commits with the order, the inbox row commits with the effect.
 //! That is the whole trick of both patterns, so it is in the type signatures.
 //!

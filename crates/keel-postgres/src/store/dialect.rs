@@ -188,6 +188,7 @@ impl SqlRow<PgDialect> for PgRow {
 
 impl SqlBackend for PgStore {
     type Dialect = PgDialect;
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
 
     async fn begin_own(&self) -> Result<keel_sql::backend::Tx<Self>, StoreError> {
         keel_messaging::store::Store::begin(self).await
@@ -195,6 +196,10 @@ impl SqlBackend for PgStore {
 
     async fn commit_own(&self, tx: keel_sql::backend::Tx<Self>) -> Result<(), StoreError> {
         self.commit_resolved(tx).await
+    }
+
+    async fn rollback_own(&self, tx: keel_sql::backend::Tx<Self>) -> Result<(), StoreError> {
+        keel_messaging::store::Store::rollback(self, tx).await
     }
 
     fn writer(&self) -> &sqlx::PgPool {

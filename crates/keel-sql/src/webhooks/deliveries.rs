@@ -347,7 +347,7 @@ pub async fn prune<B: SqlBackend>(
             .map(|row| row.int("id"))
             .collect::<Result<Vec<_>, _>>()?;
         if ids.is_empty() {
-            tx.rollback().await.map_err(B::Dialect::error)?;
+            store.rollback_own(tx).await?;
             return Ok(0);
         }
         let mut deleted = 0;

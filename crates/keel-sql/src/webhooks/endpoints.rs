@@ -222,7 +222,7 @@ pub async fn endpoint_disable<B: SqlBackend>(
             let answer =
                 refused_or_missing::<B::Dialect>(on, ENDPOINTS, id.into(), || endpoint_name(id))
                     .await;
-            tx.rollback().await.map_err(B::Dialect::error)?;
+            store.rollback_own(tx).await?;
             return answer;
         }
         let params = [id.into(), at.into()];

@@ -6,7 +6,7 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::AttemptError;
-use keel_sql::{Dialect, Field, SqlBackend, SqlRow};
+use keel_sql::{Dialect, Exec, Field, SqlBackend, SqlRow, Value};
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use sqlx::sqlite::{Sqlite, SqliteRow};
@@ -142,15 +142,27 @@ impl SqlRow<SqliteDialect> for SqliteRow {
 
 impl SqlBackend for SqliteStore {
     type Dialect = SqliteDialect;
+    type Tx = super::WriteTx;
 
-    async fn begin_own(&self) -> Result<keel_sql::backend::Tx<Self>, StoreError> {
-        crate::pool::begin_immediate(&self.writer)
-            .await
-            .map_err(db_error)
+    async fn begin_own(&self) -> Result<super::WriteTx, StoreError> {
+        self.group.begin().await
     }
 
-    async fn commit_own(&self, tx: keel_sql::backend::Tx<Self>) -> Result<(), StoreError> {
-        tx.commit().await.map_err(super::error::commit_error)
+    async fn commit_own(&self, tx: super::WriteTx) -> Result<(), StoreError> {
+        self.group.commit(tx).await
+    }
+
+    async fn rollback_own(&self, tx: super::WriteTx) -> Result<(), StoreError> {
+        self.group.rollback(tx).await
+    }
+
+    /// In a logical transaction of its own, so that it folds into the
+    /// writer's batch instead of waiting for it.
+    async fn write<'a>(&'a self, sql: &'a str, params: &'a [Value<'a>]) -> Result<u64, StoreError> {
+        let mut tx = self.group.begin().await?;
+        let changed = SqliteDialect::execute(Exec::Tx(&mut tx), sql, params).await?;
+        self.group.commit(tx).await?;
+        Ok(changed)
     }
 
     fn writer(&self) -> &sqlx::SqlitePool {

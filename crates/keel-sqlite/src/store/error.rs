@@ -37,17 +37,6 @@ pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
     }
 }
 
-/// Maps an error of `COMMIT`. A lock error means SQLite did not commit (the
-/// transaction is rolled back when it is dropped); anything else may have
-/// happened after the commit record was written.
-pub(crate) fn commit_error(err: sqlx::Error) -> StoreError {
-    if is_busy(&err) {
-        return db_error(err);
-    }
-    tracing::warn!(error = %err, "sqlite commit failed; outcome unknown");
-    StoreError::OutcomeUnknown(err.into())
-}
-
 /// Whether `err` is SQLite's `BUSY` or `LOCKED` (any extended code).
 pub(crate) fn is_busy(err: &sqlx::Error) -> bool {
     let sqlx::Error::Database(db) = err else {

@@ -2,9 +2,10 @@
 //! fencing tokens in the same file as the application's own tables.
 //!
 //! The point of the outbox and the inbox is that Keel's row commits in the
-//! *user's* transaction. So [`SqliteStore::begin`] hands out a plain
-//! `sqlx::Transaction<'static, Sqlite>`: write your business rows in it with
-//! your own SQL, add Keel's rows with the same `&mut tx`, and commit once.
+//! *user's* transaction. So [`SqliteStore::begin`] hands out a [`WriteTx`]
+//! that lends its `SqliteConnection` exactly as a `sqlx::Transaction` does:
+//! write your business rows in it with your own SQL (`.execute(&mut *tx)`),
+//! add Keel's rows with the same `&mut tx`, and commit once.
 //!
 //! ```
 //! use keel_messaging::store::{OutboxRecord, OutboxStore, Store};
@@ -45,7 +46,7 @@
 //! connections the others spin in SQLite's busy handler, sleeping and
 //! retrying, which is slow and unfair under load. So the store has exactly
 //! one writer connection: every transaction from [`SqliteStore::begin`] and
-//! every write method queues for it in the pool's FIFO, and reads that are
+//! every write method queues for it in one FIFO, and reads that are
 //! not part of a transaction go to a separate pool of read connections
 //! (WAL lets them run while a write is in progress). The busy timeout still
 //! matters when another process, or the embedded broker's own pool, writes
@@ -54,6 +55,21 @@
 //! A consequence: while you hold a transaction, this store's other *write*
 //! methods wait for it. Do not call them from inside a transaction you hold;
 //! pass the transaction to the methods that take one instead.
+//!
+//! # Why group commit
+//!
+//! With `synchronous = FULL` each `COMMIT` waits for an fsync, so committing
+//! transactions one by one caps the store at the disk's sync rate. The
+//! writer therefore folds the transactions that queue for it while a batch
+//! is open into one physical transaction: each [`WriteTx`] is a savepoint
+//! in it, and one `COMMIT` (one fsync) settles them all. A failed
+//! transaction rolls back its savepoint only; [`Store::commit`] answers
+//! after the fsync that covers the caller's writes, never before. The
+//! store's own single-statement writes take the same path.
+//!
+//! The price is one more rule: **do not wait, inside an open transaction,
+//! for another of this store's commits to be acknowledged.** That commit
+//! may be in your transaction's batch, which cannot end before yours does.
 //!
 //! # Why `BEGIN IMMEDIATE`
 //!
@@ -90,6 +106,7 @@
 pub(crate) mod codec;
 mod dialect;
 pub(crate) mod error;
+mod group;
 mod options;
 mod outbox;
 #[cfg(test)]
@@ -99,13 +116,15 @@ use async_trait::async_trait;
 use keel_messaging::StoreError;
 use keel_messaging::store::Store;
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::sqlite::{Sqlite, SqlitePool};
+use sqlx::sqlite::SqlitePool;
 
 pub use dialect::SqliteDialect;
+pub use group::WriteTx;
 pub use options::SqliteStoreOptions;
 pub use sqlx::sqlite::SqliteSynchronous;
 
-use error::{commit_error, db_error};
+use error::db_error;
+use group::GroupCommit;
 
 /// The first and last migration version this store owns.
 const VERSIONS: std::ops::RangeInclusive<i64> = 1001..=1999;
@@ -115,6 +134,8 @@ const VERSIONS: std::ops::RangeInclusive<i64> = 1001..=1999;
 pub struct SqliteStore {
     /// One connection: all transactions and writes (see the module docs).
     writer: SqlitePool,
+    /// The queue for the writer, folding transactions into batches.
+    group: GroupCommit,
     /// Reads outside transactions.
     reader: SqlitePool,
 }
@@ -149,7 +170,11 @@ impl SqliteStore {
         reader: SqlitePool,
     ) -> Result<Self, StoreError> {
         migrate(&writer).await?;
-        Ok(Self { writer, reader })
+        Ok(Self {
+            group: GroupCommit::new(writer.clone()),
+            writer,
+            reader,
+        })
     }
 
     /// The pool for writes and transactions: run your own schema migrations
@@ -211,20 +236,18 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
 
 #[async_trait]
 impl Store for SqliteStore {
-    type Tx = sqlx::Transaction<'static, Sqlite>;
+    type Tx = WriteTx;
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        crate::pool::begin_immediate(&self.writer)
-            .await
-            .map_err(db_error)
+        self.group.begin().await
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        tx.commit().await.map_err(commit_error)
+        self.group.commit(tx).await
     }
 
     async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        tx.rollback().await.map_err(db_error)
+        self.group.rollback(tx).await
     }
 
     async fn ready(&self) -> Result<(), StoreError> {

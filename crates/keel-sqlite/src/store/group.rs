@@ -1,0 +1,362 @@
+//! Group commit: many logical write transactions, one physical transaction
+//! and one fsync.
+//!
+//! With `synchronous = FULL` every `COMMIT` waits for an fsync, and SQLite
+//! has one writer, so a store that commits each transaction on its own
+//! commits about as often per second as the disk syncs. Group commit keeps
+//! the writer's physical transaction open while other transactions are
+//! queued for it: each [`WriteTx`] is a savepoint inside that transaction,
+//! and one `COMMIT` (one fsync) settles every savepoint released before it.
+//!
+//! The rules that keep each caller's answer true:
+//! - **A caller is answered only after the fsync that covers its writes.**
+//!   Releasing a savepoint answers nobody; [`GroupCommit::commit`] waits for
+//!   the batch's `COMMIT`.
+//! - **A failed logical transaction does not poison the others.** Its
+//!   savepoint is rolled back (explicitly, or when the handle is dropped)
+//!   and the batch goes on. Only an error that ends the physical
+//!   transaction itself (SQLite rolls the whole transaction back on a full
+//!   disk or an I/O error) fails the batch, and then every caller in it is
+//!   told its writes did not commit.
+//! - **A batch never waits for a caller that has gone.** Each release
+//!   queues a flush behind the transactions already waiting (the writer's
+//!   queue is FIFO): it commits the batch once they have had their turn, so
+//!   a batch folds exactly the transactions that arrived while it was open,
+//!   and nothing depends on a caller coming back. Every step that touches
+//!   the connection runs in a task of its own, so a dropped caller cannot
+//!   cut one in half (see `pool.rs`).
+//!
+//! While a batch is open it holds the writer pool's one connection, so a
+//! write that bypasses the group (the store's autocommit statements, or
+//! yours on [`SqliteStore::pool`](super::SqliteStore::pool)) waits for the
+//! batch's `COMMIT`, and is durable when it returns.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use keel_messaging::StoreError;
+use sqlx::TransactionManager;
+use sqlx::pool::PoolConnection;
+use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqliteTransactionManager};
+use tokio::sync::{Mutex, OwnedMutexGuard, oneshot};
+
+use super::error::{db_error, is_busy};
+
+#[cfg(test)]
+mod tests;
+
+/// Savepoints released before a batch commits regardless of who is queued:
+/// bounds the latency the first caller of a long queue pays.
+const MAX_BATCH: usize = 256;
+
+/// The writer of one store: its queue, its open batch, its counters.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupCommit {
+    pool: SqlitePool,
+    writer: Arc<Mutex<Writer>>,
+    stats: Arc<Stats>,
+}
+
+#[derive(Debug, Default)]
+struct Writer {
+    batch: Option<Batch>,
+    opened: u64,
+}
+
+/// The physical transaction, on the writer pool's connection.
+#[derive(Debug)]
+struct Batch {
+    id: u64,
+    conn: PoolConnection<Sqlite>,
+    waiters: Vec<oneshot::Sender<Verdict>>,
+}
+
+/// What became of a batch, told to each caller in it.
+#[derive(Debug, Clone)]
+enum Verdict {
+    Committed,
+    /// Nothing in the batch committed.
+    RolledBack(Arc<sqlx::Error>),
+    /// `COMMIT` failed in a way that may have come after the commit record.
+    Unknown(Arc<sqlx::Error>),
+}
+
+/// Counters for tests and the batch-size metric.
+#[derive(Debug, Default)]
+struct Stats {
+    commits: AtomicU64,
+    queued: AtomicUsize,
+}
+
+impl GroupCommit {
+    pub(crate) fn new(pool: SqlitePool) -> Self {
+        Self {
+            pool,
+            writer: Arc::default(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// Physical commits so far.
+    #[cfg(test)]
+    pub(crate) fn commits(&self) -> u64 {
+        self.stats.commits.load(Ordering::Relaxed)
+    }
+
+    /// Callers waiting for the writer right now.
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.stats.queued.load(Ordering::Relaxed)
+    }
+
+    /// Opens a logical transaction: a savepoint in the open batch, or in a
+    /// new one. Waits its turn for the writer, up to the pool's acquire
+    /// timeout (the store's busy timeout).
+    pub(crate) async fn begin(&self) -> Result<WriteTx, StoreError> {
+        let group = self.clone();
+        // The task only fails to join if the runtime is going down.
+        tokio::spawn(async move { group.open().await })
+            .await
+            .unwrap_or_else(|_| {
+                Err(StoreError::Unavailable(
+                    "the runtime is shutting down".into(),
+                ))
+            })
+    }
+
+    async fn open(self) -> Result<WriteTx, StoreError> {
+        let mut writer = self.turn().await?;
+        if writer.batch.is_none() {
+            let mut conn = self.pool.acquire().await.map_err(db_error)?;
+            SqliteTransactionManager::begin(&mut conn, Some("BEGIN IMMEDIATE".into()))
+                .await
+                .map_err(db_error)?;
+            writer.opened += 1;
+            writer.batch = Some(Batch {
+                id: writer.opened,
+                conn,
+                waiters: Vec::new(),
+            });
+        }
+        let batch = writer.batch.as_mut().expect("a batch was just ensured");
+        if let Err(err) = SqliteTransactionManager::begin(&mut batch.conn, None).await {
+            return Err(self.abandon(&mut writer, err).await);
+        }
+        Ok(WriteTx {
+            writer: Some(writer),
+            group: self,
+        })
+    }
+
+    /// The writer, after the callers queued before this one.
+    async fn turn(&self) -> Result<OwnedMutexGuard<Writer>, StoreError> {
+        let limit = self.pool.options().get_acquire_timeout();
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+        let turn = tokio::time::timeout(limit, self.writer.clone().lock_owned()).await;
+        self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+        turn.map_err(|_| {
+            StoreError::Unavailable(
+                format!("the SQLite writer was busy for longer than {limit:?}").into(),
+            )
+        })
+    }
+
+    /// Commits the logical transaction `tx` and waits for the fsync that
+    /// covers it.
+    pub(crate) async fn commit(&self, tx: WriteTx) -> Result<(), StoreError> {
+        let released = tokio::spawn(tx.release()).await;
+        let verdict = match released {
+            Ok(Ok(verdict)) => verdict,
+            Ok(Err(err)) => return Err(err),
+            // The savepoint may have been released into a batch already.
+            Err(_) => {
+                return Err(StoreError::OutcomeUnknown(
+                    "the runtime shut down while committing".into(),
+                ));
+            }
+        };
+        match verdict.await {
+            Ok(Verdict::Committed) => Ok(()),
+            Ok(Verdict::RolledBack(err)) => Err(StoreError::Unavailable(Box::new(err))),
+            Ok(Verdict::Unknown(err)) => Err(StoreError::OutcomeUnknown(Box::new(err))),
+            Err(_) => Err(StoreError::OutcomeUnknown(
+                "the process stopped while committing the batch".into(),
+            )),
+        }
+    }
+
+    /// Rolls the logical transaction `tx` back; the batch goes on.
+    pub(crate) async fn rollback(&self, mut tx: WriteTx) -> Result<(), StoreError> {
+        let mut writer = tx
+            .writer
+            .take()
+            .expect("an unsettled WriteTx holds the writer");
+        let group = tx.group.clone();
+        tokio::spawn(async move {
+            let batch = writer.batch.as_mut().expect("a WriteTx lives in a batch");
+            match SqliteTransactionManager::rollback(&mut batch.conn).await {
+                Ok(()) => {
+                    group.flush_later(batch.id);
+                    Ok(())
+                }
+                Err(err) => Err(group.abandon(&mut writer, err).await),
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(
+                "the runtime is shutting down".into(),
+            ))
+        })
+    }
+
+    /// Commits batch `id` once the callers queued now have had their turn.
+    fn flush_later(&self, id: u64) {
+        let group = self.clone();
+        tokio::spawn(async move {
+            let mut writer = group.writer.clone().lock_owned().await;
+            if writer.batch.as_ref().is_some_and(|batch| batch.id == id) {
+                group.settle(&mut writer).await;
+            }
+        });
+    }
+
+    /// Ends the open batch: `COMMIT` (one fsync) if any caller is waiting on
+    /// it, `ROLLBACK` if none is; tells every caller.
+    async fn settle(&self, writer: &mut Writer) {
+        let Some(mut batch) = writer.batch.take() else {
+            return;
+        };
+        if batch.waiters.is_empty() {
+            let _ = SqliteTransactionManager::rollback(&mut batch.conn).await;
+            return;
+        }
+        fail::fail_point!("keel-sqlite-group-before-commit", |_| {
+            panic!("failpoint: the process dies before the batch's COMMIT")
+        });
+        let verdict = match SqliteTransactionManager::commit(&mut batch.conn).await {
+            Ok(()) => Verdict::Committed,
+            Err(err) if is_busy(&err) => Verdict::RolledBack(Arc::new(err)),
+            Err(err) => {
+                tracing::warn!(error = %err, "sqlite group commit failed; outcome unknown");
+                Verdict::Unknown(Arc::new(err))
+            }
+        };
+        self.stats.commits.fetch_add(1, Ordering::Relaxed);
+        metrics::histogram!("keel_sqlite_group_commit_size").record(batch.waiters.len() as f64);
+        for waiter in batch.waiters {
+            let _ = waiter.send(verdict.clone());
+        }
+    }
+
+    /// Fails the open batch after `err` left its physical transaction in a
+    /// state nobody can vouch for (a savepoint that would not open, release
+    /// or roll back): everything in it is rolled back and every caller told.
+    async fn abandon(&self, writer: &mut Writer, err: sqlx::Error) -> StoreError {
+        let err = Arc::new(err);
+        if let Some(mut batch) = writer.batch.take() {
+            tracing::warn!(error = %err, callers = batch.waiters.len(), "sqlite group commit batch abandoned");
+            // Whatever is still open; the pool's checkout guard rolls back
+            // what this cannot.
+            while SqliteTransactionManager::get_transaction_depth(&batch.conn) > 0 {
+                if SqliteTransactionManager::rollback(&mut batch.conn)
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            for waiter in batch.waiters {
+                let _ = waiter.send(Verdict::RolledBack(err.clone()));
+            }
+        }
+        StoreError::Unavailable(Box::new(err))
+    }
+}
+
+/// A write transaction on the SQLite store: a savepoint in the writer's
+/// open batch (see the module docs). Write your business rows in it with
+/// `sqlx::query(..).execute(&mut *tx)`, exactly as in a
+/// `sqlx::Transaction`; commit it with the store's `commit`, which answers
+/// after the fsync. Dropping it rolls its writes back.
+#[derive(Debug)]
+pub struct WriteTx {
+    /// `Some` until the transaction is committed or rolled back.
+    writer: Option<OwnedMutexGuard<Writer>>,
+    group: GroupCommit,
+}
+
+impl WriteTx {
+    fn batch(&self) -> &Batch {
+        let writer = self
+            .writer
+            .as_ref()
+            .expect("an unsettled WriteTx holds the writer");
+        writer.batch.as_ref().expect("a WriteTx lives in a batch")
+    }
+
+    fn batch_mut(&mut self) -> &mut Batch {
+        let writer = self
+            .writer
+            .as_mut()
+            .expect("an unsettled WriteTx holds the writer");
+        writer.batch.as_mut().expect("a WriteTx lives in a batch")
+    }
+
+    /// Releases the savepoint and joins the batch's waiters; the answer
+    /// comes with the batch's `COMMIT`.
+    async fn release(mut self) -> Result<oneshot::Receiver<Verdict>, StoreError> {
+        let mut writer = self
+            .writer
+            .take()
+            .expect("an unsettled WriteTx holds the writer");
+        let group = self.group.clone();
+        let batch = writer.batch.as_mut().expect("a WriteTx lives in a batch");
+        if let Err(err) = SqliteTransactionManager::commit(&mut batch.conn).await {
+            return Err(group.abandon(&mut writer, err).await);
+        }
+        let (sender, verdict) = oneshot::channel();
+        batch.waiters.push(sender);
+        if batch.waiters.len() >= MAX_BATCH {
+            group.settle(&mut writer).await;
+        } else {
+            group.flush_later(batch.id);
+        }
+        Ok(verdict)
+    }
+}
+
+impl Deref for WriteTx {
+    type Target = SqliteConnection;
+
+    fn deref(&self) -> &SqliteConnection {
+        &self.batch().conn
+    }
+}
+
+impl DerefMut for WriteTx {
+    fn deref_mut(&mut self) -> &mut SqliteConnection {
+        &mut self.batch_mut().conn
+    }
+}
+
+impl Drop for WriteTx {
+    fn drop(&mut self) {
+        let Some(mut writer) = self.writer.take() else {
+            return;
+        };
+        let Some(batch) = writer.batch.as_mut() else {
+            return;
+        };
+        // Queued on the connection's worker ahead of whatever the next
+        // holder of the writer sends, so it runs first.
+        SqliteTransactionManager::start_rollback(&mut batch.conn);
+        let id = batch.id;
+        drop(writer);
+        // Without a runtime nothing else can use the store either.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.group.flush_later(id);
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! Group commit's promises: transactions queued while a batch is open share
+//! its fsync, a failed one leaves the others committed, and a crash before
+//! the batch's `COMMIT` acknowledges nothing and loses nothing acknowledged.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_messaging::StoreError;
+use keel_messaging::store::Store;
+use parking_lot::Mutex;
+use tempfile::TempDir;
+use tokio::task::JoinSet;
+
+use super::super::SqliteStore;
+
+async fn store_at(path: &Path) -> SqliteStore {
+    let store = SqliteStore::open(path).await.expect("open");
+    sqlx::query("CREATE TABLE IF NOT EXISTS items (id INTEGER PRIMARY KEY)")
+        .execute(store.pool())
+        .await
+        .expect("schema");
+    store
+}
+
+async fn insert(tx: &mut <SqliteStore as Store>::Tx, id: i64) -> Result<(), StoreError> {
+    sqlx::query("INSERT INTO items (id) VALUES (?)")
+        .bind(id)
+        .execute(&mut **tx)
+        .await
+        .map(drop)
+        .map_err(super::db_error)
+}
+
+async fn ids(path: &Path) -> BTreeSet<i64> {
+    let store = SqliteStore::open(path).await.expect("reopen");
+    let rows: Vec<(i64,)> = sqlx::query_as("SELECT id FROM items")
+        .fetch_all(store.read_pool())
+        .await
+        .expect("read");
+    store.close().await;
+    rows.into_iter().map(|(id,)| id).collect()
+}
+
+/// Opens a batch with a transaction that has written row 0, and returns it
+/// still open: whatever queues behind it lands in its batch.
+async fn open_first(store: &SqliteStore) -> <SqliteStore as Store>::Tx {
+    let mut first = store.begin().await.expect("begin");
+    insert(&mut first, 0).await.expect("insert");
+    first
+}
+
+async fn wait_until_queued(store: &SqliteStore, n: usize) {
+    while store.group.queued() < n {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let before = store.group.commits();
+
+    let first = open_first(&store).await;
+    let mut writers = JoinSet::new();
+    for id in 1..=20 {
+        let store = store.clone();
+        writers.spawn(async move {
+            let mut tx = store.begin().await?;
+            insert(&mut tx, id).await?;
+            store.commit(tx).await
+        });
+    }
+    wait_until_queued(&store, 20).await;
+    store.commit(first).await.expect("the first commit");
+    while let Some(outcome) = writers.join_next().await {
+        outcome.unwrap().expect("every queued transaction commits");
+    }
+
+    assert_eq!(
+        store.group.commits() - before,
+        1,
+        "21 transactions, one COMMIT"
+    );
+    store.close().await;
+    assert_eq!(ids(&path).await, (0..=20).collect());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_transaction_in_a_batch_leaves_the_others_committed() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let before = store.group.commits();
+
+    let first = open_first(&store).await;
+    let mut writers = JoinSet::new();
+    for id in 1..=12_i64 {
+        let store = store.clone();
+        writers.spawn(async move {
+            let mut tx = store.begin().await?;
+            insert(&mut tx, id).await?;
+            if id % 2 == 1 {
+                // The duplicate fails; the row before it must go with it.
+                let duplicate = insert(&mut tx, id).await;
+                assert!(
+                    matches!(duplicate, Err(StoreError::Conflict(_))),
+                    "{duplicate:?}"
+                );
+                if id % 4 == 1 {
+                    store.rollback(tx).await?;
+                } else {
+                    drop(tx);
+                }
+                return Ok(());
+            }
+            store.commit(tx).await
+        });
+    }
+    wait_until_queued(&store, 12).await;
+    store.commit(first).await.expect("the first commit");
+    while let Some(outcome) = writers.join_next().await {
+        outcome
+            .unwrap()
+            .expect("no transaction is failed by another");
+    }
+
+    assert_eq!(store.group.commits() - before, 1);
+    store.close().await;
+    let evens = [0, 2, 4, 6, 8, 10, 12].into_iter().collect();
+    assert_eq!(ids(&path).await, evens);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_the_batchs_commit_acknowledges_nothing_and_loses_nothing_acknowledged() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let mut tx = store.begin().await.unwrap();
+    insert(&mut tx, 100).await.unwrap();
+    store
+        .commit(tx)
+        .await
+        .expect("acknowledged before the crash");
+
+    fail::cfg("keel-sqlite-group-before-commit", "1*panic").unwrap();
+    let first = open_first(&store).await;
+    let mut writers = JoinSet::new();
+    for id in 1..=8 {
+        let store = store.clone();
+        writers.spawn(async move {
+            let mut tx = store.begin().await?;
+            insert(&mut tx, id).await?;
+            store.commit(tx).await
+        });
+    }
+    wait_until_queued(&store, 8).await;
+    let answer = store.commit(first).await;
+    assert!(
+        matches!(answer, Err(StoreError::OutcomeUnknown(_))),
+        "{answer:?}"
+    );
+    while let Some(outcome) = writers.join_next().await {
+        let answer = outcome.unwrap();
+        assert!(
+            matches!(answer, Err(StoreError::OutcomeUnknown(_))),
+            "{answer:?}"
+        );
+    }
+    fail::remove("keel-sqlite-group-before-commit");
+
+    // The store outlives its dead batch: the next transaction starts clean.
+    let mut tx = store.begin().await.expect("begin after the dead batch");
+    insert(&mut tx, 101).await.unwrap();
+    store.commit(tx).await.expect("commit after the dead batch");
+    store.close().await;
+    assert_eq!(ids(&path).await, [100, 101].into_iter().collect());
+}
+
+/// Kill -9 at a random moment of a busy writer, many times: every
+/// transaction the store acknowledged is in the file afterwards.
+#[test]
+fn a_crash_at_any_moment_loses_nothing_acknowledged() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let acked = Arc::new(Mutex::new(BTreeSet::<i64>::new()));
+    let setup = tokio::runtime::Runtime::new().unwrap();
+    setup.block_on(async { store_at(&path).await.close().await });
+    for round in 0..12_i64 {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let acked_now = acked.clone();
+        let path_now = path.clone();
+        runtime.spawn(async move {
+            let store = store_at(&path_now).await;
+            for writer in 0..16_i64 {
+                let (store, acked) = (store.clone(), acked_now.clone());
+                tokio::spawn(async move {
+                    for n in 0.. {
+                        let id = round * 1_000_000 + writer * 10_000 + n;
+                        let Ok(mut tx) = store.begin().await else {
+                            continue;
+                        };
+                        if insert(&mut tx, id).await.is_ok() && store.commit(tx).await.is_ok() {
+                            acked.lock().insert(id);
+                        }
+                    }
+                });
+            }
+        });
+        while !acked.lock().iter().any(|id| id / 1_000_000 == round) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis((round as u64 * 7) % 30));
+        runtime.shutdown_background();
+
+        let check = tokio::runtime::Runtime::new().unwrap();
+        let durable = check.block_on(ids(&path));
+        let acked = acked.lock();
+        let lost: Vec<_> = acked.difference(&durable).collect();
+        assert!(
+            lost.is_empty(),
+            "round {round}: acknowledged but lost: {lost:?}"
+        );
+    }
+}
