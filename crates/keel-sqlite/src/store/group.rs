@@ -26,6 +26,9 @@
 //!   the connection runs in a task of its own, so a dropped caller cannot
 //!   cut one in half (see `pool.rs`).
 //!
+//! The histogram `keel_sqlite_group_commit_size` records how many logical
+//! transactions each `COMMIT` settled.
+//!
 //! While a batch is open it holds the writer pool's one connection, so a
 //! write that bypasses the group (the store's autocommit statements, or
 //! yours on [`SqliteStore::pool`](super::SqliteStore::pool)) waits for the

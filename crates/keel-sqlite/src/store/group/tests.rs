@@ -51,6 +51,23 @@ async fn open_first(store: &SqliteStore) -> <SqliteStore as Store>::Tx {
     first
 }
 
+/// One task per id, each inserting its row in a transaction of its own.
+fn spawn_writers(
+    store: &SqliteStore,
+    ids: impl IntoIterator<Item = i64>,
+) -> JoinSet<Result<(), StoreError>> {
+    let mut writers = JoinSet::new();
+    for id in ids {
+        let store = store.clone();
+        writers.spawn(async move {
+            let mut tx = store.begin().await?;
+            insert(&mut tx, id).await?;
+            store.commit(tx).await
+        });
+    }
+    writers
+}
+
 async fn wait_until_queued(store: &SqliteStore, n: usize) {
     while store.group.queued() < n {
         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -65,15 +82,7 @@ async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
     let before = store.group.commits();
 
     let first = open_first(&store).await;
-    let mut writers = JoinSet::new();
-    for id in 1..=20 {
-        let store = store.clone();
-        writers.spawn(async move {
-            let mut tx = store.begin().await?;
-            insert(&mut tx, id).await?;
-            store.commit(tx).await
-        });
-    }
+    let mut writers = spawn_writers(&store, 1..=20);
     wait_until_queued(&store, 20).await;
     store.commit(first).await.expect("the first commit");
     while let Some(outcome) = writers.join_next().await {
@@ -87,6 +96,35 @@ async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
     );
     store.close().await;
     assert_eq!(ids(&path).await, (0..=20).collect());
+}
+
+/// A batch is bounded: past `MAX_BATCH` released transactions it commits
+/// without waiting for the rest of the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_queue_is_committed_in_bounded_batches() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let before = store.group.commits();
+    let queued = super::MAX_BATCH + 44;
+
+    let first = open_first(&store).await;
+    let mut writers = spawn_writers(&store, 1..=queued as i64);
+    wait_until_queued(&store, queued).await;
+    store.commit(first).await.expect("the first commit");
+    while let Some(outcome) = writers.join_next().await {
+        outcome.unwrap().expect("every queued transaction commits");
+    }
+
+    assert_eq!(
+        store.group.commits() - before,
+        2,
+        "{} transactions, at most {} per COMMIT",
+        queued + 1,
+        super::MAX_BATCH
+    );
+    store.close().await;
+    assert_eq!(ids(&path).await.len(), queued + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,15 +186,7 @@ async fn a_crash_before_the_batchs_commit_acknowledges_nothing_and_loses_nothing
 
     fail::cfg("keel-sqlite-group-before-commit", "1*panic").unwrap();
     let first = open_first(&store).await;
-    let mut writers = JoinSet::new();
-    for id in 1..=8 {
-        let store = store.clone();
-        writers.spawn(async move {
-            let mut tx = store.begin().await?;
-            insert(&mut tx, id).await?;
-            store.commit(tx).await
-        });
-    }
+    let mut writers = spawn_writers(&store, 1..=8);
     wait_until_queued(&store, 8).await;
     let answer = store.commit(first).await;
     assert!(
