@@ -21,8 +21,8 @@
 //! kept: sqlx knows its depth exactly, and closing the only connection of an
 //! in-memory database would drop the database.
 
-use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
-use sqlx::{Connection, Transaction, TransactionManager};
+use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePoolOptions};
+use sqlx::{Connection, TransactionManager};
 
 /// Pool options whose checkout rolls back a transaction nobody owns.
 pub(crate) fn guarded_pool_options() -> SqlitePoolOptions {
@@ -48,10 +48,12 @@ async fn outside_a_transaction(conn: &mut SqliteConnection) -> Result<bool, sqlx
 }
 
 /// `BEGIN IMMEDIATE` on `pool`, in a task that finishes even if the caller
-/// is dropped while waiting (see the module docs).
+/// is dropped while waiting (see the module docs). The broker's; the store's
+/// writer opens its batches the same way (`store/group.rs`).
+#[cfg(feature = "broker")]
 pub(crate) async fn begin_immediate(
-    pool: &SqlitePool,
-) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+    pool: &sqlx::SqlitePool,
+) -> Result<sqlx::Transaction<'static, Sqlite>, sqlx::Error> {
     let pool = pool.clone();
     // The task only fails to join if it panicked or the runtime is going
     // down: either way no transaction exists.
