@@ -211,7 +211,7 @@ async fn latency_run(fx: &Fixture) -> Histogram<u64> {
     *broker.arrivals.lock() = Some(HashMap::new());
     let (relay, wakeups) = spawn_relay(fx, Arc::clone(&broker) as Arc<dyn Broker>).await;
     let committed = append_at_1khz(fx, "bench.latency").await;
-    wait_for(committed.len(), || {
+    wait_for("append -> publish", committed.len(), || {
         broker.arrivals.lock().as_ref().map_or(0, HashMap::len)
     })
     .await;
@@ -252,7 +252,7 @@ async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
     let consumer = tokio::spawn(async move { consumer.run(std::future::pending()).await });
     let (relay, wakeups) = spawn_relay(fx, broker).await;
     let committed = append_at_1khz(fx, "bench.effect").await;
-    wait_for(committed.len(), || effects.lock().len()).await;
+    wait_for("append -> effect", committed.len(), || effects.lock().len()).await;
     let arrivals = std::mem::take(&mut *effects.lock());
     relay.abort();
     consumer.abort();
@@ -315,10 +315,14 @@ async fn append_at_1khz(fx: &Fixture, topic: &str) -> Vec<(String, Instant)> {
 /// Waits (up to 30 s) until `arrived` counts all `committed` events. It
 /// only counts: copying the arrivals every few milliseconds would take CPU
 /// from the events still in flight.
-async fn wait_for(committed: usize, arrived: impl Fn() -> usize) {
+async fn wait_for(stage: &str, committed: usize, arrived: impl Fn() -> usize) {
     let deadline = clock::now() + Duration::from_secs(30);
     while arrived() < committed {
-        assert!(clock::now() < deadline, "events did not arrive");
+        assert!(
+            clock::now() < deadline,
+            "{stage}: {} of {committed} events arrived within 30 s",
+            arrived()
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
