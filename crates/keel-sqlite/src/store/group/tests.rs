@@ -244,7 +244,16 @@ fn a_crash_at_any_moment_loses_nothing_acknowledged() {
                 });
             }
         });
-        while !acked.lock().iter().any(|id| id / 1_000_000 == round) {
+        // Bounded, so that a store that cannot open fails here, not at the
+        // runner's timeout.
+        for waited in 0.. {
+            if acked.lock().iter().any(|id| id / 1_000_000 == round) {
+                break;
+            }
+            assert!(
+                waited < 30_000,
+                "round {round} acknowledged nothing in 30 s"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
         std::thread::sleep(Duration::from_millis((round as u64 * 7) % 30));
