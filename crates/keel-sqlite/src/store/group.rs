@@ -67,6 +67,26 @@ struct Writer {
     opened: u64,
 }
 
+/// The invariants behind the `expect`s: a `WriteTx` holds the writer until
+/// it is committed or rolled back, and the writer it holds has a batch open.
+const UNSETTLED: &str = "an unsettled WriteTx holds the writer";
+const IN_A_BATCH: &str = "a WriteTx lives in a batch";
+
+impl Writer {
+    /// The batch of the `WriteTx` holding this writer.
+    fn open_batch(&mut self) -> &mut Batch {
+        self.batch.as_mut().expect(IN_A_BATCH)
+    }
+}
+
+/// What a spawned step answers when its task did not finish, which only
+/// happens when the runtime is going down (no step panics).
+fn runtime_stopped<T>(_: tokio::task::JoinError) -> Result<T, StoreError> {
+    Err(StoreError::Unavailable(
+        "the runtime is shutting down".into(),
+    ))
+}
+
 /// The physical transaction, on the writer pool's connection.
 #[derive(Debug)]
 struct Batch {
@@ -121,11 +141,7 @@ impl GroupCommit {
         // The task only fails to join if the runtime is going down.
         tokio::spawn(async move { group.open().await })
             .await
-            .unwrap_or_else(|_| {
-                Err(StoreError::Unavailable(
-                    "the runtime is shutting down".into(),
-                ))
-            })
+            .unwrap_or_else(runtime_stopped)
     }
 
     async fn open(self) -> Result<WriteTx, StoreError> {
@@ -191,13 +207,10 @@ impl GroupCommit {
 
     /// Rolls the logical transaction `tx` back; the batch goes on.
     pub(crate) async fn rollback(&self, mut tx: WriteTx) -> Result<(), StoreError> {
-        let mut writer = tx
-            .writer
-            .take()
-            .expect("an unsettled WriteTx holds the writer");
+        let mut writer = tx.settle();
         let group = tx.group.clone();
         tokio::spawn(async move {
-            let batch = writer.batch.as_mut().expect("a WriteTx lives in a batch");
+            let batch = writer.open_batch();
             match SqliteTransactionManager::rollback(&mut batch.conn).await {
                 Ok(()) => {
                     group.flush_later(batch.id);
@@ -207,11 +220,7 @@ impl GroupCommit {
             }
         })
         .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(
-                "the runtime is shutting down".into(),
-            ))
-        })
+        .unwrap_or_else(runtime_stopped)
     }
 
     /// Commits batch `id` once the callers queued now have had their turn.
@@ -291,31 +300,17 @@ pub struct WriteTx {
 }
 
 impl WriteTx {
-    fn batch(&self) -> &Batch {
-        let writer = self
-            .writer
-            .as_ref()
-            .expect("an unsettled WriteTx holds the writer");
-        writer.batch.as_ref().expect("a WriteTx lives in a batch")
-    }
-
-    fn batch_mut(&mut self) -> &mut Batch {
-        let writer = self
-            .writer
-            .as_mut()
-            .expect("an unsettled WriteTx holds the writer");
-        writer.batch.as_mut().expect("a WriteTx lives in a batch")
+    /// The writer, taken from a transaction being committed or rolled back.
+    fn settle(&mut self) -> OwnedMutexGuard<Writer> {
+        self.writer.take().expect(UNSETTLED)
     }
 
     /// Releases the savepoint and joins the batch's waiters; the answer
     /// comes with the batch's `COMMIT`.
     async fn release(mut self) -> Result<oneshot::Receiver<Verdict>, StoreError> {
-        let mut writer = self
-            .writer
-            .take()
-            .expect("an unsettled WriteTx holds the writer");
+        let mut writer = self.settle();
         let group = self.group.clone();
-        let batch = writer.batch.as_mut().expect("a WriteTx lives in a batch");
+        let batch = writer.open_batch();
         if let Err(err) = SqliteTransactionManager::commit(&mut batch.conn).await {
             return Err(group.abandon(&mut writer, err).await);
         }
@@ -334,13 +329,14 @@ impl Deref for WriteTx {
     type Target = SqliteConnection;
 
     fn deref(&self) -> &SqliteConnection {
-        &self.batch().conn
+        let writer = self.writer.as_ref().expect(UNSETTLED);
+        &writer.batch.as_ref().expect(IN_A_BATCH).conn
     }
 }
 
 impl DerefMut for WriteTx {
     fn deref_mut(&mut self) -> &mut SqliteConnection {
-        &mut self.batch_mut().conn
+        &mut self.writer.as_mut().expect(UNSETTLED).open_batch().conn
     }
 }
 

@@ -68,10 +68,22 @@ fn spawn_writers(
     writers
 }
 
-async fn wait_until_queued(store: &SqliteStore, n: usize) {
-    while store.group.queued() < n {
+/// Commits `first` once every one of `writers` is queued behind it, so
+/// that they all land in its batch; returns its answer and theirs.
+async fn commit_behind(
+    store: &SqliteStore,
+    first: <SqliteStore as Store>::Tx,
+    mut writers: JoinSet<Result<(), StoreError>>,
+) -> (Result<(), StoreError>, Vec<Result<(), StoreError>>) {
+    while store.group.queued() < writers.len() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    let answer = store.commit(first).await;
+    let mut answers = Vec::new();
+    while let Some(outcome) = writers.join_next().await {
+        answers.push(outcome.expect("a writer panicked"));
+    }
+    (answer, answers)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,11 +94,10 @@ async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
     let before = store.group.commits();
 
     let first = open_first(&store).await;
-    let mut writers = spawn_writers(&store, 1..=20);
-    wait_until_queued(&store, 20).await;
-    store.commit(first).await.expect("the first commit");
-    while let Some(outcome) = writers.join_next().await {
-        outcome.unwrap().expect("every queued transaction commits");
+    let (answer, answers) = commit_behind(&store, first, spawn_writers(&store, 1..=20)).await;
+    answer.expect("the first commit");
+    for answer in answers {
+        answer.expect("every queued transaction commits");
     }
 
     assert_eq!(
@@ -109,11 +120,11 @@ async fn a_long_queue_is_committed_in_bounded_batches() {
     let queued = super::MAX_BATCH + 44;
 
     let first = open_first(&store).await;
-    let mut writers = spawn_writers(&store, 1..=queued as i64);
-    wait_until_queued(&store, queued).await;
-    store.commit(first).await.expect("the first commit");
-    while let Some(outcome) = writers.join_next().await {
-        outcome.unwrap().expect("every queued transaction commits");
+    let writers = spawn_writers(&store, 1..=queued as i64);
+    let (answer, answers) = commit_behind(&store, first, writers).await;
+    answer.expect("the first commit");
+    for answer in answers {
+        answer.expect("every queued transaction commits");
     }
 
     assert_eq!(
@@ -158,12 +169,10 @@ async fn a_failed_transaction_in_a_batch_leaves_the_others_committed() {
             store.commit(tx).await
         });
     }
-    wait_until_queued(&store, 12).await;
-    store.commit(first).await.expect("the first commit");
-    while let Some(outcome) = writers.join_next().await {
-        outcome
-            .unwrap()
-            .expect("no transaction is failed by another");
+    let (answer, answers) = commit_behind(&store, first, writers).await;
+    answer.expect("the first commit");
+    for answer in answers {
+        answer.expect("no transaction is failed by another");
     }
 
     assert_eq!(store.group.commits() - before, 1);
@@ -186,15 +195,12 @@ async fn a_crash_before_the_batchs_commit_acknowledges_nothing_and_loses_nothing
 
     fail::cfg("keel-sqlite-group-before-commit", "1*panic").unwrap();
     let first = open_first(&store).await;
-    let mut writers = spawn_writers(&store, 1..=8);
-    wait_until_queued(&store, 8).await;
-    let answer = store.commit(first).await;
+    let (answer, answers) = commit_behind(&store, first, spawn_writers(&store, 1..=8)).await;
     assert!(
         matches!(answer, Err(StoreError::OutcomeUnknown(_))),
         "{answer:?}"
     );
-    while let Some(outcome) = writers.join_next().await {
-        let answer = outcome.unwrap();
+    for answer in answers {
         assert!(
             matches!(answer, Err(StoreError::OutcomeUnknown(_))),
             "{answer:?}"
