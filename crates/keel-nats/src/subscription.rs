@@ -47,6 +47,16 @@ enum Admission {
     Release(Parked),
     Park(Parked),
     AlreadyFinished(Parked),
+    /// The head check failed: kept parked and checked again on the next
+    /// receive, rather than left to come back after a whole ack wait.
+    Unchecked(Parked, BrokerError),
+}
+
+/// Where a message stands in its key, by the head check.
+enum Verdict {
+    Head,
+    Behind,
+    Finished,
 }
 
 /// The subscription the NATS broker hands out.
@@ -165,15 +175,19 @@ impl NatsSubscription {
                 to_check.push(parked);
             }
         }
-        let verdicts = join_all(to_check.into_iter().map(|p| self.check_head(p))).await;
+        let verdicts = join_all(to_check.into_iter().map(|p| self.admit(p))).await;
         let mut first_error = None;
         for verdict in verdicts {
             match verdict {
-                Ok(Admission::Release(p)) => out.push(self.hand_out(p)),
-                Ok(Admission::Park(p)) => self.park(p),
-                Ok(Admission::AlreadyFinished(p)) => self.forget(p).await,
-                // Unsettled, it is redelivered after the ack wait.
-                Err(error) => first_error = first_error.or(Some(error)),
+                Admission::Release(p) => out.push(self.hand_out(p)),
+                Admission::Park(p) => self.park(p),
+                Admission::AlreadyFinished(p) => self.forget(p).await,
+                Admission::Unchecked(p, error) => {
+                    tracing::debug!(%error, sequence = p.sequence,
+                        "a head check failed; the message stays parked");
+                    self.park(p);
+                    first_error = first_error.or(Some(error));
+                }
             }
         }
         for parked in to_park {
@@ -209,26 +223,40 @@ impl NatsSubscription {
         })
     }
 
+    /// Sorts `parked` by its head check.
+    async fn admit(&self, parked: Parked) -> Admission {
+        match self.check_head(&parked).await {
+            Ok(Verdict::Head) => Admission::Release(parked),
+            Ok(Verdict::Behind) => Admission::Park(parked),
+            Ok(Verdict::Finished) => Admission::AlreadyFinished(parked),
+            Err(error) => Admission::Unchecked(parked, error),
+        }
+    }
+
     /// Asks the cursor bucket and the stream whether `parked` is its key's
     /// first unfinished message. A first delivery cannot be finished yet,
     /// so the cached cursor is enough when it already proves the head.
-    async fn check_head(&self, parked: Parked) -> Result<Admission, BrokerError> {
+    async fn check_head(&self, parked: &Parked) -> Result<Verdict, BrokerError> {
+        fail::fail_point!("keel-nats-head-check", |_| Err(unavailable(
+            "reading a key's head",
+            "failpoint keel-nats-head-check"
+        )));
         let cursor_key = self.cursor_key(&parked.key_token);
         let subject = &parked.message.subject;
         if parked.delivered == 1 {
             let cursor = self.cursors.cached(&cursor_key);
             if self.head_after(subject, cursor).await? >= parked.sequence {
-                return Ok(Admission::Release(parked));
+                return Ok(Verdict::Head);
             }
         }
         let cursor = self.cursors.fresh(&cursor_key).await?;
         if parked.sequence <= cursor {
-            return Ok(Admission::AlreadyFinished(parked));
+            return Ok(Verdict::Finished);
         }
         if self.head_after(subject, cursor).await? >= parked.sequence {
-            Ok(Admission::Release(parked))
+            Ok(Verdict::Head)
         } else {
-            Ok(Admission::Park(parked))
+            Ok(Verdict::Behind)
         }
     }
 
@@ -285,12 +313,10 @@ impl NatsSubscription {
             {
                 continue;
             }
-            let cursor_key = self.cursor_key(&parked.key_token);
-            let cursor = self.cursors.fresh(&cursor_key).await?;
-            if parked.sequence <= cursor {
-                verdicts.push((index, false));
-            } else if self.head_after(&parked.message.subject, cursor).await? >= parked.sequence {
-                verdicts.push((index, true));
+            match self.check_head(parked).await? {
+                Verdict::Head => verdicts.push((index, true)),
+                Verdict::Finished => verdicts.push((index, false)),
+                Verdict::Behind => {}
             }
         }
         let mut out = Vec::new();

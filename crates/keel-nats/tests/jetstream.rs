@@ -1,7 +1,8 @@
 //! NATS-specific behaviour of [`NatsBroker`] beyond the conformance suite:
 //! dedupe across connections, server-side nak delays and in-progress acks,
 //! per-key order across separate connections, releasing held-back messages
-//! on shutdown, and a nats-server restart in the middle of a run.
+//! on shutdown, a failed head check, and a nats-server restart in the
+//! middle of a run.
 //!
 //! [`NatsBroker`]: keel_nats::NatsBroker
 
@@ -41,6 +42,32 @@ fn ids(deliveries: &[Delivery]) -> Vec<String> {
 
 fn sub_options(topic: &str, group: &str, lease: Duration) -> SubscribeOptions {
     SubscribeOptions::new(topic, group).lease(lease)
+}
+
+/// A head check that fails (a direct get the server did not answer) keeps
+/// the message for the next receive: it is not left unsettled for the
+/// server to redeliver a whole ack wait later, holding its key's later
+/// messages back as long.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_head_check_keeps_the_message() {
+    let Some(broker) = fresh_broker().await else {
+        return;
+    };
+    broker
+        .publish(&[Message::new("m-1", "orders", "k-1", "x")])
+        .await
+        .expect("publish");
+    let mut sub = broker
+        .subscribe(sub_options("orders", "g", LONG_LEASE))
+        .await
+        .expect("subscribe");
+    fail::cfg("keel-nats-head-check", "1*return").unwrap();
+    let failed = sub.receive(1, Duration::from_secs(2)).await;
+    fail::remove("keel-nats-head-check");
+    assert!(failed.is_err(), "{failed:?}");
+    let got = collect(sub.as_mut(), 1, Duration::from_secs(3)).await;
+    assert_eq!(ids(&got), ["m-1"], "well inside the 30 s ack wait");
 }
 
 /// A republish of the same ids through a *new* connection (a restarted
