@@ -869,6 +869,18 @@ impl IdempotencyStore for RestartingStore {
             .idempotency_complete(principal, key, owner, response)
             .await
     }
+    async fn idempotency_complete_in(
+        &self,
+        tx: &mut Self::Tx,
+        principal: &str,
+        key: &str,
+        owner: &str,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .idempotency_complete_in(tx, principal, key, owner, response)
+            .await
+    }
     async fn idempotency_release(
         &self,
         principal: &str,

@@ -26,7 +26,7 @@ use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, StoredResponse};
 
-use crate::backend::SqlBackend;
+use crate::backend::{SqlBackend, Tx};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
 use crate::error::corrupt;
 use crate::retry::{bounded_delete_sql, delete_batch, retry, write};
@@ -182,16 +182,54 @@ pub async fn complete<B: SqlBackend>(
     owner: &str,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
-    let headers = serde_json::to_string(&response.headers).map_err(StoreError::other)?;
-    let params = [
+    let headers = encode_headers(response)?;
+    let params = complete_params(principal, key, owner, response, &headers);
+    completed(
+        key,
+        write(store, "idempotency_complete", COMPLETE_SQL, &params).await?,
+    )
+}
+
+/// [`IdempotencyStore::idempotency_complete_in`](keel_messaging::store::IdempotencyStore::idempotency_complete_in).
+pub async fn complete_in<B: SqlBackend>(
+    tx: &mut Tx<B>,
+    principal: &str,
+    key: &str,
+    owner: &str,
+    response: &StoredResponse,
+) -> Result<(), StoreError> {
+    let headers = encode_headers(response)?;
+    let params = complete_params(principal, key, owner, response, &headers);
+    completed(
+        key,
+        B::Dialect::execute(Exec::Tx(tx), COMPLETE_SQL, &params).await?,
+    )
+}
+
+fn encode_headers(response: &StoredResponse) -> Result<String, StoreError> {
+    serde_json::to_string(&response.headers).map_err(StoreError::other)
+}
+
+fn complete_params<'a>(
+    principal: &'a str,
+    key: &'a str,
+    owner: &'a str,
+    response: &'a StoredResponse,
+    headers: &'a str,
+) -> [Value<'a>; 6] {
+    [
         principal.into(),
         key.into(),
         owner.into(),
         i64::from(response.status).into(),
-        Value::Json(&headers),
+        Value::Json(headers),
         response.body.as_ref().into(),
-    ];
-    if write(store, "idempotency_complete", COMPLETE_SQL, &params).await? == 0 {
+    ]
+}
+
+/// `NotFound` unless the complete changed the key's row.
+fn completed(key: &str, changed: u64) -> Result<(), StoreError> {
+    if changed == 0 {
         return Err(StoreError::NotFound(format!(
             "idempotency key {key:?} is not in flight under this owner"
         )));
@@ -310,6 +348,17 @@ macro_rules! idempotency_store {
                 response: &$crate::__private::store::StoredResponse,
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
                 $crate::idempotency::complete(self, principal, key, owner, response).await
+            }
+
+            async fn idempotency_complete_in(
+                &self,
+                tx: &mut <Self as $crate::__private::store::Store>::Tx,
+                principal: &str,
+                key: &str,
+                owner: &str,
+                response: &$crate::__private::store::StoredResponse,
+            ) -> ::std::result::Result<(), $crate::__private::StoreError> {
+                $crate::idempotency::complete_in::<Self>(tx, principal, key, owner, response).await
             }
 
             async fn idempotency_release(

@@ -23,6 +23,7 @@
 
 use bytes::Bytes;
 use chrono::{DateTime, Duration, Utc};
+use keel_messaging::StoreError;
 use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
 
 use crate::store_suite::now_ms;
@@ -84,6 +85,34 @@ pub async fn completed_key_replays_the_response<S: IdempotencyStore>(store: &S) 
         let again = begin(store, claim("alice", "k1", "fp")).await;
         assert_eq!(again, IdempotencyBegin::Completed(response()));
     }
+}
+
+/// A key completed inside the caller's transaction replays only once that
+/// transaction commits: rolled back, the key is still in flight under its
+/// owner; and only the owner can complete it there either.
+pub async fn complete_in_a_transaction_lands_with_its_commit<S: IdempotencyStore>(store: &S) {
+    begin(store, claim("alice", "k1", "fp")).await;
+    let mut tx = store.begin().await.expect("begin a transaction");
+    store
+        .idempotency_complete_in(&mut tx, "alice", "k1", A, &response())
+        .await
+        .expect("complete in the transaction");
+    store.rollback(tx).await.expect("rollback");
+    let again = begin(store, claim("alice", "k1", "fp")).await;
+    assert_eq!(again, IdempotencyBegin::InFlight, "rolled back with its tx");
+
+    let mut tx = store.begin().await.expect("begin a transaction");
+    let other = store
+        .idempotency_complete_in(&mut tx, "alice", "k1", "owner-b", &response())
+        .await;
+    assert!(matches!(other, Err(StoreError::NotFound(_))), "{other:?}");
+    store
+        .idempotency_complete_in(&mut tx, "alice", "k1", A, &response())
+        .await
+        .expect("complete in the transaction");
+    store.commit(tx).await.expect("commit");
+    let replayed = begin(store, claim("alice", "k1", "fp")).await;
+    assert_eq!(replayed, IdempotencyBegin::Completed(response()));
 }
 
 /// The same key with another fingerprint is a mismatch, whether the first
@@ -389,6 +418,7 @@ macro_rules! idempotency_conformance_tests {
             $make;
             new_key_starts_then_is_in_flight,
             completed_key_replays_the_response,
+            complete_in_a_transaction_lands_with_its_commit,
             other_fingerprint_is_a_mismatch,
             keys_are_scoped_per_principal,
             release_frees_only_in_flight_keys,

@@ -6,18 +6,21 @@
 //! it makes a retried submission answer the first response instead of
 //! placing a second order.
 //!
-//! The layer records the response in a transaction of its own, after the
-//! order's. A process that dies between the two leaves the key locked until
-//! its lock expires, and then the retry runs this handler again. So the
-//! event id is derived from the key (and the caller's `Authorization`,
-//! which is whose keys they are), and a second run finds the order placed
-//! under it and answers with that order instead of placing another.
+//! The handler stores its `201` under the key in the order's own
+//! transaction ([`HeldKey::complete_in`]), so the key completes exactly
+//! when the order commits, and a request costs two write transactions (the
+//! key's begin and the order) instead of three. A commit whose outcome is
+//! unknown still leaves a retry to decide: the event id is derived from
+//! the key (and the caller's `Authorization`, which is whose keys they
+//! are), so a second run finds the order placed under it and answers with
+//! that order instead of placing another.
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use keel_http::idempotency::{CompleteInError, Completion, HeldKey};
 use keel_http::pagination::{Cursor, Page, PageRequest};
 use keel_http::problem::Problem;
 use keel_messaging::StoreError;
@@ -67,6 +70,20 @@ fn outbox_failed(err: &OutboxError) -> Response {
     }
 }
 
+fn completion_failed(err: &CompleteInError) -> Response {
+    match err {
+        // A retry took the key over (this attempt's lock had passed): the
+        // order rolls back, and the retry places it.
+        CompleteInError::Store(StoreError::NotFound(_)) => Problem::new(
+            StatusCode::CONFLICT,
+            "a retry took this request's Idempotency-Key over; this attempt placed nothing",
+        )
+        .into_response(),
+        CompleteInError::Store(err) => store_failed(err),
+        other => Problem::internal(other).into_response(),
+    }
+}
+
 fn log_failed(err: &AppendError) -> Response {
     match err {
         AppendError::Store(err) => store_failed(err),
@@ -107,6 +124,7 @@ pub fn parse_new_order(headers: &HeaderMap, body: &[u8]) -> Result<NewOrder, Pro
 )]
 pub async fn place_order<S: ShopStore>(
     State(state): State<AppState<S>>,
+    held: Option<HeldKey>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -145,13 +163,11 @@ pub async fn place_order<S: ShopStore>(
     // A client that hangs up must not cut the transaction in half: it runs
     // to its end in a task of its own, and a retry under the same key finds
     // the order it placed.
-    let placed = order.clone();
     let inserting = tokio::spawn(keel_core::trace::carried(async move {
-        insert(&state, &placed, event_id, fault).await
+        insert(&state, order, held, event_id, fault).await
     }));
     match inserting.await {
-        Ok(Ok(())) => created(order),
-        Ok(Err(response)) => response,
+        Ok(Ok(response) | Err(response)) => response,
         Err(e) => Problem::internal(e).into_response(),
     }
 }
@@ -194,12 +210,15 @@ pub fn placed_event_id_for(caller: &[u8], key: &[u8]) -> String {
     id
 }
 
+/// Places `order` in one transaction, with the key's `201` when `held`;
+/// answers with that `201`, or the problem that stopped it.
 async fn insert<S: ShopStore>(
     state: &AppState<S>,
-    order: &Order,
+    order: Order,
+    held: Option<HeldKey>,
     event_id: Option<String>,
     fault: Option<DemoFault>,
-) -> Result<(), Response> {
+) -> Result<Response, Response> {
     let placed = OrderPlaced {
         order_id: order.id.clone(),
         customer_id: order.customer_id.clone(),
@@ -218,7 +237,7 @@ async fn insert<S: ShopStore>(
     let store = &state.store;
     let mut tx = store.begin().await.map_err(|e| store_failed(&e))?;
     store
-        .insert_order(&mut tx, order, &envelope.id, fault)
+        .insert_order(&mut tx, &order, &envelope.id, fault)
         .await
         .map_err(|e| store_failed(&e))?;
     state
@@ -237,6 +256,14 @@ async fn insert<S: ShopStore>(
                 .map_err(|e| log_failed(&e))?,
         );
     }
+    let completion = match &held {
+        Some(held) => Some(
+            held.complete_in(store, &mut tx, created(order.clone()))
+                .await
+                .map_err(|e| completion_failed(&e))?,
+        ),
+        None => None,
+    };
     // Once COMMIT is sent, a failure's outcome is unknown. With an event id
     // derived from the Idempotency-Key, the retry resolves it: it finds the
     // order if the commit landed and places it if not (the event id is
@@ -245,7 +272,7 @@ async fn insert<S: ShopStore>(
     match commit(state, tx, appended).await {
         Ok(()) => {
             state.outbox.notify();
-            Ok(())
+            Ok(completion.map_or_else(|| created(order), Completion::committed))
         }
         Err(err @ StoreError::OutcomeUnknown(_)) => {
             state.outbox.notify();

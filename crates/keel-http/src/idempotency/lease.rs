@@ -17,12 +17,14 @@
 //! wall-clock time).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::clock::{self, Instant};
 use keel_messaging::StoreError;
 use keel_messaging::store::IdempotencyStore;
 
+use super::held::Held;
 use super::service::{after, wall_now};
 
 /// How soon a failed renewal is tried again.
@@ -31,10 +33,10 @@ const RENEW_RETRY: Duration = Duration::from_millis(250);
 /// An in-flight key this request owns, and when its lock was last written.
 pub(crate) struct Lease<S> {
     pub(crate) store: S,
-    pub(crate) principal: String,
-    pub(crate) key: String,
-    /// This attempt's token: the store lets only it renew or settle the key.
-    pub(crate) owner: String,
+    /// The key, its principal and this attempt's owner token (the store
+    /// lets only that token renew or settle the key), shared with the
+    /// handler's [`HeldKey`](super::HeldKey).
+    pub(crate) held: Arc<Held>,
     lock: Duration,
     /// When the last lock the store confirmed was asked for: the lock is
     /// this holder's until `renewed + lock` at least.
@@ -52,19 +54,10 @@ pub(crate) enum LockLost {
 
 impl<S: IdempotencyStore> Lease<S> {
     /// A key begun at `asked` (before the store was asked), locked for `lock`.
-    pub(crate) fn new(
-        store: S,
-        principal: String,
-        key: String,
-        owner: String,
-        lock: Duration,
-        asked: Instant,
-    ) -> Self {
+    pub(crate) fn new(store: S, held: Arc<Held>, lock: Duration, asked: Instant) -> Self {
         Self {
             store,
-            principal,
-            key,
-            owner,
+            held,
             lock,
             renewed: asked,
         }
@@ -79,7 +72,7 @@ impl<S: IdempotencyStore> Lease<S> {
             lost = self.keep() => {
                 metrics::counter!("keel_idempotency_lock_lost_total").increment(1);
                 if matches!(lost, LockLost::TakenOver) {
-                    tracing::warn!(principal = %self.principal, key = %self.key,
+                    tracing::warn!(principal = %self.held.principal, key = %self.held.key,
                         "idempotency key taken over by another request; this one is stopped");
                 }
                 Err(lost)
@@ -95,10 +88,11 @@ impl<S: IdempotencyStore> Lease<S> {
             tokio::time::sleep_until(next).await;
             let give_up_at = self.renewed + self.lock - self.lock / 5;
             let asked = clock::now();
+            let held = &self.held;
             let renew = self.store.idempotency_renew(
-                &self.principal,
-                &self.key,
-                &self.owner,
+                &held.principal,
+                &held.key,
+                &held.owner,
                 after(wall_now(), self.lock),
             );
             match tokio::time::timeout_at(give_up_at, renew).await {
@@ -106,12 +100,15 @@ impl<S: IdempotencyStore> Lease<S> {
                     self.renewed = asked;
                     next = asked + self.lock / 3;
                 }
+                // The handler's transaction completed the key: nothing
+                // is left to hold.
+                Ok(Ok(false)) if self.held.written() => std::future::pending().await,
                 Ok(Ok(false)) => return LockLost::TakenOver,
                 Ok(Err(err)) if clock::now() + RENEW_RETRY >= give_up_at => {
                     return LockLost::Unconfirmed(err);
                 }
                 Ok(Err(err)) => {
-                    tracing::debug!(error = %err, key = %self.key, "renewing an idempotency key's lock failed");
+                    tracing::debug!(error = %err, key = %held.key, "renewing an idempotency key's lock failed");
                     next = clock::now() + RENEW_RETRY;
                 }
                 Err(_) => {

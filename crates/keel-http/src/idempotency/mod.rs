@@ -73,6 +73,14 @@
 //! the shop does: derive the effect's id from the key, and answer with
 //! what a first run did.
 //!
+//! # Completing the key in the handler's transaction
+//!
+//! A handler whose effect lives in the layer's store can store its answer
+//! in its own transaction with the [`HeldKey`] extractor: the key then
+//! completes exactly when the effect commits, the layer writes nothing
+//! after the handler, and the window above (effect committed, answer not
+//! stored) does not exist. See [`HeldKey::complete_in`].
+//!
 //! Keys live 24 hours by default ([`IdempotencyOptions::ttl`]);
 //! [`spawn_pruner`] or [`prune_expired`] delete them afterwards.
 //!
@@ -110,6 +118,7 @@
 //! [`IdempotencyStore::idempotency_begin`]: keel_messaging::store::IdempotencyStore::idempotency_begin
 
 mod fingerprint;
+mod held;
 mod key;
 mod layer;
 mod lease;
@@ -139,6 +148,7 @@ pub mod fuzzing {
     }
 }
 
+pub use held::{CompleteInError, Completion, HeldKey};
 pub use key::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyRejection, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use options::{

@@ -17,6 +17,7 @@ use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore
 use tower_service::Service;
 
 use super::fingerprint::fingerprint;
+use super::held::{Held, HeldKey};
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyRejection, parse_key};
 use super::lease::{Lease, LockLost};
 use super::options::IdempotencyOptions;
@@ -145,7 +146,7 @@ where
     if !options.methods.contains(request.method()) {
         return inner.call(request).await.map(|r| r.map(Body::new));
     }
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let key = match parse_key(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if !options.required => {
@@ -197,7 +198,9 @@ where
     // From here the key is ours: whatever happens, it is completed or
     // released. The guard releases it if this future is dropped (the client
     // disconnected) or the handler panics, and renews its lock meanwhile.
-    let lease = Lease::new(store, principal, key, owner, options.lock, asked);
+    let held = Held::new(principal, key, owner, options.max_response_body);
+    parts.extensions.insert(HeldKey::new(Arc::clone(&held)));
+    let lease = Lease::new(store, Arc::clone(&held), options.lock, asked);
     let mut guard = InFlight { lease: Some(lease) };
     metrics::counter!("keel_idempotency_executed_total").increment(1);
     let work = async {
@@ -222,6 +225,11 @@ where
             return Ok(Problem::internal(format!("response body failed: {err}")).into_response());
         }
     };
+    if held.committed() {
+        // The handler stored this answer in its own transaction.
+        guard.disarm();
+        return Ok(Response::from_parts(head, Body::from(body)));
+    }
     if (options.release)(head.status) {
         guard.release("retryable status").await;
         return Ok(Response::from_parts(head, Body::from(body)));
@@ -260,7 +268,11 @@ async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, Ide
 }
 
 /// The response to store for replay.
-fn to_stored(head: &axum::http::response::Parts, body: &Bytes, limit: usize) -> StoredResponse {
+pub(super) fn to_stored(
+    head: &axum::http::response::Parts,
+    body: &Bytes,
+    limit: usize,
+) -> StoredResponse {
     let omit = body.len() > limit;
     let mut headers = Vec::with_capacity(head.headers.len());
     for (name, value) in &head.headers {
@@ -331,6 +343,11 @@ impl<S: IdempotencyStore> InFlight<S> {
         }
     }
 
+    /// Lets go of a key the handler completed in its own transaction.
+    fn disarm(&mut self) {
+        self.lease = None;
+    }
+
     async fn complete(&mut self, response: &StoredResponse) -> Settled {
         self.settle(Settle::Complete(response.clone())).await
     }
@@ -347,7 +364,7 @@ impl<S: IdempotencyStore> InFlight<S> {
     fn lost(&mut self, lost: LockLost) -> Response<Body> {
         let lease = self.lease.take();
         if let (LockLost::Unconfirmed(err), Some(lease)) = (lost, lease) {
-            tracing::warn!(error = %err, principal = %lease.principal, key = %lease.key,
+            tracing::warn!(error = %err, principal = %lease.held.principal, key = %lease.held.key,
                 "the key store did not confirm a lock renewal; the request was stopped");
             tokio::spawn(lease.settle(Settle::Release("lock lost")));
         }
@@ -382,7 +399,7 @@ impl<S: IdempotencyStore> Drop for InFlight<S> {
             Ok(handle) => {
                 handle.spawn(lease.settle(Settle::Release("request dropped")));
             }
-            Err(_) => tracing::warn!(principal = %lease.principal, key = %lease.key,
+            Err(_) => tracing::warn!(principal = %lease.held.principal, key = %lease.held.key,
                 "idempotent request dropped outside a runtime; the key stays locked until its lock passes"),
         }
     }

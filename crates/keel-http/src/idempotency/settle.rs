@@ -71,14 +71,14 @@ impl<S: IdempotencyStore> Lease<S> {
     pub(crate) async fn settle(self, settle: Settle) -> Settled {
         if let Settle::Release(why) = &settle {
             metrics::counter!("keel_idempotency_released_total", "reason" => *why).increment(1);
-            tracing::debug!(principal = %self.principal, key = %self.key, reason = why,
+            tracing::debug!(principal = %self.held.principal, key = %self.held.key, reason = why,
                 "idempotency key released");
         }
         match self.write(&settle).await {
             Ok(()) => return Settled::Confirmed,
             Err(StoreError::NotFound(_)) => {
                 metrics::counter!("keel_idempotency_lock_lost_total").increment(1);
-                tracing::warn!(principal = %self.principal, key = %self.key,
+                tracing::warn!(principal = %self.held.principal, key = %self.held.key,
                     "{} found the key taken over by another request", settle.name());
             }
             Err(err) if worth_retrying(&err) => self.retry_in_background(settle, err),
@@ -101,12 +101,17 @@ impl<S: IdempotencyStore> Lease<S> {
         match settle {
             Settle::Complete(response) => {
                 self.store
-                    .idempotency_complete(&self.principal, &self.key, &self.owner, response)
+                    .idempotency_complete(
+                        &self.held.principal,
+                        &self.held.key,
+                        &self.held.owner,
+                        response,
+                    )
                     .await
             }
             Settle::Release(_) => {
                 self.store
-                    .idempotency_release(&self.principal, &self.key, &self.owner)
+                    .idempotency_release(&self.held.principal, &self.held.key, &self.held.owner)
                     .await
             }
         }
@@ -114,7 +119,7 @@ impl<S: IdempotencyStore> Lease<S> {
 
     fn retry_in_background(self, settle: Settle, first: StoreError) {
         metrics::counter!("keel_idempotency_store_errors_total").increment(1);
-        tracing::warn!(error = %first, principal = %self.principal, key = %self.key,
+        tracing::warn!(error = %first, principal = %self.held.principal, key = %self.held.key,
             "{} failed; trying again", settle.name());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return self.give_up(&settle, &first);
@@ -135,7 +140,7 @@ impl<S: IdempotencyStore> Lease<S> {
             match self.try_once(&settle).await {
                 Ok(()) => {
                     metrics::counter!("keel_idempotency_settle_retried_total").increment(1);
-                    tracing::info!(principal = %self.principal, key = %self.key,
+                    tracing::info!(principal = %self.held.principal, key = %self.held.key,
                         "{} succeeded on a later try", settle.name());
                     return;
                 }
@@ -150,7 +155,7 @@ impl<S: IdempotencyStore> Lease<S> {
 
     fn give_up(&self, settle: &Settle, err: &StoreError) {
         metrics::counter!("keel_idempotency_store_errors_total").increment(1);
-        tracing::error!(error = %err, principal = %self.principal, key = %self.key,
+        tracing::error!(error = %err, principal = %self.held.principal, key = %self.held.key,
             "{} failed; a retry takes the key over once its lock passes", settle.name());
     }
 }

@@ -102,6 +102,20 @@ pub trait IdempotencyStore: Store {
         response: &StoredResponse,
     ) -> Result<(), StoreError>;
 
+    /// Like [`idempotency_complete`](Self::idempotency_complete), inside the
+    /// caller's transaction `tx`: the response is stored if and only if
+    /// `tx` commits, atomically with the handler's own writes, and the
+    /// request costs one write transaction fewer. The key's row stays
+    /// locked until `tx` ends, so make it the transaction's last statement.
+    async fn idempotency_complete_in(
+        &self,
+        tx: &mut Self::Tx,
+        principal: &str,
+        key: &str,
+        owner: &str,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError>;
+
     /// Forgets a key in flight under `owner` whose request failed in a way
     /// the client may retry (so the retry is processed, not refused as in
     /// flight). A completed key, another owner's, or no key at all is left
