@@ -1,7 +1,8 @@
 //! The Idempotency-Key layer against a real SQLite store on a temp file:
 //! every status it answers with, replay byte for byte, concurrent
-//! duplicates executing once, principals, release, expiry and pruning, and
-//! a store that fails while a key is settled.
+//! duplicates executing once, principals, release, expiry and pruning, a
+//! store that fails while a key is settled, and a handler that completes
+//! its key in its own transaction.
 #![cfg(feature = "idempotency")]
 
 use std::sync::Arc;
@@ -10,11 +11,13 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use chrono::{DateTime, Utc};
 use keel_http::idempotency::{
-    IdempotencyLayer, IdempotencyOptions, InvalidIdempotencyOptions, prune_expired,
+    HeldKey, IdempotencyLayer, IdempotencyOptions, InvalidIdempotencyOptions, prune_expired,
 };
 use keel_http::problem::PROBLEM_JSON;
 use keel_messaging::StoreError;
@@ -1326,4 +1329,200 @@ async fn the_layer_is_ready_only_when_its_service_is() {
         .await
         .map(|_| ());
     assert_eq!(ready, Err("overloaded"));
+}
+
+// ------------------------------------------------- completed in the handler --
+
+/// A shop on `store`: an `orders` table, and the handler context.
+#[derive(Clone)]
+struct Shop {
+    store: RestartingStore,
+    runs: Arc<AtomicUsize>,
+}
+
+impl Shop {
+    async fn open(store: RestartingStore) -> Self {
+        let mut tx = store.begin().await.expect("begin");
+        sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+            .execute(&mut *tx)
+            .await
+            .expect("orders table");
+        store.commit(tx).await.expect("commit");
+        Self {
+            store,
+            runs: Arc::default(),
+        }
+    }
+
+    /// `POST /orders` behind the layer (lock `lock`), running `handler`.
+    fn app<H, T>(&self, lock: Duration, handler: H) -> Router
+    where
+        H: axum::handler::Handler<T, Shop>,
+        T: 'static,
+    {
+        let layer = IdempotencyLayer::with_options(
+            self.store.clone(),
+            IdempotencyOptions::new().lock(lock),
+        )
+        .expect("options");
+        Router::new()
+            .route("/orders", post(handler).layer(layer))
+            .with_state(self.clone())
+    }
+
+    async fn orders(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM orders")
+            .fetch_one(self.store.inner.pool())
+            .await
+            .expect("count orders")
+    }
+
+    /// The layer's own completes and releases.
+    fn layer_settles(&self) -> usize {
+        self.store.settles.load(Ordering::SeqCst)
+    }
+
+    /// Inserts an order and, in the same transaction, completes the key
+    /// with `201`; waits `linger` after the commit before answering.
+    async fn place(&self, held: &HeldKey, body: Bytes, linger: Duration) -> Response {
+        let run = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut tx = self.store.begin().await.expect("begin");
+        sqlx::query("INSERT INTO orders (body) VALUES ($1)")
+            .bind(String::from_utf8_lossy(&body).into_owned())
+            .execute(&mut *tx)
+            .await
+            .expect("insert");
+        let response = (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/orders/{run}"))],
+            format!("order {run} for {}", held.key()),
+        );
+        let completion = held
+            .complete_in(&self.store, &mut tx, response)
+            .await
+            .expect("complete in the transaction");
+        self.store.commit(tx).await.expect("commit");
+        tokio::time::sleep(linger).await;
+        completion.committed()
+    }
+}
+
+/// A handler that completes its key in its own transaction
+/// ([`HeldKey::complete_in`]): the layer writes nothing after it.
+#[tokio::test]
+async fn the_key_completes_with_the_handlers_commit_and_the_layer_writes_nothing() {
+    let (store, _dir) = restarting_store(0).await;
+    let shop = Shop::open(store).await;
+    let app = shop.app(
+        Duration::from_secs(10),
+        |State(shop): State<Shop>, held: HeldKey, body: Bytes| async move {
+            shop.place(&held, body, Duration::ZERO).await
+        },
+    );
+    let (status, headers, body) = send(&app, post_req(Some("k-1"), "tea")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(!headers.contains_key("idempotent-replayed"));
+    assert_eq!(&body[..], b"order 1 for k-1");
+
+    let (again, replay_headers, replayed) = send(&app, post_req(Some("k-1"), "tea")).await;
+    assert_eq!(again, StatusCode::CREATED);
+    assert_eq!(replay_headers["idempotent-replayed"], "true");
+    assert_eq!(replay_headers[header::LOCATION], "/orders/1");
+    assert_eq!(
+        replayed, body,
+        "the replay is the first answer, byte for byte"
+    );
+    assert_eq!(shop.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(shop.orders().await, 1);
+    assert_eq!(shop.layer_settles(), 0);
+}
+
+/// The layer renews the lock every third of it; a renewal after the
+/// handler's commit no longer finds the key in flight. That is the
+/// handler's own completion, not a takeover: the handler is not stopped.
+#[tokio::test]
+async fn a_renewal_after_the_commit_does_not_stop_the_handler() {
+    let (store, _dir) = restarting_store(0).await;
+    let shop = Shop::open(store).await;
+    let lock = Duration::from_millis(300);
+    let app = shop.app(
+        lock,
+        move |State(shop): State<Shop>, held: HeldKey, body: Bytes| async move {
+            shop.place(&held, body, lock * 2).await
+        },
+    );
+    let (status, _, body) = send(&app, post_req(Some("k-1"), "tea")).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert!(shop.store.renewals.load(Ordering::SeqCst) >= 1, "renewed");
+    assert_eq!(shop.layer_settles(), 0);
+}
+
+/// A completion whose transaction rolled back stored nothing: the layer
+/// settles the key as for any handler, releasing it on a `503` (the retry
+/// runs again) and storing a `422` (replayed).
+#[tokio::test]
+async fn a_completion_rolled_back_leaves_the_key_to_the_layer() {
+    let (store, _dir) = restarting_store(0).await;
+    let shop = Shop::open(store).await;
+    let answer = Arc::new(parking_lot::Mutex::new(StatusCode::SERVICE_UNAVAILABLE));
+    let app = {
+        let answer = Arc::clone(&answer);
+        shop.app(
+            Duration::from_secs(10),
+            move |State(shop): State<Shop>, held: HeldKey| async move {
+                shop.runs.fetch_add(1, Ordering::SeqCst);
+                let mut tx = shop.store.begin().await.expect("begin");
+                let completion = held
+                    .complete_in(&shop.store, &mut tx, StatusCode::CREATED)
+                    .await
+                    .expect("complete in the transaction");
+                shop.store.rollback(tx).await.expect("rollback");
+                drop(completion);
+                let status = *answer.lock();
+                status.into_response()
+            },
+        )
+    };
+    let (first, ..) = send(&app, post_req(Some("k-1"), "tea")).await;
+    assert_eq!(first, StatusCode::SERVICE_UNAVAILABLE);
+    *answer.lock() = StatusCode::UNPROCESSABLE_ENTITY;
+    let (second, headers, _) = send(&app, post_req(Some("k-1"), "tea")).await;
+    assert_eq!(
+        second,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "released: ran again"
+    );
+    assert!(!headers.contains_key("idempotent-replayed"));
+    let (third, headers, _) = send(&app, post_req(Some("k-1"), "tea")).await;
+    assert_eq!(third, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(shop.runs.load(Ordering::SeqCst), 2);
+    // One release, one complete: both by the layer.
+    assert_eq!(shop.layer_settles(), 2);
+}
+
+#[tokio::test]
+async fn a_route_outside_the_layer_has_no_held_key() {
+    let app =
+        Router::new()
+            .route("/orders", post(|_: HeldKey| async { StatusCode::CREATED }))
+            .route(
+                "/maybe",
+                post(|held: Option<HeldKey>| async move {
+                    format!("{}", held.is_some()).into_response()
+                }),
+            );
+    let (status, headers, _) = send(&app, post_req(Some("k-1"), "tea")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(headers[header::CONTENT_TYPE], PROBLEM_JSON);
+    let maybe = Request::post("/maybe")
+        .body(Body::empty())
+        .expect("request");
+    let (status, _, body) = send(&app, maybe).await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"false"[..]));
 }
