@@ -25,6 +25,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::clock::{self, Instant};
+
 /// A type-erased error, as tower middleware passes them around.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 
@@ -310,15 +312,21 @@ impl StdError for Classified {
 #[non_exhaustive]
 pub enum Rejected {
     /// The circuit breaker for a dependency is open.
+    ///
+    /// It carries the instant a probe will be let through rather than the
+    /// wait, so that an open breaker refuses without reading the clock: the
+    /// clock is read by whoever asks for [`retry_after`](Rejected::retry_after)
+    /// (the edge writing `Retry-After`), and the wait it gets is as of then.
     #[error(
         "circuit breaker `{name}` is open: `{name}` failed too often, so calls are refused \
-         for {retry_after:?} to let it recover; serve a fallback or try later"
+         for {:?} more to let it recover; serve a fallback or try later",
+        remaining(*.retry_at)
     )]
     CircuitOpen {
         /// The breaker's name (usually the dependency's).
         name: Name,
-        /// How long until the breaker lets a probe through.
-        retry_after: Duration,
+        /// When the breaker lets a probe through (tokio's clock).
+        retry_at: Instant,
     },
     /// A retry budget is empty: the dependency is failing widely, and more
     /// retries would only multiply its load.
@@ -381,12 +389,23 @@ pub enum Rejected {
 }
 
 impl Rejected {
+    /// A refusal by the open breaker `name` that lets a probe through
+    /// `retry_after` from now (for breakers of your own, and for refusals
+    /// read back from another service's `Retry-After`).
+    pub fn circuit_open(name: impl Into<Name>, retry_after: Duration) -> Self {
+        Self::CircuitOpen {
+            name: name.into(),
+            retry_at: clock::now() + retry_after,
+        }
+    }
+
     /// When trying again makes sense, if the policy knows (`Retry-After`).
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            Self::CircuitOpen { retry_after, .. }
-            | Self::RateLimited { retry_after, .. }
-            | Self::Overloaded { retry_after, .. } => Some(*retry_after),
+            Self::CircuitOpen { retry_at, .. } => Some(remaining(*retry_at)),
+            Self::RateLimited { retry_after, .. } | Self::Overloaded { retry_after, .. } => {
+                Some(*retry_after)
+            }
             _ => None,
         }
     }
@@ -405,6 +424,11 @@ impl Rejected {
             Self::NoEndpoint { .. } => "no_endpoint",
         }
     }
+}
+
+/// The wait until `at`, as of now (zero once it has passed).
+fn remaining(at: Instant) -> Duration {
+    at.saturating_duration_since(clock::now())
 }
 
 impl Classify for Rejected {

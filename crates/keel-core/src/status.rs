@@ -224,10 +224,7 @@ mod tests {
         let after = Duration::from_secs(1);
         let cases = [
             (
-                Rejected::CircuitOpen {
-                    name: name(),
-                    retry_after: after,
-                },
+                Rejected::circuit_open(name(), after),
                 503,
                 GrpcCode::Unavailable,
             ),

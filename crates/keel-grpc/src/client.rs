@@ -262,10 +262,10 @@ mod tests {
 
     #[test]
     fn refusals_from_below_become_their_codes() {
-        let open: BoxError = Box::new(keel_core::Rejected::CircuitOpen {
-            name: "shipping".into(),
-            retry_after: Duration::from_secs(1),
-        });
+        let open: BoxError = Box::new(keel_core::Rejected::circuit_open(
+            "shipping",
+            Duration::from_secs(1),
+        ));
         let status = as_status(open);
         assert_eq!(status.code(), tonic::Code::Unavailable);
         assert!(crate::status::retry_pushback(&status).is_some());

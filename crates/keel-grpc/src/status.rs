@@ -31,10 +31,12 @@ pub const RETRY_PUSHBACK_KEY: &str = keel_core::status::RETRY_PUSHBACK_HEADER;
 /// use keel_core::Rejected;
 /// use keel_grpc::status::{from_rejected, retry_pushback};
 ///
-/// let open = Rejected::CircuitOpen { name: "payments".into(), retry_after: Duration::from_millis(1500) };
+/// let open = Rejected::circuit_open("payments", Duration::from_millis(1500));
 /// let status = from_rejected(&open);
 /// assert_eq!(status.code(), tonic::Code::Unavailable);
-/// assert_eq!(retry_pushback(&status), Some(Duration::from_millis(1500)));
+/// // The wait left when the status was built, in whole milliseconds.
+/// let pushback = retry_pushback(&status).unwrap();
+/// assert!(pushback <= Duration::from_millis(1500) && pushback > Duration::from_secs(1));
 /// ```
 pub fn from_rejected(rejected: &Rejected) -> Status {
     let mut status = Status::new(code(grpc_code(rejected)), rejected.to_string());

@@ -259,10 +259,7 @@ mod tests {
 
     #[test]
     fn refusals_map_to_statuses_with_retry_after() {
-        let open = Rejected::CircuitOpen {
-            name: "payments".into(),
-            retry_after: Duration::from_millis(1500),
-        };
+        let open = Rejected::circuit_open("payments", Duration::from_millis(1500));
         let response = Problem::from(open).into_response();
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers()[header::RETRY_AFTER], "2");

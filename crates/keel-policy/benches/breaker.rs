@@ -111,6 +111,12 @@ fn open(c: &mut Criterion) {
     group.bench_function("keel_try_acquire", |b| {
         b.iter(|| black_box(k.try_acquire().is_err()))
     });
+    // Tripped on a thread without a runtime: no cool-down timer, so every
+    // refusal reads the clock (what the timer saves).
+    let without_timer = std::thread::scope(|s| s.spawn(keel_open).join().expect("tripped"));
+    group.bench_function("keel_try_acquire_reading_the_clock", |b| {
+        b.iter(|| black_box(without_timer.try_acquire().is_err()))
+    });
     // What any breaker must pay to know whether its open duration is over.
     group.bench_function("baseline_clock_read", |b| {
         b.iter(|| black_box(clock::now()))

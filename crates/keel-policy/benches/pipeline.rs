@@ -40,6 +40,10 @@ fn timeout(name: &str, limit: Duration) -> Timeout {
 
 /// total timeout → retry + budget → breaker → attempt timeout → bulkhead.
 fn five_policies() -> Pipeline {
+    five_policies_with(CircuitBreaker::builder("bench").build().expect("valid"))
+}
+
+fn five_policies_with(breaker: CircuitBreaker) -> Pipeline {
     Pipeline::builder("bench")
         .total_timeout(timeout("bench.total", Duration::from_secs(2)))
         .retry(
@@ -48,7 +52,7 @@ fn five_policies() -> Pipeline {
                 .build()
                 .expect("valid"),
         )
-        .breaker(CircuitBreaker::builder("bench").build().expect("valid"))
+        .breaker(breaker)
         .attempt_timeout(timeout("bench.attempt", Duration::from_millis(700)))
         .bulkhead(
             Bulkhead::builder("bench")
@@ -137,10 +141,19 @@ fn pipeline_happy(c: &mut Criterion) {
 fn pipeline_open(c: &mut Criterion) {
     let rt = runtime();
     let _context = rt.enter();
-    let keel = five_policies();
-    if let Some(breaker) = keel.breaker() {
-        breaker.force_open();
-    }
+    // Tripped by a failure, as in production (forcing it open is an
+    // operator's path, and it reads the clock for its hint).
+    let hour = Duration::from_secs(3600);
+    let breaker = CircuitBreaker::builder("bench")
+        .sliding_window(keel_policy::breaker::SlidingWindow::Off)
+        .consecutive_failures(1)
+        .open_duration(hour)
+        .max_open_duration(hour)
+        .build()
+        .expect("valid");
+    let tripped = breaker.call(|| async { Err::<u32, _>(Classified::retryable("down")) });
+    assert!(tripped.now_or_never().is_some_and(|r| r.is_err()));
+    let keel = five_policies_with(breaker);
     c.bench_function("pipeline/open_circuit/keel_5", |b| {
         b.iter(|| black_box(keel.call(ready_op).now_or_never()))
     });

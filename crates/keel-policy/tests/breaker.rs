@@ -75,7 +75,9 @@ async fn fail_times(b: &CircuitBreaker, n: usize) {
 
 fn retry_after(result: Result<u32, PolicyError<DepError>>) -> Duration {
     match result {
-        Err(PolicyError::Rejected(Rejected::CircuitOpen { retry_after, .. })) => retry_after,
+        Err(PolicyError::Rejected(open @ Rejected::CircuitOpen { .. })) => open
+            .retry_after()
+            .expect("an open breaker says when to retry"),
         other => panic!("expected a circuit-open refusal, got {other:?}"),
     }
 }

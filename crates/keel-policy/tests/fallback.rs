@@ -13,10 +13,7 @@ use tower::{Layer, Service, ServiceExt, service_fn};
 type Error = PolicyError<Classified>;
 
 fn circuit_open() -> Error {
-    PolicyError::Rejected(Rejected::CircuitOpen {
-        name: "pricing".into(),
-        retry_after: Duration::from_secs(5),
-    })
+    PolicyError::Rejected(Rejected::circuit_open("pricing", Duration::from_secs(5)))
 }
 
 /// A dependency behind a refusing gate (what an open breaker does): the gate

@@ -256,10 +256,7 @@ async fn grpc_statuses_are_retried_by_class_after_the_servers_pushback() {
 async fn refusals_of_other_policies_are_not_retried() {
     let retry = Retry::builder("dep").max_attempts(10).build().unwrap();
     let calls = AtomicU32::new(0);
-    let open = Rejected::CircuitOpen {
-        name: "dep".into(),
-        retry_after: MS,
-    };
+    let open = Rejected::circuit_open("dep", MS);
     let result = retry
         .call(|| {
             calls.fetch_add(1, Ordering::Relaxed);

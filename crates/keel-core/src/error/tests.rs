@@ -55,16 +55,19 @@ fn io_errors_say_what_their_kind_says_and_look_through_other() {
     assert_eq!(classify(&wrapped), ErrorClass::Permanent);
 }
 
-#[test]
-fn refusals_are_not_dependency_failures() {
-    let r = Rejected::CircuitOpen {
-        name: "payments".into(),
-        retry_after: Duration::from_secs(3),
-    };
+#[tokio::test(start_paused = true)]
+async fn refusals_are_not_dependency_failures() {
+    let r = Rejected::circuit_open("payments", Duration::from_secs(3));
     assert_eq!(r.class(), ErrorClass::Rejected);
     assert!(!r.class().is_dependency_failure());
     assert_eq!(r.retry_after(), Some(Duration::from_secs(3)));
     assert!(r.to_string().contains("payments"));
+    // The wait is as of when it is asked for, down to zero.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert_eq!(r.retry_after(), Some(Duration::from_secs(1)));
+    assert!(r.to_string().contains("for 1s more"), "{r}");
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert_eq!(r.retry_after(), Some(Duration::ZERO));
     let timeout = Rejected::Timeout {
         name: "payments".into(),
         after: Duration::from_millis(5),

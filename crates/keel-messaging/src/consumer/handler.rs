@@ -328,8 +328,9 @@ mod tests {
     #[error("something odd")]
     struct Unknown;
 
-    #[test]
-    fn classification_follows_the_cause_chain() {
+    // Paused, so that the open breaker's wait is read back exactly.
+    #[tokio::test(start_paused = true)]
+    async fn classification_follows_the_cause_chain() {
         let d = |e: HandlerError| e.disposition();
         assert_eq!(
             d(HandlerError::from(Unknown)),
@@ -347,10 +348,7 @@ mod tests {
             d(StoreError::Unavailable(Box::new(Unknown)).into()),
             Disposition::Retry { after: None }
         );
-        let open = Rejected::CircuitOpen {
-            name: "payments".into(),
-            retry_after: Duration::from_secs(3),
-        };
+        let open = Rejected::circuit_open("payments", Duration::from_secs(3));
         assert_eq!(
             d(open.into()),
             Disposition::Retry {

@@ -321,11 +321,7 @@ impl Services {
                 return Err(Classified::permanent(format!("{step}: 422")).into());
             }
             Some(Reply::BreakerOpen { retry_after }) => {
-                return Err(keel_core::Rejected::CircuitOpen {
-                    name: step.into(),
-                    retry_after,
-                }
-                .into());
+                return Err(keel_core::Rejected::circuit_open(step, retry_after).into());
             }
             None => {}
         }

@@ -54,7 +54,7 @@ impl CircuitBreaker {
 
     pub(super) fn from_valid(config: CircuitBreakerConfig, name: Name) -> Self {
         Self {
-            inner: Arc::new(Inner::new(config, name)),
+            inner: Arc::new_cyclic(|this| Inner::new(config, name, this.clone())),
         }
     }
 
@@ -74,6 +74,12 @@ impl CircuitBreaker {
         self.inner.state()
     }
 
+    /// Whether an open breaker's cool-down timer has yet to fire.
+    #[cfg(test)]
+    pub(super) fn cooling(&self) -> bool {
+        self.inner.cooling()
+    }
+
     /// Rates, counts and state, as of now.
     pub fn metrics(&self) -> BreakerMetrics {
         self.inner.metrics()
@@ -88,7 +94,7 @@ impl CircuitBreaker {
     pub fn try_acquire(&self) -> Result<Permit<'_>, Rejected> {
         match self.inner.acquire() {
             Ok(ticket) => Ok(Permit::new(&self.inner, ticket)),
-            Err(retry_after) => Err(self.inner.refuse(retry_after)),
+            Err(probe_at) => Err(self.inner.refuse(probe_at)),
         }
     }
 
@@ -97,7 +103,7 @@ impl CircuitBreaker {
     pub fn try_acquire_owned(&self) -> Result<OwnedPermit, Rejected> {
         match self.inner.acquire() {
             Ok(ticket) => Ok(OwnedPermit::new(self.inner.clone(), ticket)),
-            Err(retry_after) => Err(self.inner.refuse(retry_after)),
+            Err(probe_at) => Err(self.inner.refuse(probe_at)),
         }
     }
 
@@ -126,7 +132,7 @@ impl CircuitBreaker {
     {
         let mut permit = match self.inner.acquire() {
             Ok(ticket) => Permit::new(&self.inner, ticket),
-            Err(retry_after) => return Err(PolicyError::Rejected(self.inner.refuse(retry_after))),
+            Err(probe_at) => return Err(PolicyError::Rejected(self.inner.refuse(probe_at))),
         };
         let result = f().await;
         permit.settle(classify(&result));

@@ -2,7 +2,8 @@
 //! transitions.
 //!
 //! Deciding whether a call may go is lock-free: one atomic load of the packed
-//! [`Word`] (plus a clock read and a second load while open). Transitions are
+//! [`Word`], plus a second load while open, and a clock read only once the
+//! [cool-down timer](super::cool_down) has fired. Transitions are
 //! rare and take the `control` lock, which makes their side effects (the
 //! open-until instant, clearing the window, events) happen exactly once and
 //! in order; the new state is published last, so a caller that sees it also
@@ -10,6 +11,7 @@
 
 use std::fmt;
 use std::num::NonZeroU64;
+use std::sync::Weak;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 use std::time::Duration;
 
@@ -18,6 +20,7 @@ use keel_core::{Name, Rejected};
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
+use super::cool_down::{self, CoolDown};
 use super::state::Word;
 use super::telemetry::Telemetry;
 use super::window::{Sample, Tally, Window};
@@ -25,15 +28,16 @@ use super::{BreakerMetrics, CircuitBreakerConfig, Outcome, State, StateTransitio
 
 /// The permission a call was let through with: its kind in the low byte
 /// (never zero), the generation above. One aligned word, so that
-/// `Result<Ticket, RetryAfter>` comes back in two registers and a permit
+/// `Result<Ticket, ProbeAt>` comes back in two registers and a permit
 /// moves as three words; the hot path never copies a [`Rejected`] around,
 /// which is built only when refusing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Ticket(NonZeroU64);
 
-/// A refusal before it becomes a [`Rejected`]: nanoseconds until a probe.
+/// A refusal before it becomes a [`Rejected`]: when a probe will be let
+/// through, in nanoseconds since the breaker's `base`.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct RetryAfter(u64);
+pub(super) struct ProbeAt(u64);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TicketKind {
@@ -86,6 +90,8 @@ struct Control {
     /// Probes failed since the breaker last closed: the open duration's exponent.
     reopened: u32,
     rng: Option<fastrand::Rng>,
+    /// The timer of the current open state, if one is armed.
+    cool_down: Option<CoolDown>,
 }
 
 #[derive(Debug)]
@@ -101,10 +107,12 @@ pub(super) struct Inner {
     control: Mutex<Control>,
     telemetry: Telemetry,
     config: CircuitBreakerConfig,
+    /// For the cool-down timer's waker, which must not keep the breaker alive.
+    this: Weak<Inner>,
 }
 
 impl Inner {
-    pub(super) fn new(config: CircuitBreakerConfig, name: Name) -> Self {
+    pub(super) fn new(config: CircuitBreakerConfig, name: Name, this: Weak<Inner>) -> Self {
         let limits = Limits {
             failure_rate: config.failure_rate_threshold,
             slow_rate: config.slow_call_rate_threshold,
@@ -128,10 +136,12 @@ impl Inner {
             control: Mutex::new(Control {
                 reopened: 0,
                 rng: config.seed.map(fastrand::Rng::with_seed),
+                cool_down: None,
             }),
             telemetry: Telemetry::new(name),
             limits,
             config,
+            this,
         }
     }
 
@@ -151,6 +161,11 @@ impl Inner {
         self.telemetry.subscribe()
     }
 
+    #[cfg(test)]
+    pub(super) fn cooling(&self) -> bool {
+        self.load().cooling()
+    }
+
     #[inline]
     fn load(&self) -> Word {
         Word(self.word.load(Acquire))
@@ -160,18 +175,23 @@ impl Inner {
         nanos(at.saturating_duration_since(self.base))
     }
 
+    fn instant_at(&self, nanos: u64) -> Instant {
+        later(self.base, Duration::from_nanos(nanos))
+    }
+
     /// Asks to make a call. Lock-free unless this caller is the one that
     /// moves the breaker from open to half-open.
     #[inline]
-    pub(super) fn acquire(&self) -> Result<Ticket, RetryAfter> {
+    pub(super) fn acquire(&self) -> Result<Ticket, ProbeAt> {
         loop {
             let word = self.load();
             let decided = match word.state() {
                 State::Closed => Some(Ok(self.ticket(word.generation(), TicketKind::Closed))),
+                State::Open if word.cooling() => Some(Err(ProbeAt(self.deadline.load(Acquire)))),
                 State::Open => self.acquire_while_open(word),
                 State::HalfOpen => self.acquire_probe(word),
                 State::Disabled => Some(Ok(self.ticket(word.generation(), TicketKind::Disabled))),
-                State::ForcedOpen => Some(Err(RetryAfter(nanos(self.limits.open_duration)))),
+                State::ForcedOpen => Some(Err(self.probe_after(self.limits.open_duration))),
             };
             if let Some(decided) = decided {
                 return decided;
@@ -194,18 +214,24 @@ impl Inner {
         }
     }
 
+    #[inline]
+    pub(super) fn refuse(&self, probe_at: ProbeAt) -> Rejected {
+        self.telemetry.rejected(self.instant_at(probe_at.0))
+    }
+
+    /// A refusal whose probe time is only a hint (forced open, or every
+    /// probe in flight): `wait` from now.
     #[cold]
-    #[inline(never)]
-    pub(super) fn refuse(&self, retry_after: RetryAfter) -> Rejected {
-        self.telemetry.rejected(Duration::from_nanos(retry_after.0))
+    fn probe_after(&self, wait: Duration) -> ProbeAt {
+        ProbeAt(self.nanos_at(clock::now()).saturating_add(nanos(wait)))
     }
 
     /// `None` means the state changed under us: look again.
-    fn acquire_while_open(&self, seen: Word) -> Option<Result<Ticket, RetryAfter>> {
+    fn acquire_while_open(&self, seen: Word) -> Option<Result<Ticket, ProbeAt>> {
         let now = self.nanos_at(clock::now());
         let until = self.deadline.load(Acquire);
         if now < until {
-            return Some(Err(RetryAfter(until - now)));
+            return Some(Err(ProbeAt(until)));
         }
         let next = self.transition_if(seen, State::HalfOpen, &Reason::CoolDownElapsed)?;
         Some(Ok(self.ticket(next.generation(), TicketKind::Probe)))
@@ -213,7 +239,7 @@ impl Inner {
 
     /// A probe slot is claimed by compare-and-swap on the same word that holds
     /// the state, so no interleaving can let more than the permitted number in.
-    fn acquire_probe(&self, seen: Word) -> Option<Result<Ticket, RetryAfter>> {
+    fn acquire_probe(&self, seen: Word) -> Option<Result<Ticket, ProbeAt>> {
         if seen.issued() < self.limits.probes {
             let claimed = seen.with_issued(seen.issued() + 1);
             let won = self
@@ -225,11 +251,11 @@ impl Inner {
         let now = self.nanos_at(clock::now());
         let until = self.deadline.load(Acquire);
         if now < until {
-            let retry_after = match until {
-                u64::MAX => nanos(self.limits.open_duration),
-                _ => until - now,
+            let probe_at = match until {
+                u64::MAX => self.probe_after(self.limits.open_duration),
+                _ => ProbeAt(until),
             };
-            return Some(Err(RetryAfter(retry_after)));
+            return Some(Err(probe_at));
         }
         self.transition_if(seen, State::Open, &Reason::ProbesUnanswered);
         None
@@ -425,14 +451,16 @@ impl Inner {
     fn enter(&self, control: &mut Control, from: Word, to: State, why: &Reason) -> Word {
         let at = clock::now();
         let now = self.nanos_at(at);
+        let mut open_for = None;
         match to {
             State::Open => {
                 if from.state() == State::HalfOpen {
                     control.reopened = control.reopened.saturating_add(1);
                 }
-                let open_for = self.open_duration(control);
+                let open = self.open_duration(control);
                 self.deadline
-                    .store(now.saturating_add(nanos(open_for)), Release);
+                    .store(now.saturating_add(nanos(open)), Release);
+                open_for = Some(open);
             }
             State::HalfOpen => {
                 let give_up = self
@@ -450,12 +478,37 @@ impl Inner {
         }
         // The caller that opens half-open holds its first probe.
         let probes = u16::from(to == State::HalfOpen);
-        let next = Word::new(to, from.next_generation()).with_issued(probes);
+        let cooling = open_for.is_some_and(cool_down::can_arm);
+        let next = Word::new(to, from.next_generation())
+            .with_issued(probes)
+            .with_cooling(cooling);
         self.word.store(next.0, Release);
+        // Armed only once the word is published, so that a timer firing at
+        // once finds the state it was armed for.
+        control.cool_down = match open_for {
+            Some(open) if cooling => cool_down::arm(self.this.clone(), next, later(at, open), open),
+            _ => None,
+        };
         if from.state() != to {
             self.telemetry.transition(from.state(), to, at, why);
         }
         next
+    }
+
+    /// The cool-down timer of the open state `armed` fired: refusals read
+    /// the clock again, so the first call once the cool-down is over probes.
+    pub(super) fn cool_down_over(&self, armed: Word) {
+        let mut seen = self.load();
+        while seen.same_epoch(armed) && seen.cooling() {
+            let cleared = seen.with_cooling(false);
+            match self
+                .word
+                .compare_exchange(seen.0, cleared.0, AcqRel, Acquire)
+            {
+                Ok(_) => return,
+                Err(now) => seen = Word(now),
+            }
+        }
     }
 
     /// `min(open_duration × 2^reopened, max_open_duration) × (1 ± jitter)`.
@@ -501,6 +554,12 @@ impl Inner {
 
 fn nanos(duration: Duration) -> u64 {
     u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `at + wait`, saturating at a century instead of overflowing.
+fn later(at: Instant, wait: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
+    at + wait.min(CENTURY)
 }
 
 /// Why a transition happened, for the log line that reports it.

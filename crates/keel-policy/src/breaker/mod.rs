@@ -13,7 +13,9 @@
 //!   after `consecutive_failures` failures in a row, with or without rates.
 //! - **Open**: calls are refused with
 //!   [`Rejected::CircuitOpen`](keel_core::Rejected::CircuitOpen), whose
-//!   `retry_after` says when a probe would be let through. Serve a fallback
+//!   `retry_at` says when a probe will be let through. A refusal does not
+//!   read the clock: a timer on tokio's time driver tells the breaker when
+//!   its cool-down is nearly over. Serve a fallback
 //!   ([`CircuitBreaker::call_or_fallback`]): a breaker without one just moves
 //!   the error around.
 //! - **Half-open**: after the open duration, `permitted_calls_in_half_open`
@@ -118,6 +120,7 @@
 
 mod classify;
 mod config;
+mod cool_down;
 mod future;
 mod handle;
 mod layer;

@@ -93,13 +93,17 @@ pub struct StateTransition {
 /// into one `u64` so that one atomic load answers "may this call go?" and one
 /// compare-and-swap hands out a probe slot without a race.
 ///
-/// Layout: bits 0..8 state, 8..24 probes issued, 24..40 probes succeeded,
-/// 40..64 generation. The generation grows with every transition, so an
-/// outcome from an earlier state (a call let through before the breaker
-/// opened) is recognised as stale and not counted.
+/// Layout: bits 0..7 state, bit 7 "cooling", 8..24 probes issued, 24..40
+/// probes succeeded, 40..64 generation. The generation grows with every
+/// transition, so an outcome from an earlier state (a call let through
+/// before the breaker opened) is recognised as stale and not counted.
+/// "Cooling" is set on an open word while the cool-down timer has not fired:
+/// no probe can be due yet, so a refusal need not read the clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Word(pub(super) u64);
 
+const STATE_MASK: u64 = 0x7F;
+const COOLING: u64 = 0x80;
 const ISSUED_SHIFT: u32 = 8;
 const SUCCEEDED_SHIFT: u32 = 24;
 const GENERATION_SHIFT: u32 = 40;
@@ -112,7 +116,19 @@ impl Word {
     }
 
     pub(super) fn state(self) -> State {
-        State::from_index((self.0 & 0xFF) as u8)
+        State::from_index((self.0 & STATE_MASK) as u8)
+    }
+
+    #[inline]
+    pub(super) fn cooling(self) -> bool {
+        self.0 & COOLING != 0
+    }
+
+    pub(super) fn with_cooling(self, cooling: bool) -> Self {
+        match cooling {
+            true => Self(self.0 | COOLING),
+            false => Self(self.0 & !COOLING),
+        }
     }
 
     pub(super) fn generation(self) -> u32 {

@@ -56,13 +56,27 @@ impl Telemetry {
         self.events.subscribe()
     }
 
-    pub(super) fn rejected(&self, retry_after: std::time::Duration) -> Rejected {
+    /// Built where it is returned, so that the refusal is written once
+    /// rather than copied out of a call.
+    #[inline]
+    pub(super) fn rejected(&self, retry_at: Instant) -> Rejected {
         self.rejected.increment(1);
-        tracing::debug!(breaker = %self.name, ?retry_after, "circuit breaker refused a call");
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            self.log_refusal(retry_at);
+        }
         Rejected::CircuitOpen {
             name: self.name.clone(),
-            retry_after,
+            retry_at,
         }
+    }
+
+    #[cold]
+    fn log_refusal(&self, retry_at: Instant) {
+        tracing::debug!(
+            breaker = %self.name,
+            retry_after = ?retry_at.saturating_duration_since(keel_core::clock::now()),
+            "circuit breaker refused a call"
+        );
     }
 
     pub(super) fn failure(&self) {

@@ -36,10 +36,10 @@
 //! let fallback = Fallback::builder("pricing").build()?;
 //! // What a breaker returns while open:
 //! let open = || async {
-//!     Err::<u32, PolicyError<std::io::Error>>(PolicyError::Rejected(Rejected::CircuitOpen {
-//!         name: "pricing".into(),
-//!         retry_after: Duration::from_secs(5),
-//!     }))
+//!     Err::<u32, PolicyError<std::io::Error>>(PolicyError::Rejected(Rejected::circuit_open(
+//!         "pricing",
+//!         Duration::from_secs(5),
+//!     )))
 //! };
 //! let price = fallback.call(open, |_err| async { Ok(1999) }).await;
 //! assert_eq!(price.unwrap(), 1999);

@@ -82,10 +82,7 @@ impl Env {
 fn refusal(after: Option<u32>) -> BoxError {
     let name: Arc<str> = "dependency".into();
     match after {
-        Some(m) => Rejected::CircuitOpen {
-            name,
-            retry_after: MINUTE * m,
-        },
+        Some(m) => Rejected::circuit_open(name, MINUTE * m),
         None => Rejected::BulkheadFull { name },
     }
     .into()
