@@ -148,12 +148,12 @@ impl DependencyBuilder {
         }
         let breaker = match breaker {
             Some(breaker) => breaker,
-            None => config.breaker.build(Arc::clone(&name))?,
+            None => config.breaker.build(name)?,
         };
-        let retry = config.retry.build(Arc::clone(&name))?;
-        let bulkhead = config.bulkhead.build(Arc::clone(&name))?;
-        let pipeline = Pipeline::builder(Arc::clone(&name))
-            .total_timeout(config.timeout.build(Arc::clone(&name))?)
+        let retry = config.retry.build(name)?;
+        let bulkhead = config.bulkhead.build(name)?;
+        let pipeline = Pipeline::builder(name)
+            .total_timeout(config.timeout.build(name)?)
             .retry(retry.clone())
             .breaker(breaker.clone())
             .attempt_timeout(

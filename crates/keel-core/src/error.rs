@@ -20,7 +20,6 @@
 
 use std::error::Error as StdError;
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -30,8 +29,7 @@ use crate::clock::{self, Instant};
 /// A type-erased error, as tower middleware passes them around.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 
-/// The name of a policy instance or dependency (`"payments"`), cheap to clone.
-pub type Name = Arc<str>;
+pub use crate::name::Name;
 
 /// What kind of failure an error is. This decides whether a call is retried,
 /// whether a breaker counts it, and how an edge reports it.

@@ -20,6 +20,7 @@ pub mod clock;
 pub mod deadline;
 pub mod error;
 pub mod id;
+pub mod name;
 pub mod status;
 pub mod trace;
 

@@ -117,8 +117,8 @@ pub struct EdgeShedStats {
 impl HttpLoadShedLayer {
     /// A layer shedding with `shed`.
     pub fn new(shed: LoadShed) -> Self {
-        let name: Name = Arc::clone(shed.name());
-        let counter = |reason: &'static str| metrics::counter!("keel_http_shed_total", "name" => Arc::clone(&name), "reason" => reason);
+        let name: Name = *shed.name();
+        let counter = |reason: &'static str| metrics::counter!("keel_http_shed_total", "name" => name.as_str(), "reason" => reason);
         Self {
             shared: Arc::new(Shared {
                 overloaded_total: counter("overloaded"),

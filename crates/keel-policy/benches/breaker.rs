@@ -1,6 +1,6 @@
 //! Circuit breaker overhead, keel against failsafe and recloser on the same
 //! workload: wrapping a trivial ready operation while closed, refusing while
-//! open, and the closed path with two threads calling at once.
+//! open, and both with two threads calling at once.
 //!
 //! Futures are polled once with `now_or_never` inside an entered
 //! current-thread runtime, so the executor is not what is measured.
@@ -144,9 +144,10 @@ fn on_two_threads(iters: u64, call: impl Fn() + Sync) -> Duration {
     start.elapsed()
 }
 
-fn contended(c: &mut Criterion) {
-    let mut group = c.benchmark_group("breaker/contended");
-    let k = keel();
+/// Two threads calling one breaker at once, closed (`breaker/contended`)
+/// or open (`breaker/contended_open`: refusals must not share a write).
+fn contended(c: &mut Criterion, name: &str, k: CircuitBreaker, f: Failsafe, r: AsyncRecloser) {
+    let mut group = c.benchmark_group(name);
     group.bench_function("keel", |b| {
         b.iter_custom(|iters| {
             on_two_threads(iters, || {
@@ -157,7 +158,6 @@ fn contended(c: &mut Criterion) {
             })
         })
     });
-    let f = failsafe_breaker();
     group.bench_function("failsafe", |b| {
         b.iter_custom(|iters| {
             on_two_threads(iters, || {
@@ -165,7 +165,6 @@ fn contended(c: &mut Criterion) {
             })
         })
     });
-    let r = recloser();
     group.bench_function("recloser", |b| {
         b.iter_custom(|iters| {
             on_two_threads(iters, || {
@@ -184,7 +183,10 @@ fn benches(c: &mut Criterion) {
     let _entered = runtime.enter();
     happy(c);
     open(c);
-    contended(c);
+    let closed = (keel(), failsafe_breaker(), recloser());
+    contended(c, "breaker/contended", closed.0, closed.1, closed.2);
+    let open = (keel_open(), failsafe_open(), recloser_open());
+    contended(c, "breaker/contended_open", open.0, open.1, open.2);
 }
 
 criterion_group!(breaker, benches);

@@ -182,20 +182,20 @@ impl PipelineConfig {
     pub fn build(self, name: impl Into<Name>) -> Result<Pipeline, ConfigError> {
         let name: Name = name.into();
         let suffixed = |suffix: &str| -> Name { format!("{name}.{suffix}").into() };
-        let mut builder = Pipeline::builder(name.clone());
-        builder.pipeline.fallback = self.fallback.map(|c| c.build(name.clone())).transpose()?;
+        let mut builder = Pipeline::builder(name);
+        builder.pipeline.fallback = self.fallback.map(|c| c.build(name)).transpose()?;
         builder.pipeline.total_timeout = self
             .total_timeout
             .map(|c| c.build(suffixed("total")))
             .transpose()?;
-        builder.pipeline.retry = self.retry.map(|c| c.build(name.clone())).transpose()?;
-        builder.pipeline.breaker = self.breaker.map(|c| c.build(name.clone())).transpose()?;
+        builder.pipeline.retry = self.retry.map(|c| c.build(name)).transpose()?;
+        builder.pipeline.breaker = self.breaker.map(|c| c.build(name)).transpose()?;
         builder.pipeline.attempt_timeout = self
             .attempt_timeout
             .map(|c| c.build(suffixed("attempt")))
             .transpose()?;
-        builder.pipeline.bulkhead = self.bulkhead.map(|c| c.build(name.clone())).transpose()?;
-        builder.pipeline.rate_limit = self.rate_limit.map(|c| c.build(name.clone())).transpose()?;
+        builder.pipeline.bulkhead = self.bulkhead.map(|c| c.build(name)).transpose()?;
+        builder.pipeline.rate_limit = self.rate_limit.map(|c| c.build(name)).transpose()?;
         builder.build()
     }
 }

@@ -429,7 +429,7 @@ impl Health {
             .zip(results)
             .filter_map(|(check, (outcome, _))| {
                 let (_, error) = outcome.err()?;
-                metrics::counter!("keel_http_not_ready_total", "check" => Arc::clone(&check.name))
+                metrics::counter!("keel_http_not_ready_total", "check" => check.name.as_str())
                     .increment(1);
                 Some(format!("{}: {error}", check.name))
             })
@@ -465,7 +465,7 @@ impl Health {
                     PingStatus::Failed => "failed",
                     PingStatus::TimedOut => "timed_out",
                 };
-                metrics::counter!("keel_http_deep_ping_total", "dependency" => Arc::clone(&check.name), "status" => label)
+                metrics::counter!("keel_http_deep_ping_total", "dependency" => check.name.as_str(), "status" => label)
                     .increment(1);
                 DependencyStatus {
                     name: check.name.to_string(),

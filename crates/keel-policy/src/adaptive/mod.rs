@@ -95,7 +95,7 @@ impl AdaptiveLimit {
     }
 
     fn new(name: Name, config: &AdaptiveConfig, algorithm: Box<dyn LimitAlgorithm>) -> Self {
-        let labels = [("name", Arc::clone(&name))];
+        let labels = [("name", name.as_str())];
         let limit_gauge = metrics::gauge!("keel_adaptive_limit", &labels);
         limit_gauge.set(config.initial_limit as f64);
         let shared = Shared {
@@ -172,7 +172,7 @@ impl Shared {
         self.rejected_total.increment(1);
         tracing::debug!(adaptive = %self.name, limit = self.limit.load(Ordering::Relaxed), "limit reached: call refused");
         Rejected::Overloaded {
-            name: Arc::clone(&self.name),
+            name: self.name,
             retry_after: self.retry_after,
         }
     }

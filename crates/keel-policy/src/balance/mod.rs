@@ -403,9 +403,7 @@ impl<E> Balancer<E> {
         let shared = &*self.shared;
         shared.no_endpoint_total.increment(1);
         tracing::debug!(balancer = %shared.name, "refused: no endpoint to send to");
-        Rejected::NoEndpoint {
-            name: shared.name.clone(),
-        }
+        Rejected::NoEndpoint { name: shared.name }
     }
 }
 

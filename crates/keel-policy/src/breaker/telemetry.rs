@@ -65,7 +65,7 @@ impl Telemetry {
             self.log_refusal(retry_at);
         }
         Rejected::CircuitOpen {
-            name: self.name.clone(),
+            name: self.name,
             retry_at,
         }
     }
@@ -103,7 +103,7 @@ impl Telemetry {
         }
         // No subscriber is not an error: events are for whoever listens.
         let _ = self.events.send(StateTransition {
-            name: self.name.clone(),
+            name: self.name,
             from,
             to,
             at,

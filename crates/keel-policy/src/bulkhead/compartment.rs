@@ -24,7 +24,7 @@ pub(super) struct Rules {
 impl Rules {
     pub(super) fn new(name: Name, config: &super::BulkheadConfig) -> Self {
         let rejected_total =
-            metrics::counter!("keel_bulkhead_rejected_total", "name" => Arc::clone(&name));
+            metrics::counter!("keel_bulkhead_rejected_total", "name" => name.as_str());
         Self {
             name,
             max_concurrent: config.max_concurrent,
@@ -140,9 +140,9 @@ impl Compartment {
         tracing::debug!(bulkhead = %rules.name, reason = ?refusal, "bulkhead refused a call");
         match refusal {
             Refusal::DeadlinePassed => Rejected::DeadlineExceeded,
-            Refusal::QueueFull | Refusal::WaitedTooLong => Rejected::BulkheadFull {
-                name: Arc::clone(&rules.name),
-            },
+            Refusal::QueueFull | Refusal::WaitedTooLong => {
+                Rejected::BulkheadFull { name: rules.name }
+            }
         }
     }
 

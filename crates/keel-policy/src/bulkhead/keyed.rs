@@ -55,7 +55,7 @@ struct KeyedShared<K> {
 impl<K: Hash + Eq + Clone> KeyedBulkhead<K> {
     pub(super) fn from_config(name: Name, config: &BulkheadConfig) -> Self {
         let overflow_total =
-            metrics::counter!("keel_bulkhead_overflow_total", "name" => Arc::clone(&name));
+            metrics::counter!("keel_bulkhead_overflow_total", "name" => name.as_str());
         let rules = Rules::new(name, config);
         let overflow = Arc::new(Compartment::new(&rules));
         let shared = KeyedShared {

@@ -221,9 +221,7 @@ impl FaultInjection {
         let inner = &*self.inner;
         inner.aborts_total.increment(1);
         tracing::debug!(fault_injection = %inner.name, "injecting a failure");
-        Rejected::InjectedFault {
-            name: inner.name.clone(),
-        }
+        Rejected::InjectedFault { name: inner.name }
     }
 
     fn hit(&self, percentage: f64) -> bool {

@@ -108,7 +108,7 @@ impl Hedge {
         config.validate()?;
         let budget = match (budget, &config.budget) {
             (Some(shared), _) => Some(shared),
-            (None, Some(own)) => Some(own.clone().build(name.clone())?),
+            (None, Some(own)) => Some(own.clone().build(name)?),
             (None, None) => None,
         };
         let delay = match &config.delay {

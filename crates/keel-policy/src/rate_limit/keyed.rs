@@ -64,7 +64,7 @@ impl<K: Hash + Eq + Clone> KeyedRateLimiter<K> {
     pub(super) fn new(name: Name, quota: Quota, max_keys: usize) -> Self {
         let new_keys = Arc::new(AtomicUsize::new(0));
         let overflow_total =
-            metrics::counter!("keel_rate_limit_overflow_total", "name" => Arc::clone(&name));
+            metrics::counter!("keel_rate_limit_overflow_total", "name" => name.as_str());
         let table = KeyTable::new(max_keys, Arc::clone(&new_keys), overflow_total);
         let shared = KeyedShared {
             gcra: governor::RateLimiter::new(quota, table, TokioClock::new()),

@@ -85,7 +85,7 @@ struct Refusals {
 impl Refusals {
     fn new(name: Name) -> Self {
         let rejected_total =
-            metrics::counter!("keel_rate_limit_rejected_total", "name" => Arc::clone(&name));
+            metrics::counter!("keel_rate_limit_rejected_total", "name" => name.as_str());
         Self {
             name,
             rejected_total,
@@ -96,7 +96,7 @@ impl Refusals {
         self.rejected_total.increment(1);
         tracing::debug!(rate_limit = %self.name, ?retry_after, "rate limit refused a call");
         Rejected::RateLimited {
-            name: Arc::clone(&self.name),
+            name: self.name,
             retry_after,
         }
     }

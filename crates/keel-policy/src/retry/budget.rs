@@ -228,7 +228,7 @@ impl RetryBudget {
             Ok(())
         } else {
             Err(Rejected::BudgetExhausted {
-                name: self.inner.name.clone(),
+                name: self.inner.name,
             })
         }
     }

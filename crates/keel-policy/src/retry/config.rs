@@ -138,7 +138,7 @@ impl<P> Parts<P> {
         let budget = match self.budget {
             BudgetChoice::Shared(budget) => Some(budget),
             BudgetChoice::FromConfig => match config.budget.clone() {
-                Some(budget) => Some(budget.build(self.name.clone())?),
+                Some(budget) => Some(budget.build(self.name)?),
                 None => None,
             },
         };

@@ -308,7 +308,7 @@ impl<P> Shared<P> {
             Stop::Budget => {
                 if let (true, Some(budget)) = (self.reject_on_budget_exhausted, &self.budget) {
                     return Err(PolicyError::Rejected(Rejected::BudgetExhausted {
-                        name: budget.name().clone(),
+                        name: *budget.name(),
                     }));
                 }
                 return outcome.map_err(PolicyError::Inner);

@@ -171,7 +171,7 @@ impl ScatterGatherBuilder {
         )?;
         let mut seen = HashSet::new();
         for (target, _) in &self.targets {
-            if !seen.insert(target.clone()) {
+            if !seen.insert(*target) {
                 return Err(ConfigError::new(
                     "targets",
                     format!("`{target}` is listed twice: each target is asked once"),
@@ -309,7 +309,7 @@ impl ScatterGather {
             match target.breaker.try_acquire_owned() {
                 Ok(permit) => {
                     permits.push(Some(permit));
-                    let asked = deadline.scope(ask(target.name.clone()));
+                    let asked = deadline.scope(ask(target.name));
                     running.push(async move { (i, asked.await) });
                 }
                 Err(refused) => {
@@ -326,7 +326,7 @@ impl ScatterGather {
                 // as a `Timeout` inside a breaker would be.
                 permit.record(Outcome::Failure);
                 slots[i] = Some(Err(PolicyError::Rejected(Rejected::Timeout {
-                    name: inner.targets[i].name.clone(),
+                    name: inner.targets[i].name,
                     after: budget,
                 })));
             }
@@ -338,11 +338,11 @@ impl ScatterGather {
         let mut gathered = Gathered::default();
         for (target, slot) in self.inner.targets.iter().zip(slots) {
             match slot {
-                Some(Ok(value)) => gathered.results.push((target.name.clone(), value)),
+                Some(Ok(value)) => gathered.results.push((target.name, value)),
                 Some(Err(error)) => {
                     target.count_missing(&error);
                     gathered.missing.push(Missing {
-                        target: target.name.clone(),
+                        target: target.name,
                         error,
                     });
                 }

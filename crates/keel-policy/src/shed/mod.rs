@@ -44,7 +44,6 @@ mod layer;
 mod load_shed;
 mod queue;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
@@ -69,8 +68,8 @@ struct Telemetry {
 impl Telemetry {
     fn new(name: Name) -> Self {
         Self {
-            shed_total: metrics::counter!("keel_shed_total", "name" => Arc::clone(&name)),
-            expired_total: metrics::counter!("keel_shed_expired_total", "name" => Arc::clone(&name)),
+            shed_total: metrics::counter!("keel_shed_total", "name" => name.as_str()),
+            expired_total: metrics::counter!("keel_shed_expired_total", "name" => name.as_str()),
             name,
             shed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
@@ -82,7 +81,7 @@ impl Telemetry {
         self.shed_total.increment(1);
         tracing::debug!(shed = %self.name, "overloaded: work shed");
         Rejected::Overloaded {
-            name: Arc::clone(&self.name),
+            name: self.name,
             retry_after,
         }
     }

@@ -318,7 +318,7 @@ impl Timeout {
             inner.timed_out.increment(1);
             tracing::debug!(timeout = %inner.name, after = ?inner.limit, "timed out; call cancelled");
             Rejected::Timeout {
-                name: inner.name.clone(),
+                name: inner.name,
                 after: inner.limit,
             }
         }

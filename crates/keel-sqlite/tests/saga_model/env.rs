@@ -2,7 +2,6 @@
 //! answering as the test tells them, with a ledger of what they saw.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::sync::Arc;
 
 use keel_core::{BoxError, Classified, Rejected};
 use parking_lot::Mutex;
@@ -80,7 +79,7 @@ impl Env {
 }
 
 fn refusal(after: Option<u32>) -> BoxError {
-    let name: Arc<str> = "dependency".into();
+    let name = keel_core::Name::from("dependency");
     match after {
         Some(m) => Rejected::circuit_open(name, MINUTE * m),
         None => Rejected::BulkheadFull { name },

@@ -1,0 +1,198 @@
+//! The names of policies and dependencies (`"payments"`), interned.
+//!
+//! A name rides on every refusal a policy makes, and a refusal may be made
+//! millions of times a second by every thread at once. A reference-counted
+//! string would make each refusal write its count, one cache line that all
+//! those threads fight over. An interned name is a `&'static str`: copying
+//! it writes nothing shared, and dropping it does nothing.
+//!
+//! Interning keeps each distinct name for the life of the process. Names are
+//! configuration (one per policy or dependency), and each already labels
+//! metrics that the metrics registry keeps as long, so this holds nothing
+//! that was not held already. Do not make names from request data, for the
+//! same reason you would not make metric labels from it.
+
+use std::borrow::{Borrow, Cow};
+use std::collections::HashSet;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::{Arc, LazyLock};
+
+use parking_lot::RwLock;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The name of a policy instance or dependency: copied, never counted.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Name(&'static str);
+
+static NAMES: LazyLock<RwLock<HashSet<&'static str>>> = LazyLock::new(Default::default);
+
+impl Name {
+    /// The name `name`, interned: the first use of a name stores it once.
+    pub fn new(name: &str) -> Self {
+        if let Some(known) = NAMES.read().get(name) {
+            return Self(known);
+        }
+        let mut names = NAMES.write();
+        match names.get(name) {
+            Some(known) => Self(known),
+            None => {
+                let stored: &'static str = Box::leak(name.into());
+                names.insert(stored);
+                Self(stored)
+            }
+        }
+    }
+
+    /// The name as a string that lives as long as the process.
+    pub fn as_str(self) -> &'static str {
+        self.0
+    }
+}
+
+impl Deref for Name {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.0
+    }
+}
+
+impl AsRef<str> for Name {
+    fn as_ref(&self) -> &str {
+        self.0
+    }
+}
+
+impl Borrow<str> for Name {
+    fn borrow(&self) -> &str {
+        self.0
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl fmt::Debug for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.0, f)
+    }
+}
+
+impl From<&str> for Name {
+    fn from(name: &str) -> Self {
+        Self::new(name)
+    }
+}
+
+impl From<&String> for Name {
+    fn from(name: &String) -> Self {
+        Self::new(name)
+    }
+}
+
+impl From<String> for Name {
+    fn from(name: String) -> Self {
+        Self::new(&name)
+    }
+}
+
+impl From<Box<str>> for Name {
+    fn from(name: Box<str>) -> Self {
+        Self::new(&name)
+    }
+}
+
+impl From<Arc<str>> for Name {
+    fn from(name: Arc<str>) -> Self {
+        Self::new(&name)
+    }
+}
+
+impl From<Cow<'_, str>> for Name {
+    fn from(name: Cow<'_, str>) -> Self {
+        Self::new(&name)
+    }
+}
+
+impl From<Name> for String {
+    fn from(name: Name) -> Self {
+        name.0.to_owned()
+    }
+}
+
+impl PartialEq<str> for Name {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for Name {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl Serialize for Name {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Name {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Cow::<'de, str>::deserialize(deserializer).map(Self::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_is_stored_once_however_it_is_made() {
+        let made = [
+            Name::from("payments"),
+            Name::from(String::from("payments")),
+            Name::from(Arc::<str>::from("payments")),
+            Name::new(&"payments-x"[..8]),
+        ];
+        for name in made {
+            assert_eq!(name, made[0]);
+            assert!(std::ptr::eq(name.as_str(), made[0].as_str()));
+        }
+        assert_ne!(Name::from("payments"), Name::from("pay"));
+    }
+
+    #[test]
+    fn it_reads_and_prints_as_its_string() {
+        let name = Name::from("stock");
+        assert_eq!(name, "stock");
+        assert_eq!(&*name, "stock");
+        assert_eq!(name.to_string(), "stock");
+        assert_eq!(format!("{name:?}"), "\"stock\"");
+        let set: HashSet<Name> = [name].into();
+        assert!(set.contains("stock"), "looked up by &str");
+    }
+
+    #[test]
+    fn threads_naming_at_once_agree() {
+        let names: Vec<Name> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| Name::from(String::from("raced"))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("named"))
+                .collect()
+        });
+        assert!(
+            names
+                .iter()
+                .all(|n| std::ptr::eq(n.as_str(), names[0].as_str()))
+        );
+    }
+}
