@@ -71,8 +71,14 @@
 //!
 //! # Cost
 //!
-//! Deciding whether a call may go is one atomic load while closed, plus a
-//! clock read while open; no lock. Recording takes no lock with a count-based
+//! Deciding whether a call may go is one atomic load while closed, and two
+//! while open; no lock and no clock read. An open breaker learns that its
+//! cool-down is nearly over from one timer on tokio's time driver, so a
+//! breaker that opens inside a runtime needs that runtime's timers
+//! (`enable_time`, which `#[tokio::main]` and `#[tokio::test]` turn on); one
+//! that opens outside a runtime reads the clock on each refusal instead. A
+//! refusal carries the breaker's [`Name`](keel_core::Name), which is copied,
+//! not reference-counted, so threads refusing at once share no write. Recording takes no lock with a count-based
 //! window: a success into a window already full of successes writes nothing
 //! at all, so a healthy dependency's calls only read shared memory and many
 //! threads do not contend; otherwise one `fetch_add`, and a write only when a
