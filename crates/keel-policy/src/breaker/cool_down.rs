@@ -12,11 +12,12 @@
 //! clock. So under `tokio::time::pause` a test that advances past the
 //! cool-down sees the probe let through at once, exactly as with a clock
 //! read, and in real time the mark is gone [`WAKE_EARLY`] before a probe is
-//! due. A breaker that opens outside a runtime, or for less than
-//! [`SHORTEST`], reads the clock on every refusal instead. If the runtime
-//! shuts down, its time driver fires every timer it holds, so the mark
-//! cannot outlive it.
+//! due. A breaker that opens outside a runtime, in one without timers, or
+//! for less than [`SHORTEST`], reads the clock on every refusal instead. If
+//! the runtime shuts down, its time driver fires every timer it holds, so
+//! the mark cannot outlive it.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Wake, Waker};
 use std::time::Duration;
@@ -47,23 +48,36 @@ pub(super) fn can_arm(open_for: Duration) -> bool {
 }
 
 /// Arms the timer for the open `word`, already published, whose probe is
-/// due at `probe_at`. Returns it, or `None` when it fired at once (the
-/// mark is then already cleared).
+/// due at `probe_at`. Returns it, or `None` when it fired at once or could
+/// not be armed (the mark is then already cleared, and refusals read the
+/// clock).
 pub(super) fn arm(
     inner: Weak<Inner>,
     word: Word,
     probe_at: Instant,
     open_for: Duration,
 ) -> Option<CoolDown> {
-    let early = WAKE_EARLY.min(open_for / 2);
-    let mut timer = Box::pin(tokio::time::sleep_until(probe_at - early));
+    let wake_at = probe_at - WAKE_EARLY.min(open_for / 2);
     let waker = Waker::from(Arc::new(Over { inner, word }));
-    match timer.as_mut().poll(&mut Context::from_waker(&waker)) {
-        std::task::Poll::Ready(()) => {
+    // tokio cannot be asked whether this runtime has timers, or whether its
+    // time driver is shutting down: it panics when a timer is made or
+    // polled then. That panic only means "no timer", so it is caught and
+    // the breaker reads the clock instead. Nothing is left half-changed by
+    // it: the timer is this function's own.
+    let armed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let mut timer = Box::pin(tokio::time::sleep_until(wake_at));
+        let fired = timer
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_ready();
+        (!fired).then_some(timer)
+    }));
+    match armed {
+        Ok(Some(timer)) => Some(timer),
+        Ok(None) | Err(_) => {
             waker.wake();
             None
         }
-        std::task::Poll::Pending => Some(timer),
     }
 }
 
@@ -208,6 +222,24 @@ mod tests {
         assert!(wait_left(&b) <= Duration::from_millis(20));
         std::thread::sleep(Duration::from_millis(25));
         assert!(probes(&b));
+    }
+
+    /// Long enough to outlast the panic tokio prints (with a backtrace,
+    /// when asked) before saying it has no timers.
+    #[test]
+    fn a_runtime_without_timers_leaves_the_clock_to_decide() {
+        let open_for = Duration::from_secs(60);
+        let b = breaker(open_for);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime without timers");
+        runtime.block_on(trip(&b));
+        assert!(!b.cooling(), "no timer, so no mark");
+        let left = wait_left(&b);
+        assert!(
+            left > Duration::ZERO && left < open_for,
+            "{left:?}, read off the clock"
+        );
     }
 
     #[test]
