@@ -9,7 +9,6 @@
 //! in order; the new state is published last, so a caller that sees it also
 //! sees everything it depends on.
 
-use std::fmt;
 use std::num::NonZeroU64;
 use std::sync::Weak;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
@@ -21,6 +20,7 @@ use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
 use super::cool_down::{self, CoolDown};
+use super::reason::Reason;
 use super::state::Word;
 use super::telemetry::Telemetry;
 use super::window::{Sample, Tally, Window};
@@ -187,7 +187,7 @@ impl Inner {
             let word = self.load();
             let decided = match word.state() {
                 State::Closed => Some(Ok(self.ticket(word.generation(), TicketKind::Closed))),
-                State::Open if word.cooling() => Some(Err(ProbeAt(self.deadline.load(Acquire)))),
+                State::Open if word.cooling() => Some(Err(self.probe_at_deadline())),
                 State::Open => self.acquire_while_open(word),
                 State::HalfOpen => self.acquire_probe(word),
                 State::Disabled => Some(Ok(self.ticket(word.generation(), TicketKind::Disabled))),
@@ -217,6 +217,17 @@ impl Inner {
     #[inline]
     pub(super) fn refuse(&self, probe_at: ProbeAt) -> Rejected {
         self.telemetry.rejected(self.instant_at(probe_at.0))
+    }
+
+    /// The refusal of a cooling breaker: its deadline is the probe's time,
+    /// unless a transition racing this read already replaced it with a
+    /// half-open one that has none.
+    #[inline]
+    fn probe_at_deadline(&self) -> ProbeAt {
+        match self.deadline.load(Acquire) {
+            u64::MAX => self.probe_after(self.limits.open_duration),
+            until => ProbeAt(until),
+        }
     }
 
     /// A refusal whose probe time is only a hint (forced open, or every
@@ -560,38 +571,4 @@ fn nanos(duration: Duration) -> u64 {
 fn later(at: Instant, wait: Duration) -> Instant {
     const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
     at + wait.min(CENTURY)
-}
-
-/// Why a transition happened, for the log line that reports it.
-#[derive(Debug)]
-enum Reason {
-    FailureRate(Tally),
-    SlowRate(Tally),
-    Consecutive(u32),
-    CoolDownElapsed,
-    ProbeFailed,
-    ProbeSlow,
-    ProbesSucceeded(u16),
-    ProbesUnanswered,
-    Operator(&'static str),
-}
-
-impl fmt::Display for Reason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::FailureRate(t) => {
-                write!(f, "{} of the last {} calls failed", t.failures, t.calls)
-            }
-            Self::SlowRate(t) => write!(f, "{} of the last {} calls were slow", t.slow, t.calls),
-            Self::Consecutive(run) => write!(f, "{run} calls failed in a row"),
-            Self::CoolDownElapsed => f.write_str("the open duration has passed; probing"),
-            Self::ProbeFailed => f.write_str("a probe call failed"),
-            Self::ProbeSlow => f.write_str("a probe call was slow"),
-            Self::ProbesSucceeded(n) => write!(f, "all {n} probe calls succeeded"),
-            Self::ProbesUnanswered => {
-                f.write_str("the probes did not answer within max_wait_in_half_open")
-            }
-            Self::Operator(what) => write!(f, "{what} by an operator"),
-        }
-    }
 }

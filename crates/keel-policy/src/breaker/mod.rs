@@ -132,6 +132,7 @@ mod handle;
 mod layer;
 mod machine;
 mod permit;
+mod reason;
 mod registry;
 mod state;
 mod telemetry;
