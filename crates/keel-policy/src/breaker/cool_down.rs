@@ -129,6 +129,12 @@ mod tests {
         assert_eq!(b.state(), State::Open);
     }
 
+    async fn tripped(open_for: Duration) -> CircuitBreaker {
+        let b = breaker(open_for);
+        trip(&b).await;
+        b
+    }
+
     fn probes(b: &CircuitBreaker) -> bool {
         b.try_acquire().is_ok_and(|permit| permit.is_probe())
     }
@@ -141,8 +147,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn refusals_skip_the_clock_until_shortly_before_a_probe_is_due() {
         let open_for = Duration::from_secs(30);
-        let b = breaker(open_for);
-        trip(&b).await;
+        let b = tripped(open_for).await;
         assert!(b.cooling());
         advance(open_for - WAKE_EARLY - MS).await;
         assert!(b.cooling());
@@ -161,8 +166,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_test_that_sleeps_out_the_cool_down_sees_the_probe() {
         let open_for = Duration::from_secs(5);
-        let b = breaker(open_for);
-        trip(&b).await;
+        let b = tripped(open_for).await;
         tokio::time::sleep(open_for).await;
         assert!(probes(&b));
     }
@@ -170,8 +174,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_jump_past_the_cool_down_sees_the_probe() {
         let open_for = Duration::from_secs(5);
-        let b = breaker(open_for);
-        trip(&b).await;
+        let b = tripped(open_for).await;
         advance(open_for).await;
         assert!(probes(&b));
     }
@@ -179,8 +182,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn in_real_time_the_probe_goes_when_the_cool_down_ends() {
         let open_for = Duration::from_millis(40);
-        let b = breaker(open_for);
-        trip(&b).await;
+        let b = tripped(open_for).await;
         assert!(b.cooling());
         tokio::time::sleep(open_for).await;
         assert!(probes(&b));
@@ -189,8 +191,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_reopened_breaker_cools_down_again_and_the_old_timer_is_gone() {
         let open_for = Duration::from_secs(5);
-        let b = breaker(open_for);
-        trip(&b).await;
+        let b = tripped(open_for).await;
         advance(open_for).await;
         let probe = b.try_acquire().expect("a probe");
         probe.record(super::super::Outcome::Failure);
@@ -206,8 +207,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_cool_down_too_short_for_the_timer_reads_the_clock() {
         let open_for = super::SHORTEST - MS;
-        let b = breaker(open_for);
-        trip(&b).await;
+        let b = tripped(open_for).await;
         assert!(!b.cooling());
         assert_eq!(wait_left(&b), open_for);
         advance(open_for).await;
