@@ -17,14 +17,14 @@
 //! the runtime shuts down, its time driver fires every timer it holds, so
 //! the mark cannot outlive it.
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Wake, Waker};
 use std::time::Duration;
 
 use keel_core::clock::Instant;
-use std::future::Future;
-use std::pin::Pin;
 use tokio::time::Sleep;
 
 use super::machine::Inner;

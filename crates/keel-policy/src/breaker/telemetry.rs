@@ -56,8 +56,8 @@ impl Telemetry {
         self.events.subscribe()
     }
 
-    /// Built where it is returned, so that the refusal is written once
-    /// rather than copied out of a call.
+    /// Counts and builds a refusal; the log line, off unless asked for,
+    /// stays out of the refusal's own code.
     #[inline]
     pub(super) fn rejected(&self, retry_at: Instant) -> Rejected {
         self.rejected.increment(1);
