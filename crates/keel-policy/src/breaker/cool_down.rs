@@ -12,7 +12,8 @@
 //! clock. So under `tokio::time::pause` a test that advances past the
 //! cool-down sees the probe let through at once, exactly as with a clock
 //! read, and in real time the mark is gone [`WAKE_EARLY`] before a probe is
-//! due. A breaker that opens outside a runtime, in one without timers, or
+//! due. A runtime so busy that its driver runs later than that delays the
+//! first probe by the difference, as it delays every timer. A breaker that opens outside a runtime, in one without timers, or
 //! for less than [`SHORTEST`], reads the clock on every refusal instead. If
 //! the runtime shuts down, its time driver fires every timer it holds, so
 //! the mark cannot outlive it.
