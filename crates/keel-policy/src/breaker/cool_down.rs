@@ -206,6 +206,17 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_refusal_racing_the_move_to_half_open_still_answers_a_sane_wait() {
+        let open_for = Duration::from_secs(5);
+        let b = tripped(open_for).await;
+        assert!(b.cooling());
+        // The word said "cooling", then the deadline became half-open's
+        // "none" before the refusal read it.
+        b.inner().forget_deadline();
+        assert_eq!(wait_left(&b), open_for, "the open duration as a hint");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_cool_down_too_short_for_the_timer_reads_the_clock() {
         let open_for = super::SHORTEST - MS;
         let b = tripped(open_for).await;

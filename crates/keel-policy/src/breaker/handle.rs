@@ -80,6 +80,11 @@ impl CircuitBreaker {
         self.inner.cooling()
     }
 
+    #[cfg(test)]
+    pub(super) fn inner(&self) -> &Inner {
+        &self.inner
+    }
+
     /// Rates, counts and state, as of now.
     pub fn metrics(&self) -> BreakerMetrics {
         self.inner.metrics()
