@@ -193,7 +193,9 @@ impl Inner {
             let word = self.load();
             let decided = match word.state() {
                 State::Closed => Some(Ok(self.ticket(word.generation(), TicketKind::Closed))),
-                State::Open if word.cooling() => Some(Err(self.probe_at_deadline())),
+                State::Open if word.cooling() => {
+                    Some(Err(self.probe_at(self.deadline.load(Acquire))))
+                }
                 State::Open => self.acquire_while_open(word),
                 State::HalfOpen => self.acquire_probe(word),
                 State::Disabled => Some(Ok(self.ticket(word.generation(), TicketKind::Disabled))),
@@ -225,12 +227,13 @@ impl Inner {
         self.telemetry.rejected(self.instant_at(probe_at.0))
     }
 
-    /// The refusal of a cooling breaker: its deadline is the probe's time,
-    /// unless a transition racing this read already replaced it with a
-    /// half-open one that has none.
+    /// The refusal's probe time for the deadline `until`, which has none
+    /// (`u64::MAX`) while half-open without a wait limit: then the open
+    /// duration is the hint. A cooling breaker's refusal can meet that
+    /// too, when a move to half-open races its read of the deadline.
     #[inline]
-    fn probe_at_deadline(&self) -> ProbeAt {
-        match self.deadline.load(Acquire) {
+    fn probe_at(&self, until: u64) -> ProbeAt {
+        match until {
             u64::MAX => self.probe_after(self.limits.open_duration),
             until => ProbeAt(until),
         }
@@ -268,11 +271,7 @@ impl Inner {
         let now = self.nanos_at(clock::now());
         let until = self.deadline.load(Acquire);
         if now < until {
-            let probe_at = match until {
-                u64::MAX => self.probe_after(self.limits.open_duration),
-                _ => ProbeAt(until),
-            };
-            return Some(Err(probe_at));
+            return Some(Err(self.probe_at(until)));
         }
         self.transition_if(seen, State::Open, &Reason::ProbesUnanswered);
         None
