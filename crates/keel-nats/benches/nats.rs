@@ -2,7 +2,8 @@
 //! raw async-nats client doing the same work in the same run.
 //!
 //! - `nats/publish/{keel,raw}`: a batch of `BATCH` messages with unique
-//!   ids (`Nats-Msg-Id`), all PubAcks awaited.
+//!   ids (`Nats-Msg-Id`) and unique keys (raw: a subject per message, as a
+//!   keyed publisher writes them), all PubAcks awaited.
 //! - `nats/consume/{keel,raw}`: receive `BATCH` already-published
 //!   messages through a durable pull consumer and ack each, confirmed (raw:
 //!   JetStream's double ack; Keel: its key-cursor write, then a plain
@@ -10,6 +11,11 @@
 //!   so Keel's per-key order never holds one back; the difference is the
 //!   per-key bookkeeping (a head check per delivery, a cursor write per
 //!   ack).
+//!
+//! Each group deletes the streams it wrote before the next one starts, and
+//! the run deletes everything it made, so every figure measures only its
+//! own messages (the raw consumer once started behind the publish group's
+//! backlog, and a long-lived server kept every earlier run's streams).
 //!
 //! Needs `KEEL_TEST_NATS_URL`; run through `scripts/services.sh run cargo
 //! bench -p keel-nats --bench nats`.
@@ -50,14 +56,19 @@ fn keel_batch(topic: &str) -> Vec<Message> {
         .collect()
 }
 
-async fn raw_publish(context: &jetstream::Context, subject: &str) {
+async fn raw_publish(context: &jetstream::Context, base: &str) {
     let mut acks = Vec::with_capacity(BATCH);
     for _ in 0..BATCH {
+        let n = next_id();
         let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", format!("r-{}", next_id()).as_str());
+        headers.insert("Nats-Msg-Id", format!("r-{n}").as_str());
         acks.push(
             context
-                .publish_with_headers(subject.to_owned(), headers, Bytes::from_static(PAYLOAD))
+                .publish_with_headers(
+                    format!("{base}.k.r-{n}"),
+                    headers,
+                    Bytes::from_static(PAYLOAD),
+                )
                 .await
                 .expect("raw publish"),
         );
@@ -76,31 +87,18 @@ fn benches(c: &mut Criterion) {
     };
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let prefix = format!("bench{}", std::process::id());
-    let (broker, context, raw_stream) = rt.block_on(async {
+    let (broker, context) = rt.block_on(async {
         let broker = NatsBrokerOptions::new()
             .stream_prefix(&prefix)
             .open(&url)
             .await
             .expect("connect keel");
         let client = async_nats::connect(&url).await.expect("connect raw");
-        let context = jetstream::new(client);
-        // The same stream settings NatsBroker uses.
-        let raw_stream = context
-            .get_or_create_stream(stream::Config {
-                name: format!("{prefix}raw"),
-                subjects: vec![format!("{prefix}raw.>")],
-                storage: stream::StorageType::File,
-                duplicate_window: Duration::from_secs(600),
-                max_age: Duration::from_secs(7 * 24 * 3600),
-                allow_direct: true,
-                ..Default::default()
-            })
-            .await
-            .expect("raw stream");
-        (broker, context, raw_stream)
+        (broker, jetstream::new(client))
     });
-    let raw_subject = format!("{prefix}raw.k.x");
 
+    let raw_pub = format!("{prefix}rawpub");
+    rt.block_on(raw_stream(&context, &raw_pub));
     let mut group = c.benchmark_group("nats/publish");
     group.throughput(Throughput::Elements(BATCH as u64));
     group.sample_size(20);
@@ -111,9 +109,13 @@ fn benches(c: &mut Criterion) {
     });
     group.bench_function("raw", |b| {
         b.to_async(&rt)
-            .iter(|| async { raw_publish(&context, &raw_subject).await });
+            .iter(|| async { raw_publish(&context, &raw_pub).await });
     });
     group.finish();
+    rt.block_on(delete_streams(
+        &context,
+        &[format!("{prefix}_pub"), raw_pub],
+    ));
 
     let mut group = c.benchmark_group("nats/consume");
     group.throughput(Throughput::Elements(BATCH as u64));
@@ -154,8 +156,10 @@ fn benches(c: &mut Criterion) {
             }
         });
     });
+    let raw_con = format!("{prefix}rawcon");
     let consumer = rt.block_on(async {
-        raw_stream
+        raw_stream(&context, &raw_con)
+            .await
             .get_or_create_consumer(
                 "bench",
                 pull::Config {
@@ -171,7 +175,7 @@ fn benches(c: &mut Criterion) {
     });
     group.bench_function("raw", |b| {
         b.to_async(&rt).iter_custom(|iters| {
-            let (context, consumer, subject) = (&context, &consumer, &raw_subject);
+            let (context, consumer, subject) = (&context, &consumer, &raw_con);
             async move {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
@@ -203,6 +207,42 @@ fn benches(c: &mut Criterion) {
         });
     });
     group.finish();
+    rt.block_on(async {
+        drop(sub);
+        delete_streams(
+            &context,
+            &[
+                format!("{prefix}_consume"),
+                format!("KV_{prefix}_cursors"),
+                raw_con,
+            ],
+        )
+        .await;
+    });
+}
+
+/// A stream for the raw client with the settings `NatsBroker` uses.
+async fn raw_stream(context: &jetstream::Context, name: &str) -> stream::Stream {
+    context
+        .get_or_create_stream(stream::Config {
+            name: name.to_owned(),
+            subjects: vec![format!("{name}.>")],
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(600),
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            allow_direct: true,
+            ..Default::default()
+        })
+        .await
+        .expect("raw stream")
+}
+
+async fn delete_streams(context: &jetstream::Context, names: &[String]) {
+    for name in names {
+        if let Err(error) = context.delete_stream(name).await {
+            eprintln!("could not delete stream {name}: {error}");
+        }
+    }
 }
 
 criterion_group!(nats, benches);

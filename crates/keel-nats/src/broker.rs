@@ -6,12 +6,16 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
-use async_nats::jetstream::context::{ConsumerInfoErrorKind, PublishErrorKind};
+use async_nats::jetstream::context::{
+    ConsumerInfoErrorKind, PublishAckFuture, PublishError, PublishErrorKind,
+};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};
 use async_nats::jetstream::{self, kv};
-use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use async_nats::{HeaderMap, HeaderName, HeaderValue, Subject};
 use async_trait::async_trait;
 use keel_messaging::broker::{
     Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
@@ -25,6 +29,7 @@ use crate::error::{publish_ack, publish_send, unavailable};
 use crate::expiry::EXPIRES_AFTER_MS;
 use crate::names::{TopicNames, check_prefix, checked_token};
 use crate::options::NatsBrokerOptions;
+use crate::predecessor::LastSequences;
 use crate::subscription::NatsSubscription;
 use crate::{KEY_HEADER, MESSAGE_ID_HEADER};
 
@@ -43,6 +48,7 @@ struct Inner {
     options: NatsBrokerOptions,
     streams: Mutex<HashMap<String, stream::Stream>>,
     cursors: OnceCell<kv::Store>,
+    last_sequences: LastSequences,
 }
 
 impl std::fmt::Debug for NatsBroker {
@@ -91,6 +97,7 @@ impl NatsBroker {
                 options,
                 streams: Mutex::new(HashMap::new()),
                 cursors: OnceCell::new(),
+                last_sequences: LastSequences::default(),
             }),
         })
     }
@@ -165,6 +172,73 @@ impl NatsBroker {
         Ok(stream)
     }
 
+    /// Checks every message before any is sent, so a refused one never has
+    /// a later one stored after it; opens the streams; and gives each
+    /// message whose key occurs once its predecessor guess.
+    async fn prepare(
+        &self,
+        messages: &[Message],
+    ) -> Result<Vec<(Subject, Option<u64>, PublishMessage)>, BrokerError> {
+        let prefix = &self.inner.options.stream_prefix;
+        let mut subjects = Vec::with_capacity(messages.len());
+        let mut streams = HashSet::new();
+        for message in messages {
+            self.validate(message)?;
+            let names = TopicNames::new(prefix, &message.topic)?;
+            subjects.push(Subject::from(names.subject(&message.key)));
+            if streams.insert(names.stream.clone()) {
+                self.stream(&names, None).await?;
+            }
+        }
+        let mut occurrences: HashMap<&str, usize> = HashMap::new();
+        for subject in &subjects {
+            *occurrences.entry(subject.as_str()).or_default() += 1;
+        }
+        let last_sequences = &self.inner.last_sequences;
+        subjects
+            .iter()
+            .zip(messages)
+            .map(|(subject, message)| {
+                let expected =
+                    (occurrences[subject.as_str()] == 1).then(|| last_sequences.guess(subject));
+                Ok((subject.clone(), expected, to_publish(message, expected)?))
+            })
+            .collect()
+    }
+
+    async fn send(
+        &self,
+        subject: Subject,
+        publish: PublishMessage,
+    ) -> Result<PublishAckFuture, BrokerError> {
+        self.inner
+            .context
+            .send_publish(subject, publish)
+            .await
+            .map_err(publish_send)
+    }
+
+    /// Turns a PubAck into the publish's outcome, remembering where the
+    /// message was stored.
+    fn stored(
+        &self,
+        subject: &str,
+        outcome: Result<PublishAck, PublishError>,
+    ) -> Result<(), BrokerError> {
+        let ack = outcome.map_err(|error| {
+            if error.kind() == PublishErrorKind::StreamNotFound {
+                // Deleted behind our back: recreate it on the next try.
+                self.inner.streams.lock().clear();
+            }
+            publish_ack(error)
+        })?;
+        if ack.duplicate {
+            metrics::counter!("keel_broker_publish_duplicates_total").increment(1);
+        }
+        self.inner.last_sequences.stored(subject, ack.sequence);
+        Ok(())
+    }
+
     pub(crate) async fn cursor_store(&self) -> Result<kv::Store, BrokerError> {
         let options = &self.inner.options;
         let bucket = format!("{}_cursors", options.stream_prefix);
@@ -193,7 +267,9 @@ fn storage(file: bool) -> StorageType {
 
 /// A Keel message as a JetStream publish: its headers, plus the message id
 /// (`Nats-Msg-Id`, JetStream's dedupe key) and the key.
-fn to_publish(message: &Message) -> Result<PublishMessage, BrokerError> {
+/// `expected`, when given, is the key's last stored sequence the message
+/// states (see the `predecessor` module).
+fn to_publish(message: &Message, expected: Option<u64>) -> Result<PublishMessage, BrokerError> {
     let mut headers = HeaderMap::new();
     for (name, value) in &message.headers {
         if name.starts_with("Nats-") || name == KEY_HEADER {
@@ -208,6 +284,12 @@ fn to_publish(message: &Message) -> Result<PublishMessage, BrokerError> {
         header_value("message id", &message.id)?,
     );
     headers.insert(header_name(KEY_HEADER)?, header_value("key", &message.key)?);
+    if let Some(sequence) = expected {
+        headers.insert(
+            NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+            HeaderValue::from(sequence),
+        );
+    }
     Ok(PublishMessage::build()
         .payload(message.payload.clone())
         .headers(headers))
@@ -215,7 +297,7 @@ fn to_publish(message: &Message) -> Result<PublishMessage, BrokerError> {
 
 /// The size NATS counts against `max_payload`: the payload and the header
 /// block (`NATS/1.0\r\n`, a `name: value\r\n` line per header, `\r\n`),
-/// with the message id and key headers this crate adds.
+/// with the message id, key and predecessor headers this crate adds.
 fn wire_size(message: &Message) -> usize {
     let line = |name: &str, value: &str| name.len() + 2 + value.len() + 2;
     let headers: usize = message
@@ -228,6 +310,10 @@ fn wire_size(message: &Message) -> usize {
         + headers
         + line(MESSAGE_ID_HEADER, &message.id)
         + line(KEY_HEADER, &message.key)
+        + line(
+            NATS_EXPECTED_LAST_SUBJECT_SEQUENCE.as_ref(),
+            &u64::MAX.to_string(),
+        )
         + 2
 }
 
@@ -251,41 +337,35 @@ impl Broker for NatsBroker {
     /// published once JetStream stored it. An ack that does not arrive is
     /// [`BrokerError::OutcomeUnknown`]; republishing is safe because the
     /// message id dedupes it within the duplicate window.
+    ///
+    /// A message whose key occurs once in `messages` states its key's last
+    /// stored message (see the `predecessor` module); if JetStream refuses
+    /// that guess, the message is sent again without it.
     async fn publish(&self, messages: &[Message]) -> Result<(), BrokerError> {
-        let prefix = &self.inner.options.stream_prefix;
-        let mut prepared = Vec::with_capacity(messages.len());
-        let mut streams = HashSet::new();
-        // Every message is checked before any is sent, so a refused one
-        // never has a later one stored after it.
-        for message in messages {
-            self.validate(message)?;
-            let names = TopicNames::new(prefix, &message.topic)?;
-            prepared.push((names.subject(&message.key), to_publish(message)?));
-            if streams.insert(names.stream.clone()) {
-                self.stream(&names, None).await?;
-            }
-        }
+        let prepared = self.prepare(messages).await?;
         let mut acks = Vec::with_capacity(prepared.len());
-        for (subject, publish) in prepared {
-            let ack = self
-                .inner
-                .context
-                .send_publish(subject, publish)
-                .await
-                .map_err(publish_send)?;
-            acks.push(ack);
+        for (subject, expected, publish) in prepared {
+            let ack = self.send(subject.clone(), publish).await?;
+            acks.push((subject, expected, ack));
         }
-        for ack in acks {
-            let ack = ack.await.map_err(|error| {
-                if error.kind() == PublishErrorKind::StreamNotFound {
-                    // Deleted behind our back: recreate it on the next try.
-                    self.inner.streams.lock().clear();
+        let mut refused = Vec::new();
+        for ((subject, expected, ack), message) in acks.into_iter().zip(messages) {
+            match ack.await {
+                Err(error)
+                    if expected.is_some()
+                        && error.kind() == PublishErrorKind::WrongLastSequence =>
+                {
+                    refused.push((subject, message));
                 }
-                publish_ack(error)
-            })?;
-            if ack.duplicate {
-                metrics::counter!("keel_broker_publish_duplicates_total").increment(1);
+                outcome => self.stored(&subject, outcome)?,
             }
+        }
+        for (subject, message) in refused {
+            metrics::counter!("keel_broker_publish_wrong_predecessor_total").increment(1);
+            let ack = self
+                .send(subject.clone(), to_publish(message, None)?)
+                .await?;
+            self.stored(&subject, ack.await)?;
         }
         Ok(())
     }
@@ -300,7 +380,7 @@ impl Broker for NatsBroker {
             return Err(BrokerError::Invalid("a message id is empty".into()));
         }
         TopicNames::new(&self.inner.options.stream_prefix, &message.topic)?;
-        to_publish(message)?;
+        to_publish(message, None)?;
         let max_payload = self.inner.client.max_payload();
         let size = wire_size(message);
         if max_payload > 0 && size > max_payload {

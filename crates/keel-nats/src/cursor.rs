@@ -17,11 +17,11 @@
 //!
 //! A first delivery (JetStream's delivery count 1) cannot be finished yet,
 //! so its head check needs no cursor read when the cached cursor already
-//! shows it is the head: a new key costs one direct get to deliver and one
-//! bucket write to ack. Resetting a group therefore means deleting both its
+//! shows it is the head: when the message's verified predecessor (see
+//! [`crate::predecessor`]) is at or behind it, no round trip at all; else
+//! one direct get. Either way, one bucket write to ack. Resetting a group therefore means deleting both its
 //! consumer and its cursors (`<topic>.<group>.>` in the bucket).
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::kv::{self, CreateErrorKind, UpdateErrorKind};
@@ -30,14 +30,19 @@ use keel_messaging::broker::BrokerError;
 use parking_lot::Mutex;
 
 use crate::error::unavailable;
+use crate::recent::Recent;
 
 /// A group's key cursors on one topic, with a local cache of each key's
 /// cursor and the bucket revision it was read or written at (`None`: the
 /// key has no entry yet, as far as we know).
 pub(crate) struct Cursors {
     store: kv::Store,
-    cache: Mutex<HashMap<String, Known>>,
+    cache: Mutex<Recent<Known>>,
 }
+
+/// How many keys a generation of the cursor cache holds. A forgotten key
+/// costs extra round trips to the bucket on its next head check or finish.
+const CACHED: usize = 16_384;
 
 /// A cached cursor and the revision of its entry, if it has one.
 #[derive(Debug, Clone, Copy)]
@@ -83,7 +88,7 @@ impl Cursors {
     pub(crate) fn new(store: kv::Store) -> Self {
         Self {
             store,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Recent::new(CACHED)),
         }
     }
 
@@ -104,7 +109,7 @@ impl Cursors {
     /// compare-and-set write when the cache is current, a read and a retry
     /// when someone else wrote in between.
     pub(crate) async fn advance(&self, key: &str, sequence: u64) -> Result<(), BrokerError> {
-        let mut known = self.cache.lock().get(key).copied().unwrap_or(Known {
+        let mut known = self.cache.lock().get(key).unwrap_or(Known {
             cursor: 0,
             revision: None,
         });
@@ -156,12 +161,8 @@ impl Cursors {
 
     fn remember(&self, key: &str, known: Known) {
         let mut cache = self.cache.lock();
-        match cache.get_mut(key) {
-            Some(old) if old.cursor > known.cursor => {}
-            Some(old) => *old = known,
-            None => {
-                cache.insert(key.to_owned(), known);
-            }
+        if cache.get(key).is_none_or(|old| old.cursor <= known.cursor) {
+            cache.insert(key, known);
         }
     }
 

@@ -14,7 +14,10 @@
 //!   JetStream drops a repeat within the duplicate window
 //!   ([`NatsBrokerOptions::duplicate_window`]). `publish` returns once every
 //!   PubAck arrived; a missing ack is `OutcomeUnknown`, and republishing is
-//!   safe because of the dedupe.
+//!   safe because of the dedupe. A message also states its key's last
+//!   stored sequence (`Nats-Expected-Last-Subject-Sequence`), guessed from
+//!   this process's own PubAcks; a wrong guess is refused by the server
+//!   and the message sent again without it.
 //! - **A durable pull consumer per group** (deliver all, explicit ack,
 //!   `ack_wait` = the subscription's lease, unlimited deliveries). Members of
 //!   a group pull from the same consumer and so split the work. Keel's
@@ -45,8 +48,12 @@
 //! Keel's contract says keys are independent, so this crate keeps the exact
 //! per-key rule instead, at a price:
 //!
-//! - one direct-get round trip per delivery (is it the key's head?), and a
-//!   key-value write per ack or terminate;
+//! - a key-value write per ack or terminate, and a head check per
+//!   delivery (is it the key's first unfinished message?). The check is
+//!   free when the message names its key's previous message and the server
+//!   verified that at publish (see [`predecessor`]), which Keel's `publish`
+//!   arranges for every key that occurs once in a call; otherwise it costs
+//!   a direct-get round trip;
 //! - messages pulled behind a busy key are *parked* in the subscription
 //!   (kept alive with in-progress acks while `receive` is called) and count
 //!   against the group's `max_ack_pending`
@@ -76,6 +83,8 @@ mod error;
 mod expiry;
 mod names;
 mod options;
+pub mod predecessor;
+mod recent;
 pub mod reply;
 mod subscription;
 

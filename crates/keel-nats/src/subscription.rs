@@ -28,6 +28,7 @@ use crate::cursor::Cursors;
 use crate::delivery::{HeldKeys, Lease, NatsDeliveryControl, margin};
 use crate::error::unavailable;
 use crate::names::{TopicNames, untoken};
+use crate::predecessor;
 use crate::{KEY_HEADER, MESSAGE_ID_HEADER};
 
 /// The longest a waiting receive goes without re-checking parked messages.
@@ -39,6 +40,8 @@ pub(crate) struct Parked {
     sequence: u64,
     delivered: u32,
     key_token: String,
+    /// The key's previous message, as the server checked it at publish.
+    predecessor: Option<u64>,
     deadline: Instant,
 }
 
@@ -209,6 +212,7 @@ impl NatsSubscription {
             BrokerError::Other(format!("a JetStream message without metadata: {e}").into())
         })?;
         let (sequence, delivered) = (info.stream_sequence, info.delivered);
+        let predecessor = predecessor::verified(message.headers.as_ref());
         let key_token = self
             .names
             .key_token(message.subject.as_str())
@@ -219,6 +223,7 @@ impl NatsSubscription {
             sequence,
             delivered: u32::try_from(delivered).unwrap_or(u32::MAX),
             key_token,
+            predecessor,
             deadline: received_at + self.ack_wait - margin(self.ack_wait),
         })
     }
@@ -233,35 +238,50 @@ impl NatsSubscription {
         }
     }
 
-    /// Asks the cursor bucket and the stream whether `parked` is its key's
-    /// first unfinished message. A first delivery cannot be finished yet,
-    /// so the cached cursor is enough when it already proves the head.
+    /// Whether `parked` is its key's first unfinished message. A first
+    /// delivery cannot be finished yet, so the cached cursor is enough when
+    /// it already proves the head: by the message's verified predecessor
+    /// (see [`crate::predecessor`]) or, without one, by the stream. Anything
+    /// else reads the cursor bucket, and the stream when the predecessor
+    /// does not settle it.
     async fn check_head(&self, parked: &Parked) -> Result<Verdict, BrokerError> {
         fail::fail_point!("keel-nats-head-check", |_| Err(unavailable(
             "reading a key's head",
             "failpoint keel-nats-head-check"
         )));
         let cursor_key = self.cursor_key(&parked.key_token);
-        let subject = &parked.message.subject;
+        let follows = |cursor: u64| parked.predecessor.is_some_and(|p| p <= cursor);
         if parked.delivered == 1 {
             let cursor = self.cursors.cached(&cursor_key);
-            if self.head_after(subject, cursor).await? >= parked.sequence {
+            if follows(cursor) {
+                return Ok(Verdict::Head);
+            }
+            if parked.predecessor.is_none() && self.is_head_after(parked, cursor).await? {
                 return Ok(Verdict::Head);
             }
         }
         let cursor = self.cursors.fresh(&cursor_key).await?;
         if parked.sequence <= cursor {
-            return Ok(Verdict::Finished);
-        }
-        if self.head_after(subject, cursor).await? >= parked.sequence {
+            Ok(Verdict::Finished)
+        } else if follows(cursor) || self.is_head_after(parked, cursor).await? {
             Ok(Verdict::Head)
         } else {
             Ok(Verdict::Behind)
         }
     }
 
+    /// Whether `parked` is the first message on its subject after `cursor`.
+    async fn is_head_after(&self, parked: &Parked, cursor: u64) -> Result<bool, BrokerError> {
+        let head = self.head_after(&parked.message.subject, cursor).await?;
+        Ok(head >= parked.sequence)
+    }
+
     /// The sequence of the first message on `subject` after `cursor`.
     async fn head_after(&self, subject: &Subject, cursor: u64) -> Result<u64, BrokerError> {
+        fail::fail_point!("keel-nats-direct-get", |_| Err(unavailable(
+            "reading a key's head",
+            "failpoint keel-nats-direct-get"
+        )));
         match self
             .stream
             .direct_get_next_for_subject(subject.as_str(), Some(cursor + 1))
