@@ -40,6 +40,8 @@
 //! commits cost no disk flush: the ratio compares CPU and round trips.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -221,7 +223,7 @@ async fn latency_run(fx: &Fixture) -> Histogram<u64> {
     })
     .await;
     let arrivals = broker.arrivals.lock().take().unwrap_or_default();
-    relay.abort();
+    relay.stop().await;
     drop(wakeups);
     histogram(&committed, &arrivals)
 }
@@ -254,7 +256,9 @@ async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
         .group(group)
         .build()
         .expect("consumer");
-    let consumer = tokio::spawn(async move { consumer.run(std::future::pending()).await });
+    let consumer = Running::spawn(|stopped| async move {
+        consumer.run(stopped).await;
+    });
     let (relay, wakeups) = spawn_relay(fx, Arc::clone(&broker)).await;
     let committed = append_at_1khz(fx, "bench.effect").await;
     if !arrive_in_time(committed.len(), || effects.lock().len()).await {
@@ -282,18 +286,47 @@ async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
         );
     }
     let arrivals = std::mem::take(&mut *effects.lock());
-    relay.abort();
-    consumer.abort();
+    relay.stop().await;
+    consumer.stop().await;
     drop(wakeups);
     Some(histogram(&committed, &arrivals))
 }
 
+/// A spawned relay or consumer, stopped between rounds. Aborting one could
+/// leave its last round's rows claimed for a whole lease, and those rows'
+/// keys are the next run's keys: the next relay then held every later row of
+/// them back until the lease ran out and its 60 s poll came round (the
+/// "first run" stalls of earlier series).
+struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    fn spawn<F, Fut>(run: F) -> Self
+    where
+        F: FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stopped = Box::pin(async move {
+            let _ = stopped.await;
+        });
+        Self {
+            stop,
+            task: tokio::spawn(run(stopped)),
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
 /// A relay on `broker` whose poll interval is 60 s, woken only by
 /// `PgWakeups`, running once it listens.
-async fn spawn_relay(
-    fx: &Fixture,
-    broker: Arc<dyn Broker>,
-) -> (tokio::task::JoinHandle<()>, PgWakeups) {
+async fn spawn_relay(fx: &Fixture, broker: Arc<dyn Broker>) -> (Running, PgWakeups) {
     let outbox = Outbox::new(fx.store.clone());
     let relay = OutboxRelay::builder(&outbox, broker)
         .poll_interval(Duration::from_secs(60))
@@ -304,9 +337,7 @@ async fn spawn_relay(
         .on_outbox(move || waker.notify())
         .spawn();
     wakeups.listening().await;
-    let relay = tokio::spawn(async move {
-        relay.run(std::future::pending()).await;
-    });
+    let relay = Running::spawn(|stopped| async move { relay.run(stopped).await });
     tokio::time::sleep(Duration::from_millis(500)).await;
     (relay, wakeups)
 }
@@ -383,10 +414,27 @@ async fn diagnose_stall(fx: &Fixture, broker: &dyn Broker, missing: &[usize]) {
     .fetch_one(fx.store.pool())
     .await
     .unwrap_or(-1);
+    // The first unpublished rows of those keys in any topic, with their
+    // claims: whether a relay took them, or an earlier row of the key (an
+    // earlier run's) holds them back.
+    let key_names: Vec<String> = keys.iter().map(|k| format!("order-{k}")).collect();
+    let claims: Vec<String> = sqlx::query_scalar(
+        "SELECT 'id ' || id || ', topic ' || topic || ', key ' || partition_key \
+                || ', claimed by ' || COALESCE(claimed_by::text, '-') || ' until ' \
+                || COALESCE(claimed_until::text, '-') || ', attempts ' || attempts \
+                || ', created ' || created_at || ', now ' || now() \
+           FROM keel_outbox WHERE published_at IS NULL AND partition_key = ANY($1) \
+          ORDER BY id LIMIT 4",
+    )
+    .bind(&key_names)
+    .fetch_all(fx.store.pool())
+    .await
+    .unwrap_or_else(|e| vec![format!("could not read the claims: {e}")]);
     let backlog = broker.backlog("bench.effect", "bench").await;
     eprintln!(
         "append -> effect stalled: {} events missing (event offsets {:?}), keys {:?}; \
-         {unpublished} outbox rows unpublished; consumer group backlog {backlog:?}",
+         {unpublished} outbox rows unpublished (first: {claims:?}); consumer group backlog \
+         {backlog:?}",
         missing.len(),
         &missing[..missing.len().min(20)],
         keys
