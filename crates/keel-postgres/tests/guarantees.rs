@@ -1,9 +1,10 @@
 //! The PostgreSQL-specific guarantees of issue 6, each shown against the
 //! shared test server: SKIP LOCKED relays never double-publish and keep
-//! per-key order, late commits are not skipped, the partial index exists,
-//! prunes are bounded and never wait for locks, deadlocks are retryable,
-//! a connection killed before COMMIT is an unknown outcome (resolved when
-//! asked), and LISTEN/NOTIFY wakes other processes.
+//! per-key order, late commits are not skipped, the partial index exists
+//! and the claim never reads it by bitmap scan, prunes are bounded and
+//! never wait for locks, deadlocks are retryable, a connection killed
+//! before COMMIT is an unknown outcome (resolved when asked), and
+//! LISTEN/NOTIFY wakes other processes.
 
 mod common;
 
@@ -228,6 +229,34 @@ async fn unpublished_rows_have_a_partial_index() {
             "{name} is not partial: {def}"
         );
     }
+}
+
+/// The claim walks the unpublished index in id order and never through a
+/// bitmap scan: after a burst of marks, stale statistics made the planner
+/// read every dead entry of the index on each claim (BENCHMARKS.md,
+/// append → effect), where an ordered index scan stops at the first live
+/// rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_never_scans_the_unpublished_rows_by_bitmap() {
+    let Some((store, _lease)) = common::fresh_store().await else {
+        return;
+    };
+    let config: Option<Vec<String>> = sqlx::query_scalar(
+        "SELECT p.proconfig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+         WHERE n.nspname = $1 AND p.proname = 'keel_outbox_claim'",
+    )
+    .bind(store.schema())
+    .fetch_one(store.pool())
+    .await
+    .expect("the claim function");
+    assert_eq!(config, Some(vec!["enable_bitmapscan=off".to_owned()]));
+    append_committed(&store, &[record("e-1", "k")]).await;
+    let claimed = store.outbox_claim("r", 10, LEASE).await.expect("claim");
+    assert_eq!(
+        claimed.len(),
+        1,
+        "the setting changes the plan, not the answer"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
