@@ -17,10 +17,11 @@
 //!
 //! A first delivery (JetStream's delivery count 1) cannot be finished yet,
 //! so its head check needs no cursor read when the cached cursor already
-//! shows it is the head: when the message's verified predecessor (see
-//! [`crate::predecessor`]) is at or behind it, no round trip at all; else
-//! one direct get. Either way, one bucket write to ack. Resetting a group therefore means deleting both its
-//! consumer and its cursors (`<topic>.<group>.>` in the bucket).
+//! shows it is the head: with no round trip at all when the message's
+//! verified predecessor (see [`crate::predecessor`]) is at or behind it,
+//! else with one direct get. Either way, an ack is one bucket write.
+//! Resetting a group therefore means deleting both its consumer and its
+//! cursors (`<topic>.<group>.>` in the bucket).
 
 use std::time::Duration;
 
