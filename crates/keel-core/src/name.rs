@@ -54,7 +54,7 @@ impl Name {
 
     /// The name as a string that lives as long as the process.
     pub fn as_str(self) -> &'static str {
-        *self.0
+        self.0
     }
 }
 
