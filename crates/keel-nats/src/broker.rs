@@ -312,10 +312,13 @@ fn wire_size(message: &Message) -> usize {
         + line(KEY_HEADER, &message.key)
         + line(
             NATS_EXPECTED_LAST_SUBJECT_SEQUENCE.as_ref(),
-            &u64::MAX.to_string(),
+            LONGEST_SEQUENCE,
         )
         + 2
 }
+
+/// `u64::MAX` in decimal: the widest predecessor a message can state.
+const LONGEST_SEQUENCE: &str = "18446744073709551615";
 
 fn header_name(name: &str) -> Result<HeaderName, BrokerError> {
     HeaderName::from_str(name)
@@ -516,5 +519,13 @@ impl Broker for NatsBroker {
             .await
             .map(drop)
             .map_err(|e| unavailable("pinging JetStream", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_longest_sequence_is_u64_max() {
+        assert_eq!(super::LONGEST_SEQUENCE, u64::MAX.to_string());
     }
 }

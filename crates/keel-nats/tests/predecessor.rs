@@ -10,6 +10,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream::Stream};
 use common::{TestBroker, fresh_broker};
 use keel_messaging::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
+use keel_nats::{KEY_HEADER, MESSAGE_ID_HEADER};
 
 const EXPECTED: &str = "Nats-Expected-Last-Subject-Sequence";
 const LEASE: Duration = Duration::from_secs(30);
@@ -52,6 +53,23 @@ async fn receive_one(sub: &mut dyn Subscription, within: Duration) -> Option<Del
 
 fn message(id: &str, key: &str) -> Message {
     Message::new(id, "orders", key, "x")
+}
+
+/// Publishes message `id` of key `k` the way another client would, with
+/// `extra` headers, and waits for its PubAck.
+async fn publish_raw(context: &jetstream::Context, base: &str, id: &str, extra: &[(&str, &str)]) {
+    let mut headers = HeaderMap::new();
+    headers.insert(MESSAGE_ID_HEADER, id);
+    headers.insert(KEY_HEADER, "k");
+    for (name, value) in extra {
+        headers.insert(*name, *value);
+    }
+    context
+        .publish_with_headers(format!("{base}k"), headers, "x".into())
+        .await
+        .expect("raw publish")
+        .await
+        .expect("the server stores it");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,15 +117,7 @@ async fn a_wrong_guess_is_published_again_without_it() {
     broker.publish(&[message("a", "k")]).await.expect("publish");
     let (context, stream, base) = raw_stream(&broker).await;
     let subject = format!("{base}k");
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "r");
-    headers.insert("Keel-Key", "k");
-    context
-        .publish_with_headers(subject.clone(), headers, "x".into())
-        .await
-        .expect("raw publish")
-        .await
-        .expect("raw pub ack");
+    publish_raw(&context, &base, "r", &[]).await;
     broker.publish(&[message("b", "k")]).await.expect("publish");
 
     let on_key = stored(&stream, &subject).await;
@@ -140,20 +150,16 @@ async fn an_expectation_about_another_subject_proves_nothing() {
         .await
         .expect("publish");
     let (context, _, base) = raw_stream(&broker).await;
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "second");
-    headers.insert("Keel-Key", "k");
-    headers.insert(EXPECTED, "0");
-    headers.insert(
-        "Nats-Expected-Last-Subject-Sequence-Subject",
-        format!("{base}empty").as_str(),
-    );
-    context
-        .publish_with_headers(format!("{base}k"), headers, "x".into())
-        .await
-        .expect("raw publish")
-        .await
-        .expect("the server takes it: the other subject is empty");
+    // The server takes it: the other subject is empty.
+    let empty = format!("{base}empty");
+    let other_subject = [
+        (EXPECTED, "0"),
+        (
+            "Nats-Expected-Last-Subject-Sequence-Subject",
+            empty.as_str(),
+        ),
+    ];
+    publish_raw(&context, &base, "second", &other_subject).await;
 
     let options = || SubscribeOptions::new("orders", "g").lease(LEASE);
     let mut holder = broker.subscribe(options()).await.expect("subscribe");
