@@ -53,11 +53,13 @@
 //! ```
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::TryFutureExt;
 use futures_util::future::MapErr;
+use keel_core::clock::{self, Instant};
 use keel_core::{BoxError, Classify, Name, PolicyError};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -131,6 +133,41 @@ pub type PipelineLayer<C = Answered> = Stack<
         >,
     >,
 >;
+
+/// The caller's operation, shared by its attempts, which never overlap.
+struct Operation<F> {
+    /// Each attempt locks `f` only for the instant it calls it, so the lock
+    /// is never contended; a Mutex rather than a RefCell keeps the call's
+    /// future `Send`.
+    f: Mutex<F>,
+    /// When the call started, if the clock was read then.
+    started: Option<Instant>,
+    first_attempt: AtomicBool,
+}
+
+impl<F> Operation<F> {
+    fn new(f: F, started: Option<Instant>) -> Self {
+        Self {
+            f: Mutex::new(f),
+            started,
+            first_attempt: AtomicBool::new(true),
+        }
+    }
+
+    /// When the attempt about to start starts: the first one counts from the
+    /// call's start, which spares a clock read (a clock read costs about as
+    /// much as a policy); a later one reads the clock afresh. A plain load
+    /// and store suffice: attempts run one after the other in one task.
+    fn attempt_start(&self) -> Instant {
+        if self.first_attempt.load(Ordering::Relaxed) {
+            self.first_attempt.store(false, Ordering::Relaxed);
+            if let Some(started) = self.started {
+                return started;
+            }
+        }
+        clock::now()
+    }
+}
 
 /// Policies applied to one dependency, in the recommended order.
 ///
@@ -313,16 +350,16 @@ impl Pipeline {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        // Each attempt locks `f` only for the instant it calls it (attempts
-        // never overlap, so the lock is never contended); a Mutex rather than
-        // a RefCell keeps the call's future `Send`.
-        let f = Mutex::new(f);
         match &self.total_timeout {
-            Some(total) => total
-                .call(|| self.retrying(&f))
-                .await
-                .map_err(PolicyError::flatten),
-            None => self.retrying(&f).await,
+            Some(total) => {
+                let now = clock::now();
+                let operation = Operation::new(f, Some(now));
+                total
+                    .call_from(now, || self.retrying(&operation))
+                    .await
+                    .map_err(PolicyError::flatten)
+            }
+            None => self.retrying(&Operation::new(f, None)).await,
         }
     }
 
@@ -347,7 +384,7 @@ impl Pipeline {
         }
     }
 
-    async fn retrying<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    async fn retrying<T, E, F, Fut>(&self, operation: &Operation<F>) -> Result<T, PolicyError<E>>
     where
         E: Classify,
         F: FnMut() -> Fut,
@@ -355,14 +392,14 @@ impl Pipeline {
     {
         match &self.retry {
             Some(retry) => retry
-                .call(|| self.attempt(f))
+                .call(|| self.attempt(operation))
                 .await
                 .map_err(PolicyError::flatten),
-            None => self.attempt(f).await,
+            None => self.attempt(operation).await,
         }
     }
 
-    async fn attempt<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    async fn attempt<T, E, F, Fut>(&self, operation: &Operation<F>) -> Result<T, PolicyError<E>>
     where
         E: Classify,
         F: FnMut() -> Fut,
@@ -370,28 +407,28 @@ impl Pipeline {
     {
         match &self.breaker {
             Some(breaker) => breaker
-                .call(|| self.timed(f))
+                .call(|| self.timed(operation))
                 .await
                 .map_err(PolicyError::flatten),
-            None => self.timed(f).await,
+            None => self.timed(operation).await,
         }
     }
 
-    async fn timed<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    async fn timed<T, E, F, Fut>(&self, operation: &Operation<F>) -> Result<T, PolicyError<E>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
         match &self.attempt_timeout {
             Some(timeout) => timeout
-                .call(|| self.guarded(f))
+                .call_from(operation.attempt_start(), || self.guarded(operation))
                 .await
                 .map_err(PolicyError::flatten),
-            None => self.guarded(f).await,
+            None => self.guarded(operation).await,
         }
     }
 
-    async fn guarded<T, E, F, Fut>(&self, f: &Mutex<F>) -> Result<T, PolicyError<E>>
+    async fn guarded<T, E, F, Fut>(&self, operation: &Operation<F>) -> Result<T, PolicyError<E>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -399,7 +436,7 @@ impl Pipeline {
         if let Some(limiter) = &self.rate_limit {
             limiter.check()?;
         }
-        let call = || (f.lock())();
+        let call = || (operation.f.lock())();
         match &self.bulkhead {
             Some(bulkhead) => bulkhead.call(call).await,
             None => call().await.map_err(PolicyError::Inner),

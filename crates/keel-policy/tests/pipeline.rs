@@ -166,6 +166,44 @@ async fn idempotent_calls_retry_hung_attempts_within_the_total() {
     );
 }
 
+/// The first attempt's timeout counts from the call's start (one clock read
+/// for both timeouts); a later attempt's from when it starts, never from the
+/// call's start.
+#[tokio::test(start_paused = true)]
+async fn each_attempt_sees_its_own_limit_from_when_it_starts() {
+    let payments = Pipeline::builder("payments")
+        .total_timeout(timeout("payments.total", Duration::from_secs(2)))
+        .retry(no_jitter_retry(2))
+        .attempt_timeout(timeout("payments.attempt", Duration::from_millis(700)))
+        .build()
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    let seen = parking_lot::Mutex::new(Vec::new());
+    let result = payments
+        .call(|| async {
+            let first = {
+                let mut seen = seen.lock();
+                seen.push(keel_core::Deadline::current().map(|d| d.instant() - start));
+                seen.len() == 1
+            };
+            if first {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return Err(Classified::retryable("connection reset"));
+            }
+            Ok(7)
+        })
+        .await;
+    assert_eq!(result.unwrap(), 7);
+    assert_eq!(
+        *seen.lock(),
+        [
+            Some(Duration::from_millis(700)),
+            Some(Duration::from_millis(50 + 100 + 700)),
+        ],
+        "the second attempt starts after 50 ms of the first and 100 ms of backoff"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_full_bulkhead_is_a_refusal_the_breaker_does_not_count() {
     let payments = Pipeline::builder("payments")

@@ -245,10 +245,28 @@ impl Timeout {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let plan = self.plan()?;
+        self.call_from(clock::now(), f).await
+    }
+
+    /// [`call`](Self::call), with `now` read by the caller a moment ago: a
+    /// [`Pipeline`](crate::pipeline::Pipeline) reads the clock once for its
+    /// total timeout and its first attempt's. An instant a little in the
+    /// past only makes the limit a little tighter.
+    pub(crate) async fn call_from<T, E, F, Fut>(
+        &self,
+        now: Instant,
+        f: F,
+    ) -> Result<T, PolicyError<E>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let enclosing = Deadline::current();
+        let plan = self.plan_at(now, enclosing)?;
         let outcome = match plan.scope() {
             Some(deadline) => {
-                Elapsing::new(deadline.scope(async move { f().await }), plan.at).await
+                let scoped = deadline.scope_within(enclosing, async move { f().await });
+                Elapsing::new(scoped, plan.at).await
             }
             None => Elapsing::new(f(), plan.at).await,
         };
@@ -261,10 +279,16 @@ impl Timeout {
     /// Decides whether a call may start now, and when it must end.
     #[inline]
     pub(crate) fn plan(&self) -> Result<Plan, Rejected> {
+        self.plan_at(clock::now(), Deadline::current())
+    }
+
+    /// [`plan`](Self::plan) as of `now`, in a task whose current deadline
+    /// is `enclosing`.
+    #[inline]
+    fn plan_at(&self, now: Instant, enclosing: Option<Deadline>) -> Result<Plan, Rejected> {
         let inner = &*self.inner;
-        let now = clock::now();
         let own = saturating_add(now, inner.limit);
-        let Some(deadline) = Deadline::current() else {
+        let Some(deadline) = enclosing else {
             return Ok(self.own_plan(own));
         };
         let remaining = deadline.instant().saturating_duration_since(now);
