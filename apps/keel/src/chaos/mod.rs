@@ -35,10 +35,10 @@ use crate::demo::quiescent;
 use crate::demo::workload::{self, Accepted, Progress, WorkloadConfig};
 use broker::BrokerFaults;
 use schedule::{
-    BROKER_ABORT_PERCENT, BROKER_DELAY, BROKER_DELAY_PERCENT, BrokerOutage, Crash,
-    DEAD_LETTER_FAILPOINT, Schedule,
+    BROKER_ABORT_PERCENT, BROKER_DELAY, BROKER_DELAY_PERCENT, BrokerOutage, COMPENSATION_FAILPOINT,
+    Crash, DEAD_LETTER_FAILPOINT, Schedule,
 };
-use system::{Incarnation, submit_poison, submit_tail};
+use system::{Incarnation, submit_poison, submit_refused, submit_tail};
 
 pub use report::{ChaosReport, CrashOutcome};
 pub use watch::init_tracing;
@@ -161,6 +161,10 @@ impl Harness {
         if crash.failpoint == DEAD_LETTER_FAILPOINT {
             let key = format!("chaos-{}-poison-{i}", self.schedule.seed);
             let submitted = tokio::spawn(submit_poison(self.base_url.clone(), key.clone()));
+            extra.push((key, submitted));
+        } else if crash.failpoint == COMPENSATION_FAILPOINT {
+            let key = format!("chaos-{}-refused-{i}", self.schedule.seed);
+            let submitted = tokio::spawn(submit_refused(self.base_url.clone(), key.clone()));
             extra.push((key, submitted));
         }
         let store = system.as_ref().map(|s| s.handle.store.clone());

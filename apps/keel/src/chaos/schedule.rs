@@ -34,6 +34,11 @@ pub const FAILPOINTS: [&str; 11] = [
 /// sends a poison order when it arms it.
 pub const DEAD_LETTER_FAILPOINT: &str = "consumer-after-dead-letter";
 
+/// The failpoint that only fires when a saga compensates: the run sends an
+/// order that must be refunded when it arms it, since the workload's own
+/// compensations (payment outages, rare stock) may all be over by then.
+pub const COMPENSATION_FAILPOINT: &str = "keel-saga-after-compensation";
+
 /// How slow a slow payments answer is: longer than the caller's attempt
 /// timeout, so every slow call times out and is retried.
 const SLOW_DELAY: Duration = Duration::from_millis(600);

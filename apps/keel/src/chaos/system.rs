@@ -116,6 +116,18 @@ pub(super) async fn submit_poison(base_url: String, key: String) -> Option<Accep
     submit_extra(base_url, key, order, Some("dead-letter")).await
 }
 
+/// Submits one order whose saga must compensate: `rare-vinyl` is never in
+/// stock, so the reservation after the capture is refused and the capture
+/// refunded.
+pub(super) async fn submit_refused(base_url: String, key: String) -> Option<Accepted> {
+    let order = NewOrder {
+        customer_id: "cust-refused".into(),
+        currency: "USD".into(),
+        items: vec![Item::new("tea", 1, 450), Item::new("rare-vinyl", 1, 2_500)],
+    };
+    submit_extra(base_url, key, order, None).await
+}
+
 /// Submits one order after the workload ended, so that a failpoint armed
 /// late has work to fire on; every other one asks for a sku that runs out,
 /// so compensations happen too.

@@ -164,6 +164,19 @@ impl Default for SystemConfig {
     }
 }
 
+/// Sagas the orchestrator drives at once. The pipeline behind `POST /orders`
+/// must keep pace with it: with 32, a 32-connection load was accepted at
+/// 452 (SQLite) and 499 (PostgreSQL + NATS) orders/s while only 77 and 101
+/// a second settled, and the backlog of unsettled orders grew without bound.
+/// With 256 and [`DELIVERIES_IN_FLIGHT`] at 128, the sagas take their share
+/// of the store, intake slows to what the pipeline settles, and the backlog
+/// stays at about this many (BENCHMARKS.md, the reference system).
+const SAGAS_AT_ONCE: usize = 256;
+
+/// Deliveries of `OrderPlaced` the consumer holds at once (see
+/// [`SAGAS_AT_ONCE`]).
+const DELIVERIES_IN_FLIGHT: NonZeroUsize = NonZeroUsize::new(128).expect("positive");
+
 /// The catalogue: plenty of most things, and `rare-*` skus that run out.
 pub fn default_stock() -> Vec<(String, i64)> {
     let mut stock: Vec<(String, i64)> = ["tea", "coffee", "mug", "kettle", "filter", "grinder"]
@@ -283,7 +296,7 @@ impl System {
             .saga(&saga)
             .hook(settlement)
             .poll_interval(config.poll_interval)
-            .concurrency(32)
+            .concurrency(SAGAS_AT_ONCE)
             .build()
             .map_err(config_err)?;
 
@@ -314,7 +327,7 @@ impl System {
                 <OrderPlaced as keel_messaging::Event>::TYPE,
                 fulfilment::StartFulfilment::new(store.clone(), orchestrator.clone(), saga),
             ))
-            .max_in_flight(NonZeroUsize::new(32).unwrap_or(NonZeroUsize::MIN))
+            .max_in_flight(DELIVERIES_IN_FLIGHT)
             .max_deliveries(
                 NonZeroU32::new(config.max_deliveries.max(1)).unwrap_or(NonZeroU32::MIN),
             )
