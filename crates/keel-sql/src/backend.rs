@@ -74,6 +74,16 @@ pub trait SqlBackend: Send + Sync + 'static {
         Self::Dialect::execute(Exec::Pool(self.writer()), sql, params)
     }
 
+    /// Runs a write outside a transaction and returns its first row (a
+    /// statement ending in `RETURNING ...`).
+    fn write_optional<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> impl Future<Output = Result<Option<Row<Self>>, StoreError>> + Send + 'a {
+        Self::Dialect::fetch_optional(Exec::Pool(self.writer()), sql, params)
+    }
+
     /// Reads every row outside a transaction.
     fn read_all<'a>(
         &'a self,

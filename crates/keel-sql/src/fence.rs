@@ -10,7 +10,7 @@
 use keel_messaging::StoreError;
 
 use crate::backend::SqlBackend;
-use crate::dialect::{Dialect, Exec, SqlRow};
+use crate::dialect::{Dialect, SqlRow};
 use crate::error::{corrupt, to_u64};
 use crate::retry::retry;
 
@@ -22,17 +22,16 @@ RETURNING last_token";
 /// [`FenceStore::fence_next`](keel_messaging::store::FenceStore::fence_next).
 pub async fn next<B: SqlBackend>(store: &B, resource: &str) -> Result<u64, StoreError> {
     let params = [resource.into()];
-    let row = retry::<B::Dialect, _, _, _>("fence_next", || {
-        B::Dialect::fetch_optional(Exec::Pool(store.writer()), NEXT_SQL, &params)
-    })
-    .await?
-    .ok_or_else(|| {
-        corrupt(
-            B::Dialect::NAME,
-            "fencing token",
-            "the upsert returned no row",
-        )
-    })?;
+    let row =
+        retry::<B::Dialect, _, _, _>("fence_next", || store.write_optional(NEXT_SQL, &params))
+            .await?
+            .ok_or_else(|| {
+                corrupt(
+                    B::Dialect::NAME,
+                    "fencing token",
+                    "the upsert returned no row",
+                )
+            })?;
     to_u64("fencing token", row.int("last_token")?)
 }
 

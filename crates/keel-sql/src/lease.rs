@@ -14,7 +14,7 @@ use keel_messaging::StoreError;
 use keel_messaging::store::LeaseGrant;
 
 use crate::backend::SqlBackend;
-use crate::dialect::{Dialect, Exec, SqlRow};
+use crate::dialect::{Dialect, SqlRow};
 use crate::error::to_u64;
 use crate::retry::{retry, write};
 
@@ -43,7 +43,7 @@ pub async fn acquire<B: SqlBackend>(
         .map_err(|_| StoreError::other(format!("a lease of {ttl:?} is too long")))?;
     let params = [name.into(), holder.into(), (now + ttl).into(), now.into()];
     let row = retry::<B::Dialect, _, _, _>("lease_acquire", || {
-        B::Dialect::fetch_optional(Exec::Pool(store.writer()), ACQUIRE_SQL, &params)
+        store.write_optional(ACQUIRE_SQL, &params)
     })
     .await?;
     row.map(|row| {

@@ -114,10 +114,8 @@ pub async fn get_in<B: SqlBackend>(
 pub async fn save<B: SqlBackend>(store: &B, saga: &SagaRecord) -> Result<bool, StoreError> {
     let data = serde_json::to_string(&saga.data).map_err(StoreError::other)?;
     let (sql, params) = save_statement(store, saga, &data);
-    let saved = retry::<B::Dialect, _, _, _>("saga_save", || {
-        B::Dialect::fetch_optional(Exec::Pool(store.writer()), &sql, &params)
-    })
-    .await?;
+    let saved =
+        retry::<B::Dialect, _, _, _>("saga_save", || store.write_optional(&sql, &params)).await?;
     if saved.is_some() {
         return Ok(true);
     }

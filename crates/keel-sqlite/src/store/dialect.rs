@@ -165,6 +165,20 @@ impl SqlBackend for SqliteStore {
         Ok(changed)
     }
 
+    /// Like [`write`](SqlBackend::write): a statement on the writer pool
+    /// outside the batch would wait for the batch's `COMMIT` and then pay
+    /// an fsync of its own.
+    async fn write_optional<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a [Value<'a>],
+    ) -> Result<Option<SqliteRow>, StoreError> {
+        let mut tx = self.group.begin().await?;
+        let row = SqliteDialect::fetch_optional(Exec::Tx(&mut tx), sql, params).await?;
+        self.group.commit(tx).await?;
+        Ok(row)
+    }
+
     fn writer(&self) -> &sqlx::SqlitePool {
         &self.writer
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_messaging::StoreError;
-use keel_messaging::store::Store;
+use keel_messaging::store::{FenceStore, Store};
 use parking_lot::Mutex;
 use tempfile::TempDir;
 use tokio::task::JoinSet;
@@ -107,6 +107,45 @@ async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
     );
     store.close().await;
     assert_eq!(ids(&path).await, (0..=20).collect());
+}
+
+/// The store's own single-statement writes that return a row (fencing
+/// tokens, lease grants, saga saves) join the batch too. On the writer pool
+/// outside it, each waited for the batch's `COMMIT` and then paid an fsync
+/// of its own: the orchestrator's saves, several per saga, were most of the
+/// reference shop's fsyncs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_writes_that_return_a_row_share_the_batch_commit() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let before = store.group.commits();
+
+    let first = open_first(&store).await;
+    let mut tokens = JoinSet::new();
+    for n in 0..10 {
+        let store = store.clone();
+        tokens.spawn(async move { store.fence_next(&format!("resource-{n}")).await });
+    }
+    let queued = async {
+        while store.group.queued() < tokens.len() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), queued)
+        .await
+        .expect("every token write queued for the writer's batch");
+    store.commit(first).await.expect("the first commit");
+    while let Some(token) = tokens.join_next().await {
+        assert_eq!(token.expect("no panic").expect("a token"), 1);
+    }
+
+    assert_eq!(
+        store.group.commits() - before,
+        1,
+        "one transaction and ten tokens, one COMMIT"
+    );
+    store.close().await;
 }
 
 /// A batch is bounded: past `MAX_BATCH` released transactions it commits
