@@ -69,15 +69,21 @@ fn spawn_writers(
 }
 
 /// Commits `first` once every one of `writers` is queued behind it, so
-/// that they all land in its batch; returns its answer and theirs.
-async fn commit_behind(
+/// that they all land in its batch; returns its answer and theirs. A writer
+/// that never queues for the writer's batch fails the test after 10 s.
+async fn commit_behind<T: 'static>(
     store: &SqliteStore,
     first: <SqliteStore as Store>::Tx,
-    mut writers: JoinSet<Result<(), StoreError>>,
-) -> (Result<(), StoreError>, Vec<Result<(), StoreError>>) {
-    while store.group.queued() < writers.len() {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    mut writers: JoinSet<Result<T, StoreError>>,
+) -> (Result<(), StoreError>, Vec<Result<T, StoreError>>) {
+    let queued = async {
+        while store.group.queued() < writers.len() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), queued)
+        .await
+        .expect("every writer queued for the writer's batch");
     let answer = store.commit(first).await;
     let mut answers = Vec::new();
     while let Some(outcome) = writers.join_next().await {
@@ -127,17 +133,10 @@ async fn single_writes_that_return_a_row_share_the_batch_commit() {
         let store = store.clone();
         tokens.spawn(async move { store.fence_next(&format!("resource-{n}")).await });
     }
-    let queued = async {
-        while store.group.queued() < tokens.len() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), queued)
-        .await
-        .expect("every token write queued for the writer's batch");
-    store.commit(first).await.expect("the first commit");
-    while let Some(token) = tokens.join_next().await {
-        assert_eq!(token.expect("no panic").expect("a token"), 1);
+    let (answer, tokens) = commit_behind(&store, first, tokens).await;
+    answer.expect("the first commit");
+    for token in tokens {
+        assert_eq!(token.expect("a token"), 1);
     }
 
     assert_eq!(
