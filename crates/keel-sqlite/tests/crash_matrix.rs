@@ -168,7 +168,7 @@ fn the_matrix_covers_every_failpoint_in_the_code() {
             "fail_point!(\"",
         ),
         (
-            include_str!("../../keel-messaging/src/saga/orchestrator.rs"),
+            include_str!("../../keel-messaging/src/saga/orchestrator/call.rs"),
             "\"keel-saga-",
         ),
     ];

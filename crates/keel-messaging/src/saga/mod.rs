@@ -8,8 +8,9 @@
 //!
 //! - **A state machine persisted after every step.** The orchestrator saves
 //!   the saga ([`SagaStore`](crate::store::SagaStore)) after each call and
-//!   before the next, so it can be killed between any two lines and resume
-//!   exactly where it stopped: at worst the call in flight runs again. The
+//!   before the next (a result goes out with the next call's claim, in one
+//!   save), so it can be killed between any two lines and resume exactly
+//!   where it stopped: at worst the call in flight runs again. The
 //!   core is pure (`plan` and `decide` over a [`SagaRecord`]); effects
 //!   happen around it.
 //! - **Idempotent steps and idempotent compensations.** Keys are derived,

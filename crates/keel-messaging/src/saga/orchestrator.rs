@@ -1,13 +1,12 @@
-//! The orchestrator: finds due sagas, makes their calls, saves after every
-//! one, and lets operators look and steer.
+//! The orchestrator: finds due sagas, makes their calls, saves each result
+//! before the next call, and lets operators look and steer.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::error::{classify, find_cause, report};
-use keel_core::{Deadline, Rejected, TraceParent};
+use keel_core::TraceParent;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -16,8 +15,9 @@ use tracing::Instrument;
 use super::SagaError;
 use super::definition::{ErasedSaga, SagaData, SagaDefinition};
 use super::hook::{AfterCommit, SagaHook};
-use super::machine::{self, Call, Outcome, Plan};
+use super::machine::{self, Plan};
 
+mod call;
 mod operator;
 use crate::store::{SagaRecord, SagaStatus, SagaStore, StoreError};
 pub use operator::SagaView;
@@ -351,7 +351,14 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     }
 
     /// Runs `record` forward until it is idle, finished, or lost to another
-    /// writer.
+    /// writer; returns it as last saved.
+    ///
+    /// A call's result that leaves the status as it was is not saved on its
+    /// own: it goes out with the next call's claim, in the one save that
+    /// must precede that call anyway (a step costs one save, not two). A
+    /// crash before that save repeats the call with the same key, as a
+    /// crash right after the call always could. A change of status is
+    /// saved at once, so that hooks see every one.
     async fn drive_record(
         &self,
         mut record: SagaRecord,
@@ -361,102 +368,47 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let span = tracing::info_span!("saga", saga = %record.kind, saga_id = %record.id);
         async move {
             let grace = self.inner.options.lease_grace;
+            let mut saved = record.clone();
             while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                match machine::plan(&record, saga.shape(), keel_core::clock::utc_now(), grace) {
+                let now = keel_core::clock::utc_now();
+                match machine::plan(&record, saga.shape(), now, grace) {
                     Plan::Idle => break,
-                    Plan::Save(next) => {
-                        if !self.save(&record, &next).await? {
-                            break;
+                    Plan::Save(next) => record = machine::rebase(next, &saved),
+                    Plan::Call(mut claim) => {
+                        claim.record = machine::rebase(claim.record, &saved);
+                        if !self.save(&saved, &claim.record).await? {
+                            return Ok(saved);
                         }
-                        record = next;
-                    }
-                    Plan::Call(claim) => {
-                        if !self.save(&record, &claim.record).await? {
-                            break;
-                        }
-                        let call = claim.call;
-                        record = claim.record.clone();
-                        crash_point("keel-saga-after-claim", &record.id)?;
-                        let outcome = self.execute(saga.as_ref(), call, &record).await;
-                        crash_point(
-                            match call {
-                                Call::Action(_) => "keel-saga-after-step",
-                                Call::Compensation(_) => "keel-saga-after-compensation",
-                            },
-                            &record.id,
-                        )?;
-                        let next = machine::decide(
-                            &claim,
-                            saga.shape(),
-                            outcome,
-                            keel_core::clock::utc_now(),
-                        );
-                        if !self.save(&record, &next).await? {
-                            break;
-                        }
-                        record = next;
+                        saved = claim.record.clone();
+                        record = self.call(saga.as_ref(), &claim).await?;
                     }
                 }
+                if record.status != saved.status && !self.catch_up(&mut saved, &record).await? {
+                    return Ok(saved);
+                }
             }
-            Ok(record)
+            self.catch_up(&mut saved, &record).await?;
+            Ok(saved)
         }
         .instrument(span)
         .await
     }
 
-    /// Makes one call with its timeout and idempotency key.
-    async fn execute(&self, saga: &dyn ErasedSaga, call: Call, record: &SagaRecord) -> Outcome {
-        let shape = saga.shape();
-        let step = shape.step(call);
-        let key = call.idempotency_key(&record.id, shape);
-        let timeout = machine::call_timeout(record, shape, call, keel_core::clock::utc_now());
-        let labels = [
-            ("saga", saga.name().to_owned()),
-            ("step", step.name.to_string()),
-            ("call", call.kind().to_owned()),
-        ];
-        tracing::info!(step = %step.name, call = call.kind(), attempt = record.attempts, %key, "saga call");
-        let started = keel_core::clock::now();
-        let (span, context) = step_span(saga.name(), &step.name, call, record);
-        let fut = context.scope(Deadline::after(timeout).scope(saga.call(call, record, key)));
-        let fut = tokio::time::timeout(timeout, fut).instrument(span.clone());
-        let (outcome, label) = match fut.await {
-            Ok(Ok(data)) => (Outcome::Done(data), "ok"),
-            Ok(Err(e)) => {
-                let class = classify(e.as_ref());
-                let label = if class == keel_core::ErrorClass::Rejected {
-                    "refused"
-                } else {
-                    "error"
-                };
-                let failed = Outcome::Failed {
-                    class,
-                    error: report(e.as_ref()),
-                    retry_after: find_cause::<Rejected>(e.as_ref()).and_then(Rejected::retry_after),
-                };
-                (failed, label)
-            }
-            Err(_) => (
-                Outcome::Failed {
-                    class: keel_core::ErrorClass::OutcomeUnknown,
-                    error: format!("timed out after {timeout:?}"),
-                    retry_after: None,
-                },
-                "timeout",
-            ),
-        };
-        metrics::histogram!("keel_saga_call_duration_seconds", &labels)
-            .record(started.elapsed().as_secs_f64());
-        let mut labels = labels.to_vec();
-        labels.push(("outcome", label.to_owned()));
-        metrics::counter!("keel_saga_calls_total", &labels).increment(1);
-        span.record("keel.saga.outcome", label);
-        if let Outcome::Failed { error, class, .. } = &outcome {
-            span.record("otel.status_code", "ERROR");
-            span.record("error.type", tracing::field::debug(class));
-            tracing::warn!(step = %step.name, call = call.kind(), ?class, %error, "saga call failed");
+    /// Saves `record` over `saved` if it is ahead; `false` if someone else
+    /// saved first.
+    async fn catch_up(
+        &self,
+        saved: &mut SagaRecord,
+        record: &SagaRecord,
+    ) -> Result<bool, SagaError> {
+        if record.version == saved.version {
+            return Ok(true);
         }
-        outcome
+        if !self.save(saved, record).await? {
+            return Ok(false);
+        }
+        *saved = record.clone();
+        Ok(true)
     }
 
     /// Saves `next` over `prev`; `false` (and a log line) if someone else
@@ -536,49 +488,4 @@ fn log_join(done: Result<(), tokio::task::JoinError>) {
     if let Err(e) = done {
         tracing::error!(error = %e, "a saga task panicked; the saga resumes after its lease");
     }
-}
-
-/// A place where a test can make the orchestrator "crash" (stop without
-/// saving), with the `failpoints` feature: configure the failpoint with
-/// `return` (every saga) or `return(<saga id>)` (only that saga).
-#[cfg(feature = "failpoints")]
-fn crash_point(name: &'static str, saga_id: &str) -> Result<(), SagaError> {
-    let hit = fail::eval(name, |arg| arg.is_none_or(|id| id == saga_id));
-    if hit == Some(true) {
-        tracing::warn!(saga_id, failpoint = name, "failpoint: simulated crash");
-        return Err(SagaError::Crashed(name));
-    }
-    Ok(())
-}
-
-#[cfg(not(feature = "failpoints"))]
-#[inline]
-fn crash_point(_name: &'static str, _saga_id: &str) -> Result<(), SagaError> {
-    Ok(())
-}
-
-/// The span of one saga call, a child of the trace the saga was started
-/// in; the call runs in it, so its own calls (HTTP, gRPC) nest under it.
-fn step_span(
-    saga: &str,
-    step: &str,
-    call: Call,
-    record: &SagaRecord,
-) -> (tracing::Span, TraceParent) {
-    let span = tracing::info_span!(
-        "saga.step",
-        otel.name = %format_args!("{saga} {step}"),
-        otel.kind = "internal",
-        otel.status_code = tracing::field::Empty,
-        "keel.saga.name" = saga,
-        "keel.saga.id" = %record.id,
-        "keel.saga.step" = step,
-        "keel.saga.call" = call.kind(),
-        "keel.saga.attempt" = i64::from(record.attempts),
-        "keel.saga.outcome" = tracing::field::Empty,
-        "error.type" = tracing::field::Empty,
-    );
-    let started_in = record.traceparent.as_deref().and_then(|t| t.parse().ok());
-    let context = keel_core::trace::span::child(&span, started_in.as_ref(), None);
-    (span, context)
 }

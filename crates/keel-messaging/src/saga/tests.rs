@@ -25,6 +25,8 @@ struct State {
     sagas: BTreeMap<String, SagaRecord>,
     outbox: Vec<OutboxRecord>,
     saves: usize,
+    /// The status of every save that landed, in order.
+    saved_statuses: Vec<SagaStatus>,
     /// Fail save number N (1-based): before applying it (a crash before the
     /// write) or after (a crash after the write, before we heard back).
     crash_at_save: Option<(usize, bool)>,
@@ -48,6 +50,10 @@ impl MemStore {
 
     fn saves(&self) -> usize {
         self.state.lock().saves
+    }
+
+    fn saved_statuses(&self) -> Vec<SagaStatus> {
+        self.state.lock().saved_statuses.clone()
     }
 
     /// What the passing of time does to leases and backoffs.
@@ -123,6 +129,7 @@ impl SagaStore for MemStore {
             return Ok(false);
         }
         *stored = saga.clone();
+        state.saved_statuses.push(saga.status);
         if crash == Some(true) {
             return Err(StoreError::OutcomeUnknown(
                 "simulated crash after the save".into(),
@@ -512,7 +519,7 @@ fn keys(id: &str, names: &[&str]) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn a_saga_runs_every_step_once_and_is_saved_after_each() {
+async fn a_saga_runs_every_step_once_and_saves_each_result_with_the_next_claim() {
     let w = world();
     w.start("A-1").await;
     let done = w.settle("A-1").await;
@@ -524,8 +531,12 @@ async fn a_saga_runs_every_step_once_and_is_saved_after_each() {
         "send_receipt",
     ];
     assert_eq!(w.svc.effects(), keys("A-1", &all));
-    assert_eq!(w.store.saves(), 8, "a claim and a result per step");
-    assert_eq!(done.version, 9);
+    assert_eq!(
+        w.store.saves(),
+        5,
+        "a claim per step, each carrying the result before it, then the last result"
+    );
+    assert_eq!(done.version, 6);
     let order: Order = serde_json::from_value(done.data).unwrap();
     assert_eq!(order.payment_id.as_deref(), Some("pay-A-1"));
 }
@@ -553,6 +564,21 @@ async fn a_failure_before_the_pivot_undoes_completed_steps_in_reverse() {
                 "undo:capture_payment"
             ]
         )
+    );
+    use SagaStatus::{Compensated, Compensating, Running};
+    assert_eq!(
+        w.store.saved_statuses(),
+        [
+            Running,
+            Running,
+            Running,
+            Compensating,
+            Compensating,
+            Compensating,
+            Compensated
+        ],
+        "each change of status in a save of its own (hooks see every one), \
+         each other result with the next claim"
     );
 }
 
