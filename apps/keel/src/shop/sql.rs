@@ -23,6 +23,7 @@ use async_trait::async_trait;
 use keel_messaging::StoreError;
 use keel_messaging::store::{OutboxStore, SagaFilter, SagaStore, Store};
 use keel_sql::backend::{Row, Tx};
+use keel_sql::dialect::Value;
 use keel_sql::filter::Filter;
 use keel_sql::{Dialect, Exec, SqlBackend, SqlRow};
 
@@ -143,22 +144,30 @@ async fn insert_effect<B: ShopBackend>(
     amount: i64,
     detail: &str,
 ) -> Result<bool, StoreError> {
-    let params = [
+    let params = effect_params(key, order_id, step, compensation, amount, detail);
+    Ok(B::Dialect::execute(on, INSERT_EFFECT, &params).await? == 1)
+}
+
+const INSERT_EFFECT: &str = "\
+INSERT INTO shop_effects (idem_key, order_id, step, compensation, amount_cents, detail)
+VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (idem_key) DO NOTHING";
+
+fn effect_params<'a>(
+    key: &'a str,
+    order_id: &'a str,
+    step: &'a str,
+    compensation: bool,
+    amount: i64,
+    detail: &'a str,
+) -> [Value<'a>; 6] {
+    [
         key.into(),
         order_id.into(),
         step.into(),
         compensation.into(),
         amount.into(),
         detail.into(),
-    ];
-    let inserted = B::Dialect::execute(
-        on,
-        "INSERT INTO shop_effects (idem_key, order_id, step, compensation, amount_cents, detail)
-         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (idem_key) DO NOTHING",
-        &params,
-    )
-    .await?;
-    Ok(inserted == 1)
+    ]
 }
 
 /// Tombstones `action_key` (undone by `key`), under its lock; idempotent.
@@ -530,8 +539,9 @@ impl<B: ShopBackend> ShopDb for B {
         order_id: &str,
         step: &str,
     ) -> Result<bool, StoreError> {
-        let on = Exec::Pool(self.writer());
-        insert_effect::<B>(on, key, order_id, step, false, 0, "").await
+        // `write`, not the writer pool: on SQLite it joins the group commit.
+        let params = effect_params(key, order_id, step, false, 0, "");
+        Ok(self.write(INSERT_EFFECT, &params).await? == 1)
     }
 
     async fn audit(&self) -> Result<Audit, StoreError> {

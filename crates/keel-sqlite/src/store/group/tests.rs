@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_messaging::StoreError;
-use keel_messaging::store::{FenceStore, Store};
+use keel_messaging::store::{FenceStore, OutboxRecord, OutboxStore, Store};
 use parking_lot::Mutex;
 use tempfile::TempDir;
 use tokio::task::JoinSet;
@@ -143,6 +143,53 @@ async fn single_writes_that_return_a_row_share_the_batch_commit() {
         store.group.commits() - before,
         1,
         "one transaction and ten tokens, one COMMIT"
+    );
+    store.close().await;
+}
+
+/// The outbox relay's claim leases its rows in the batch too: on the writer
+/// pool outside it, each claim waited for the batch and fsynced alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_claims_share_the_batch_commit() {
+    let dir = TempDir::new().unwrap();
+    let store = store_at(&dir.path().join("group.db")).await;
+    let records: Vec<OutboxRecord> = (0..10)
+        .map(|n| OutboxRecord {
+            event_id: format!("event-{n}"),
+            topic: "orders".to_owned(),
+            partition_key: format!("order-{n}"),
+            headers: Default::default(),
+            payload: b"{}".to_vec().into(),
+        })
+        .collect();
+    let mut tx = store.begin().await.expect("begin");
+    store
+        .outbox_append(&mut tx, &records)
+        .await
+        .expect("append");
+    store.commit(tx).await.expect("commit");
+    let before = store.group.commits();
+
+    let first = open_first(&store).await;
+    let mut claims = JoinSet::new();
+    for n in 0..5 {
+        let store = store.clone();
+        let relay = format!("relay-{n}");
+        claims.spawn(async move { store.outbox_claim(&relay, 2, Duration::from_secs(30)).await });
+    }
+    let (answer, claims) = commit_behind(&store, first, claims).await;
+    answer.expect("the first commit");
+    let claimed: BTreeSet<String> = claims
+        .into_iter()
+        .flat_map(|claim| claim.expect("a claim"))
+        .map(|row| row.record.event_id)
+        .collect();
+    assert_eq!(claimed.len(), 10, "every row leased once: {claimed:?}");
+
+    assert_eq!(
+        store.group.commits() - before,
+        1,
+        "one transaction and five claims, one COMMIT"
     );
     store.close().await;
 }
