@@ -484,7 +484,6 @@ fn finish_compensation(record: &mut SagaRecord) {
     };
 }
 
-/// The record as the next version, changed now.
 /// `next`, worked out from a record not saved yet, as the one save over
 /// `saved` that carries both: the version right after `saved`'s (every
 /// transition bumps the version by one, and the store checks it).
@@ -493,6 +492,7 @@ pub(crate) fn rebase(mut next: SagaRecord, saved: &SagaRecord) -> SagaRecord {
     next
 }
 
+/// The record as the next version, changed now.
 fn bump(record: &SagaRecord, now: DateTime<Utc>) -> SagaRecord {
     let mut next = record.clone();
     next.version = record.version.saturating_add(1);
