@@ -65,7 +65,9 @@ pub trait SqlBackend: Send + Sync + 'static {
     /// Rolls back one of the store's own transactions.
     fn rollback_own(&self, tx: Tx<Self>) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Runs a write outside a transaction; returns the rows it changed.
+    /// Runs one write statement outside a transaction, atomic as any
+    /// single statement is (a backend may rely on that: SQLite runs it
+    /// without a savepoint); returns the rows it changed.
     fn write<'a>(
         &'a self,
         sql: &'a str,
@@ -74,8 +76,8 @@ pub trait SqlBackend: Send + Sync + 'static {
         Self::Dialect::execute(Exec::Pool(self.writer()), sql, params)
     }
 
-    /// Runs a write outside a transaction and returns its first row (a
-    /// statement ending in `RETURNING ...`).
+    /// Runs one write statement outside a transaction and returns its
+    /// first row (a statement ending in `RETURNING ...`).
     fn write_optional<'a>(
         &'a self,
         sql: &'a str,

@@ -1,7 +1,7 @@
 //! The webhook deliveries' SQLite half: the claim (the rest is the shared
 //! core's `keel_sql::webhooks`).
 //!
-//! The claim is one `UPDATE ... RETURNING` on the store's single writer: for
+//! The claim is one `UPDATE ... RETURNING` in the writer's group commit: for
 //! every enabled endpoint it takes at most `per_endpoint` of its oldest due
 //! deliveries through the partial `(endpoint_id, next_attempt_at)` index,
 //! numbers them after the endpoint's deliveries already in flight (any
@@ -17,7 +17,7 @@ use sqlx::sqlite::SqliteRow;
 
 use crate::SqliteStore;
 use crate::store::codec::to_ms;
-use crate::store::error::{db_error, sql_limit};
+use crate::store::error::sql_limit;
 
 /// Leases due deliveries to `$1` until `$2`, given the time `$3`, at most
 /// `$4` in all and at most `$5` in flight per endpoint (see the module docs).
@@ -58,15 +58,13 @@ impl WebhookBackend for SqliteStore {
         limit: usize,
         per_endpoint: usize,
     ) -> Result<Vec<SqliteRow>, StoreError> {
-        sqlx::query(CLAIM_SQL)
+        let claim = sqlx::query(CLAIM_SQL)
             .bind(worker)
             .bind(to_ms(until))
             .bind(to_ms(now))
             .bind(sql_limit(limit))
-            .bind(sql_limit(per_endpoint))
-            .fetch_all(self.pool())
-            .await
-            .map_err(db_error)
+            .bind(sql_limit(per_endpoint));
+        self.claim(claim).await
     }
 }
 

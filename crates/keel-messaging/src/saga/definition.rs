@@ -46,6 +46,11 @@ pub const DEFAULT_FORWARD_BUDGET: Duration = Duration::from_secs(10 * 60);
 /// `Retry-After`. A refusal is not an attempt: the call never left.
 pub const DEFAULT_REFUSAL_WAIT: Duration = Duration::from_secs(1);
 
+/// The longest a saga waits on one refusal's `Retry-After`: a longer one (a
+/// dependency's header, a breaker's hint) is read as this, so no single
+/// answer can park a saga for good. Refused again, it waits again.
+pub const MAX_REFUSAL_WAIT: Duration = Duration::from_secs(5 * 60);
+
 /// The data a saga carries from step to step: serializable (it is persisted
 /// after every step) and cloneable.
 pub trait SagaData: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {}

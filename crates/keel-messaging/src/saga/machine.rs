@@ -40,6 +40,7 @@ use keel_core::ErrorClass;
 use keel_policy::retry::Backoff;
 use serde_json::Value;
 
+use super::MAX_REFUSAL_WAIT;
 use crate::store::{SagaRecord, SagaStatus};
 
 mod deadline;
@@ -122,6 +123,11 @@ impl Shape {
     /// The step a call is about.
     pub(crate) fn step(&self, call: Call) -> &StepShape {
         &self.steps[call.index()]
+    }
+
+    /// How long to wait after a refusal that named `retry_after`.
+    fn refusal_wait(&self, retry_after: Option<Duration>) -> Duration {
+        retry_after.map_or(self.refusal_wait, |wait| wait.min(MAX_REFUSAL_WAIT))
     }
 
     fn delay(&self, attempts: u32) -> Duration {
@@ -333,7 +339,7 @@ pub(crate) fn decide(
             );
             next.attempts = attempts.saturating_sub(1);
             next.outcome_unknown = claim.unknown_before;
-            let wait = retry_after.unwrap_or(shape.refusal_wait);
+            let wait = shape.refusal_wait(retry_after);
             if shape.forward_only(i, claim.unknown_before) {
                 retry_forward(&mut next, shape, wait, now);
             } else {
@@ -394,7 +400,7 @@ pub(crate) fn decide(
             );
             if refused {
                 next.attempts = attempts.saturating_sub(1);
-                next.next_attempt_at = now + delta(retry_after.unwrap_or(shape.refusal_wait));
+                next.next_attempt_at = now + delta(shape.refusal_wait(retry_after));
             } else if worth_retrying(class) && attempts < shape.attempt_limit(call) {
                 next.next_attempt_at = now + delta(shape.delay(attempts));
             } else {

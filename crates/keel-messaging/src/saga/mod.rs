@@ -35,7 +35,8 @@
 //! - **A refusal is not an attempt.** A policy that refuses a call (breaker
 //!   open, bulkhead full, retry budget empty, rate limited) never let it
 //!   leave: the attempt is given back and the saga waits the refusal's
-//!   `Retry-After` ([`DEFAULT_REFUSAL_WAIT`] if it has none).
+//!   `Retry-After` ([`DEFAULT_REFUSAL_WAIT`] if it has none, at most
+//!   [`MAX_REFUSAL_WAIT`]).
 //! - **Tombstones.** A compensation leaves a tombstone under the action's
 //!   key ([`StepContext::action_key`]) and the action refuses a tombstoned
 //!   key, so an action that arrives late (after its undo) cannot land.
@@ -117,7 +118,8 @@ mod orchestrator;
 
 pub use definition::{
     DEFAULT_FORWARD_BUDGET, DEFAULT_MAX_ATTEMPTS, DEFAULT_REFUSAL_WAIT, DEFAULT_STEP_TIMEOUT,
-    DEFAULT_STUCK_AFTER, SagaData, SagaDefinition, SagaDefinitionBuilder, Step, StepContext,
+    DEFAULT_STUCK_AFTER, MAX_REFUSAL_WAIT, SagaData, SagaDefinition, SagaDefinitionBuilder, Step,
+    StepContext,
 };
 pub use error::SagaError;
 pub use hook::{AfterCommit, SagaHook};

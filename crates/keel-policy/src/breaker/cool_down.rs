@@ -216,6 +216,19 @@ mod tests {
         assert_eq!(wait_left(&b), open_for, "the open duration as a hint");
     }
 
+    /// The same race where the refusal reads the clock (no timer, or the
+    /// timer already fired): it used to answer the deadline as it found it,
+    /// "probe in a century", and a saga parked its step for that long (found
+    /// by `keel chaos --seed 3`).
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_reading_the_clock_while_racing_the_move_to_half_open_answers_a_sane_wait() {
+        let open_for = super::SHORTEST - MS;
+        let b = tripped(open_for).await;
+        assert!(!b.cooling());
+        b.inner().forget_deadline();
+        assert_eq!(wait_left(&b), open_for, "the open duration as a hint");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_cool_down_too_short_for_the_timer_reads_the_clock() {
         let open_for = super::SHORTEST - MS;

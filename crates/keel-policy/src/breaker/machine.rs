@@ -251,7 +251,7 @@ impl Inner {
         let now = self.nanos_at(clock::now());
         let until = self.deadline.load(Acquire);
         if now < until {
-            return Some(Err(ProbeAt(until)));
+            return Some(Err(self.probe_at(until)));
         }
         let next = self.transition_if(seen, State::HalfOpen, &Reason::CoolDownElapsed)?;
         Some(Ok(self.ticket(next.generation(), TicketKind::Probe)))

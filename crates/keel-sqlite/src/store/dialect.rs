@@ -157,9 +157,10 @@ impl SqlBackend for SqliteStore {
     }
 
     /// In a logical transaction of its own, so that it folds into the
-    /// writer's batch instead of waiting for it.
+    /// writer's batch instead of waiting for it, and without a savepoint:
+    /// SQLite applies or undoes one statement as a whole.
     async fn write<'a>(&'a self, sql: &'a str, params: &'a [Value<'a>]) -> Result<u64, StoreError> {
-        let mut tx = self.group.begin().await?;
+        let mut tx = self.group.begin_statement().await?;
         let changed = SqliteDialect::execute(Exec::Tx(&mut tx), sql, params).await?;
         self.group.commit(tx).await?;
         Ok(changed)
@@ -173,7 +174,7 @@ impl SqlBackend for SqliteStore {
         sql: &'a str,
         params: &'a [Value<'a>],
     ) -> Result<Option<SqliteRow>, StoreError> {
-        let mut tx = self.group.begin().await?;
+        let mut tx = self.group.begin_statement().await?;
         let row = SqliteDialect::fetch_optional(Exec::Tx(&mut tx), sql, params).await?;
         self.group.commit(tx).await?;
         Ok(row)

@@ -13,6 +13,8 @@ use sqlx::error::ErrorKind;
 /// SQLite's primary result codes for "another connection holds the lock".
 const SQLITE_BUSY: i32 = 5;
 const SQLITE_LOCKED: i32 = 6;
+/// SQLite's primary result code for an error in the SQL itself.
+const SQLITE_ERROR: i32 = 1;
 
 /// A [`StoreError::Other`] for a row that does not decode.
 pub(crate) fn corrupt(what: &'static str, detail: impl ToString) -> StoreError {
@@ -39,12 +41,23 @@ pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
 
 /// Whether `err` is SQLite's `BUSY` or `LOCKED` (any extended code).
 pub(crate) fn is_busy(err: &sqlx::Error) -> bool {
+    primary_code(err).is_some_and(|code| matches!(code, SQLITE_BUSY | SQLITE_LOCKED))
+}
+
+/// Whether `err` is SQLite's generic `ERROR`: a statement SQLite refused
+/// to run as written.
+pub(crate) fn is_sql_error(err: &sqlx::Error) -> bool {
+    primary_code(err) == Some(SQLITE_ERROR)
+}
+
+/// SQLite's primary result code of a database error.
+fn primary_code(err: &sqlx::Error) -> Option<i32> {
     let sqlx::Error::Database(db) = err else {
-        return false;
+        return None;
     };
     db.code()
         .and_then(|code| code.parse::<i32>().ok())
-        .is_some_and(|code| matches!(code & 0xff, SQLITE_BUSY | SQLITE_LOCKED))
+        .map(|code| code & 0xff)
 }
 
 pub(crate) use keel_sql::error::sql_limit;

@@ -8,6 +8,13 @@
 //! queued for it: each [`WriteTx`] is a savepoint inside that transaction,
 //! and one `COMMIT` (one fsync) settles every savepoint released before it.
 //!
+//! The store's own writes are one statement each (a saga save, a claim, a
+//! mark), and SQLite applies or undoes a single statement as a whole, so
+//! those skip the savepoint: a savepoint and its release are two more round
+//! trips to the connection's thread while holding the writer, and the
+//! writer's hold per logical transaction, not the fsync, is what bounds a
+//! busy store.
+//!
 //! The rules that keep each caller's answer true:
 //! - **A caller is answered only after the fsync that covers its writes.**
 //!   Releasing a savepoint answers nobody; [`GroupCommit::commit`] waits for
@@ -16,8 +23,11 @@
 //!   savepoint is rolled back (explicitly, or when the handle is dropped)
 //!   and the batch goes on. Only an error that ends the physical
 //!   transaction itself (SQLite rolls the whole transaction back on a full
-//!   disk or an I/O error) fails the batch, and then every caller in it is
-//!   told its writes did not commit.
+//!   disk, an I/O error or an `OR ROLLBACK` conflict) fails the batch, and
+//!   then every caller in it is told its writes did not commit. A
+//!   single-statement write that fails, or whose caller goes away, has no
+//!   savepoint to roll back; before anyone else uses the connection the
+//!   writer checks that the batch's transaction is still open.
 //! - **A batch never waits for a caller that has gone.** Each release
 //!   queues a flush behind the transactions already waiting (the writer's
 //!   queue is FIFO): it commits the batch once they have had their turn, so
@@ -25,12 +35,15 @@
 //!   and nothing depends on a caller coming back. Every step that touches
 //!   the connection runs in a task of its own, so a dropped caller cannot
 //!   cut one in half (see `pool.rs`).
+//! - **A single-statement write whose caller goes away may still commit**,
+//!   as an autocommit statement on PostgreSQL may: if it ran, it is part of
+//!   the batch.
 //!
 //! The histogram `keel_sqlite_group_commit_size` records how many logical
 //! transactions each `COMMIT` settled.
 //!
 //! While a batch is open it holds the writer pool's one connection, so a
-//! write that bypasses the group (the store's autocommit statements, or
+//! write that bypasses the group (the store's rare reads on the writer, or
 //! yours on [`SqliteStore::pool`](super::SqliteStore::pool)) waits for the
 //! batch's `COMMIT`, and is durable when it returns.
 
@@ -44,7 +57,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqliteTransactionManager};
 use tokio::sync::{Mutex, OwnedMutexGuard, oneshot};
 
-use super::error::{db_error, is_busy};
+use super::error::{db_error, is_busy, is_sql_error};
 
 #[cfg(test)]
 mod tests;
@@ -77,6 +90,16 @@ impl Writer {
     fn open_batch(&mut self) -> &mut Batch {
         self.batch.as_mut().expect(IN_A_BATCH)
     }
+}
+
+/// How a logical transaction keeps its writes apart from the rest of its
+/// batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// A savepoint: any number of statements, undone together.
+    Savepoint,
+    /// Exactly one statement, which SQLite applies or undoes by itself.
+    Statement,
 }
 
 /// What a spawned step answers when its task did not finish, which only
@@ -137,15 +160,38 @@ impl GroupCommit {
     /// new one. Waits its turn for the writer, up to the pool's acquire
     /// timeout (the store's busy timeout).
     pub(crate) async fn begin(&self) -> Result<WriteTx, StoreError> {
+        self.begin_in(Scope::Savepoint).await
+    }
+
+    /// Opens a logical transaction for exactly one statement, without a
+    /// savepoint: run one statement on it and commit it. If it is dropped
+    /// instead, its statement, if it ran, commits with the batch.
+    pub(crate) async fn begin_statement(&self) -> Result<WriteTx, StoreError> {
+        self.begin_in(Scope::Statement).await
+    }
+
+    async fn begin_in(&self, scope: Scope) -> Result<WriteTx, StoreError> {
+        let writer = self.turn().await?;
+        if scope == Scope::Statement && writer.batch.is_some() {
+            // Nothing to send to the connection, so nothing to cut in half.
+            return Ok(WriteTx {
+                writer: Some(writer),
+                group: self.clone(),
+                scope,
+            });
+        }
         let group = self.clone();
         // The task only fails to join if the runtime is going down.
-        tokio::spawn(async move { group.open().await })
+        tokio::spawn(async move { group.open(writer, scope).await })
             .await
             .unwrap_or_else(runtime_stopped)
     }
 
-    async fn open(self) -> Result<WriteTx, StoreError> {
-        let mut writer = self.turn().await?;
+    async fn open(
+        self,
+        mut writer: OwnedMutexGuard<Writer>,
+        scope: Scope,
+    ) -> Result<WriteTx, StoreError> {
         if writer.batch.is_none() {
             let mut conn = self.pool.acquire().await.map_err(db_error)?;
             SqliteTransactionManager::begin(&mut conn, Some("BEGIN IMMEDIATE".into()))
@@ -158,13 +204,16 @@ impl GroupCommit {
                 waiters: Vec::new(),
             });
         }
-        let batch = writer.batch.as_mut().expect("a batch was just ensured");
-        if let Err(err) = SqliteTransactionManager::begin(&mut batch.conn, None).await {
-            return Err(self.abandon(&mut writer, err).await);
+        if scope == Scope::Savepoint {
+            let batch = writer.open_batch();
+            if let Err(err) = SqliteTransactionManager::begin(&mut batch.conn, None).await {
+                return Err(self.abandon(&mut writer, err).await);
+            }
         }
         Ok(WriteTx {
             writer: Some(writer),
             group: self,
+            scope,
         })
     }
 
@@ -183,8 +232,13 @@ impl GroupCommit {
 
     /// Commits the logical transaction `tx` and waits for the fsync that
     /// covers it.
-    pub(crate) async fn commit(&self, tx: WriteTx) -> Result<(), StoreError> {
-        let released = tokio::spawn(tx.release()).await;
+    pub(crate) async fn commit(&self, mut tx: WriteTx) -> Result<(), StoreError> {
+        let released = match tx.scope {
+            // Nothing to release: joining the batch sends nothing to the
+            // connection, so it needs no task of its own.
+            Scope::Statement => Ok(Ok(self.wait_for_batch(tx.settle()))),
+            Scope::Savepoint => tokio::spawn(tx.release()).await,
+        };
         let verdict = match released {
             Ok(Ok(verdict)) => verdict,
             Ok(Err(err)) => return Err(err),
@@ -207,20 +261,48 @@ impl GroupCommit {
 
     /// Rolls the logical transaction `tx` back; the batch goes on.
     pub(crate) async fn rollback(&self, mut tx: WriteTx) -> Result<(), StoreError> {
-        let mut writer = tx.settle();
-        let group = tx.group.clone();
-        tokio::spawn(async move {
-            let batch = writer.open_batch();
-            match SqliteTransactionManager::rollback(&mut batch.conn).await {
-                Ok(()) => {
-                    group.flush_later(batch.id);
-                    Ok(())
-                }
-                Err(err) => Err(group.abandon(&mut writer, err).await),
+        let writer = tx.settle();
+        tokio::spawn(tx.group.clone().undo(writer, tx.scope))
+            .await
+            .unwrap_or_else(runtime_stopped)
+    }
+
+    /// Undoes a logical transaction that will not be committed, then hands
+    /// the writer on. Fails the batch if its physical transaction cannot be
+    /// vouched for.
+    async fn undo(
+        self,
+        mut writer: OwnedMutexGuard<Writer>,
+        scope: Scope,
+    ) -> Result<(), StoreError> {
+        let batch = writer.open_batch();
+        let id = batch.id;
+        let undone = match scope {
+            Scope::Savepoint => SqliteTransactionManager::rollback(&mut batch.conn).await,
+            Scope::Statement => still_in_transaction(&mut batch.conn).await,
+        };
+        match undone {
+            Ok(()) => {
+                self.flush_later(id);
+                Ok(())
             }
-        })
-        .await
-        .unwrap_or_else(runtime_stopped)
+            Err(err) => Err(self.abandon(&mut writer, err).await),
+        }
+    }
+
+    /// Joins the batch's waiters, and commits the batch: at once if it is
+    /// full, else once the callers queued now have had their turn.
+    fn wait_for_batch(&self, mut writer: OwnedMutexGuard<Writer>) -> oneshot::Receiver<Verdict> {
+        let batch = writer.open_batch();
+        let (sender, verdict) = oneshot::channel();
+        batch.waiters.push(sender);
+        if batch.waiters.len() >= MAX_BATCH {
+            let group = self.clone();
+            tokio::spawn(async move { group.settle(&mut writer).await });
+        } else {
+            self.flush_later(batch.id);
+        }
+        verdict
     }
 
     /// Commits batch `id` once the callers queued now have had their turn.
@@ -287,6 +369,21 @@ impl GroupCommit {
     }
 }
 
+/// Whether the batch's physical transaction is still open after a statement
+/// whose caller did not commit it: an error that ended the transaction
+/// would otherwise go unseen, and the next callers' statements would run,
+/// and commit, outside it. A bare `BEGIN` fails inside a transaction and
+/// starts one outside it (which [`GroupCommit::abandon`] then rolls back).
+async fn still_in_transaction(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    match sqlx::query("BEGIN").execute(conn).await {
+        Err(err) if is_sql_error(&err) => Ok(()),
+        Err(err) => Err(err),
+        Ok(_) => Err(sqlx::Error::Protocol(
+            "SQLite had rolled the batch's transaction back".into(),
+        )),
+    }
+}
+
 /// A write transaction on the SQLite store: a savepoint in the writer's
 /// open batch (see the module docs). Write your business rows in it with
 /// `sqlx::query(..).execute(&mut *tx)`, exactly as in a
@@ -297,6 +394,7 @@ pub struct WriteTx {
     /// `Some` until the transaction is committed or rolled back.
     writer: Option<OwnedMutexGuard<Writer>>,
     group: GroupCommit,
+    scope: Scope,
 }
 
 impl WriteTx {
@@ -314,14 +412,7 @@ impl WriteTx {
         if let Err(err) = SqliteTransactionManager::commit(&mut batch.conn).await {
             return Err(group.abandon(&mut writer, err).await);
         }
-        let (sender, verdict) = oneshot::channel();
-        batch.waiters.push(sender);
-        if batch.waiters.len() >= MAX_BATCH {
-            group.settle(&mut writer).await;
-        } else {
-            group.flush_later(batch.id);
-        }
-        Ok(verdict)
+        Ok(group.wait_for_batch(writer))
     }
 }
 
@@ -345,17 +436,16 @@ impl Drop for WriteTx {
         let Some(mut writer) = self.writer.take() else {
             return;
         };
-        let Some(batch) = writer.batch.as_mut() else {
+        if writer.batch.is_none() {
             return;
-        };
-        // Queued on the connection's worker ahead of whatever the next
-        // holder of the writer sends, so it runs first.
-        SqliteTransactionManager::start_rollback(&mut batch.conn);
-        let id = batch.id;
-        drop(writer);
-        // Without a runtime nothing else can use the store either.
+        }
         if tokio::runtime::Handle::try_current().is_ok() {
-            self.group.flush_later(id);
+            // The task holds the writer: nobody uses the connection before
+            // the undo is done.
+            tokio::spawn(self.group.clone().undo(writer, self.scope));
+        } else if self.scope == Scope::Savepoint {
+            // Without a runtime nothing else can use the store either.
+            SqliteTransactionManager::start_rollback(&mut writer.open_batch().conn);
         }
     }
 }

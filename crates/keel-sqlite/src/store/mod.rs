@@ -65,7 +65,8 @@
 //! in it, and one `COMMIT` (one fsync) settles them all. A failed
 //! transaction rolls back its savepoint only; [`Store::commit`] answers
 //! after the fsync that covers the caller's writes, never before. The
-//! store's own single-statement writes take the same path.
+//! store's own single-statement writes take the same path, without the
+//! savepoint: SQLite applies or undoes one statement as a whole.
 //!
 //! The price is one more rule: **do not wait, inside an open transaction,
 //! for another of this store's commits to be acknowledged.** That commit
@@ -85,8 +86,8 @@
 //! transaction back at checkout (see `pool.rs`: under load one cancelled
 //! `BEGIN` used to hold the write lock and swallow later writes).
 //! Every transaction `begin` hands out is a write transaction; that is what
-//! the outbox and inbox are for. Keel's own single-statement writes run in
-//! autocommit mode, where SQLite takes the write lock before reading.
+//! the outbox and inbox are for. Keel's own single-statement writes join the
+//! same batches.
 //!
 //! # Why `synchronous = FULL`
 //!
@@ -116,7 +117,8 @@ use async_trait::async_trait;
 use keel_messaging::StoreError;
 use keel_messaging::store::Store;
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::sqlite::SqlitePool;
+use sqlx::query::Query;
+use sqlx::sqlite::{Sqlite, SqliteArguments, SqlitePool, SqliteRow};
 
 pub use dialect::SqliteDialect;
 pub use group::WriteTx;
@@ -205,6 +207,19 @@ impl SqliteStore {
         let mut migrator = sqlx::migrate!("./migrations/store");
         migrator.set_ignore_missing(true);
         migrator
+    }
+
+    /// Runs a claim (one `UPDATE ... RETURNING` statement) in the group
+    /// commit, like every write: on the writer pool outside it, a claim
+    /// would wait for the open batch and then fsync alone.
+    pub(crate) async fn claim<'q>(
+        &self,
+        claim: Query<'q, Sqlite, SqliteArguments<'q>>,
+    ) -> Result<Vec<SqliteRow>, StoreError> {
+        let mut tx = self.group.begin_statement().await?;
+        let rows = claim.fetch_all(&mut *tx).await.map_err(db_error)?;
+        self.group.commit(tx).await?;
+        Ok(rows)
     }
 
     /// Closes both pools, waiting for connections in use to come back.

@@ -84,18 +84,11 @@ impl OutboxBackend for SqliteStore {
         now: DateTime<Utc>,
         limit: usize,
     ) -> Result<Vec<SqliteRow>, StoreError> {
-        // In the group commit, like every write: on the writer pool outside
-        // it, a claim would wait for the open batch and then fsync alone.
-        let mut tx = self.group.begin().await?;
-        let rows = sqlx::query(CLAIM_SQL)
+        let claim = sqlx::query(CLAIM_SQL)
             .bind(relay)
             .bind(to_ms(until))
             .bind(to_ms(now))
-            .bind(sql_limit(limit))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db_error)?;
-        self.group.commit(tx).await?;
-        Ok(rows)
+            .bind(sql_limit(limit));
+        self.claim(claim).await
     }
 }

@@ -505,6 +505,17 @@ fn a_step_known_not_to_have_happened_is_not_compensated_and_a_pivot_that_surely_
     );
 }
 
+/// A breaker racing its move to half-open once answered "probe in a
+/// century", and the saga parked its step for that long.
+#[test]
+fn no_refusal_parks_a_saga_for_longer_than_the_cap() {
+    let shape = seed_shape();
+    let century = Duration::from_secs(100 * 365 * 86_400);
+    let (_, next) = run(&new_saga(), &shape, refused(Some(century)));
+    let wait = (next.next_attempt_at - next.updated_at).to_std().unwrap();
+    assert_eq!(wait, super::MAX_REFUSAL_WAIT);
+}
+
 #[test]
 fn a_refusal_is_not_an_attempt_and_waits_its_retry_after() {
     let shape = seed_shape();

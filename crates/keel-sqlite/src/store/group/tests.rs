@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use keel_messaging::StoreError;
 use keel_messaging::store::{FenceStore, OutboxRecord, OutboxStore, Store};
+use keel_sql::{SqlBackend, Value};
 use parking_lot::Mutex;
 use tempfile::TempDir;
 use tokio::task::JoinSet;
@@ -24,8 +25,10 @@ async fn store_at(path: &Path) -> SqliteStore {
     store
 }
 
+const INSERT_ITEM: &str = "INSERT INTO items (id) VALUES ($1)";
+
 async fn insert(tx: &mut <SqliteStore as Store>::Tx, id: i64) -> Result<(), StoreError> {
-    sqlx::query("INSERT INTO items (id) VALUES (?)")
+    sqlx::query(INSERT_ITEM)
         .bind(id)
         .execute(&mut **tx)
         .await
@@ -264,6 +267,170 @@ async fn a_failed_transaction_in_a_batch_leaves_the_others_committed() {
     store.close().await;
     let evens = [0, 2, 4, 6, 8, 10, 12].into_iter().collect();
     assert_eq!(ids(&path).await, evens);
+}
+
+/// The store's own writes are one statement each and skip the savepoint: one
+/// that fails is undone by SQLite alone, and the batch goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_single_write_leaves_the_others_committed() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let before = store.group.commits();
+
+    let first = open_first(&store).await;
+    let mut writers = spawn_writers(&store, 1..=8);
+    for id in [0, 3] {
+        let store = store.clone();
+        writers.spawn(async move {
+            let duplicate = SqlBackend::write(&store, INSERT_ITEM, &[Value::Int(Some(id))]).await;
+            assert!(
+                matches!(duplicate, Err(StoreError::Conflict(_))),
+                "{duplicate:?}"
+            );
+            Ok(())
+        });
+    }
+    let (answer, answers) = commit_behind(&store, first, writers).await;
+    answer.expect("the first commit");
+    for answer in answers {
+        answer.expect("no transaction is failed by another");
+    }
+
+    assert_eq!(store.group.commits() - before, 1);
+    store.close().await;
+    assert_eq!(ids(&path).await, (0..=8).collect());
+}
+
+/// A single write has no savepoint to undo; dropped before its commit, its
+/// statement has run and commits with the batch, and the batch is unharmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_write_dropped_before_its_commit_leaves_the_batch_whole() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let before = store.group.commits();
+
+    let mut single = store.group.begin_statement().await.expect("begin");
+    insert(&mut single, 7).await.expect("insert");
+    let mut writers = spawn_writers(&store, 1..=3);
+    while store.group.queued() < 3 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    drop(single);
+    while let Some(answer) = writers.join_next().await {
+        answer.expect("a writer panicked").expect("a commit");
+    }
+
+    assert_eq!(store.group.commits() - before, 1);
+    store.close().await;
+    assert_eq!(ids(&path).await, [1, 2, 3, 7].into_iter().collect());
+}
+
+/// SQLite rolls the whole transaction back on some errors (here an
+/// `OR ROLLBACK` conflict; a full disk or an I/O error in production). A
+/// single write has no savepoint whose failed release would reveal that, so
+/// the writer checks: the batch fails, and no caller is told a row that was
+/// rolled back committed. Without the check, the statements queued next ran
+/// in a new transaction that the batch's `COMMIT` then committed, and every
+/// caller of the lost batch was told it had committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_write_that_ends_the_batch_fails_it_and_no_answer_lies() {
+    a_batch_ended_by("a single write").await;
+}
+
+/// The same inside a transaction that its caller drops on the error: the
+/// savepoint it would roll back is gone, and that, too, fails the batch.
+/// (Dropping used to queue the rollback and ignore its failure: the same
+/// lie.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_transaction_that_ended_the_batch_fails_it_and_no_answer_lies() {
+    a_batch_ended_by("a dropped transaction").await;
+}
+
+/// Queues, behind a first transaction, a commit of row 1, a statement that
+/// collides with row 1 `OR ROLLBACK` (by `ender`), a transaction that rolls
+/// row 5 back, and a commit of row 3; checks every answer against the file.
+async fn a_batch_ended_by(ender: &'static str) {
+    const ENDS_THE_BATCH: &str = "INSERT OR ROLLBACK INTO items (id) VALUES ($1)";
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+
+    let first = open_first(&store).await;
+    let mut callers: JoinSet<(i64, Result<(), StoreError>)> = JoinSet::new();
+    let queue = |store: &SqliteStore, callers: &mut JoinSet<_>, id: i64, kind: &'static str| {
+        let store = store.clone();
+        callers.spawn(async move {
+            let answer = match kind {
+                "ends the batch" if ender == "a single write" => {
+                    SqlBackend::write(&store, ENDS_THE_BATCH, &[Value::Int(Some(id))])
+                        .await
+                        .map(drop)
+                }
+                "ends the batch" => {
+                    async {
+                        let mut tx = store.begin().await?;
+                        let ended = sqlx::query(ENDS_THE_BATCH).bind(id).execute(&mut *tx).await;
+                        ended.map(drop).map_err(super::db_error)
+                    }
+                    .await
+                }
+                "rolls back" => {
+                    async {
+                        let mut tx = store.begin().await?;
+                        insert(&mut tx, id).await?;
+                        store.rollback(tx).await
+                    }
+                    .await
+                }
+                _ => {
+                    async {
+                        let mut tx = store.begin().await?;
+                        insert(&mut tx, id).await?;
+                        store.commit(tx).await
+                    }
+                    .await
+                }
+            };
+            (id, answer)
+        });
+    };
+    // In this order behind `first`, each queued before the next.
+    let plan = [
+        (1, "commits"),
+        (1, "ends the batch"),
+        (5, "rolls back"),
+        (3, "commits"),
+    ];
+    for (queued, (id, kind)) in plan.into_iter().enumerate() {
+        queue(&store, &mut callers, id, kind);
+        while store.group.queued() <= queued {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    let mut answers = vec![(0, store.commit(first).await)];
+    while let Some(answer) = callers.join_next().await {
+        answers.push(answer.expect("a caller panicked"));
+    }
+    store.close().await;
+
+    let durable = ids(&path).await;
+    for (id, answer) in &answers {
+        if answer.is_ok() && *id != 5 {
+            assert!(
+                durable.contains(id),
+                "row {id} acknowledged but lost: {answers:?}"
+            );
+        }
+    }
+    assert_eq!(durable, [3].into_iter().collect(), "{answers:?}");
+    assert!(
+        answers
+            .iter()
+            .any(|(id, answer)| *id == 1 && matches!(answer, Err(StoreError::Conflict(_)))),
+        "{answers:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

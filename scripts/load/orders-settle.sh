@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Whether the whole order keeps up: `keel serve` (binary BIN) on a fresh
+# SQLite file under `wrk -t2 -c32` for SECS seconds (orders.lua), counting
+# the orders taken and the sagas not yet completed or compensated every 10 s,
+# the group commit's logical transactions and COMMITs at the end, and the
+# same counts 15 s after the load. Needs wrk, curl and the sqlite3 CLI.
+#
+#   cargo build --release -p keel && scripts/load/orders-settle.sh target/release/keel 30
+set -u
+bin=$1
+secs=${2:-60}
+here=$(cd "$(dirname "$0")" && pwd)
+dir=$(mktemp -d)
+"$bin" serve --listen 127.0.0.1:18080 --database-url "sqlite:$dir/keel.db" >"$dir/log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
+sleep 3
+load=$(cut -d' ' -f1 /proc/loadavg)
+wrk -t2 -c32 -d"${secs}s" --latency -s "$here/orders.lua" http://127.0.0.1:18080 >"$dir/wrk.txt" &
+wrk_pid=$!
+count() {
+  sqlite3 -readonly "$dir/keel.db" "SELECT (SELECT count(*) FROM shop_orders),
+    (SELECT count(*) FROM keel_sagas WHERE status NOT IN ('completed', 'compensated'))" 2>/dev/null
+}
+for t in $(seq 10 10 "$secs"); do
+  sleep 10
+  echo "t=${t}s orders|unsettled=$(count)"
+done
+wait $wrk_pid
+sleep 1
+echo "end orders|unsettled=$(count)"
+curl -s http://127.0.0.1:18080/metrics | grep -E '^keel_sqlite_group_commit_size_(sum|count)'
+sleep 15
+echo "+15s orders|unsettled=$(count)"
+echo "load average before: $load"
+grep -E "Requests/sec|50%|99%|Non-2xx" "$dir/wrk.txt"
