@@ -276,11 +276,17 @@ async fn a_failed_single_write_leaves_the_others_committed() {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("group.db");
     let store = store_at(&path).await;
+    let mut tx = store.begin().await.expect("begin");
+    insert(&mut tx, 100).await.expect("insert");
+    store.commit(tx).await.expect("commit");
     let before = store.group.commits();
 
     let first = open_first(&store).await;
     let mut writers = spawn_writers(&store, 1..=8);
-    for id in [0, 3] {
+    // Rows already written when the duplicates run: 0 in `first`, which
+    // holds the writer, and 100 committed before (a row of a queued writer
+    // could be written after its duplicate, which would then succeed).
+    for id in [0, 100] {
         let store = store.clone();
         writers.spawn(async move {
             let duplicate = SqlBackend::write(&store, INSERT_ITEM, &[Value::Int(Some(id))]).await;
@@ -299,7 +305,7 @@ async fn a_failed_single_write_leaves_the_others_committed() {
 
     assert_eq!(store.group.commits() - before, 1);
     store.close().await;
-    assert_eq!(ids(&path).await, (0..=8).collect());
+    assert_eq!(ids(&path).await, (0..=8).chain([100]).collect());
 }
 
 /// A single write has no savepoint to undo; dropped before its commit, its
@@ -336,7 +342,7 @@ async fn a_single_write_dropped_before_its_commit_leaves_the_batch_whole() {
 /// caller of the lost batch was told it had committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_write_that_ends_the_batch_fails_it_and_no_answer_lies() {
-    a_batch_ended_by("a single write").await;
+    a_batch_ended_by(Ender::SingleWrite).await;
 }
 
 /// The same inside a transaction that its caller drops on the error: the
@@ -345,66 +351,71 @@ async fn a_single_write_that_ends_the_batch_fails_it_and_no_answer_lies() {
 /// lie.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_transaction_that_ended_the_batch_fails_it_and_no_answer_lies() {
-    a_batch_ended_by("a dropped transaction").await;
+    a_batch_ended_by(Ender::DroppedTransaction).await;
+}
+
+/// How the statement that ends the batch is sent.
+#[derive(Clone, Copy)]
+enum Ender {
+    SingleWrite,
+    DroppedTransaction,
+}
+
+/// What a caller queued behind the first transaction does with its row.
+#[derive(Clone, Copy)]
+enum Step {
+    Commit,
+    /// Collides with the row `OR ROLLBACK`, which ends the transaction.
+    EndTheBatch(Ender),
+    RollBack,
+}
+
+const ENDS_THE_BATCH: &str = "INSERT OR ROLLBACK INTO items (id) VALUES ($1)";
+
+async fn take_step(store: &SqliteStore, id: i64, step: Step) -> Result<(), StoreError> {
+    match step {
+        Step::EndTheBatch(Ender::SingleWrite) => {
+            SqlBackend::write(store, ENDS_THE_BATCH, &[Value::Int(Some(id))])
+                .await
+                .map(drop)
+        }
+        Step::EndTheBatch(Ender::DroppedTransaction) => {
+            let mut tx = store.begin().await?;
+            let ended = sqlx::query(ENDS_THE_BATCH).bind(id).execute(&mut *tx).await;
+            ended.map(drop).map_err(super::db_error)
+        }
+        Step::Commit | Step::RollBack => {
+            let mut tx = store.begin().await?;
+            insert(&mut tx, id).await?;
+            match step {
+                Step::RollBack => store.rollback(tx).await,
+                _ => store.commit(tx).await,
+            }
+        }
+    }
 }
 
 /// Queues, behind a first transaction, a commit of row 1, a statement that
-/// collides with row 1 `OR ROLLBACK` (by `ender`), a transaction that rolls
-/// row 5 back, and a commit of row 3; checks every answer against the file.
-async fn a_batch_ended_by(ender: &'static str) {
-    const ENDS_THE_BATCH: &str = "INSERT OR ROLLBACK INTO items (id) VALUES ($1)";
+/// collides with row 1 `OR ROLLBACK` (sent as `ender` says), a transaction
+/// that rolls row 5 back, and a commit of row 3; checks every answer
+/// against the file.
+async fn a_batch_ended_by(ender: Ender) {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("group.db");
     let store = store_at(&path).await;
 
     let first = open_first(&store).await;
     let mut callers: JoinSet<(i64, Result<(), StoreError>)> = JoinSet::new();
-    let queue = |store: &SqliteStore, callers: &mut JoinSet<_>, id: i64, kind: &'static str| {
-        let store = store.clone();
-        callers.spawn(async move {
-            let answer = match kind {
-                "ends the batch" if ender == "a single write" => {
-                    SqlBackend::write(&store, ENDS_THE_BATCH, &[Value::Int(Some(id))])
-                        .await
-                        .map(drop)
-                }
-                "ends the batch" => {
-                    async {
-                        let mut tx = store.begin().await?;
-                        let ended = sqlx::query(ENDS_THE_BATCH).bind(id).execute(&mut *tx).await;
-                        ended.map(drop).map_err(super::db_error)
-                    }
-                    .await
-                }
-                "rolls back" => {
-                    async {
-                        let mut tx = store.begin().await?;
-                        insert(&mut tx, id).await?;
-                        store.rollback(tx).await
-                    }
-                    .await
-                }
-                _ => {
-                    async {
-                        let mut tx = store.begin().await?;
-                        insert(&mut tx, id).await?;
-                        store.commit(tx).await
-                    }
-                    .await
-                }
-            };
-            (id, answer)
-        });
-    };
     // In this order behind `first`, each queued before the next.
     let plan = [
-        (1, "commits"),
-        (1, "ends the batch"),
-        (5, "rolls back"),
-        (3, "commits"),
+        (1, Step::Commit),
+        (1, Step::EndTheBatch(ender)),
+        (5, Step::RollBack),
+        (3, Step::Commit),
     ];
-    for (queued, (id, kind)) in plan.into_iter().enumerate() {
-        queue(&store, &mut callers, id, kind);
+    for (queued, (id, step)) in plan.into_iter().enumerate() {
+        let caller = store.clone();
+        callers.spawn(async move { (id, take_step(&caller, id, step).await) });
         while store.group.queued() <= queued {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
