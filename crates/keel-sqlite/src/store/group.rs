@@ -47,9 +47,12 @@
 //! yours on [`SqliteStore::pool`](super::SqliteStore::pool)) waits for the
 //! batch's `COMMIT`, and is durable when it returns.
 
+use std::future::{Future, poll_fn};
 use std::ops::{Deref, DerefMut};
+use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::Poll;
 
 use keel_messaging::StoreError;
 use sqlx::TransactionManager;
@@ -133,6 +136,22 @@ enum Verdict {
 struct Stats {
     commits: AtomicU64,
     queued: AtomicUsize,
+}
+
+/// One caller in the writer's queue, counted for as long as it waits.
+struct Queued<'a>(&'a Stats);
+
+impl<'a> Queued<'a> {
+    fn count(stats: &'a Stats) -> Self {
+        stats.queued.fetch_add(1, Ordering::Relaxed);
+        Self(stats)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.queued.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl GroupCommit {
@@ -220,9 +239,20 @@ impl GroupCommit {
     /// The writer, after the callers queued before this one.
     async fn turn(&self) -> Result<OwnedMutexGuard<Writer>, StoreError> {
         let limit = self.pool.options().get_acquire_timeout();
-        self.stats.queued.fetch_add(1, Ordering::Relaxed);
-        let turn = tokio::time::timeout(limit, self.writer.clone().lock_owned()).await;
-        self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+        let mut turn = pin!(tokio::time::timeout(
+            limit,
+            self.writer.clone().lock_owned()
+        ));
+        // A caller is counted as queued only once its first poll has put it
+        // in the mutex's FIFO queue: whoever waits for N queued callers then
+        // knows that they come before anything it queues next.
+        let turn = match poll_fn(|cx| Poll::Ready(turn.as_mut().poll(cx))).await {
+            Poll::Ready(turn) => turn,
+            Poll::Pending => {
+                let _queued = Queued::count(&self.stats);
+                turn.await
+            }
+        };
         turn.map_err(|_| {
             StoreError::Unavailable(
                 format!("the SQLite writer was busy for longer than {limit:?}").into(),
