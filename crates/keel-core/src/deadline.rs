@@ -44,12 +44,9 @@ pub const GRPC_TIMEOUT_HEADER: &str = "grpc-timeout";
 /// The least time that must remain for a call to be worth starting.
 pub const MIN_TIME_TO_START: Duration = Duration::from_millis(50);
 
-tokio::task_local! {
-    static CURRENT: Deadline;
-}
+mod scope;
 
-/// The future returned by [`Deadline::scope`].
-pub type Scoped<F> = tokio::task::futures::TaskLocalFuture<Deadline, F>;
+pub use scope::Scoped;
 
 /// An instant by which a request must be answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -141,7 +138,7 @@ impl Deadline {
     /// The deadline of the running task, if a [`scope`](Self::scope) set one.
     #[inline]
     pub fn current() -> Option<Deadline> {
-        CURRENT.try_with(|d| *d).ok()
+        scope::current()
     }
 
     /// The time left before the current task's deadline, if it has one.
@@ -152,7 +149,7 @@ impl Deadline {
     /// Runs `fut` with this deadline as the current one. A scope inside
     /// another never extends it: the earlier deadline wins.
     pub fn scope<F: Future>(self, fut: F) -> Scoped<F> {
-        CURRENT.scope(self.min_with(Self::current()), fut)
+        Scoped::new(self.min_with(Self::current()), fut)
     }
 
     /// [`scope`](Self::scope), given the task's current deadline as the
@@ -167,14 +164,15 @@ impl Deadline {
             Self::current(),
             "`current` must be the task's current deadline"
         );
-        CURRENT.scope(self.min_with(current), fut)
+        Scoped::new(self.min_with(current), fut)
     }
 
     /// Runs `f` synchronously with this deadline as the current one (the
     /// earlier deadline wins): for a tower service's `call`, which builds the
     /// outgoing request before any poll.
     pub fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
-        CURRENT.sync_scope(self.min_with(Self::current()), f)
+        let _restore = scope::enter(self.min_with(Self::current()));
+        f()
     }
 
     /// The deadline for an inbound request: the caller's header if present,
