@@ -105,12 +105,17 @@ enum Scope {
     Statement,
 }
 
-/// What a spawned step answers when its task did not finish, which only
-/// happens when the runtime is going down (no step panics).
-fn runtime_stopped<T>(_: tokio::task::JoinError) -> Result<T, StoreError> {
-    Err(StoreError::Unavailable(
-        "the runtime is shutting down".into(),
-    ))
+/// Runs `step` in a task of its own, so that a caller going away cannot cut
+/// it in half. Its task only fails to finish when the runtime is going down
+/// (no step panics).
+async fn in_own_task<T: Send + 'static>(
+    step: impl Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    tokio::spawn(step).await.unwrap_or_else(|_| {
+        Err(StoreError::Unavailable(
+            "the runtime is shutting down".into(),
+        ))
+    })
 }
 
 /// The physical transaction, on the writer pool's connection.
@@ -199,11 +204,7 @@ impl GroupCommit {
                 scope,
             });
         }
-        let group = self.clone();
-        // The task only fails to join if the runtime is going down.
-        tokio::spawn(async move { group.open(writer, scope).await })
-            .await
-            .unwrap_or_else(runtime_stopped)
+        in_own_task(self.clone().open(writer, scope)).await
     }
 
     async fn open(
@@ -292,9 +293,7 @@ impl GroupCommit {
     /// Rolls the logical transaction `tx` back; the batch goes on.
     pub(crate) async fn rollback(&self, mut tx: WriteTx) -> Result<(), StoreError> {
         let writer = tx.settle();
-        tokio::spawn(tx.group.clone().undo(writer, tx.scope))
-            .await
-            .unwrap_or_else(runtime_stopped)
+        in_own_task(tx.group.clone().undo(writer, tx.scope)).await
     }
 
     /// Undoes a logical transaction that will not be committed, then hands

@@ -95,6 +95,21 @@ async fn commit_behind<T: 'static>(
     (answer, answers)
 }
 
+/// [`commit_behind`] for writers that must all commit: fails the test with
+/// `why` if any of them, or `first`, does not.
+async fn commit_all_behind(
+    store: &SqliteStore,
+    first: <SqliteStore as Store>::Tx,
+    writers: JoinSet<Result<(), StoreError>>,
+    why: &str,
+) {
+    let (answer, answers) = commit_behind(store, first, writers).await;
+    answer.expect("the first commit");
+    for answer in answers {
+        answer.expect(why);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
     let dir = TempDir::new().unwrap();
@@ -103,11 +118,13 @@ async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
     let before = store.group.commits();
 
     let first = open_first(&store).await;
-    let (answer, answers) = commit_behind(&store, first, spawn_writers(&store, 1..=20)).await;
-    answer.expect("the first commit");
-    for answer in answers {
-        answer.expect("every queued transaction commits");
-    }
+    commit_all_behind(
+        &store,
+        first,
+        spawn_writers(&store, 1..=20),
+        "every queued transaction commits",
+    )
+    .await;
 
     assert_eq!(
         store.group.commits() - before,
@@ -209,11 +226,7 @@ async fn a_long_queue_is_committed_in_bounded_batches() {
 
     let first = open_first(&store).await;
     let writers = spawn_writers(&store, 1..=queued as i64);
-    let (answer, answers) = commit_behind(&store, first, writers).await;
-    answer.expect("the first commit");
-    for answer in answers {
-        answer.expect("every queued transaction commits");
-    }
+    commit_all_behind(&store, first, writers, "every queued transaction commits").await;
 
     assert_eq!(
         store.group.commits() - before,
@@ -257,11 +270,13 @@ async fn a_failed_transaction_in_a_batch_leaves_the_others_committed() {
             store.commit(tx).await
         });
     }
-    let (answer, answers) = commit_behind(&store, first, writers).await;
-    answer.expect("the first commit");
-    for answer in answers {
-        answer.expect("no transaction is failed by another");
-    }
+    commit_all_behind(
+        &store,
+        first,
+        writers,
+        "no transaction is failed by another",
+    )
+    .await;
 
     assert_eq!(store.group.commits() - before, 1);
     store.close().await;
@@ -297,11 +312,13 @@ async fn a_failed_single_write_leaves_the_others_committed() {
             Ok(())
         });
     }
-    let (answer, answers) = commit_behind(&store, first, writers).await;
-    answer.expect("the first commit");
-    for answer in answers {
-        answer.expect("no transaction is failed by another");
-    }
+    commit_all_behind(
+        &store,
+        first,
+        writers,
+        "no transaction is failed by another",
+    )
+    .await;
 
     assert_eq!(store.group.commits() - before, 1);
     store.close().await;
