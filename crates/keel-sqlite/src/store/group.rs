@@ -28,10 +28,10 @@
 //!   single-statement write that fails, or whose caller goes away, has no
 //!   savepoint to roll back; before anyone else uses the connection the
 //!   writer checks that the batch's transaction is still open.
-//! - **A batch never waits for a caller that has gone.** Each release
+//! - **A batch never waits for a caller that has gone.** Its first release
 //!   queues a flush behind the transactions already waiting (the writer's
 //!   queue is FIFO): it commits the batch once they have had their turn, so
-//!   a batch folds exactly the transactions that arrived while it was open,
+//!   a batch folds the transactions that queued before its first release,
 //!   and nothing depends on a caller coming back. Every step that touches
 //!   the connection runs in a task of its own, so a dropped caller cannot
 //!   cut one in half (see `pool.rs`).
@@ -124,6 +124,10 @@ struct Batch {
     id: u64,
     conn: PoolConnection<Sqlite>,
     waiters: Vec<oneshot::Sender<Verdict>>,
+    /// Whether a flush of this batch is queued for the writer already: the
+    /// first one queued commits the batch, so a second would only take a
+    /// turn to find it gone.
+    flush_queued: bool,
 }
 
 /// What became of a batch, told to each caller in it.
@@ -140,6 +144,7 @@ enum Verdict {
 #[derive(Debug, Default)]
 struct Stats {
     commits: AtomicU64,
+    flushes: AtomicU64,
     queued: AtomicUsize,
 }
 
@@ -172,6 +177,12 @@ impl GroupCommit {
     #[cfg(test)]
     pub(crate) fn commits(&self) -> u64 {
         self.stats.commits.load(Ordering::Relaxed)
+    }
+
+    /// Flushes queued so far.
+    #[cfg(test)]
+    pub(crate) fn flushes(&self) -> u64 {
+        self.stats.flushes.load(Ordering::Relaxed)
     }
 
     /// Callers waiting for the writer right now.
@@ -222,6 +233,7 @@ impl GroupCommit {
                 id: writer.opened,
                 conn,
                 waiters: Vec::new(),
+                flush_queued: false,
             });
         }
         if scope == Scope::Savepoint {
@@ -305,14 +317,13 @@ impl GroupCommit {
         scope: Scope,
     ) -> Result<(), StoreError> {
         let batch = writer.open_batch();
-        let id = batch.id;
         let undone = match scope {
             Scope::Savepoint => SqliteTransactionManager::rollback(&mut batch.conn).await,
             Scope::Statement => still_in_transaction(&mut batch.conn).await,
         };
         match undone {
             Ok(()) => {
-                self.flush_later(id);
+                self.flush_later(writer.open_batch());
                 Ok(())
             }
             Err(err) => Err(self.abandon(&mut writer, err).await),
@@ -329,13 +340,19 @@ impl GroupCommit {
             let group = self.clone();
             tokio::spawn(async move { group.settle(&mut writer).await });
         } else {
-            self.flush_later(batch.id);
+            self.flush_later(batch);
         }
         verdict
     }
 
-    /// Commits batch `id` once the callers queued now have had their turn.
-    fn flush_later(&self, id: u64) {
+    /// Commits `batch` once the callers queued now have had their turn,
+    /// unless a flush of it is queued already.
+    fn flush_later(&self, batch: &mut Batch) {
+        if std::mem::replace(&mut batch.flush_queued, true) {
+            return;
+        }
+        self.stats.flushes.fetch_add(1, Ordering::Relaxed);
+        let id = batch.id;
         let group = self.clone();
         tokio::spawn(async move {
             let mut writer = group.writer.clone().lock_owned().await;

@@ -89,9 +89,14 @@ impl SqliteStoreOptions {
         let base = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true);
+        // Inside the writer's open batch every write statement keeps a
+        // statement journal, so that it can be undone alone; in a temporary
+        // file, each page it journals is a `pwrite`, made while every other
+        // writer waits. In memory it is a copy.
         let writer_options = self
             .connect_options(base.clone())
-            .journal_mode(SqliteJournalMode::Wal);
+            .journal_mode(SqliteJournalMode::Wal)
+            .pragma("temp_store", "MEMORY");
         let writer = self
             .pool_options(1)
             .connect_with(writer_options)

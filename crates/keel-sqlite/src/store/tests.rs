@@ -71,7 +71,7 @@ async fn query_plan(pool: &SqlitePool, sql: &str, binds: usize) -> String {
 }
 
 #[tokio::test]
-async fn file_store_uses_wal_full_sync_and_foreign_keys() {
+async fn file_store_uses_wal_full_sync_foreign_keys_and_memory_journals() {
     let dir = tempfile::tempdir().expect("dir");
     let store = SqliteStore::open(dir.path().join("keel.db"))
         .await
@@ -80,6 +80,11 @@ async fn file_store_uses_wal_full_sync_and_foreign_keys() {
     assert_eq!(pragma(store.pool(), "synchronous").await, "2", "FULL");
     assert_eq!(pragma(store.pool(), "foreign_keys").await, "1");
     assert_eq!(pragma(store.pool(), "busy_timeout").await, "5000");
+    assert_eq!(
+        pragma(store.pool(), "temp_store").await,
+        "2",
+        "the writer's statement journals in memory"
+    );
     assert_eq!(pragma(store.read_pool(), "query_only").await, "1");
     store.ready().await.expect("ready");
 }

@@ -116,6 +116,7 @@ async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
     let path = dir.path().join("group.db");
     let store = store_at(&path).await;
     let before = store.group.commits();
+    let flushes_before = store.group.flushes();
 
     let first = open_first(&store).await;
     commit_all_behind(
@@ -130,6 +131,11 @@ async fn transactions_queued_while_a_batch_is_open_share_its_commit() {
         store.group.commits() - before,
         1,
         "21 transactions, one COMMIT"
+    );
+    assert_eq!(
+        store.group.flushes() - flushes_before,
+        1,
+        "21 releases, one flush queued for the writer"
     );
     store.close().await;
     assert_eq!(ids(&path).await, (0..=20).collect());
