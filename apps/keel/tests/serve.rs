@@ -268,6 +268,68 @@ async fn a_retry_after_a_crash_before_the_key_was_recorded_places_nothing_twice(
     );
 }
 
+/// The shop's dependencies stand in for services with databases of their
+/// own: their ledger and stock levels are in `PATH.dependencies`, not in the
+/// system's file, whose one writer they would otherwise queue for.
+#[tokio::test]
+async fn the_dependencies_keep_their_tables_in_a_file_of_their_own() {
+    let s = serve(&[]);
+    let http = reqwest::Client::new();
+    let placed: Value = place(&http, &s, "own-1", &order("c6"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = placed["id"].as_str().unwrap().to_owned();
+    eventually("the order completes", || async {
+        status_of(&http, &s, &id).await == "completed"
+    })
+    .await;
+
+    let mut own = s.db.clone().into_os_string();
+    own.push(".dependencies");
+    let count = |file: std::path::PathBuf, sql: &'static str| async move {
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(file)
+            .read_only(true);
+        let mut db = <sqlx::SqliteConnection as sqlx::Connection>::connect_with(&options)
+            .await
+            .unwrap();
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(&mut db)
+            .await
+            .unwrap()
+    };
+    let effects = "SELECT count(*) FROM shop_effects";
+    assert_eq!(
+        count(own.clone().into(), effects).await,
+        4,
+        "capture, reservation, shipment and receipt, in the dependencies' file"
+    );
+    assert_eq!(
+        count(s.db.clone(), effects).await,
+        0,
+        "none in the system's"
+    );
+    let tea = "SELECT available FROM shop_stock WHERE sku = 'tea'";
+    let left = count(own.into(), tea).await;
+    let product: Value = http
+        .post(format!("{}/graphql", s.url))
+        .json(&json!({
+            "query": format!("{{ order(id: \"{id}\") {{ items {{ product {{ available }} }} }} }}")
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        product["data"]["order"]["items"][0]["product"]["available"], left,
+        "the API reads stock where the inventory keeps it: {product}"
+    );
+}
+
 #[tokio::test]
 async fn pages_walk_every_order_once_in_order() {
     let s = serve(&[]);

@@ -28,6 +28,9 @@ pub const MAX_DEADLINE: Duration = Duration::from_secs(10);
 pub struct AppState<S: ShopStore> {
     /// The store (business tables and Keel's).
     pub store: S,
+    /// Where the inventory keeps its stock levels: the store itself, or
+    /// the dependencies' own.
+    pub inventory: S,
     /// The outbox `POST /orders` writes to.
     pub outbox: Outbox<S>,
     /// The per-customer event log.
@@ -48,6 +51,7 @@ impl<S: ShopStore> Clone for AppState<S> {
     fn clone(&self) -> Self {
         Self {
             store: self.store.clone(),
+            inventory: self.inventory.clone(),
             outbox: self.outbox.clone(),
             log: self.log.clone(),
             pagination: self.pagination.clone(),
@@ -137,7 +141,10 @@ pub fn public_router<S: ShopStore>(
         .enabled(state.experiments)
         .build();
     let graphql = graphql::ShopGraphql::new(
-        std::sync::Arc::new(state.store.clone()),
+        std::sync::Arc::new(graphql::loaders::ShopView {
+            shop: state.store.clone(),
+            inventory: state.inventory.clone(),
+        }),
         state.pagination.clone(),
     );
     // Per route, not router-wide: a method the route does not serve is a

@@ -283,7 +283,10 @@ async fn serve_on<S: ShopStore>(
         .build()?;
     let cfg = config.clone();
     let jobs_for_routes = jobs.clone();
-    let handle = System::start(store, broker, system, move |c| {
+    // The shop's dependencies stand in for other services: on a SQLite
+    // file they get a file of their own, not a turn at the system's writer.
+    let dependencies = store.dependencies_store().await?;
+    let handle = System::start_with_dependencies(store, dependencies, broker, system, move |c| {
         serve_routes(c, &cfg, reports, &jobs_for_routes)
     })
     .await?;

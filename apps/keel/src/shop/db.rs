@@ -7,17 +7,21 @@
 //! contract and SQLite's part of [`ShopBackend`] (`pg.rs` has
 //! PostgreSQL's).
 //!
-//! The dependencies' own tables live here too: `shop_stock` (inventory
-//! levels) and `shop_effects`, the ledger of every effect a dependency
-//! applied (captures, refunds, reservations, releases, shipments,
-//! receipts), unique per idempotency key: that uniqueness is what makes a
-//! retried capture charge once. `shop_tombstones` holds the action keys a
-//! compensation undid (a refund the capture's key, a release the
-//! reservation's), written in the compensation's transaction even when
+//! The dependencies' own tables are in the same schema: `shop_stock`
+//! (inventory levels) and `shop_effects`, the ledger of every effect a
+//! dependency applied (captures, refunds, reservations, releases,
+//! shipments, receipts), unique per idempotency key: that uniqueness is
+//! what makes a retried capture charge once. `shop_tombstones` holds the
+//! action keys a compensation undid (a refund the capture's key, a release
+//! the reservation's), written in the compensation's transaction even when
 //! there was nothing to undo: an action that arrives later under a
 //! tombstoned key is refused, so a request held up in the network cannot
 //! charge after its refund. A saga's dependencies must all do this; see
-//! `StepContext::action_key`.
+//! `StepContext::action_key`. The demo and the chaos run keep them in the
+//! system's own database, where one audit reads everything back; `keel
+//! serve` on a SQLite file gives them a file of their own
+//! ([`ShopDb::dependencies_store`]), as a deployment would give them
+//! databases of their own.
 
 use async_trait::async_trait;
 use keel_messaging::StoreError;
@@ -111,6 +115,15 @@ pub trait ShopDb: Store {
     fn connections_free(&self) -> usize;
     /// Creates the shop's tables if missing.
     async fn migrate_shop(&self) -> Result<(), StoreError>;
+    /// A store for the reference shop's dependencies (payments, inventory,
+    /// shipping, notifications) when they run beside the system, as `keel
+    /// serve` runs them: in a deployment they are services with databases
+    /// of their own. A SQLite file store opens a file of their own next to
+    /// it, `PATH.dependencies`, so that their writes do not queue for the
+    /// system's one writer; any other store is shared.
+    async fn dependencies_store(&self) -> Result<Self, StoreError>
+    where
+        Self: Sized;
     /// Inserts an accepted order in the caller's transaction.
     async fn insert_order(
         &self,
@@ -206,6 +219,15 @@ impl ShopBackend for SqliteStore {
             .await
             .map_err(<SqliteDialect as Dialect>::error)?;
         Ok(())
+    }
+
+    async fn dependencies_store(&self) -> Result<Self, StoreError> {
+        let Some(file) = self.file() else {
+            return Ok(self.clone());
+        };
+        let mut own = file.as_os_str().to_owned();
+        own.push(".dependencies");
+        SqliteStore::open(std::path::PathBuf::from(own)).await
     }
 
     /// Nothing to take: the store's single writer runs one transaction at

@@ -265,8 +265,22 @@ impl System {
         config: SystemConfig,
         extra: impl FnOnce(&Components<S>) -> Result<Router, StartError>,
     ) -> Result<SystemHandle<S>, StartError> {
+        Self::start_with_dependencies(store.clone(), store, broker, config, extra).await
+    }
+
+    /// [`System::start`], with the dependencies' tables (stock levels and
+    /// the ledger of their effects) in `dependencies_store` (see
+    /// [`db::ShopDb::dependencies_store`]).
+    pub async fn start_with_dependencies<S: ShopStore>(
+        store: S,
+        dependencies_store: S,
+        broker: Arc<dyn Broker>,
+        config: SystemConfig,
+        extra: impl FnOnce(&Components<S>) -> Result<Router, StartError>,
+    ) -> Result<SystemHandle<S>, StartError> {
         store.migrate_shop().await?;
-        store.seed_stock(&config.stock).await?;
+        dependencies_store.migrate_shop().await?;
+        dependencies_store.seed_stock(&config.stock).await?;
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let scheme = if config.tls.is_some() {
@@ -283,7 +297,8 @@ impl System {
         let mut tasks = JoinSet::new();
 
         let urls =
-            services::start_dependencies(store.clone(), &config, dependencies_stopped).await?;
+            services::start_dependencies(dependencies_store.clone(), &config, dependencies_stopped)
+                .await?;
         let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
         let dependencies =
             Dependencies::new(urls, &breakers, &config.tuning).map_err(config_err)?;
@@ -345,6 +360,7 @@ impl System {
         let codec = CursorCodec::new(config.cursor_key.clone()).map_err(config_err)?;
         let state = AppState {
             store: store.clone(),
+            inventory: dependencies_store,
             outbox: outbox.clone(),
             log: log.clone(),
             pagination: Pagination::new(codec),

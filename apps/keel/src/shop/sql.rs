@@ -108,6 +108,13 @@ pub trait ShopBackend: SqlBackend + Store<Tx = Tx<Self>> + OutboxStore + SagaSto
         tx: &'a mut Tx<Self>,
         key: &'a str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
+
+    /// The store the reference shop's dependencies keep their tables in
+    /// (see [`ShopDb::dependencies_store`]): this one, unless the backend
+    /// says otherwise.
+    fn dependencies_store(&self) -> impl Future<Output = Result<Self, StoreError>> + Send {
+        std::future::ready(Ok(self.clone()))
+    }
 }
 
 const ORDER_COLUMNS: &str = "id, customer_id, currency, items, total_cents, status, created_at";
@@ -238,6 +245,10 @@ impl<B: ShopBackend> ShopDb for B {
 
     async fn migrate_shop(&self) -> Result<(), StoreError> {
         self.create_shop_tables().await
+    }
+
+    async fn dependencies_store(&self) -> Result<Self, StoreError> {
+        ShopBackend::dependencies_store(self).await
     }
 
     async fn insert_order(

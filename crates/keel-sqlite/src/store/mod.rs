@@ -113,6 +113,9 @@ mod outbox;
 #[cfg(test)]
 mod tests;
 
+use std::path::Path;
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use keel_messaging::StoreError;
 use keel_messaging::store::Store;
@@ -140,6 +143,8 @@ pub struct SqliteStore {
     group: GroupCommit,
     /// Reads outside transactions.
     reader: SqlitePool,
+    /// The file [`SqliteStoreOptions::open`] was given.
+    file: Option<Arc<Path>>,
 }
 
 impl SqliteStore {
@@ -164,19 +169,27 @@ impl SqliteStore {
     /// timeout on it; with several connections, writers wait for each other
     /// in SQLite's busy handler rather than in a queue.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, StoreError> {
-        Self::from_pools(pool.clone(), pool).await
+        Self::from_pools(pool.clone(), pool, None).await
     }
 
     pub(crate) async fn from_pools(
         writer: SqlitePool,
         reader: SqlitePool,
+        file: Option<&Path>,
     ) -> Result<Self, StoreError> {
         migrate(&writer).await?;
         Ok(Self {
             group: GroupCommit::new(writer.clone()),
             writer,
             reader,
+            file: file.map(Arc::from),
         })
+    }
+
+    /// The database file this store was opened on; `None` for a store in
+    /// memory or from a pool.
+    pub fn file(&self) -> Option<&Path> {
+        self.file.as_deref()
     }
 
     /// The pool for writes and transactions: run your own schema migrations

@@ -87,7 +87,7 @@ impl SqliteStoreOptions {
             StoreError::Unavailable(format!("creating {}: {e}", path.as_ref().display()).into())
         })?;
         let base = SqliteConnectOptions::new()
-            .filename(path)
+            .filename(path.as_ref())
             .create_if_missing(true);
         // Inside the writer's open batch every write statement keeps a
         // statement journal, so that it can be undone alone; in a temporary
@@ -107,7 +107,7 @@ impl SqliteStoreOptions {
         let reader = self
             .pool_options(self.read_connections.get())
             .connect_lazy_with(reader_options);
-        SqliteStore::from_pools(writer, reader).await
+        SqliteStore::from_pools(writer, reader, Some(path.as_ref())).await
     }
 
     /// Opens a private in-memory database (for tests and examples). It lives
@@ -121,7 +121,7 @@ impl SqliteStoreOptions {
             .connect_with(self.connect_options(options))
             .await
             .map_err(db_error)?;
-        SqliteStore::from_pools(pool.clone(), pool).await
+        SqliteStore::from_pools(pool.clone(), pool, None).await
     }
 
     fn connect_options(&self, base: SqliteConnectOptions) -> SqliteConnectOptions {

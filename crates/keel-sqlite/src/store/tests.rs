@@ -76,6 +76,7 @@ async fn file_store_uses_wal_full_sync_foreign_keys_and_memory_journals() {
     let store = SqliteStore::open(dir.path().join("keel.db"))
         .await
         .expect("open");
+    assert_eq!(store.file(), Some(dir.path().join("keel.db").as_path()));
     assert_eq!(pragma(store.pool(), "journal_mode").await, "wal");
     assert_eq!(pragma(store.pool(), "synchronous").await, "2", "FULL");
     assert_eq!(pragma(store.pool(), "foreign_keys").await, "1");

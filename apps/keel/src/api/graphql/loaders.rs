@@ -84,6 +84,43 @@ impl<S: ShopStore> ShopReads for S {
     }
 }
 
+/// The shop's reads, with its products (their stock levels) read where
+/// the inventory keeps them.
+pub struct ShopView<S> {
+    /// Orders, customers and sagas.
+    pub shop: S,
+    /// Stock levels.
+    pub inventory: S,
+}
+
+#[async_trait]
+impl<S: ShopStore> ShopReads for ShopView<S> {
+    async fn orders_after(
+        &self,
+        after: Option<&str>,
+        customer: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Order>, StoreError> {
+        ShopReads::orders_after(&self.shop, after, customer, limit).await
+    }
+
+    async fn order(&self, id: &str) -> Result<Option<Order>, StoreError> {
+        ShopReads::order(&self.shop, id).await
+    }
+
+    async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError> {
+        ShopReads::customers(&self.shop, ids).await
+    }
+
+    async fn products(&self, skus: &[String]) -> Result<Vec<Product>, StoreError> {
+        ShopReads::products(&self.inventory, skus).await
+    }
+
+    async fn sagas(&self, ids: &[String]) -> Result<Vec<SagaRecord>, StoreError> {
+        ShopReads::sagas(&self.shop, ids).await
+    }
+}
+
 /// Loads customers by id.
 pub struct CustomerLoader(Arc<dyn ShopReads>);
 /// Loads products by SKU.
