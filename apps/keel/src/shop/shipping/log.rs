@@ -6,8 +6,14 @@
 //! the shop's invariants count, one shipment per order, is recorded in
 //! the shop's database by the create call). A courier moves each shipment
 //! along on a timer: picked at once, in transit, then delivered.
+//!
+//! Memory is bounded by what is still moving: a delivered shipment is kept
+//! (for watches to resume and scans to be deduplicated) until
+//! [`KEPT_DELIVERED`] later deliveries, then forgotten, and a watch of it
+//! ends with `NOT_FOUND`. The shop's own record of the shipment is its
+//! effect row, which does not go away.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,22 +53,34 @@ pub(crate) enum ScanOutcome {
     Refused,
 }
 
+/// Delivered shipments kept after their delivery, oldest forgotten first.
+pub(crate) const KEPT_DELIVERED: usize = 10_000;
+
 struct Entry {
     order_id: String,
     events: Vec<ShipmentEvent>,
+    /// Scan ids already recorded.
+    scans: HashSet<String>,
     latest: watch::Sender<u64>,
 }
 
 /// Every shipment and its events; cheap to clone.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(crate) struct Shipments {
     inner: Arc<Mutex<Inner>>,
 }
 
-#[derive(Default)]
 struct Inner {
     shipments: HashMap<String, Entry>,
-    scans: HashSet<String>,
+    /// Delivered shipments, in the order they were delivered.
+    delivered: VecDeque<String>,
+    kept_delivered: usize,
+}
+
+impl Default for Shipments {
+    fn default() -> Self {
+        Self::keeping(KEPT_DELIVERED)
+    }
 }
 
 /// The shipment id for an order: one shipment per order, whoever asks.
@@ -79,6 +97,17 @@ fn now() -> Timestamp {
 }
 
 impl Shipments {
+    /// A record that keeps `kept_delivered` shipments after their delivery.
+    pub(crate) fn keeping(kept_delivered: usize) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                shipments: HashMap::new(),
+                delivered: VecDeque::new(),
+                kept_delivered,
+            })),
+        }
+    }
+
     /// The order's shipment, created picked (and the courier started) if
     /// it did not exist; whether it was created now.
     pub(crate) fn create(&self, order_id: &str, pace: CourierPace) -> (Shipment, bool) {
@@ -93,6 +122,7 @@ impl Shipments {
                     Entry {
                         order_id: order_id.to_owned(),
                         events: Vec::new(),
+                        scans: HashSet::new(),
                         latest,
                     },
                 );
@@ -147,13 +177,13 @@ impl Shipments {
     pub(crate) fn scan(&self, shipment: &str, scan_id: &str, location: &str) -> ScanOutcome {
         {
             let mut inner = self.inner.lock();
-            let open = inner.shipments.get(shipment).is_some_and(|entry| {
-                entry.events.last().map(ShipmentEvent::status) != Some(Status::Delivered)
-            });
-            if !open {
+            let Some(entry) = inner.shipments.get_mut(shipment) else {
+                return ScanOutcome::Refused;
+            };
+            if entry.events.last().map(ShipmentEvent::status) == Some(Status::Delivered) {
                 return ScanOutcome::Refused;
             }
-            if !inner.scans.insert(scan_id.to_owned()) {
+            if !entry.scans.insert(scan_id.to_owned()) {
                 return ScanOutcome::Duplicate;
             }
         }
@@ -180,6 +210,81 @@ impl Shipments {
         };
         entry.events.push(event.clone());
         entry.latest.send_replace(sequence);
+        if status == Status::Delivered {
+            inner.forget_the_oldest_beyond_the_bound(id);
+        }
         Some(event)
+    }
+}
+
+impl Inner {
+    /// Records `id` as delivered, and forgets the delivered shipments
+    /// beyond the bound (their watches end).
+    fn forget_the_oldest_beyond_the_bound(&mut self, id: &str) {
+        self.delivered.push_back(id.to_owned());
+        while self.delivered.len() > self.kept_delivered {
+            if let Some(oldest) = self.delivered.pop_front() {
+                self.shipments.remove(&oldest);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SLOW: CourierPace = CourierPace {
+        to_transit: Duration::from_secs(3600),
+        to_delivered: Duration::from_secs(3600),
+    };
+
+    /// Nothing here awaits, so the couriers never run: the test delivers.
+    #[tokio::test(flavor = "current_thread")]
+    async fn delivered_shipments_are_forgotten_oldest_first_beyond_the_bound() {
+        let shipments = Shipments::keeping(2);
+        for order in ["a", "b", "c", "d"] {
+            shipments.create(order, SLOW);
+        }
+        let watch_a = shipments.subscribe(&shipment_id("a")).expect("a watch");
+        for order in ["a", "b", "c"] {
+            shipments.append(&shipment_id(order), Status::Delivered, "doorstep");
+        }
+
+        assert!(
+            shipments.get(&shipment_id("a")).is_none(),
+            "the oldest delivery goes"
+        );
+        for kept in ["b", "c"] {
+            assert!(
+                shipments.get(&shipment_id(kept)).is_some(),
+                "{kept} is kept"
+            );
+        }
+        let moving = shipments.get(&shipment_id("d")).expect("still moving");
+        assert_eq!(
+            moving.status(),
+            Status::Picked,
+            "what moves is never forgotten"
+        );
+        assert!(watch_a.has_changed().is_err(), "a's watch is closed");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_scan_counts_once_per_shipment_and_never_after_delivery() {
+        let shipments = Shipments::keeping(1);
+        let id = shipment_id("a");
+        shipments.create("a", SLOW);
+        assert!(matches!(
+            shipments.scan(&id, "s-1", "hub"),
+            ScanOutcome::Applied(_)
+        ));
+        assert_eq!(shipments.scan(&id, "s-1", "hub"), ScanOutcome::Duplicate);
+        shipments.append(&id, Status::Delivered, "doorstep");
+        assert_eq!(shipments.scan(&id, "s-2", "hub"), ScanOutcome::Refused);
+        assert_eq!(
+            shipments.scan("shp-none", "s-3", "hub"),
+            ScanOutcome::Refused
+        );
     }
 }

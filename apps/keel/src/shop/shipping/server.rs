@@ -249,16 +249,21 @@ impl Watch {
                 self.done = event.status() == ShipmentStatus::Delivered;
                 return Some((Ok(event), self));
             }
-            // Asked to resume at or past the delivery: nothing more comes.
-            if self
-                .shipments
-                .get(&self.id)
-                .is_some_and(|s| s.status() == ShipmentStatus::Delivered)
-            {
-                return None;
+            match self.shipments.get(&self.id) {
+                // Asked to resume at or past the delivery: nothing more comes.
+                Some(shipment) if shipment.status() == ShipmentStatus::Delivered => return None,
+                Some(_) => {}
+                None => {
+                    self.done = true;
+                    let gone = Status::not_found(format!(
+                        "shipment {} was delivered and is no longer kept",
+                        self.id
+                    ));
+                    return Some((Err(gone), self));
+                }
             }
-            // The log lives as long as the service: a closed channel means
-            // the service is going away, and the stream ends with it.
+            // A closed channel means the service is going away (a forgotten
+            // shipment was caught above), and the stream ends with it.
             self.changes.changed().await.ok()?;
         }
     }
