@@ -159,6 +159,46 @@ async fn sessions_carry_an_idle_in_transaction_timeout() {
     assert_eq!(timeout, "1min");
 }
 
+/// A stuck statement (a lock held elsewhere, a runaway query) keeps its
+/// pooled connection only as long as `statement_timeout`: 30 s unless told,
+/// and then the server cancels it. Migrations run without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_are_cancelled_after_the_statement_timeout() {
+    let Some((store, _lease)) = one_connection_store().await else {
+        return;
+    };
+    let timeout: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(store.pool())
+        .await
+        .expect("show");
+    assert_eq!(timeout, "30s");
+
+    let url = keel_testkit::services::postgres_url().expect("url");
+    let short = PgStore::options()
+        .schema(store.schema())
+        .max_connections(1)
+        .statement_timeout(Duration::from_millis(300))
+        .open(&url)
+        .await
+        .expect("connect");
+    let started = keel_core::clock::now();
+    let err = sqlx::query("SELECT pg_sleep(10)")
+        .execute(short.pool())
+        .await
+        .expect_err("cancelled");
+    let code = err.as_database_error().and_then(|db| db.code());
+    assert_eq!(code.as_deref(), Some("57014"), "query_canceled: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "cancelled after {:?}",
+        started.elapsed()
+    );
+    sqlx::query("SELECT 1")
+        .execute(short.pool())
+        .await
+        .expect("the connection serves the next statement");
+}
+
 /// The test server runs with `fsync = off` and `synchronous_commit = on`
 /// (scripts/services.sh): the store names exactly the setting that breaks
 /// durability, and a session that turns off synchronous commits is named

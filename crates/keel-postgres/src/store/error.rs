@@ -4,8 +4,9 @@
 //! what is transient: serialization failures (`40001`) and deadlocks
 //! (`40P01`), whose transaction PostgreSQL rolled back and which succeed when
 //! run again; lost connections, a server shutting down or starting up, too
-//! many connections, and a pool with no connection in time. A unique
-//! violation is a [`StoreError::Conflict`].
+//! many connections, a pool with no connection in time, and a statement
+//! cancelled by its timeout. A unique violation is a
+//! [`StoreError::Conflict`].
 //!
 //! `COMMIT` is different: a connection lost while it was in flight leaves
 //! the outcome unknown (the server may have written the commit record and
@@ -86,10 +87,13 @@ pub(crate) fn is_connection_lost(err: &sqlx::Error) -> bool {
     }
 }
 
-/// No connection in time, too many connections, or resources exhausted.
+/// No connection in time, too many connections, resources exhausted, a
+/// lock not granted in time, or a statement cancelled (`57014`: the
+/// store's `statement_timeout`).
 fn is_overloaded(err: &sqlx::Error) -> bool {
     matches!(err, sqlx::Error::PoolTimedOut)
-        || sqlstate(err).is_some_and(|code| code.starts_with("53") || code == "55P03")
+        || sqlstate(err)
+            .is_some_and(|code| code.starts_with("53") || code == "55P03" || code == "57014")
 }
 
 fn sqlstate(err: &sqlx::Error) -> Option<String> {

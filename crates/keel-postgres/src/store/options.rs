@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use keel_messaging::StoreError;
 use sqlx::migrate::MigrateError;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
-use sqlx::{Executor, Row};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+use sqlx::{Connection, Executor, Row};
 
 use super::error::db_error;
 use super::{Channels, PgStore};
@@ -48,6 +48,7 @@ pub struct PgStoreOptions {
     migrate: bool,
     application_name: String,
     idle_in_transaction_timeout: Duration,
+    statement_timeout: Duration,
     max_lifetime: Duration,
 }
 
@@ -60,8 +61,9 @@ impl Default for PgStoreOptions {
 impl PgStoreOptions {
     /// The defaults: schema `keel`, at most 10 connections (none
     /// kept idle), a 5 s acquire timeout, migrations on connect,
-    /// `application_name = keel`, sessions ended by the server after 60 s
-    /// idle inside a transaction and replaced after 30 minutes.
+    /// `application_name = keel`, statements cancelled by the server after
+    /// 30 s, sessions ended by it after 60 s idle inside a transaction and
+    /// replaced after 30 minutes.
     pub fn new() -> Self {
         Self {
             schema: "keel".to_owned(),
@@ -71,6 +73,7 @@ impl PgStoreOptions {
             migrate: true,
             application_name: "keel".to_owned(),
             idle_in_transaction_timeout: Duration::from_secs(60),
+            statement_timeout: Duration::from_secs(30),
             max_lifetime: Duration::from_secs(30 * 60),
         }
     }
@@ -128,6 +131,19 @@ impl PgStoreOptions {
         self
     }
 
+    /// How long one statement may run, waiting for locks included, before
+    /// the server cancels it (`statement_timeout`, default 30 s,
+    /// milliseconds; zero for no limit). It bounds how long a stuck query
+    /// or a lock held elsewhere keeps a pooled connection, which the
+    /// store's workers and your requests share. A cancelled statement
+    /// fails with [`StoreError::Unavailable`] (try again later), and inside
+    /// a transaction it fails the transaction. It covers your statements in
+    /// the store's transactions too; migrations run without it.
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
     /// How long a connection lives before the pool replaces it (default
     /// 30 minutes).
     pub fn max_lifetime(mut self, lifetime: Duration) -> Self {
@@ -136,8 +152,16 @@ impl PgStoreOptions {
     }
 
     /// The connect options every connection of the store uses (`url`
-    /// with Keel's `search_path` and application name).
+    /// with Keel's `search_path`, application name and timeouts).
     pub fn connect_options(&self, url: &str) -> Result<PgConnectOptions, StoreError> {
+        self.connect_options_timing_out_after(url, self.statement_timeout)
+    }
+
+    fn connect_options_timing_out_after(
+        &self,
+        url: &str,
+        statement_timeout: Duration,
+    ) -> Result<PgConnectOptions, StoreError> {
         validate_schema(&self.schema)?;
         let options = PgConnectOptions::from_str(url).map_err(StoreError::other)?;
         Ok(options.application_name(&self.application_name).options([
@@ -145,6 +169,10 @@ impl PgStoreOptions {
             (
                 "idle_in_transaction_session_timeout",
                 format!("{}s", self.idle_in_transaction_timeout.as_secs()),
+            ),
+            (
+                "statement_timeout",
+                format!("{}ms", statement_timeout.as_millis()),
             ),
         ]))
     }
@@ -160,7 +188,10 @@ impl PgStoreOptions {
             .max_lifetime(self.max_lifetime)
             .connect_lazy_with(options);
         if self.migrate {
-            migrate(&pool, &self.schema).await?;
+            // A migration may rewrite a large table: it gets a connection
+            // of its own, without the statement timeout.
+            let unbounded = self.connect_options_timing_out_after(url, Duration::ZERO)?;
+            migrate(&unbounded, &self.schema).await?;
         }
         Ok(PgStore {
             pool,
@@ -231,16 +262,20 @@ fn validate_schema(schema: &str) -> Result<(), StoreError> {
 /// same moment race on `CREATE SCHEMA IF NOT EXISTS` (a unique violation in
 /// the catalog); the loser tries again and finds the schema. sqlx holds an
 /// advisory lock while migrating, so migrations themselves never race.
-async fn migrate(pool: &PgPool, schema: &str) -> Result<(), StoreError> {
+async fn migrate(options: &PgConnectOptions, schema: &str) -> Result<(), StoreError> {
     let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
     let migrator = PgStore::migrator();
     let mut attempt = 0;
     loop {
         attempt += 1;
-        let result = match sqlx::query(&create).execute(pool).await {
-            Ok(_) => migrator.run(pool).await,
-            Err(err) => Err(MigrateError::Execute(err)),
-        };
+        let result = async {
+            let mut conn = PgConnection::connect_with(options).await?;
+            sqlx::query(&create).execute(&mut conn).await?;
+            let migrated = migrator.run(&mut conn).await;
+            let _ = conn.close().await;
+            migrated
+        }
+        .await;
         match result {
             Ok(()) => return Ok(()),
             Err(err) if attempt < 3 => {
