@@ -152,21 +152,6 @@ impl Deadline {
         Scoped::new(self.min_with(Self::current()), fut)
     }
 
-    /// [`scope`](Self::scope), given the task's current deadline as the
-    /// caller just read it with [`current`](Self::current) (in this task,
-    /// with no `.await` in between), which spares a second read of the
-    /// task-local: a policy that already looked at the current deadline to
-    /// decide its limit calls this. Pass anything else and the scope may not
-    /// be tightened by the real current deadline (debug builds assert).
-    pub fn scope_within<F: Future>(self, current: Option<Deadline>, fut: F) -> Scoped<F> {
-        debug_assert_eq!(
-            current,
-            Self::current(),
-            "`current` must be the task's current deadline"
-        );
-        Scoped::new(self.min_with(current), fut)
-    }
-
     /// Runs `f` synchronously with this deadline as the current one (the
     /// earlier deadline wins): for a tower service's `call`, which builds the
     /// outgoing request before any poll.
@@ -331,44 +316,23 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_scope_within_the_current_deadline_only_tightens_it() {
+    async fn a_scope_only_tightens_the_current_deadline() {
         let outer = Deadline::after(Duration::from_secs(1));
         outer
             .scope(async move {
                 let later = Deadline::after(Duration::from_secs(10));
                 later
-                    .scope_within(Deadline::current(), async move {
-                        assert_eq!(Deadline::current(), Some(outer));
-                    })
+                    .scope(async move { assert_eq!(Deadline::current(), Some(outer)) })
                     .await;
                 let sooner = Deadline::after(Duration::from_millis(100));
                 sooner
-                    .scope_within(Deadline::current(), async move {
-                        assert_eq!(Deadline::current(), Some(sooner));
-                    })
+                    .scope(async move { assert_eq!(Deadline::current(), Some(sooner)) })
                     .await;
             })
             .await;
         let alone = Deadline::after(Duration::from_secs(3));
         alone
-            .scope_within(
-                None,
-                async move { assert_eq!(Deadline::current(), Some(alone)) },
-            )
-            .await;
-    }
-
-    #[tokio::test(start_paused = true)]
-    #[should_panic(expected = "must be the task's current deadline")]
-    #[cfg(debug_assertions)]
-    async fn a_scope_within_a_wrong_current_deadline_is_caught_in_debug_builds() {
-        let outer = Deadline::after(Duration::from_secs(1));
-        outer
-            .scope(async {
-                Deadline::after(Duration::from_secs(10))
-                    .scope_within(None, async {})
-                    .await;
-            })
+            .scope(async move { assert_eq!(Deadline::current(), Some(alone)) })
             .await;
     }
 

@@ -265,7 +265,7 @@ impl Timeout {
         let plan = self.plan_at(now, enclosing)?;
         let outcome = match plan.scope() {
             Some(deadline) => {
-                let scoped = deadline.scope_within(enclosing, async move { f().await });
+                let scoped = deadline.scope(async move { f().await });
                 Elapsing::new(scoped, plan.at).await
             }
             None => Elapsing::new(f(), plan.at).await,
