@@ -191,7 +191,7 @@ impl PgStoreOptions {
             // A migration may rewrite a large table: it gets a connection
             // of its own, without the statement timeout.
             let unbounded = self.connect_options_timing_out_after(url, Duration::ZERO)?;
-            migrate(&unbounded, &self.schema).await?;
+            migrate(&unbounded, self.acquire_timeout, &self.schema).await?;
         }
         Ok(PgStore {
             pool,
@@ -262,14 +262,24 @@ fn validate_schema(schema: &str) -> Result<(), StoreError> {
 /// same moment race on `CREATE SCHEMA IF NOT EXISTS` (a unique violation in
 /// the catalog); the loser tries again and finds the schema. sqlx holds an
 /// advisory lock while migrating, so migrations themselves never race.
-async fn migrate(options: &PgConnectOptions, schema: &str) -> Result<(), StoreError> {
+/// Connecting waits no longer than the pool's `acquire_timeout` (a server
+/// that drops packets would otherwise hold the start for minutes); the
+/// migrations themselves are not bounded.
+async fn migrate(
+    options: &PgConnectOptions,
+    connect_within: Duration,
+    schema: &str,
+) -> Result<(), StoreError> {
     let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
     let migrator = PgStore::migrator();
     let mut attempt = 0;
     loop {
         attempt += 1;
         let result = async {
-            let mut conn = PgConnection::connect_with(options).await?;
+            let mut conn =
+                tokio::time::timeout(connect_within, PgConnection::connect_with(options))
+                    .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)??;
             sqlx::query(&create).execute(&mut conn).await?;
             let migrated = migrator.run(&mut conn).await;
             let _ = conn.close().await;
@@ -300,6 +310,34 @@ mod tests {
         for bad in ["", "Keel", "1x", "a-b", "a;drop", "a b", &"x".repeat(49)] {
             assert!(validate_schema(bad).is_err(), "{bad}");
         }
+    }
+
+    /// A server that takes the connection and never answers (a black hole
+    /// past the TCP handshake) fails the open within the acquire timeout,
+    /// three attempts included, instead of holding the start.
+    #[tokio::test]
+    async fn a_server_that_never_answers_fails_the_open_in_bounded_time() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!(
+            "postgres://keel@{}/keel",
+            silent.local_addr().expect("addr")
+        );
+        let started = keel_core::clock::now();
+        let opened = PgStoreOptions::new()
+            .acquire_timeout(Duration::from_millis(200))
+            .open(&url)
+            .await;
+        assert!(
+            matches!(opened, Err(StoreError::Unavailable(_))),
+            "{opened:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "failed after {:?}",
+            started.elapsed()
+        );
     }
 
     #[test]
