@@ -3,7 +3,9 @@
 # SQLite file under `wrk -t2 -c32` for SECS seconds (orders.lua), counting
 # the orders taken and the sagas not yet completed or compensated every 10 s,
 # the group commit's logical transactions and COMMITs at the end, and the
-# same counts 15 s after the load. Needs wrk, curl and the sqlite3 CLI.
+# same counts 15 s after the load, and the CPU time keel spent per order
+# taken (steadier than orders/s on a machine that also runs wrk). Needs wrk,
+# curl and the sqlite3 CLI.
 #
 #   cargo build --release -p keel && scripts/load/orders-settle.sh target/release/keel 30
 set -u
@@ -16,6 +18,9 @@ pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
 sleep 3
 load=$(cut -d' ' -f1 /proc/loadavg)
+# utime + stime of keel, in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$pid/stat"; }
+ticks_before=$(cpu_ticks)
 wrk -t2 -c32 -d"${secs}s" --latency -s "$here/orders.lua" http://127.0.0.1:18080 >"$dir/wrk.txt" &
 wrk_pid=$!
 count() {
@@ -27,8 +32,13 @@ for t in $(seq 10 10 "$secs"); do
   echo "t=${t}s orders|unsettled=$(count)"
 done
 wait $wrk_pid
+ticks_load=$(($(cpu_ticks) - ticks_before))
 sleep 1
-echo "end orders|unsettled=$(count)"
+end=$(count)
+echo "end orders|unsettled=$end"
+echo "keel CPU during the load: $((ticks_load * 1000 / $(getconf CLK_TCK))) ms," \
+  "$(awk -v t="$ticks_load" -v hz="$(getconf CLK_TCK)" -v o="${end%%|*}" \
+    'BEGIN { printf "%.2f", t * 1000 / hz / o }') ms per order taken"
 curl -s http://127.0.0.1:18080/metrics | grep -E '^keel_sqlite_group_commit_size_(sum|count)'
 sleep 15
 echo "+15s orders|unsettled=$(count)"

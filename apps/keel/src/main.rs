@@ -14,6 +14,10 @@ use keel::demo::workload::WorkloadConfig;
 use keel::demo::{self, DemoConfig};
 use keel::serve::{self, ServeArgs};
 
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 // The operator commands: a client of the admin API. Its items are `pub` so
 // the module reads like the library's; in a binary that is unreachable.
 #[allow(unreachable_pub)]

@@ -37,6 +37,7 @@ pub mod export;
 pub mod log;
 pub mod queue;
 
+use std::io::IsTerminal;
 use std::sync::Arc;
 
 use opentelemetry_sdk::trace::SdkTracer;
@@ -165,6 +166,9 @@ impl TelemetryBuilder {
         let logs = match self.format {
             LogFormat::Text => tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)
+                // Colours for a terminal only: in a file or a collector's
+                // pipe they are escape codes in every line.
+                .with_ansi(std::io::stderr().is_terminal())
                 .with_filter(filter)
                 .boxed(),
             LogFormat::Json => tracing_subscriber::fmt::layer()

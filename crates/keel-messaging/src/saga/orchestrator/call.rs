@@ -43,7 +43,14 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             ("step", step.name.to_string()),
             ("call", call.kind().to_owned()),
         ];
-        tracing::info!(step = %step.name, call = call.kind(), attempt = record.attempts, %key, "saga call");
+        // A first attempt is routine, one per step of every saga: at INFO it
+        // was most of a busy server's log lines. A repeat follows a failure
+        // or a restart, which an operator wants to see.
+        if record.attempts > 1 {
+            tracing::info!(step = %step.name, call = call.kind(), attempt = record.attempts, %key, "saga call repeated");
+        } else {
+            tracing::debug!(step = %step.name, call = call.kind(), %key, "saga call");
+        }
         let started = keel_core::clock::now();
         let (span, context) = step_span(saga.name(), &step.name, call, record);
         let fut = context.scope(Deadline::after(timeout).scope(saga.call(call, record, key)));
