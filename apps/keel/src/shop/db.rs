@@ -115,13 +115,14 @@ pub trait ShopDb: Store {
     fn connections_free(&self) -> usize;
     /// Creates the shop's tables if missing.
     async fn migrate_shop(&self) -> Result<(), StoreError>;
-    /// A store for the reference shop's dependencies (payments, inventory,
-    /// shipping, notifications) when they run beside the system, as `keel
-    /// serve` runs them: in a deployment they are services with databases
-    /// of their own. A SQLite file store opens a file of their own next to
-    /// it, `PATH.dependencies`, so that their writes do not queue for the
-    /// system's one writer; any other store is shared.
-    async fn dependencies_store(&self) -> Result<Self, StoreError>
+    /// A store of their own for the reference shop's dependencies
+    /// (payments, inventory, shipping, notifications) when they run beside
+    /// the system, as `keel serve` runs them: in a deployment they are
+    /// services with databases of their own. A SQLite file store opens a
+    /// file next to it, `PATH.dependencies`, so that their writes do not
+    /// queue for the system's one writer; `None` (any other store) means
+    /// they share this one.
+    async fn dependencies_store(&self) -> Result<Option<Self>, StoreError>
     where
         Self: Sized;
     /// Inserts an accepted order in the caller's transaction.
@@ -221,13 +222,15 @@ impl ShopBackend for SqliteStore {
         Ok(())
     }
 
-    async fn dependencies_store(&self) -> Result<Self, StoreError> {
+    async fn dependencies_store(&self) -> Result<Option<Self>, StoreError> {
         let Some(file) = self.file() else {
-            return Ok(self.clone());
+            return Ok(None);
         };
         let mut own = file.as_os_str().to_owned();
         own.push(".dependencies");
-        SqliteStore::open(std::path::PathBuf::from(own)).await
+        SqliteStore::open(std::path::PathBuf::from(own))
+            .await
+            .map(Some)
     }
 
     /// Nothing to take: the store's single writer runs one transaction at

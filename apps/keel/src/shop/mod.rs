@@ -265,21 +265,27 @@ impl System {
         config: SystemConfig,
         extra: impl FnOnce(&Components<S>) -> Result<Router, StartError>,
     ) -> Result<SystemHandle<S>, StartError> {
-        Self::start_with_dependencies(store.clone(), store, broker, config, extra).await
+        Self::start_with_dependencies(store, None, broker, config, extra).await
     }
 
     /// [`System::start`], with the dependencies' tables (stock levels and
-    /// the ledger of their effects) in `dependencies_store` (see
-    /// [`db::ShopDb::dependencies_store`]).
+    /// the ledger of their effects) in a store of their own if `own` is one
+    /// (see [`db::ShopDb::dependencies_store`]), else in `store`.
     pub async fn start_with_dependencies<S: ShopStore>(
         store: S,
-        dependencies_store: S,
+        own: Option<S>,
         broker: Arc<dyn Broker>,
         config: SystemConfig,
         extra: impl FnOnce(&Components<S>) -> Result<Router, StartError>,
     ) -> Result<SystemHandle<S>, StartError> {
         store.migrate_shop().await?;
-        dependencies_store.migrate_shop().await?;
+        let dependencies_store = match own {
+            Some(own) => {
+                own.migrate_shop().await?;
+                own
+            }
+            None => store.clone(),
+        };
         dependencies_store.seed_stock(&config.stock).await?;
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;

@@ -109,11 +109,11 @@ pub trait ShopBackend: SqlBackend + Store<Tx = Tx<Self>> + OutboxStore + SagaSto
         key: &'a str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
 
-    /// The store the reference shop's dependencies keep their tables in
-    /// (see [`ShopDb::dependencies_store`]): this one, unless the backend
-    /// says otherwise.
-    fn dependencies_store(&self) -> impl Future<Output = Result<Self, StoreError>> + Send {
-        std::future::ready(Ok(self.clone()))
+    /// A store of their own for the reference shop's dependencies (see
+    /// [`ShopDb::dependencies_store`]): none, so they share this one,
+    /// unless the backend says otherwise.
+    fn dependencies_store(&self) -> impl Future<Output = Result<Option<Self>, StoreError>> + Send {
+        std::future::ready(Ok(None))
     }
 }
 
@@ -247,7 +247,7 @@ impl<B: ShopBackend> ShopDb for B {
         self.create_shop_tables().await
     }
 
-    async fn dependencies_store(&self) -> Result<Self, StoreError> {
+    async fn dependencies_store(&self) -> Result<Option<Self>, StoreError> {
         ShopBackend::dependencies_store(self).await
     }
 
