@@ -38,7 +38,7 @@ end=$(count)
 echo "end orders|unsettled=$end"
 echo "keel CPU during the load: $((ticks_load * 1000 / $(getconf CLK_TCK))) ms," \
   "$(awk -v t="$ticks_load" -v hz="$(getconf CLK_TCK)" -v o="${end%%|*}" \
-    'BEGIN { printf "%.2f", t * 1000 / hz / o }') ms per order taken"
+    'BEGIN { if (o > 0) printf "%.2f", t * 1000 / hz / o; else printf "n/a" }') ms per order taken"
 curl -s http://127.0.0.1:18080/metrics | grep -E '^keel_sqlite_group_commit_size_(sum|count)'
 sleep 15
 echo "+15s orders|unsettled=$(count)"
