@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{ACME_KEY, Server, eventually, order, place, serve};
+use common::{ACME_KEY, Server, eventually, order, place, placed_id, serve};
 
 /// The admin token of the tests that use the admin API.
 const ADMIN_TOKEN: &str = "serve-test-admin-token-0123";
@@ -275,12 +275,7 @@ async fn a_retry_after_a_crash_before_the_key_was_recorded_places_nothing_twice(
 async fn the_dependencies_keep_their_tables_in_a_file_of_their_own() {
     let s = serve(&[]);
     let http = reqwest::Client::new();
-    let placed: Value = place(&http, &s, "own-1", &order("c6"))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let id = placed["id"].as_str().unwrap().to_owned();
+    let id = placed_id(&http, &s, "own-1", &order("c6")).await;
     eventually("the order completes", || async {
         status_of(&http, &s, &id).await == "completed"
     })
@@ -750,12 +745,7 @@ fn bad_configuration_is_refused_before_starting() {
 async fn a_customer_follows_an_order_over_long_poll() {
     let s = serve(&[]);
     let http = reqwest::Client::new();
-    let placed: Value = place(&http, &s, "lp-1", &order("follower"))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let id = placed["id"].as_str().unwrap();
+    let id = placed_id(&http, &s, "lp-1", &order("follower")).await;
     let mut after = 0;
     let mut types = Vec::new();
     for _ in 0..20 {
@@ -836,12 +826,7 @@ async fn a_chaos_experiment_reaches_shipping_only_when_enabled_and_the_estimate_
     };
     for (flags, degrades) in [(&[][..], false), (&["--chaos-experiments"][..], true)] {
         let s = serve(flags);
-        let placed: Value = place(&http, &s, "exp-1", &order("explorer"))
-            .await
-            .json()
-            .await
-            .unwrap();
-        let id = placed["id"].as_str().unwrap().to_owned();
+        let id = placed_id(&http, &s, "exp-1", &order("explorer")).await;
         let fresh = estimate(&s, id.clone(), false).await;
         assert!(fresh["days"].as_u64().is_some(), "{fresh}");
         assert!(fresh.get("staleSeconds").is_none(), "{fresh}");
@@ -859,16 +844,8 @@ async fn a_chaos_experiment_reaches_shipping_only_when_enabled_and_the_estimate_
 async fn shipping_quotes_come_from_the_carriers_that_answer_in_time_and_say_who_is_missing() {
     let s = serve(&[]);
     let http = reqwest::Client::new();
-    let placed: Value = place(&http, &s, "quotes-1", &order("shopper"))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let url = format!(
-        "{}/orders/{}/shipping-quotes",
-        s.url,
-        placed["id"].as_str().unwrap()
-    );
+    let id = placed_id(&http, &s, "quotes-1", &order("shopper")).await;
+    let url = format!("{}/orders/{id}/shipping-quotes", s.url);
     let mut reasons = Vec::new();
     for _ in 0..20 {
         let started = tokio::time::Instant::now();

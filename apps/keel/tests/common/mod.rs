@@ -184,3 +184,14 @@ pub async fn place(
 ) -> reqwest::Response {
     order_request(http, s, key, body).send().await.unwrap()
 }
+
+/// [`place`]s the order and returns its id.
+pub async fn placed_id(
+    http: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    body: &serde_json::Value,
+) -> String {
+    let placed: serde_json::Value = place(http, s, key, body).await.json().await.unwrap();
+    placed["id"].as_str().expect("an order id").to_owned()
+}

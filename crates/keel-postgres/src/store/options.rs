@@ -279,7 +279,12 @@ async fn migrate(
             let mut conn =
                 tokio::time::timeout(connect_within, PgConnection::connect_with(options))
                     .await
-                    .map_err(|_| sqlx::Error::PoolTimedOut)??;
+                    .map_err(|_| {
+                        sqlx::Error::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("no connection for the migrations within {connect_within:?}"),
+                        ))
+                    })??;
             sqlx::query(&create).execute(&mut conn).await?;
             let migrated = migrator.run(&mut conn).await;
             let _ = conn.close().await;
