@@ -65,7 +65,7 @@ async fn list_orders(
                 seek.predicate("?1", "?2"),
                 seek.order_by()
             );
-            sqlx::query_as(&sql)
+            sqlx::query_as(sqlx::AssertSqlSafe(sql.as_str()))
                 .bind(after.sort)
                 .bind(after.id)
                 .bind(page.fetch_limit())
@@ -77,7 +77,7 @@ async fn list_orders(
                 "SELECT id, created_at FROM orders ORDER BY {} LIMIT ?1",
                 seek.order_by()
             );
-            sqlx::query_as(&sql)
+            sqlx::query_as(sqlx::AssertSqlSafe(sql.as_str()))
                 .bind(page.fetch_limit())
                 .fetch_all(&state.pool)
                 .await
@@ -146,7 +146,10 @@ async fn all_rows(pool: &SqlitePool, order: Order) -> Vec<Row> {
         "SELECT id, created_at FROM orders ORDER BY created_at {0}, id {0}",
         order.keyword()
     );
-    sqlx::query_as(&sql).fetch_all(pool).await.expect("select")
+    sqlx::query_as(sqlx::AssertSqlSafe(sql.as_str()))
+        .fetch_all(pool)
+        .await
+        .expect("select")
 }
 
 async fn get_raw(app: &Router, uri: &str) -> (StatusCode, HeaderMap, Bytes) {

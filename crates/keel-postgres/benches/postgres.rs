@@ -164,7 +164,9 @@ impl Fixture {
 
     async fn drop_schema(&self) {
         let sql = format!("DROP SCHEMA {} CASCADE", self.store.schema());
-        let _ = sqlx::query(&sql).execute(self.store.pool()).await;
+        let _ = sqlx::query(sqlx::AssertSqlSafe(sql.as_str()))
+            .execute(self.store.pool())
+            .await;
     }
 }
 

@@ -126,7 +126,7 @@ impl PgWakeups {
     /// A builder listening on `store`'s channels, connecting like `store`.
     pub fn builder(store: &PgStore) -> PgWakeupsBuilder {
         let options = store.pool().connect_options();
-        let pool = crate::store::guarded_pool_options()
+        let pool = crate::store::pool_options()
             .max_connections(1)
             .idle_timeout(None)
             .max_lifetime(None)

@@ -67,11 +67,13 @@ async fn insert_note(store: &PgStore, body: &str) {
         .expect("autocommit insert");
 }
 
-/// The repro of sqlx issues #4385/#4393: sqlx raises its transaction depth
-/// only after `BEGIN`'s answer, so a `begin()` dropped in that window used to
-/// return the connection to the pool inside an open transaction. The next
-/// borrower's autocommit insert landed in it, and a later rollback on that
-/// connection discarded a write that had answered success.
+/// The repro of sqlx issues #4385/#4393: sqlx 0.8.6 and 0.9.0 raised their
+/// transaction depth only after `BEGIN`'s answer, so a `begin()` dropped in
+/// that window returned the connection to the pool inside an open
+/// transaction. The next borrower's autocommit insert landed in it, and a
+/// later rollback on that connection discarded a write that had answered
+/// success. sqlx 0.9.1 fixed it, and the store no longer asks the server at
+/// every checkout: this test is what says the sqlx in use still holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_sqlx_begin_never_swallows_the_next_autocommit_write() {
     let Some((store, _lease)) = one_connection_store().await else {

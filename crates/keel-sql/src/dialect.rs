@@ -348,7 +348,7 @@ macro_rules! sqlx_execution {
         }
     };
     (@bind $db:ty, $sql:ident, $params:ident, $json:expr, $time:expr, $ids:expr, $texts:expr) => {{
-        let mut query = ::sqlx::query::<$db>($sql);
+        let mut query = ::sqlx::query::<$db>(::sqlx::AssertSqlSafe($sql));
         for param in $params {
             query = match *param {
                 $crate::Value::Text(text) => query.bind(text),

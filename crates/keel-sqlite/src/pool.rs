@@ -1,28 +1,33 @@
 //! Pools that never hand out a connection inside a transaction nobody owns,
 //! and a `BEGIN` that a cancelled caller cannot cut in half.
 //!
-//! sqlx 0.8.6 raises a SQLite connection's transaction depth when its worker
-//! thread has run `BEGIN`, but builds the [`Transaction`] that would roll it
+//! sqlx 0.8.6 raised a SQLite connection's transaction depth when its worker
+//! thread had run `BEGIN`, but built the [`Transaction`] that would roll it
 //! back only after a second await (the check that a custom `BEGIN
 //! IMMEDIATE` did open a transaction). A `begin_with` dropped between the
-//! two (a client hang-up, a deadline, a `timeout`) leaves the connection
-//! inside a transaction with no owner, and it goes back to the pool that
-//! way. It keeps the database's write lock, so every other writer waits out
-//! its busy timeout; its next borrower's `begin` fails ("non-zero
-//! transaction depth"); and its autocommit writes answer success inside a
-//! transaction that never commits, so they vanish when it closes. Under
-//! load this stalled the whole shop (the chaos suite found it).
+//! two (a client hang-up, a deadline, a `timeout`) left the connection
+//! inside a transaction with no owner, and it went back to the pool that
+//! way. It kept the database's write lock, so every other writer waited out
+//! its busy timeout; its next borrower's `begin` failed ("non-zero
+//! transaction depth"); and its autocommit writes answered success inside a
+//! transaction that never committed, so they vanished when it closed. Under
+//! load this stalled the whole shop (the chaos suite found it). sqlx 0.9
+//! rolls such a `BEGIN` back in the worker; the defences below stay,
+//! because they cost no round trip and the store's writer drives sqlx's
+//! transaction manager by hand (`store/group.rs`).
 //!
-//! Two defences, as on PostgreSQL: [`begin_immediate`] runs the `BEGIN` in a
-//! task of its own, so a dropped caller never interrupts it (the task's
-//! transaction is dropped there and rolled back the way sqlx knows how), and
-//! [`guarded_pool_options`] rolls back, at checkout, whatever transaction a
-//! connection still holds. Unlike a PostgreSQL session, the connection is
-//! kept: sqlx knows its depth exactly, and closing the only connection of an
-//! in-memory database would drop the database.
+//! Two defences: [`begin_immediate`] runs the `BEGIN` in a task of its own
+//! (as the PostgreSQL store's `begin` does), so a dropped caller never
+//! interrupts it (the task's transaction is dropped there and rolled back
+//! the way sqlx knows how), and [`guarded_pool_options`] rolls back, at
+//! checkout, whatever transaction a connection still holds. sqlx knows a
+//! SQLite connection's depth exactly, so that check reads no database, and
+//! the connection is kept: closing the only connection of an in-memory
+//! database would drop the database.
 
+use sqlx::Connection;
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePoolOptions};
-use sqlx::{Connection, TransactionManager};
+use sqlx_core::transaction::TransactionManager;
 
 /// Pool options whose checkout rolls back a transaction nobody owns.
 pub(crate) fn guarded_pool_options() -> SqlitePoolOptions {

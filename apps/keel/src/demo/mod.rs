@@ -275,7 +275,10 @@ async fn drop_run_schema(store: &OpenedStore) {
     #[cfg(feature = "postgres")]
     if let OpenedStore::Postgres(store) = store {
         let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", store.schema());
-        if let Err(err) = sqlx::query(&sql).execute(store.pool()).await {
+        if let Err(err) = sqlx::query(sqlx::AssertSqlSafe(sql.as_str()))
+            .execute(store.pool())
+            .await
+        {
             eprintln!("keel demo: could not drop schema {}: {err}", store.schema());
         }
         store.close().await;

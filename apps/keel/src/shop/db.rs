@@ -215,7 +215,7 @@ impl ShopBackend for SqliteStore {
     };
 
     async fn create_shop_tables(&self) -> Result<(), StoreError> {
-        sqlx::raw_sql(&shop_schema(&Self::TYPES))
+        sqlx::raw_sql(sqlx::AssertSqlSafe(shop_schema(&Self::TYPES)))
             .execute(self.pool())
             .await
             .map_err(<SqliteDialect as Dialect>::error)?;

@@ -40,7 +40,10 @@ impl ShopBackend for PgStore {
             .map_err(db)?;
         let schema = shop_schema(&Self::TYPES);
         for statement in schema.split(';').filter(|s| !s.trim().is_empty()) {
-            sqlx::query(statement).execute(&mut *tx).await.map_err(db)?;
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
         }
         self.commit_resolved(tx).await
     }

@@ -82,7 +82,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, Postgres};
 
 pub use dialect::PgDialect;
-pub(crate) use options::guarded_pool_options;
+pub(crate) use options::pool_options;
 pub use options::{InvalidSchema, PgStoreOptions};
 
 use error::{commit_error, db_error, is_connection_lost};
@@ -284,9 +284,8 @@ impl Store for PgStore {
 
     /// Runs `BEGIN` in a task of its own, so a caller dropped while waiting
     /// for it (a hang-up, a timeout) never cuts it in half: the task still
-    /// gets the transaction, and dropping it there rolls it back the way
-    /// sqlx knows how (see `guarded_pool_options` for the half it does
-    /// not).
+    /// gets the transaction, and dropping it there rolls it back. (sqlx
+    /// 0.9.1 makes its own `begin()` cancel-safe too; see `pool_options`.)
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         let pool = self.pool.clone();
         tokio::spawn(async move { pool.begin().await })

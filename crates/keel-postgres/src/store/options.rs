@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_messaging::StoreError;
+use sqlx::Connection;
 use sqlx::migrate::MigrateError;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
-use sqlx::{Connection, Executor, Row};
 
 use super::error::db_error;
 use super::{Channels, PgStore};
@@ -181,7 +181,7 @@ impl PgStoreOptions {
     /// needed), creating the schema and migrating unless told not to.
     pub async fn open(self, url: &str) -> Result<PgStore, StoreError> {
         let options = self.connect_options(url)?;
-        let pool = guarded_pool_options()
+        let pool = pool_options()
             .max_connections(self.max_connections)
             .min_connections(self.min_connections)
             .acquire_timeout(self.acquire_timeout)
@@ -201,46 +201,23 @@ impl PgStoreOptions {
     }
 }
 
-/// Pool options that never hand out a session inside a transaction.
+/// Pool options whose checkout costs no round trip.
 ///
-/// sqlx (0.8.6 and 0.9.0; upstream issues #4385 and #4393) raises its
-/// transaction depth only once `BEGIN` has answered, so a `begin()` dropped
-/// while waiting for that answer leaves the server inside a transaction that
-/// sqlx does not know about, and the connection goes back to the pool that
-/// way. Its next borrower's autocommit writes would then answer success and
-/// be discarded by the next `ROLLBACK` on that connection, or the session
-/// would answer `25P02` to everything once a statement failed in it.
-///
-/// So every checkout asks the server, in the round trip that sqlx's own
-/// liveness ping used to cost, whether the session is inside a transaction
-/// block: in autocommit, a statement's start is its transaction's start.
-/// A session that is inside one, or that cannot answer (`25P02`), is
-/// closed, which makes the server roll back what it held, and the borrower
-/// gets a fresh one.
-pub(crate) fn guarded_pool_options() -> PgPoolOptions {
-    PgPoolOptions::new()
-        .test_before_acquire(false)
-        .before_acquire(|conn, _meta| Box::pin(outside_a_transaction(conn)))
+/// A session must never be handed out inside a transaction nobody owns: the
+/// next borrower's autocommit writes would answer success and vanish with
+/// that transaction. sqlx 0.8.6 and 0.9.0 left one behind whenever a
+/// `begin()` was dropped while its `BEGIN` was in flight (upstream issues
+/// #4385 and #4393), so every checkout used to ask the server first, one
+/// extra round trip per borrow (13 per order in `keel serve`). sqlx 0.9.1
+/// counts the transaction before it sends `BEGIN`, so a cancelled `begin()`
+/// queues its `ROLLBACK`, and the pool's release ping sends it before the
+/// session is idle again: the workspace requires that version, and
+/// `tests/cancellation.rs` proves the property against a real server.
+/// sqlx's own ping at checkout would cost the same round trip for nothing:
+/// a session is pinged when it comes back.
+pub(crate) fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new().test_before_acquire(false)
 }
-
-/// Whether `conn`'s session is outside any transaction block (see
-/// [`guarded_pool_options`]); counts and logs one that is not.
-async fn outside_a_transaction(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    // A plain string runs as a simple query (no prepared statement).
-    let row = conn.fetch_one(OUTSIDE_A_TRANSACTION).await?;
-    let clean: bool = row.try_get(0)?;
-    if !clean {
-        metrics::counter!("keel_postgres_leaked_transactions_total").increment(1);
-        tracing::warn!(
-            "a pooled PostgreSQL session was inside a transaction nobody owns \
-             (a cancelled BEGIN); closing it"
-        );
-    }
-    Ok(clean)
-}
-
-/// True exactly when the statement runs outside a transaction block.
-const OUTSIDE_A_TRANSACTION: &str = "SELECT statement_timestamp() = transaction_timestamp()";
 
 /// Lowercase identifiers only: they need no quoting anywhere (search_path,
 /// channel names), and nothing user-supplied reaches SQL text unchecked.
@@ -285,7 +262,9 @@ async fn migrate(
                             format!("no connection for the migrations within {connect_within:?}"),
                         ))
                     })??;
-            sqlx::query(&create).execute(&mut conn).await?;
+            sqlx::query(sqlx::AssertSqlSafe(create.as_str()))
+                .execute(&mut conn)
+                .await?;
             let migrated = migrator.run(&mut conn).await;
             let _ = conn.close().await;
             migrated

@@ -63,7 +63,7 @@ fn ids(deliveries: &[Delivery]) -> Vec<&str> {
 }
 
 async fn count(broker: &SqliteBroker, sql: &str) -> i64 {
-    sqlx::query_scalar(sql)
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
         .fetch_one(broker.pool())
         .await
         .expect("count")

@@ -55,9 +55,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::Poll;
 
 use keel_messaging::StoreError;
-use sqlx::TransactionManager;
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqliteTransactionManager};
+use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{Mutex, OwnedMutexGuard, oneshot};
 
 use super::error::{db_error, is_busy, is_sql_error};
@@ -225,9 +225,12 @@ impl GroupCommit {
     ) -> Result<WriteTx, StoreError> {
         if writer.batch.is_none() {
             let mut conn = self.pool.acquire().await.map_err(db_error)?;
-            SqliteTransactionManager::begin(&mut conn, Some("BEGIN IMMEDIATE".into()))
-                .await
-                .map_err(db_error)?;
+            SqliteTransactionManager::begin(
+                &mut conn,
+                Some(sqlx::SqlStr::from_static("BEGIN IMMEDIATE")),
+            )
+            .await
+            .map_err(db_error)?;
             writer.opened += 1;
             writer.batch = Some(Batch {
                 id: writer.opened,
@@ -238,7 +241,8 @@ impl GroupCommit {
         }
         if scope == Scope::Savepoint {
             let batch = writer.open_batch();
-            if let Err(err) = SqliteTransactionManager::begin(&mut batch.conn, None).await {
+            let opened = SqliteTransactionManager::begin(&mut batch.conn, None).await;
+            if let Err(err) = opened.and_then(|()| batch_at_depth(&batch.conn, SAVEPOINT_DEPTH)) {
                 return Err(self.abandon(&mut writer, err).await);
             }
         }
@@ -318,7 +322,9 @@ impl GroupCommit {
     ) -> Result<(), StoreError> {
         let batch = writer.open_batch();
         let undone = match scope {
-            Scope::Savepoint => SqliteTransactionManager::rollback(&mut batch.conn).await,
+            Scope::Savepoint => SqliteTransactionManager::rollback(&mut batch.conn)
+                .await
+                .and_then(|()| batch_at_depth(&batch.conn, BATCH_DEPTH)),
             Scope::Statement => still_in_transaction(&mut batch.conn).await,
         };
         match undone {
@@ -415,6 +421,29 @@ impl GroupCommit {
     }
 }
 
+/// sqlx's depth with only the batch's transaction open, and with a
+/// logical transaction's savepoint in it.
+const BATCH_DEPTH: usize = 1;
+const SAVEPOINT_DEPTH: usize = 2;
+
+/// Whether the batch's physical transaction is still open, as sqlx counts
+/// it, after a savepoint opened or rolled back. When SQLite has ended the
+/// transaction by itself (an `OR ROLLBACK` conflict in the savepoint, an
+/// I/O error), sqlx 0.9 answers the savepoint's rollback with success and
+/// sets its depth to zero, and opens the next savepoint as a transaction of
+/// its own: only the depth tells.
+fn batch_at_depth(conn: &SqliteConnection, depth: usize) -> Result<(), sqlx::Error> {
+    if SqliteTransactionManager::get_transaction_depth(conn) == depth {
+        Ok(())
+    } else {
+        Err(batch_rolled_back())
+    }
+}
+
+fn batch_rolled_back() -> sqlx::Error {
+    sqlx::Error::Protocol("SQLite had rolled the batch's transaction back".into())
+}
+
 /// Whether the batch's physical transaction is still open after a statement
 /// whose caller did not commit it: an error that ended the transaction
 /// would otherwise go unseen, and the next callers' statements would run,
@@ -424,9 +453,7 @@ async fn still_in_transaction(conn: &mut SqliteConnection) -> Result<(), sqlx::E
     match sqlx::query("BEGIN").execute(conn).await {
         Err(err) if is_sql_error(&err) => Ok(()),
         Err(err) => Err(err),
-        Ok(_) => Err(sqlx::Error::Protocol(
-            "SQLite had rolled the batch's transaction back".into(),
-        )),
+        Ok(_) => Err(batch_rolled_back()),
     }
 }
 

@@ -227,7 +227,7 @@ impl SqliteStore {
     /// would wait for the open batch and then fsync alone.
     pub(crate) async fn claim<'q>(
         &self,
-        claim: Query<'q, Sqlite, SqliteArguments<'q>>,
+        claim: Query<'q, Sqlite, SqliteArguments>,
     ) -> Result<Vec<SqliteRow>, StoreError> {
         let mut tx = self.group.begin_statement().await?;
         let rows = claim.fetch_all(&mut *tx).await.map_err(db_error)?;

@@ -62,7 +62,7 @@ impl OutboxBackend for SqliteStore {
     ) -> Result<(), StoreError> {
         let created_at = to_ms(created_at);
         for chunk in records.chunks(APPEND_CHUNK) {
-            let mut query = sqlx::query(&APPEND_SQL[chunk.len() - 1]);
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(APPEND_SQL[chunk.len() - 1].as_str()));
             for record in chunk {
                 query = query
                     .bind(record.event_id.as_str())

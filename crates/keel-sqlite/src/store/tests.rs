@@ -48,7 +48,7 @@ async fn raw_pool(path: &Path, connections: u32) -> SqlitePool {
 }
 
 async fn pragma(pool: &SqlitePool, name: &str) -> String {
-    let row = sqlx::query(&format!("PRAGMA {name}"))
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!("PRAGMA {name}")))
         .fetch_one(pool)
         .await
         .expect("pragma");
@@ -59,7 +59,8 @@ async fn pragma(pool: &SqlitePool, name: &str) -> String {
 
 async fn query_plan(pool: &SqlitePool, sql: &str, binds: usize) -> String {
     let explain = format!("EXPLAIN QUERY PLAN {sql}");
-    let mut plan = sqlx::query_as::<_, (i64, i64, i64, String)>(&explain);
+    let mut plan =
+        sqlx::query_as::<_, (i64, i64, i64, String)>(sqlx::AssertSqlSafe(explain.as_str()));
     for _ in 0..binds {
         plan = plan.bind(0_i64);
     }
@@ -446,7 +447,8 @@ async fn in_memory_store_is_private_and_works() {
 /// committed for every other connection to see, not held in the orphan.
 #[tokio::test]
 async fn a_connection_left_inside_a_transaction_is_rolled_back_at_checkout() {
-    use sqlx::{Database, TransactionManager};
+    use sqlx::Database;
+    use sqlx_core::transaction::TransactionManager;
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("keel.db");
     let store = SqliteStore::open(&path).await.expect("open");
@@ -458,7 +460,7 @@ async fn a_connection_left_inside_a_transaction_is_rolled_back_at_checkout() {
         let mut conn = store.pool().acquire().await.expect("conn");
         <sqlx::Sqlite as Database>::TransactionManager::begin(
             &mut conn,
-            Some("BEGIN IMMEDIATE".into()),
+            Some(sqlx::SqlStr::from_static("BEGIN IMMEDIATE")),
         )
         .await
         .expect("begin without a Transaction");
