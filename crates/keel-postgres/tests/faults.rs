@@ -265,6 +265,34 @@ async fn postgres_restart_mid_run_loses_and_duplicates_nothing() {
     consumer.abort();
 }
 
+/// A restart closes every idle session without sqlx knowing. Checkout pings
+/// a session idle that long and replaces a dead one, so the statements
+/// after the restart succeed instead of failing with a dead session's I/O
+/// error, one per session the pool held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_idle_across_a_restart_are_replaced_at_checkout() {
+    let Some((store, _lease)) = common::fresh_store_alone().await else {
+        return;
+    };
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(store.pool().acquire().await.expect("a session"));
+    }
+    drop(held);
+    tokio::task::spawn_blocking(|| services::restart(Service::Postgres))
+        .await
+        .expect("join")
+        .expect("restart PostgreSQL");
+    // Idle past the window in which a session back from a borrow is trusted.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    for i in 0..3 {
+        sqlx::query("SELECT 1")
+            .execute(store.pool())
+            .await
+            .unwrap_or_else(|err| panic!("statement {i} after the restart: {err}"));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_mid_batch_is_covered_by_its_replica() {
     let Some((store, _lease)) = common::fresh_store().await else {

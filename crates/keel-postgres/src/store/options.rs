@@ -201,7 +201,7 @@ impl PgStoreOptions {
     }
 }
 
-/// Pool options whose checkout costs no round trip.
+/// Pool options whose checkout under load costs no round trip.
 ///
 /// A session must never be handed out inside a transaction nobody owns: the
 /// next borrower's autocommit writes would answer success and vanish with
@@ -213,11 +213,29 @@ impl PgStoreOptions {
 /// queues its `ROLLBACK`, and the pool's release ping sends it before the
 /// session is idle again: the workspace requires that version, and
 /// `tests/cancellation.rs` proves the property against a real server.
-/// sqlx's own ping at checkout would cost the same round trip for nothing:
-/// a session is pinged when it comes back.
+///
+/// What a checkout still checks is that the session is alive, and only for
+/// one idle longer than [`PING_AFTER_IDLE`]: a server restart or a broken
+/// link closes idle sessions without telling sqlx, and their next borrower
+/// would get the I/O error instead of a fresh session. One back from a
+/// borrow more recently was pinged by sqlx on its way back (HikariCP skips
+/// its validation in the same window).
 pub(crate) fn pool_options() -> PgPoolOptions {
-    PgPoolOptions::new().test_before_acquire(false)
+    PgPoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for < PING_AFTER_IDLE {
+                    return Ok(true);
+                }
+                // A dead session is closed; the pool opens another.
+                Ok(conn.ping().await.is_ok())
+            })
+        })
 }
+
+/// How long a session may sit idle before a checkout pings it.
+const PING_AFTER_IDLE: Duration = Duration::from_millis(500);
 
 /// Lowercase identifiers only: they need no quoting anywhere (search_path,
 /// channel names), and nothing user-supplied reaches SQL text unchecked.
