@@ -37,8 +37,9 @@ const LAST_SEQ_SQL: &str = "SELECT last_seq FROM keel_event_log_streams WHERE st
 pub trait EventLogBackend: SqlBackend {
     /// Bumps `stream`'s counter and inserts the event with the new seq
     /// (`data` is its JSON text), in `tx`, waking the readers that must
-    /// learn of it at commit; returns the seq. (SQLite runs two statements;
-    /// PostgreSQL one, whose data-modifying CTEs also notify.)
+    /// learn of it at commit; returns the seq, in one round trip. (SQLite
+    /// sends its two statements as one query; PostgreSQL runs one statement,
+    /// whose data-modifying CTEs also notify.)
     fn append_row<'a>(
         &'a self,
         tx: &'a mut Tx<Self>,

@@ -195,21 +195,48 @@ async fn tombstone<B: ShopBackend>(
     Ok(())
 }
 
-/// Whether `key` is tombstoned; takes its lock first.
-async fn tombstoned<B: ShopBackend>(
+/// What an action found: its effect applied (`false`: already, under the
+/// same key) or its key tombstoned by a compensation.
+enum Acted {
+    Applied(bool),
+    Undone,
+}
+
+/// The effect of an action under `key`, unless a compensation tombstoned
+/// `key`; takes the key's lock first. The tombstone check rides in the
+/// insert, so a new action is one statement; only an insert that changed
+/// nothing asks which of the two stopped it.
+async fn act<B: ShopBackend>(
     store: &B,
     tx: &mut Tx<B>,
     key: &str,
-) -> Result<bool, StoreError> {
+    order_id: &str,
+    step: &str,
+    amount: i64,
+    detail: &str,
+) -> Result<Acted, StoreError> {
     store.lock_key(tx, key).await?;
-    let row = B::Dialect::fetch_optional(
+    let params = effect_params(key, order_id, step, false, amount, detail);
+    if B::Dialect::execute(Exec::Tx(tx), INSERT_ACTION, &params).await? == 1 {
+        return Ok(Acted::Applied(true));
+    }
+    let tombstone = B::Dialect::fetch_optional(
         Exec::Tx(tx),
         "SELECT idem_key FROM shop_tombstones WHERE idem_key = $1",
         &[key.into()],
     )
     .await?;
-    Ok(row.is_some())
+    Ok(match tombstone {
+        Some(_) => Acted::Undone,
+        None => Acted::Applied(false),
+    })
 }
+
+const INSERT_ACTION: &str = "\
+INSERT INTO shop_effects (idem_key, order_id, step, compensation, amount_cents, detail)
+SELECT $1, $2, $3, $4, $5, $6
+ WHERE NOT EXISTS (SELECT 1 FROM shop_tombstones WHERE idem_key = $1)
+ON CONFLICT (idem_key) DO NOTHING";
 
 /// The effect of `step`'s action for `order_id`, if it happened, with its
 /// amount and detail.
@@ -430,22 +457,16 @@ impl<B: ShopBackend> ShopDb for B {
 
     async fn capture(&self, key: &str, order_id: &str, amount: i64) -> Result<Capture, StoreError> {
         let mut tx = self.begin_own().await?;
-        if tombstoned(self, &mut tx, key).await? {
-            self.rollback(tx).await?;
-            return Ok(Capture::Undone);
+        match act(self, &mut tx, key, order_id, "capture_payment", amount, "").await? {
+            Acted::Undone => {
+                self.rollback(tx).await?;
+                Ok(Capture::Undone)
+            }
+            Acted::Applied(new) => {
+                self.commit_own(tx).await?;
+                Ok(Capture::Charged(new))
+            }
         }
-        let new = insert_effect::<B>(
-            Exec::Tx(&mut tx),
-            key,
-            order_id,
-            "capture_payment",
-            false,
-            amount,
-            "",
-        )
-        .await?;
-        self.commit_own(tx).await?;
-        Ok(Capture::Charged(new))
     }
 
     async fn refund(
@@ -485,16 +506,18 @@ impl<B: ShopBackend> ShopDb for B {
         let wanted = wanted(items);
         let detail = serde_json::to_string(&wanted).map_err(StoreError::other)?;
         let mut tx = self.begin_own().await?;
-        if tombstoned(self, &mut tx, key).await? {
-            self.rollback(tx).await?;
-            return Ok(Reservation::Undone);
-        }
         // The key first: a concurrent call with the same key waits here
         // until this one commits (then reserves nothing) or rolls back.
-        let reserve = Exec::Tx(&mut tx);
-        if !insert_effect::<B>(reserve, key, order_id, "reserve_stock", false, 0, &detail).await? {
-            self.rollback(tx).await?;
-            return Ok(Reservation::Reserved);
+        match act(self, &mut tx, key, order_id, "reserve_stock", 0, &detail).await? {
+            Acted::Applied(true) => {}
+            Acted::Applied(false) => {
+                self.rollback(tx).await?;
+                return Ok(Reservation::Reserved);
+            }
+            Acted::Undone => {
+                self.rollback(tx).await?;
+                return Ok(Reservation::Undone);
+            }
         }
         for (sku, qty) in &wanted {
             let taken = B::Dialect::execute(
