@@ -240,9 +240,8 @@ impl GroupCommit {
             });
         }
         if scope == Scope::Savepoint {
-            let batch = writer.open_batch();
-            let opened = SqliteTransactionManager::begin(&mut batch.conn, None).await;
-            if let Err(err) = opened.and_then(|()| batch_at_depth(&batch.conn, SAVEPOINT_DEPTH)) {
+            let opened = savepoint(writer.open_batch(), OPEN_SAVEPOINT).await;
+            if let Err(err) = opened {
                 return Err(self.abandon(&mut writer, err).await);
             }
         }
@@ -322,9 +321,7 @@ impl GroupCommit {
     ) -> Result<(), StoreError> {
         let batch = writer.open_batch();
         let undone = match scope {
-            Scope::Savepoint => SqliteTransactionManager::rollback(&mut batch.conn)
-                .await
-                .and_then(|()| batch_at_depth(&batch.conn, BATCH_DEPTH)),
+            Scope::Savepoint => savepoint(batch, UNDO_SAVEPOINT).await,
             Scope::Statement => still_in_transaction(&mut batch.conn).await,
         };
         match undone {
@@ -421,23 +418,27 @@ impl GroupCommit {
     }
 }
 
-/// sqlx's depth with only the batch's transaction open, and with a
-/// logical transaction's savepoint in it.
-const BATCH_DEPTH: usize = 1;
-const SAVEPOINT_DEPTH: usize = 2;
+/// A logical transaction's savepoint: opened, released, and undone (rolled
+/// back, then released, in one round trip).
+///
+/// These are plain statements, not sqlx's nested transactions: sqlx answers
+/// each `BEGIN`, `COMMIT` and `ROLLBACK` of its transaction manager with a
+/// rendezvous, its connection's thread waiting until the caller's task has
+/// taken the answer, which costs two more wake-ups per command while the
+/// writer is held. A plain statement also says plainly when SQLite has ended
+/// the batch's transaction by itself (an `OR ROLLBACK` conflict in the
+/// savepoint, an I/O error): releasing or rolling back to a savepoint that
+/// went with it fails ("no such savepoint"), where sqlx's rollback would
+/// answer success. A savepoint is only ever opened in a transaction known to
+/// be open (the batch's `BEGIN IMMEDIATE`, or a turn that ended by
+/// releasing, undoing or checking), so it never starts one of its own.
+const OPEN_SAVEPOINT: &str = "SAVEPOINT keel_write";
+const RELEASE_SAVEPOINT: &str = "RELEASE keel_write";
+const UNDO_SAVEPOINT: &str = "ROLLBACK TO keel_write; RELEASE keel_write";
 
-/// Whether the batch's physical transaction is still open, as sqlx counts
-/// it, after a savepoint opened or rolled back. When SQLite has ended the
-/// transaction by itself (an `OR ROLLBACK` conflict in the savepoint, an
-/// I/O error), sqlx 0.9 answers the savepoint's rollback with success and
-/// sets its depth to zero, and opens the next savepoint as a transaction of
-/// its own: only the depth tells.
-fn batch_at_depth(conn: &SqliteConnection, depth: usize) -> Result<(), sqlx::Error> {
-    if SqliteTransactionManager::get_transaction_depth(conn) == depth {
-        Ok(())
-    } else {
-        Err(batch_rolled_back())
-    }
+async fn savepoint(batch: &mut Batch, statement: &'static str) -> Result<(), sqlx::Error> {
+    sqlx::query(statement).execute(&mut *batch.conn).await?;
+    Ok(())
 }
 
 fn batch_rolled_back() -> sqlx::Error {
@@ -481,8 +482,7 @@ impl WriteTx {
     async fn release(mut self) -> Result<oneshot::Receiver<Verdict>, StoreError> {
         let mut writer = self.settle();
         let group = self.group.clone();
-        let batch = writer.open_batch();
-        if let Err(err) = SqliteTransactionManager::commit(&mut batch.conn).await {
+        if let Err(err) = savepoint(writer.open_batch(), RELEASE_SAVEPOINT).await {
             return Err(group.abandon(&mut writer, err).await);
         }
         Ok(group.wait_for_batch(writer))
@@ -516,9 +516,14 @@ impl Drop for WriteTx {
             // The task holds the writer: nobody uses the connection before
             // the undo is done.
             tokio::spawn(self.group.clone().undo(writer, self.scope));
-        } else if self.scope == Scope::Savepoint {
-            // Without a runtime nothing else can use the store either.
-            SqliteTransactionManager::start_rollback(&mut writer.open_batch().conn);
+        } else {
+            // Without a runtime nothing can run the undo or commit the
+            // batch: its connection closes (detached from the pool, whose
+            // return needs a runtime), which rolls it back, and its callers
+            // hear that the process stopped.
+            if let Some(batch) = writer.batch.take() {
+                drop(batch.conn.detach());
+            }
         }
     }
 }

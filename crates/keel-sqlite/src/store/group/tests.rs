@@ -561,3 +561,27 @@ fn a_crash_at_any_moment_loses_nothing_acknowledged() {
         );
     }
 }
+
+/// A transaction dropped where no runtime runs (its task outlived the
+/// runtime) cannot undo its savepoint or commit the batch: the batch's
+/// connection is closed, without a panic, and nothing of the batch commits.
+#[test]
+fn a_transaction_dropped_outside_a_runtime_closes_its_batch_uncommitted() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (store, open) = runtime.block_on(async {
+        let store = store_at(&path).await;
+        let mut tx = store.begin().await.expect("begin");
+        insert(&mut tx, 1).await.expect("insert");
+        store.commit(tx).await.expect("commit");
+        let open = open_first(&store).await;
+        (store, open)
+    });
+    drop(runtime);
+    drop(open);
+    drop(store);
+
+    let check = tokio::runtime::Runtime::new().unwrap();
+    assert_eq!(check.block_on(ids(&path)), [1].into_iter().collect());
+}
