@@ -430,8 +430,9 @@ impl GroupCommit {
 /// savepoint, an I/O error): releasing or rolling back to a savepoint that
 /// went with it fails ("no such savepoint"), where sqlx's rollback would
 /// answer success. A savepoint is only ever opened in a transaction known to
-/// be open (the batch's `BEGIN IMMEDIATE`, or a turn that ended by
-/// releasing, undoing or checking), so it never starts one of its own.
+/// be open (the batch's `BEGIN IMMEDIATE`, or a turn that ended with a
+/// release, an undo, a check, or a single statement that succeeded, which
+/// cannot have ended it), so it never starts one of its own.
 const OPEN_SAVEPOINT: &str = "SAVEPOINT keel_write";
 const RELEASE_SAVEPOINT: &str = "RELEASE keel_write";
 const UNDO_SAVEPOINT: &str = "ROLLBACK TO keel_write; RELEASE keel_write";
