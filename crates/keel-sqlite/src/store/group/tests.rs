@@ -585,3 +585,57 @@ fn a_transaction_dropped_outside_a_runtime_closes_its_batch_uncommitted() {
     let check = tokio::runtime::Runtime::new().unwrap();
     assert_eq!(check.block_on(ids(&path)), [1].into_iter().collect());
 }
+
+/// A user's own nested transaction inside a `WriteTx` (sqlx's `begin` on
+/// the connection it lends) is a savepoint inside the logical transaction's:
+/// rolling it back undoes only its rows, committing it keeps them, and the
+/// logical transaction commits or rolls back around it as a whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_transaction_inside_a_write_transaction_is_its_own_savepoint() {
+    use sqlx::Connection;
+
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let nested = |ids: [i64; 2], commit_inner: bool| {
+        let store = store.clone();
+        async move {
+            let mut tx = store.begin().await.expect("begin");
+            insert(&mut tx, ids[0]).await.expect("outer insert");
+            let mut inner = (*tx).begin().await.expect("nested begin");
+            sqlx::query(INSERT_ITEM)
+                .bind(ids[1])
+                .execute(&mut *inner)
+                .await
+                .expect("inner insert");
+            if commit_inner {
+                inner.commit().await.expect("nested commit");
+            } else {
+                inner.rollback().await.expect("nested rollback");
+            }
+            tx
+        }
+    };
+
+    let tx = nested([1, 2], false).await;
+    store
+        .commit(tx)
+        .await
+        .expect("commit with the inner rolled back");
+    let tx = nested([3, 4], true).await;
+    store
+        .commit(tx)
+        .await
+        .expect("commit with the inner committed");
+    let tx = nested([5, 6], true).await;
+    store
+        .rollback(tx)
+        .await
+        .expect("roll back around a committed inner");
+    let mut tx = store.begin().await.expect("begin after");
+    insert(&mut tx, 7).await.expect("insert after");
+    store.commit(tx).await.expect("commit after");
+
+    store.close().await;
+    assert_eq!(ids(&path).await, [1, 3, 4, 7].into_iter().collect());
+}
