@@ -239,11 +239,10 @@ impl GroupCommit {
                 flush_queued: false,
             });
         }
-        if scope == Scope::Savepoint {
-            let opened = savepoint(writer.open_batch(), OPEN_SAVEPOINT).await;
-            if let Err(err) = opened {
-                return Err(self.abandon(&mut writer, err).await);
-            }
+        if scope == Scope::Savepoint
+            && let Err(err) = savepoint(writer.open_batch(), OPEN_SAVEPOINT).await
+        {
+            return Err(self.abandon(&mut writer, err).await);
         }
         Ok(WriteTx {
             writer: Some(writer),
@@ -517,14 +516,12 @@ impl Drop for WriteTx {
             // The task holds the writer: nobody uses the connection before
             // the undo is done.
             tokio::spawn(self.group.clone().undo(writer, self.scope));
-        } else {
+        } else if let Some(batch) = writer.batch.take() {
             // Without a runtime nothing can run the undo or commit the
             // batch: its connection closes (detached from the pool, whose
             // return needs a runtime), which rolls it back, and its callers
             // hear that the process stopped.
-            if let Some(batch) = writer.batch.take() {
-                drop(batch.conn.detach());
-            }
+            drop(batch.conn.detach());
         }
     }
 }
