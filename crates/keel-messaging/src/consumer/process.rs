@@ -281,7 +281,9 @@ impl<S: Store + ConsumerStore> Processor<S> {
             "consumer-after-inbox"
         )));
         if !fresh {
-            self.rollback(tx).await;
+            // The ack waits for the rollback: until it answers, the inbox
+            // row that made this a duplicate may not be durable.
+            self.store.rollback(tx).await.map_err(Failure::Store)?;
             return Ok(Step::Duplicate);
         }
         let started = clock::now();

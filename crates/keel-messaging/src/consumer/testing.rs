@@ -74,6 +74,8 @@ struct StoreState {
     ledger: Vec<String>,
     prune_calls: usize,
     rollbacks: usize,
+    /// Rollbacks still to fail (a batch that did not commit what they read).
+    failing_rollbacks: usize,
     failure_clears: usize,
     refuse_failure_records: bool,
 }
@@ -142,6 +144,12 @@ impl MemStore {
     /// Transactions rolled back explicitly (not just dropped).
     pub(crate) fn rollbacks(&self) -> usize {
         self.state.lock().rollbacks
+    }
+
+    /// Makes the next `n` rollbacks fail, as a SQLite rollback does when
+    /// the batch it read from does not commit.
+    pub(crate) fn fail_next_rollbacks(&self, n: usize) {
+        self.state.lock().failing_rollbacks = n;
     }
 
     /// Makes recording a failed attempt fail (a store hiccup) while `refuse`.
@@ -216,7 +224,14 @@ impl Store for MemStore {
     }
 
     async fn rollback(&self, _tx: MemTx) -> Result<(), StoreError> {
-        self.state.lock().rollbacks += 1;
+        let mut s = self.state.lock();
+        s.rollbacks += 1;
+        if s.failing_rollbacks > 0 {
+            s.failing_rollbacks -= 1;
+            return Err(StoreError::Unavailable(
+                "the batch this transaction read from did not commit".into(),
+            ));
+        }
         Ok(())
     }
 

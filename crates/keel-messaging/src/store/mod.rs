@@ -96,7 +96,12 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// connection failed during COMMIT.
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
-    /// Rolls a transaction back (dropping it does too).
+    /// Rolls a transaction back, and answers only once every row the
+    /// transaction could read is durable: a caller may act on what it read
+    /// (ack a duplicate, replay a stored answer) when this returns `Ok`.
+    /// An error means what it read may not survive: read again.
+    ///
+    /// Dropping a transaction rolls it back too, but answers nobody.
     async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
     /// Whether the schema is migrated and the pool is usable (`/readyz`).

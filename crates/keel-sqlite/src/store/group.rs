@@ -16,9 +16,14 @@
 //! busy store.
 //!
 //! The rules that keep each caller's answer true:
-//! - **A caller is answered only after the fsync that covers its writes.**
-//!   Releasing a savepoint answers nobody; [`GroupCommit::commit`] waits for
-//!   the batch's `COMMIT`.
+//! - **A caller is answered only after the fsync that covers its writes,
+//!   and what it read.** Releasing a savepoint answers nobody;
+//!   [`GroupCommit::commit`] waits for the batch's `COMMIT`. So does
+//!   [`GroupCommit::rollback`]: a transaction reads the rows that others
+//!   released into its batch before they are durable, and a caller that
+//!   rolls back because of what it read (a duplicate to ack, a stored
+//!   answer to replay) acts on those rows. A batch that then fails makes
+//!   the rollback fail too, so nobody acts on a read that did not survive.
 //! - **A failed logical transaction does not poison the others.** Its
 //!   savepoint is rolled back (explicitly, or when the handle is dropped)
 //!   and the batch goes on. Only an error that ends the physical
@@ -61,6 +66,7 @@ use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{Mutex, OwnedMutexGuard, oneshot};
 
 use super::error::{db_error, is_busy, is_sql_error};
+use super::gate::{CommitGate, ShutGate};
 
 #[cfg(test)]
 mod tests;
@@ -73,6 +79,7 @@ const MAX_BATCH: usize = 256;
 #[derive(Debug, Clone)]
 pub(crate) struct GroupCommit {
     pool: SqlitePool,
+    gate: CommitGate,
     writer: Arc<Mutex<Writer>>,
     stats: Arc<Stats>,
 }
@@ -123,6 +130,10 @@ async fn in_own_task<T: Send + 'static>(
 struct Batch {
     id: u64,
     conn: PoolConnection<Sqlite>,
+    /// Shut while the batch is open: nothing but its `COMMIT` commits on
+    /// its connection (`gate.rs`). Declared after `conn`, so that it opens
+    /// only once a connection dropped with the batch has been let go.
+    gate: ShutGate,
     waiters: Vec<oneshot::Sender<Verdict>>,
     /// Whether a flush of this batch is queued for the writer already: the
     /// first one queued commits the batch, so a second would only take a
@@ -165,9 +176,10 @@ impl Drop for Queued<'_> {
 }
 
 impl GroupCommit {
-    pub(crate) fn new(pool: SqlitePool) -> Self {
+    pub(crate) fn new(pool: SqlitePool, gate: CommitGate) -> Self {
         Self {
             pool,
+            gate,
             writer: Arc::default(),
             stats: Arc::default(),
         }
@@ -235,6 +247,7 @@ impl GroupCommit {
             writer.batch = Some(Batch {
                 id: writer.opened,
                 conn,
+                gate: self.gate.shut(),
                 waiters: Vec::new(),
                 flush_queued: false,
             });
@@ -304,31 +317,59 @@ impl GroupCommit {
         }
     }
 
-    /// Rolls the logical transaction `tx` back; the batch goes on.
+    /// Rolls the logical transaction `tx` back, and answers once the batch
+    /// it ran in has committed.
+    ///
+    /// The wait is the point: `tx` could read rows that other transactions
+    /// released into the batch and that are not durable yet, and a caller
+    /// that rolls back on the strength of such a read (a duplicate to ack,
+    /// a stored response to replay) must not act before those rows are. If
+    /// the batch does not commit, what `tx` read may be gone, and the caller
+    /// hears [`StoreError::Unavailable`]: read again.
     pub(crate) async fn rollback(&self, mut tx: WriteTx) -> Result<(), StoreError> {
         let writer = tx.settle();
-        in_own_task(tx.group.clone().undo(writer, tx.scope)).await
+        let group = tx.group.clone();
+        let scope = tx.scope;
+        let verdict = in_own_task(async move {
+            let writer = group.clone().undo(writer, scope).await?;
+            Ok(group.wait_for_batch(writer))
+        })
+        .await?;
+        match verdict.await {
+            Ok(Verdict::Committed) => Ok(()),
+            Ok(Verdict::RolledBack(err) | Verdict::Unknown(err)) => {
+                Err(StoreError::Unavailable(Box::new(UnsettledRead(err))))
+            }
+            Err(_) => Err(StoreError::Unavailable(
+                "the process stopped before the batch this transaction read from committed".into(),
+            )),
+        }
     }
 
-    /// Undoes a logical transaction that will not be committed, then hands
-    /// the writer on. Fails the batch if its physical transaction cannot be
-    /// vouched for.
+    /// Undoes a logical transaction that will not be committed, and gives
+    /// the writer back with its batch still open. Fails the batch if its
+    /// physical transaction cannot be vouched for.
     async fn undo(
         self,
         mut writer: OwnedMutexGuard<Writer>,
         scope: Scope,
-    ) -> Result<(), StoreError> {
+    ) -> Result<OwnedMutexGuard<Writer>, StoreError> {
         let batch = writer.open_batch();
         let undone = match scope {
             Scope::Savepoint => savepoint(batch, UNDO_SAVEPOINT).await,
             Scope::Statement => still_in_transaction(&mut batch.conn).await,
         };
         match undone {
-            Ok(()) => {
-                self.flush_later(writer.open_batch());
-                Ok(())
-            }
+            Ok(()) => Ok(writer),
             Err(err) => Err(self.abandon(&mut writer, err).await),
+        }
+    }
+
+    /// Undoes a dropped logical transaction, whose caller hears nothing,
+    /// then hands the writer on.
+    async fn undo_dropped(self, writer: OwnedMutexGuard<Writer>, scope: Scope) {
+        if let Ok(mut writer) = self.clone().undo(writer, scope).await {
+            self.flush_later(writer.open_batch());
         }
     }
 
@@ -377,10 +418,11 @@ impl GroupCommit {
         fail::fail_point!("keel-sqlite-group-before-commit", |_| {
             panic!("failpoint: the process dies before the batch's COMMIT")
         });
-        let verdict = match SqliteTransactionManager::commit(&mut batch.conn).await {
+        batch.gate.commit_next();
+        let verdict = match commit_batch(&mut batch.conn).await {
             Ok(()) => Verdict::Committed,
-            Err(err) if is_busy(&err) => Verdict::RolledBack(Arc::new(err)),
-            Err(err) => {
+            Err(CommitFailure::RolledBack(err)) => Verdict::RolledBack(Arc::new(err)),
+            Err(CommitFailure::Unknown(err)) => {
                 tracing::warn!(error = %err, "sqlite group commit failed; outcome unknown");
                 Verdict::Unknown(Arc::new(err))
             }
@@ -417,6 +459,50 @@ impl GroupCommit {
     }
 }
 
+/// How a batch's `COMMIT` failed.
+enum CommitFailure {
+    /// Nothing in the batch committed.
+    RolledBack(sqlx::Error),
+    /// The commit record may or may not have reached the disk.
+    Unknown(sqlx::Error),
+}
+
+/// The batch's `COMMIT`, or the failure armed at the failpoint
+/// `keel-sqlite-group-commit` in its place: `return(full)` is a disk that
+/// filled at the commit (SQLite rolls the transaction back), `return(ioerr)`
+/// an fsync that failed (the batch is rolled back, and its callers are told
+/// the outcome is unknown, the worst a failed fsync can mean for them).
+async fn commit_batch(conn: &mut SqliteConnection) -> Result<(), CommitFailure> {
+    if let Some((err, known)) = injected_commit_fault() {
+        let _ = SqliteTransactionManager::rollback(conn).await;
+        return Err(if known {
+            CommitFailure::RolledBack(err)
+        } else {
+            CommitFailure::Unknown(err)
+        });
+    }
+    match SqliteTransactionManager::commit(conn).await {
+        Ok(()) => Ok(()),
+        Err(err) if is_busy(&err) => Err(CommitFailure::RolledBack(err)),
+        Err(err) => Err(CommitFailure::Unknown(err)),
+    }
+}
+
+/// The commit failure armed at `keel-sqlite-group-commit`, and whether it
+/// is known to have rolled the batch back.
+fn injected_commit_fault() -> Option<(sqlx::Error, bool)> {
+    fail::fail_point!("keel-sqlite-group-commit", |arg| {
+        let full = arg.as_deref() == Some("full");
+        let why = if full {
+            "injected: database or disk is full (SQLITE_FULL) at COMMIT"
+        } else {
+            "injected: disk I/O error (SQLITE_IOERR_FSYNC) at COMMIT"
+        };
+        Some((sqlx::Error::Io(std::io::Error::other(why)), full))
+    });
+    None
+}
+
 /// A logical transaction's savepoint: opened, released, and undone (rolled
 /// back, then released, in one round trip).
 ///
@@ -441,6 +527,14 @@ async fn savepoint(batch: &mut Batch, statement: &'static str) -> Result<(), sql
     Ok(())
 }
 
+/// Why a rollback could not vouch for what its transaction read.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the batch this transaction read from did not commit, so what it read may not be durable; \
+     read again"
+)]
+struct UnsettledRead(#[source] Arc<sqlx::Error>);
+
 fn batch_rolled_back() -> sqlx::Error {
     sqlx::Error::Protocol("SQLite had rolled the batch's transaction back".into())
 }
@@ -462,7 +556,9 @@ async fn still_in_transaction(conn: &mut SqliteConnection) -> Result<(), sqlx::E
 /// open batch (see the module docs). Write your business rows in it with
 /// `sqlx::query(..).execute(&mut *tx)`, exactly as in a
 /// `sqlx::Transaction`; commit it with the store's `commit`, which answers
-/// after the fsync. Dropping it rolls its writes back.
+/// after the fsync. Roll it back with the store's `rollback`, which answers
+/// once what it read is durable too. Dropping it rolls its writes back and
+/// answers nobody: do not act on what a dropped transaction read.
 #[derive(Debug)]
 pub struct WriteTx {
     /// `Some` until the transaction is committed or rolled back.
@@ -515,7 +611,7 @@ impl Drop for WriteTx {
         if tokio::runtime::Handle::try_current().is_ok() {
             // The task holds the writer: nobody uses the connection before
             // the undo is done.
-            tokio::spawn(self.group.clone().undo(writer, self.scope));
+            tokio::spawn(self.group.clone().undo_dropped(writer, self.scope));
         } else if let Some(batch) = writer.batch.take() {
             // Without a runtime nothing can run the undo or commit the
             // batch: its connection closes (detached from the pool, whose

@@ -107,6 +107,7 @@
 pub(crate) mod codec;
 mod dialect;
 pub(crate) mod error;
+mod gate;
 mod group;
 mod options;
 mod outbox;
@@ -169,17 +170,20 @@ impl SqliteStore {
     /// timeout on it; with several connections, writers wait for each other
     /// in SQLite's busy handler rather than in a queue.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, StoreError> {
-        Self::from_pools(pool.clone(), pool, None).await
+        Self::from_pools(pool.clone(), pool, None, gate::CommitGate::default()).await
     }
 
+    /// A store on `writer` and `reader`; `gate` is the commit gate installed
+    /// on `writer`'s connections, if any (`gate.rs`).
     pub(crate) async fn from_pools(
         writer: SqlitePool,
         reader: SqlitePool,
         file: Option<&Path>,
+        gate: gate::CommitGate,
     ) -> Result<Self, StoreError> {
         migrate(&writer).await?;
         Ok(Self {
-            group: GroupCommit::new(writer.clone()),
+            group: GroupCommit::new(writer.clone(), gate),
             writer,
             reader,
             file: file.map(Arc::from),

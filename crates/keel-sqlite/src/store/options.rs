@@ -10,6 +10,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 
 use super::SqliteStore;
 use super::error::db_error;
+use super::gate::CommitGate;
 
 /// Options for opening a [`SqliteStore`], with documented defaults.
 ///
@@ -97,8 +98,9 @@ impl SqliteStoreOptions {
             .connect_options(base.clone())
             .journal_mode(SqliteJournalMode::Wal)
             .pragma("temp_store", "MEMORY");
-        let writer = self
-            .pool_options(1)
+        let gate = CommitGate::default();
+        let writer = gate
+            .install_on(self.pool_options(1))
             .connect_with(writer_options)
             .await
             .map_err(db_error)?;
@@ -107,7 +109,7 @@ impl SqliteStoreOptions {
         let reader = self
             .pool_options(self.read_connections.get())
             .connect_lazy_with(reader_options);
-        SqliteStore::from_pools(writer, reader, Some(path.as_ref())).await
+        SqliteStore::from_pools(writer, reader, Some(path.as_ref()), gate).await
     }
 
     /// Opens a private in-memory database (for tests and examples). It lives
@@ -116,12 +118,13 @@ impl SqliteStoreOptions {
     /// of its transactions.
     pub async fn open_in_memory(self) -> Result<SqliteStore, StoreError> {
         let options = SqliteConnectOptions::from_str("sqlite::memory:").map_err(db_error)?;
-        let pool = self
-            .pool_options(1)
+        let gate = CommitGate::default();
+        let pool = gate
+            .install_on(self.pool_options(1))
             .connect_with(self.connect_options(options))
             .await
             .map_err(db_error)?;
-        SqliteStore::from_pools(pool.clone(), pool, None).await
+        SqliteStore::from_pools(pool.clone(), pool, None, gate).await
     }
 
     fn connect_options(&self, base: SqliteConnectOptions) -> SqliteConnectOptions {

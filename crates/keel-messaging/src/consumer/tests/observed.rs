@@ -187,6 +187,25 @@ async fn the_store_sees_no_needless_writes_and_duplicates_are_rolled_back() {
     assert_eq!(store.rollbacks(), 1, "the duplicate's transaction");
 }
 
+/// A duplicate is acked only once the rollback that found its inbox row
+/// answers: a failed rollback means the row may not be durable (SQLite's
+/// batch did not commit), so the delivery is retried, not acked.
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_whose_rollback_fails_is_retried_not_acked() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    store.fail_next_rollbacks(1);
+    publish(&broker, copies(&charge("S-1", 1), 2)).await;
+    let consumer = builder(&store, &broker)
+        .group(ledger_group())
+        .build()
+        .unwrap();
+    run_until(consumer, || broker.all_done(TOPIC, GROUP)).await;
+    assert_eq!(store.ledger(), ["S-1:1"]);
+    assert_eq!(store.rollbacks(), 2, "the duplicate's two deliveries");
+    assert_eq!(broker.delivery_counts(TOPIC, GROUP), [1, 2]);
+}
+
 #[test]
 fn handlers_and_their_errors_describe_themselves() {
     let error = HandlerError::retryable(std::io::Error::other("connection refused"));

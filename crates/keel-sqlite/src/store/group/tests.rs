@@ -639,3 +639,133 @@ async fn a_nested_transaction_inside_a_write_transaction_is_its_own_savepoint() 
     store.close().await;
     assert_eq!(ids(&path).await, [1, 3, 4, 7].into_iter().collect());
 }
+
+/// Reads row `id` in a transaction of its own, then rolls it back: whether
+/// it saw the row, and the rollback's answer.
+async fn read_then_roll_back(store: &SqliteStore, id: i64) -> (bool, Result<(), StoreError>) {
+    let mut tx = store.begin().await.expect("begin");
+    let seen: Option<(i64,)> = sqlx::query_as("SELECT id FROM items WHERE id = $1")
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+        .expect("read");
+    (seen.is_some(), store.rollback(tx).await)
+}
+
+/// A transaction that reads a row another one released into the batch and
+/// then rolls back (the consumer's duplicate, the idempotency replay, the
+/// shop's "reserved already") is answered only once that row is durable.
+/// When the batch's `COMMIT` then fails (a full disk, a failed fsync), the
+/// rollback fails too: before, it answered at once, and its caller acked a
+/// duplicate, or replayed an answer, whose row was gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_that_read_its_batch_fails_with_the_batch() {
+    for fault in ["full", "ioerr"] {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("group.db");
+        let store = store_at(&path).await;
+
+        let first = open_first(&store).await;
+        let mut writer = spawn_writers(&store, [7]);
+        while store.group.queued() < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let reader = tokio::spawn({
+            let store = store.clone();
+            async move { read_then_roll_back(&store, 7).await }
+        });
+        while store.group.queued() < 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        fail::cfg("keel-sqlite-group-commit", &format!("1*return({fault})")).unwrap();
+        let first_answer = store.commit(first).await;
+        let written = writer.join_next().await.unwrap().unwrap();
+        let (seen, rolled_back) = reader.await.unwrap();
+        fail::remove("keel-sqlite-group-commit");
+
+        assert!(seen, "{fault}: the reader saw the released row 7");
+        assert!(first_answer.is_err() && written.is_err(), "{fault}");
+        assert!(
+            matches!(rolled_back, Err(StoreError::Unavailable(_))),
+            "{fault}: the rollback vouched for a read its batch lost: {rolled_back:?}"
+        );
+        let (seen, rolled_back) = read_then_roll_back(&store, 7).await;
+        assert!(!seen && rolled_back.is_ok(), "{fault}: {rolled_back:?}");
+        store.close().await;
+        assert!(ids(&path).await.is_empty(), "{fault}");
+    }
+}
+
+/// The commit failures a full disk and a failed fsync cause: callers of a
+/// batch that filled the disk hear it did not commit, callers of a batch
+/// whose fsync failed hear the outcome is unknown, and the store goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_tells_every_caller_and_the_store_goes_on() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    for (fault, id) in [("full", 1), ("ioerr", 2)] {
+        fail::cfg("keel-sqlite-group-commit", &format!("1*return({fault})")).unwrap();
+        let first = open_first(&store).await;
+        let (answer, answers) = commit_behind(&store, first, spawn_writers(&store, [id])).await;
+        fail::remove("keel-sqlite-group-commit");
+        for answer in answers.into_iter().chain([answer]) {
+            match fault {
+                "full" => assert!(
+                    matches!(answer, Err(StoreError::Unavailable(_))),
+                    "{answer:?}"
+                ),
+                _ => assert!(
+                    matches!(answer, Err(StoreError::OutcomeUnknown(_))),
+                    "{answer:?}"
+                ),
+            }
+        }
+    }
+    let mut tx = store.begin().await.expect("begin after the failed commits");
+    insert(&mut tx, 3).await.unwrap();
+    store
+        .commit(tx)
+        .await
+        .expect("commit after the failed commits");
+    store.close().await;
+    assert_eq!(ids(&path).await, [3].into_iter().collect());
+}
+
+/// A caller whose statement made SQLite roll the batch back, and who
+/// carries on in the same transaction: its next statements find no
+/// transaction and would run in autocommit, each committing at once while
+/// the caller is told nothing committed. The commit gate refuses them, as
+/// PostgreSQL refuses statements in an aborted transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_after_sqlite_ended_the_batch_do_not_commit_on_their_own() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("group.db");
+    let store = store_at(&path).await;
+    let mut tx = store.begin().await.unwrap();
+    insert(&mut tx, 1).await.unwrap();
+    store.commit(tx).await.unwrap();
+
+    let mut tx = store.begin().await.unwrap();
+    let ended = sqlx::query(ENDS_THE_BATCH).bind(1).execute(&mut *tx).await;
+    assert!(ended.is_err(), "the conflict ends the batch");
+    let carried_on = insert(&mut tx, 9).await;
+    let answer = store.commit(tx).await;
+    assert!(
+        carried_on.is_err(),
+        "a statement outside the batch's transaction must fail"
+    );
+    assert!(answer.is_err(), "{answer:?}");
+
+    // The writer's own writes outside a batch still commit.
+    SqlBackend::write(&store, INSERT_ITEM, &[Value::Int(Some(2))])
+        .await
+        .expect("a write after the ended batch");
+    sqlx::query(INSERT_ITEM)
+        .bind(3)
+        .execute(store.pool())
+        .await
+        .expect("a write on the store's pool");
+    store.close().await;
+    assert_eq!(ids(&path).await, [1, 2, 3].into_iter().collect());
+}
