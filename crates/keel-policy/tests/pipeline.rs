@@ -166,6 +166,49 @@ async fn idempotent_calls_retry_hung_attempts_within_the_total() {
     );
 }
 
+/// An idempotent call's first attempt is applied by the dependency but
+/// answered after the attempt's timeout; the timeout opens the breaker,
+/// which refuses the second attempt before it is sent. The call must not
+/// say "refused, never sent" (a saga would then forget the step may have
+/// happened and never compensate it): it returns the timeout, whose
+/// outcome is unknown.
+#[tokio::test(start_paused = true)]
+async fn a_refused_retry_does_not_hide_an_attempt_that_may_have_applied() {
+    let retry = Retry::builder("payments")
+        .max_attempts(3)
+        .retry_outcome_unknown(true)
+        .build()
+        .unwrap();
+    let payments = Pipeline::builder("payments")
+        .retry(retry)
+        .breaker(breaker(1))
+        .attempt_timeout(timeout("payments.attempt", Duration::from_millis(700)))
+        .build()
+        .unwrap();
+    let applied = Arc::new(AtomicUsize::new(0));
+    let result = payments
+        .call(|| {
+            let applied = applied.clone();
+            async move {
+                applied.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, Classified>(())
+            }
+        })
+        .await;
+    assert_eq!(applied.load(Ordering::SeqCst), 1, "one attempt was sent");
+    assert_eq!(payments.breaker().unwrap().state(), State::Open);
+    let error = result.unwrap_err();
+    assert!(
+        matches!(error, PolicyError::Rejected(Rejected::Timeout { .. })),
+        "{error:?}"
+    );
+    assert_eq!(
+        keel_core::Classify::class(&error),
+        keel_core::ErrorClass::OutcomeUnknown
+    );
+}
+
 /// The first attempt's timeout counts from the call's start (one clock read
 /// for both timeouts); a later attempt's from when it starts, never from the
 /// call's start.

@@ -301,6 +301,57 @@ async fn unknown_outcomes_are_retried_only_when_idempotent() {
     assert_eq!(dep.count(), 3);
 }
 
+/// After an attempt of unknown outcome, later attempts that only say
+/// *they* did nothing (a `503` until the attempts run out) do not hide it:
+/// the call returns the unknown outcome. A permanent answer settles the
+/// call and is returned as it is, and so is a success.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_may_have_applied_is_not_hidden_by_later_ones() {
+    let idempotent = || {
+        Retry::builder("dep")
+            .backoff(exact(MS, 1.0))
+            .max_attempts(3)
+            .retry_outcome_unknown(true)
+            .build()
+            .unwrap()
+    };
+    let cases = [
+        (
+            vec![Err(Fail::Unknown), Err(Fail::Transient)],
+            Err(Fail::Unknown),
+        ),
+        (
+            vec![Err(Fail::Unknown), Err(Fail::Permanent)],
+            Err(Fail::Permanent),
+        ),
+        (vec![Err(Fail::Unknown), Ok(7)], Ok(7)),
+        (vec![Err(Fail::Transient)], Err(Fail::Transient)),
+    ];
+    for (script, expected) in cases {
+        let dep = Dependency::<u32>::new(script.clone());
+        let result = idempotent().call(|| dep.call()).await;
+        assert_eq!(result, expected.map_err(PolicyError::Inner), "{script:?}");
+    }
+
+    // Nor does an empty budget answer "refused" for a call that was sent.
+    let retry = Retry::builder("dep")
+        .budget(
+            RetryBudget::builder("dep")
+                .min_per_sec(0.0)
+                .build()
+                .unwrap(),
+        )
+        .reject_on_budget_exhausted(true)
+        .retry_outcome_unknown(true)
+        .build()
+        .unwrap();
+    let dep = Dependency::<u32>::failing(Fail::Unknown);
+    assert_eq!(
+        retry.call(|| dep.call()).await,
+        Err(PolicyError::Inner(Fail::Unknown))
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_after_is_honoured_when_longer_than_the_backoff() {
     let retry = Retry::builder("dep")

@@ -31,6 +31,9 @@ pin_project! {
         shared: R,
         attempts: A,
         progress: Progress,
+        // The last outcome that may have taken effect, once a later attempt
+        // was started: what the call returns unless a later one settles it.
+        maybe_applied: Option<Result<A::Ok, A::Error>>,
         #[pin]
         state: State<A::Future>,
     }
@@ -49,6 +52,7 @@ impl<R, A: Attempts> RetryFuture<R, A> {
             shared,
             attempts,
             progress,
+            maybe_applied: None,
             state,
         }
     }
@@ -73,15 +77,27 @@ where
                         Ok(value) => shared.policy.check_ok(value),
                         Err(error) => shared.policy.check_error(error),
                     };
+                    let unknown = matches!(verdict, Verdict::RetryIfIdempotent { .. });
                     if verdict == Verdict::Accept {
-                        return Poll::Ready(outcome.map_err(PolicyError::Inner));
+                        let earlier = this.maybe_applied.take();
+                        return Poll::Ready(shared.accept(outcome, earlier));
                     }
-                    match shared.next_retry(verdict, this.progress) {
-                        Ok(delay) if delay.is_zero() => this.state.set(State::Starting),
-                        Ok(delay) => this.state.set(State::Sleeping {
+                    let delay = match shared.next_retry(verdict, this.progress) {
+                        Ok(delay) => delay,
+                        Err(stop) => {
+                            let earlier = this.maybe_applied.take();
+                            return Poll::Ready(shared.finish(outcome, unknown, earlier, stop));
+                        }
+                    };
+                    if unknown {
+                        *this.maybe_applied = Some(outcome);
+                    }
+                    if delay.is_zero() {
+                        this.state.set(State::Starting);
+                    } else {
+                        this.state.set(State::Sleeping {
                             sleep: Box::pin(tokio::time::sleep(delay)),
-                        }),
-                        Err(stop) => return Poll::Ready(shared.finish(outcome, stop)),
+                        });
                     }
                 }
                 StateProj::Sleeping { sleep } => {
@@ -94,7 +110,10 @@ where
                     }
                     match ready!(this.attempts.poll_start(cx)) {
                         Ok(attempt) => this.state.set(State::Running { attempt }),
-                        Err(error) => return Poll::Ready(Err(PolicyError::Inner(error))),
+                        Err(error) => {
+                            let earlier = this.maybe_applied.take();
+                            return Poll::Ready(this.shared.accept(Err(error), earlier));
+                        }
                     }
                 }
             }

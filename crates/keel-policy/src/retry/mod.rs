@@ -35,6 +35,18 @@
 //! [`Rejected::BudgetExhausted`] with
 //! [`reject_on_budget_exhausted`](RetryBuilder::reject_on_budget_exhausted).
 //!
+//! **An attempt that may have taken effect is never hidden by a later one.**
+//! An idempotent call whose attempt timed out (the dependency may have
+//! applied it and answered late) is retried; if the next attempt is then
+//! refused before it is sent (an open breaker, a full bulkhead, the
+//! deadline), or fails in a way that says only *it* did nothing (a `503`),
+//! the call returns the earlier outcome of unknown effect, not the last
+//! one, and never a budget refusal: a caller that keeps a record of what
+//! may have happened (a saga compensating the step) must hear it. Only an
+//! answer that settles the call ([`RetryPolicy::settles`]: a permanent
+//! error, a success) replaces it. Such calls count
+//! `keel_retry_maybe_applied_total{name}`.
+//!
 //! Delays come from a [`Backoff`] (default: 200 ms doubling up to 10 s, full
 //! jitter, as in seed 000).
 //!
@@ -296,17 +308,54 @@ impl<P> Shared<P> {
         }
     }
 
+    /// The call's result once an attempt's outcome was accepted: that
+    /// outcome, unless it is a failure that does not settle an `earlier`
+    /// attempt which may have taken effect (see [`RetryPolicy::settles`]).
+    pub(crate) fn accept<T, E>(
+        &self,
+        outcome: Result<T, E>,
+        earlier: Option<Result<T, E>>,
+    ) -> Result<T, PolicyError<E>>
+    where
+        P: RetryPolicy<T, E>,
+    {
+        match (outcome, earlier) {
+            (Err(error), Some(earlier)) if !self.policy.settles(&error) => {
+                self.hidden_attempt();
+                earlier.map_err(PolicyError::Inner)
+            }
+            (outcome, _) => outcome.map_err(PolicyError::Inner),
+        }
+    }
+
     /// The call's result once `stop` ended it: the last outcome, or a refusal
-    /// if the budget stopped it and the caller asked for one.
+    /// if the budget stopped it and the caller asked for one. An `earlier`
+    /// outcome that may have taken effect wins over both when the last one
+    /// is known to have done nothing (it was worth retrying), since that
+    /// says nothing about what came before it; `unknown` says the last
+    /// outcome may have taken effect itself.
     pub(crate) fn finish<T, E>(
         &self,
         outcome: Result<T, E>,
+        unknown: bool,
+        earlier: Option<Result<T, E>>,
         stop: Stop,
     ) -> Result<T, PolicyError<E>> {
+        let (outcome, maybe_applied) = match earlier {
+            Some(earlier) if !unknown => {
+                self.hidden_attempt();
+                (earlier, true)
+            }
+            _ => (outcome, unknown),
+        };
         let counter = match stop {
             Stop::Accepted => return outcome.map_err(PolicyError::Inner),
             Stop::Budget => {
-                if let (true, Some(budget)) = (self.reject_on_budget_exhausted, &self.budget) {
+                // A refusal says the call never left: only a call whose
+                // attempts are all known to have done nothing may say so.
+                if let (true, Some(budget), false) =
+                    (self.reject_on_budget_exhausted, &self.budget, maybe_applied)
+                {
                     return Err(PolicyError::Rejected(Rejected::BudgetExhausted {
                         name: *budget.name(),
                     }));
@@ -323,12 +372,25 @@ impl<P> Shared<P> {
     }
 }
 
+impl<P> Shared<P> {
+    /// Counts a call that returns an earlier attempt's unknown outcome
+    /// instead of its last one's.
+    fn hidden_attempt(&self) {
+        self.metrics.maybe_applied.increment(1);
+        tracing::debug!(
+            retry = %self.name,
+            "an earlier attempt may have taken effect: returning its outcome, not the last one's"
+        );
+    }
+}
+
 /// Counter handles, created once when the policy is built.
 struct RetryMetrics {
     attempts: metrics::Counter,
     exhausted_attempts: metrics::Counter,
     exhausted_retry_after: metrics::Counter,
     exhausted_deadline: metrics::Counter,
+    maybe_applied: metrics::Counter,
 }
 
 impl RetryMetrics {
@@ -339,6 +401,7 @@ impl RetryMetrics {
             exhausted_attempts: exhausted("attempts"),
             exhausted_retry_after: exhausted("retry_after"),
             exhausted_deadline: exhausted("deadline"),
+            maybe_applied: metrics::counter!("keel_retry_maybe_applied_total", "name" => name.to_string()),
         }
     }
 }

@@ -175,6 +175,19 @@ pub trait RetryPolicy<T, E> {
         let _ = value;
         Verdict::Accept
     }
+
+    /// Whether a failed attempt's `error` settles what became of the whole
+    /// call, earlier attempts included: the dependency's own final answer
+    /// under the call's idempotency key does ([`ErrorClass::Permanent`]); a
+    /// refusal to send the attempt, or an answer that only this attempt
+    /// did nothing, does not. After an attempt whose outcome is unknown
+    /// ([`Verdict::RetryIfIdempotent`]), a later failure that does not
+    /// settle the call is not returned: the unknown outcome is, since that
+    /// attempt may have taken effect. By default no error settles it.
+    fn settles(&self, error: &E) -> bool {
+        let _ = error;
+        false
+    }
 }
 
 /// The default policy: retries by the error's [`ErrorClass`] and honours its
@@ -186,6 +199,10 @@ impl<T, E: Classify> RetryPolicy<T, E> for ByClass {
     #[inline]
     fn check_error(&self, error: &E) -> Verdict {
         Verdict::by_class(error)
+    }
+
+    fn settles(&self, error: &E) -> bool {
+        error.class() == ErrorClass::Permanent
     }
 }
 
@@ -244,6 +261,10 @@ where
 
     fn check_ok(&self, value: &T) -> Verdict {
         (self.predicate)(value).into()
+    }
+
+    fn settles(&self, error: &E) -> bool {
+        self.errors.settles(error)
     }
 }
 
