@@ -14,7 +14,8 @@ use keel_core::{Classify, ErrorClass, PolicyError, Rejected};
 /// | failure | class | retried | counts against the breaker |
 /// |---|---|---|---|
 /// | [`Connect`](Self::Connect): no connection | `Retryable` | yes | yes |
-/// | [`Status`](Self::Status) 5xx or 429 | `Retryable`, with its `Retry-After` | yes | yes |
+/// | [`Status`](Self::Status) 503 or 429: not processed | `Retryable`, with its `Retry-After` | yes | yes |
+/// | [`Status`](Self::Status) other 5xx (500, 502, 504), or a problem of type [`COMMIT_OUTCOME_UNKNOWN_PROBLEM`](keel_core::status::COMMIT_OUTCOME_UNKNOWN_PROBLEM) whatever its status: may have been processed | `OutcomeUnknown`, with its `Retry-After` | only if idempotent | yes |
 /// | [`Status`](Self::Status) other 4xx | `Permanent` | no | no (the dependency answered) |
 /// | [`Timeout`](Self::Timeout) after sending | `OutcomeUnknown` | only if idempotent | yes |
 /// | [`Transport`](Self::Transport) after sending | `OutcomeUnknown` | only if idempotent | yes |
@@ -126,13 +127,7 @@ impl Classify for HttpCallError {
             Self::Rejected(rejected) => rejected.class(),
             Self::Connect { .. } => ErrorClass::Retryable,
             Self::Timeout { .. } | Self::Transport { .. } => ErrorClass::OutcomeUnknown,
-            Self::Status { status, .. } => {
-                if status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS {
-                    ErrorClass::Retryable
-                } else {
-                    ErrorClass::Permanent
-                }
-            }
+            Self::Status { status, body, .. } => status_class(*status, body),
             Self::Invalid { .. } => ErrorClass::Permanent,
         }
     }
@@ -143,6 +138,22 @@ impl Classify for HttpCallError {
             Self::Status { retry_after, .. } => *retry_after,
             _ => None,
         }
+    }
+}
+
+/// What an error status says about the request: `429` and `503` that it
+/// was not processed (RFC 9110), unless the body says its commit's outcome
+/// is unknown (Keel's own `503` for a lost `COMMIT`); any other `5xx` that
+/// the server, or one behind a gateway, may have acted before failing; a
+/// `4xx` that it was refused.
+fn status_class(status: StatusCode, body: &str) -> ErrorClass {
+    if body.contains(keel_core::status::COMMIT_OUTCOME_UNKNOWN_PROBLEM) {
+        return ErrorClass::OutcomeUnknown;
+    }
+    match status {
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => ErrorClass::Retryable,
+        status if status.is_server_error() => ErrorClass::OutcomeUnknown,
+        _ => ErrorClass::Permanent,
     }
 }
 
@@ -206,13 +217,34 @@ mod tests {
     #[test]
     fn statuses_are_classified() {
         assert_eq!(status(503).class(), ErrorClass::Retryable);
-        assert_eq!(status(500).class(), ErrorClass::Retryable);
         assert_eq!(status(429).class(), ErrorClass::Retryable);
+        for maybe_processed in [500, 502, 504] {
+            assert_eq!(
+                status(maybe_processed).class(),
+                ErrorClass::OutcomeUnknown,
+                "{maybe_processed}"
+            );
+        }
         assert_eq!(status(404).class(), ErrorClass::Permanent);
         assert_eq!(status(400).class(), ErrorClass::Permanent);
         let refused = HttpCallError::from(PolicyError::Rejected(Rejected::DeadlineExceeded));
         assert_eq!(refused.class(), ErrorClass::Rejected);
         assert_eq!(refused.rejected(), Some(&Rejected::DeadlineExceeded));
+    }
+
+    /// Keel's own answer to a lost `COMMIT` is a `503` with
+    /// `Retry-After`, which alone would read "not processed, retry
+    /// freely": its problem type says the write may have committed.
+    #[test]
+    fn a_commit_of_unknown_outcome_is_not_read_as_nothing_happened() {
+        let lost_commit = HttpCallError::Status {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            url: "http://127.0.0.1/orders".to_owned(),
+            retry_after: Some(Duration::from_secs(1)),
+            body: r#"{"type":"urn:keel:problem:commit_outcome_unknown","status":503}"#.to_owned(),
+        };
+        assert_eq!(lost_commit.class(), ErrorClass::OutcomeUnknown);
+        assert_eq!(lost_commit.retry_after(), Some(Duration::from_secs(1)));
     }
 
     #[test]

@@ -32,6 +32,13 @@ use std::time::Duration;
 
 use crate::{ErrorClass, Rejected};
 
+/// The problem type (RFC 9457) of an HTTP answer whose write may or may not
+/// have committed (a lost `COMMIT`). It comes with `503` and `Retry-After`,
+/// so that a client retries with the same idempotency key, but a `503`
+/// alone says the request did nothing: a client reading this type knows
+/// better.
+pub const COMMIT_OUTCOME_UNKNOWN_PROBLEM: &str = "urn:keel:problem:commit_outcome_unknown";
+
 /// The header (or trailer) carrying a gRPC call's status code.
 pub const GRPC_STATUS_HEADER: &str = "grpc-status";
 
@@ -153,15 +160,19 @@ impl GrpcCode {
 
     /// The code for an error of `class` that carries no more specific
     /// answer: retryable → `UNAVAILABLE`, refused → `UNAVAILABLE`, the
-    /// caller's fault → `FAILED_PRECONDITION`, outcome unknown →
-    /// `UNKNOWN`, unclassified → `INTERNAL` (a bug until someone says
-    /// otherwise).
+    /// caller's fault → `FAILED_PRECONDITION`, outcome unknown and
+    /// unclassified → `INTERNAL` (a bug until someone says otherwise, and
+    /// something that may have happened).
+    ///
+    /// Each code's [`class`](Self::class) at the caller is no safer than
+    /// the class it was sent for: an outcome unknown sent as `UNKNOWN`
+    /// would be read back as unclassified, and a caller keeping a record
+    /// of what may have happened (a saga) would forget this call.
     pub fn for_class(class: ErrorClass) -> Self {
         match class {
             ErrorClass::Retryable | ErrorClass::Rejected => Self::Unavailable,
             ErrorClass::Permanent => Self::FailedPrecondition,
-            ErrorClass::OutcomeUnknown => Self::Unknown,
-            ErrorClass::Unclassified => Self::Internal,
+            ErrorClass::OutcomeUnknown | ErrorClass::Unclassified => Self::Internal,
         }
     }
 }
@@ -272,6 +283,11 @@ mod tests {
             // A retry must never repeat what the sender did not call safe.
             if class != ErrorClass::Retryable {
                 assert_ne!(back, ErrorClass::Retryable, "{class:?}");
+            }
+            // Nor may a call that may have happened read back as one that
+            // did not, or as one nobody can say about.
+            if class == ErrorClass::OutcomeUnknown {
+                assert_eq!(back, ErrorClass::OutcomeUnknown);
             }
             assert_eq!(
                 back.is_dependency_failure(),

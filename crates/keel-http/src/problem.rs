@@ -279,7 +279,10 @@ mod tests {
         let lost = StoreError::OutcomeUnknown("connection reset during COMMIT".into());
         let problem = Problem::from(&lost);
         assert_eq!(problem.status, 503);
-        assert_eq!(problem.kind, "urn:keel:problem:commit_outcome_unknown");
+        assert_eq!(
+            problem.kind,
+            keel_core::status::COMMIT_OUTCOME_UNKNOWN_PROBLEM
+        );
         assert_eq!(problem.retry_after, Some(Duration::from_secs(1)));
         let down = Problem::from(&StoreError::Unavailable("busy".into()));
         assert_eq!(

@@ -73,7 +73,11 @@ pub trait SqlBackend: Send + Sync + 'static {
         sql: &'a str,
         params: &'a [Value<'a>],
     ) -> impl Future<Output = Result<u64, StoreError>> + Send + 'a {
-        Self::Dialect::execute(Exec::Pool(self.writer()), sql, params)
+        async move {
+            Self::Dialect::execute(Exec::Pool(self.writer()), sql, params)
+                .await
+                .map_err(Self::Dialect::autocommit_write_error)
+        }
     }
 
     /// Runs one write statement outside a transaction and returns its
@@ -83,7 +87,11 @@ pub trait SqlBackend: Send + Sync + 'static {
         sql: &'a str,
         params: &'a [Value<'a>],
     ) -> impl Future<Output = Result<Option<Row<Self>>, StoreError>> + Send + 'a {
-        Self::Dialect::fetch_optional(Exec::Pool(self.writer()), sql, params)
+        async move {
+            Self::Dialect::fetch_optional(Exec::Pool(self.writer()), sql, params)
+                .await
+                .map_err(Self::Dialect::autocommit_write_error)
+        }
     }
 
     /// Reads every row outside a transaction.

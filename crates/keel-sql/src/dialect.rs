@@ -242,6 +242,17 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     /// violation [`StoreError::Conflict`].
     fn error(err: sqlx::Error) -> StoreError;
 
+    /// Maps the error of a write sent in autocommit, outside a transaction
+    /// ([`SqlBackend::write`](crate::SqlBackend::write)), once
+    /// [`error`](Self::error) mapped it. Such a statement commits by
+    /// itself, so a connection lost after it was sent leaves it committed
+    /// or not, exactly as a lost `COMMIT` does: a dialect that can tell
+    /// that from the error says [`StoreError::OutcomeUnknown`] where
+    /// `error` said "unavailable, nothing committed". By default, `err`.
+    fn autocommit_write_error(err: StoreError) -> StoreError {
+        err
+    }
+
     /// Whether the store may run one of its *own* statements again after
     /// `err` (a serialization failure or a deadlock, after which nothing was
     /// written). A user's transaction is never re-run by the store.

@@ -22,6 +22,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use keel_http::problem::Problem;
+use keel_messaging::StoreError;
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -174,11 +175,11 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Problem> {
     serde_json::from_slice(body).map_err(|e| Problem::bad_request(format!("invalid body: {e}")))
 }
 
-fn unavailable(err: impl std::fmt::Display) -> Response {
-    tracing::warn!(error = %err, "dependency store error");
-    Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store unavailable; retry")
-        .with_retry_after(Duration::from_secs(1))
-        .into_response()
+/// A store failure, answered as every Keel component answers one: a lost
+/// `COMMIT` says the effect may have landed (the caller retries with the
+/// same key, or compensates), never just "unavailable".
+fn store_failure(err: StoreError) -> Response {
+    Problem::from_store(&err).into_response()
 }
 
 fn applied(new: bool) -> Response {
@@ -223,7 +224,7 @@ async fn capture<S: ShopDb>(
     {
         Ok(Capture::Charged(new)) => applied(new),
         Ok(Capture::Undone) => undone(&key),
-        Err(e) => unavailable(e),
+        Err(e) => store_failure(e),
     }
 }
 
@@ -238,7 +239,7 @@ async fn refund<S: ShopDb>(
     };
     match state.db.refund(&key, &req.order_id, &req.action_key).await {
         Ok(new) => applied(new),
-        Err(e) => unavailable(e),
+        Err(e) => store_failure(e),
     }
 }
 
@@ -259,7 +260,7 @@ async fn reserve<S: ShopDb>(
                 .typed("shop:out_of_stock")
                 .into_response()
         }
-        Err(e) => unavailable(e),
+        Err(e) => store_failure(e),
     }
 }
 
@@ -274,7 +275,7 @@ async fn release<S: ShopDb>(
     };
     match state.db.release(&key, &req.order_id, &req.action_key).await {
         Ok(new) => applied(new),
-        Err(e) => unavailable(e),
+        Err(e) => store_failure(e),
     }
 }
 
@@ -290,7 +291,7 @@ async fn effect<S: ShopDb>(
     };
     match state.db.record_effect(&key, &req.order_id, step).await {
         Ok(new) => applied(new),
-        Err(e) => unavailable(e),
+        Err(e) => store_failure(e),
     }
 }
 

@@ -13,7 +13,7 @@ use sqlx::postgres::{PgArgumentBuffer, PgRow, PgTypeInfo, PgValueFormat, PgValue
 use sqlx::{Column, Row, TypeInfo, ValueRef};
 
 use super::PgStore;
-use super::error::{corrupt, db_error, is_conflict_store_error};
+use super::error::{autocommit_write_error, corrupt, db_error, is_conflict_store_error};
 
 /// PostgreSQL's dialect of the shared SQL core.
 #[derive(Debug, Clone, Copy, Default)]
@@ -77,6 +77,10 @@ impl Dialect for PgDialect {
 
     fn error(err: sqlx::Error) -> StoreError {
         db_error(err)
+    }
+
+    fn autocommit_write_error(err: StoreError) -> StoreError {
+        autocommit_write_error(err)
     }
 
     fn retries(err: &StoreError) -> bool {

@@ -53,6 +53,38 @@ pub(crate) fn commit_error(err: sqlx::Error) -> StoreError {
     db_error(err)
 }
 
+/// Maps the error of a write sent in autocommit: a connection that broke
+/// with no answer from the server (an I/O or TLS error, a protocol error
+/// on a half-read answer) may have lost the answer to a statement that
+/// committed, so the write's outcome is unknown, as a lost `COMMIT`'s is.
+/// An error the server answered with, or a connection never had, still
+/// says nothing committed.
+pub(crate) fn autocommit_write_error(err: StoreError) -> StoreError {
+    match err {
+        StoreError::Unavailable(source)
+            if source
+                .downcast_ref::<sqlx::Error>()
+                .is_some_and(is_answer_lost) =>
+        {
+            metrics::counter!("keel_postgres_commit_outcome_unknown_total").increment(1);
+            tracing::warn!(error = %source, "postgres autocommit write lost its answer; outcome unknown");
+            StoreError::OutcomeUnknown(source)
+        }
+        other => other,
+    }
+}
+
+/// The connection broke before the server's answer was read.
+fn is_answer_lost(err: &sqlx::Error) -> bool {
+    matches!(
+        err,
+        sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_)
+    )
+}
+
 /// Whether running the operation again may succeed: a conflict between
 /// transactions or a connection/server problem.
 pub(crate) fn is_transient(err: &sqlx::Error) -> bool {
@@ -126,6 +158,19 @@ mod tests {
             db_error(sqlx::Error::PoolTimedOut).class(),
             ErrorClass::Retryable
         );
+    }
+
+    /// A single write in autocommit commits by itself: a connection lost
+    /// before its answer came may have lost the answer to a commit. Before,
+    /// it was "unavailable, nothing committed", and a caller retrying a
+    /// non-idempotent write, or telling its client nothing happened, lied.
+    #[test]
+    fn an_autocommit_write_that_lost_its_answer_is_outcome_unknown() {
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let lost = autocommit_write_error(db_error(sqlx::Error::Io(reset)));
+        assert_eq!(lost.class(), ErrorClass::OutcomeUnknown);
+        let never_sent = autocommit_write_error(db_error(sqlx::Error::PoolTimedOut));
+        assert_eq!(never_sent.class(), ErrorClass::Retryable);
     }
 
     #[test]

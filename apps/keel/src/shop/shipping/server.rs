@@ -62,9 +62,16 @@ fn required<'a>(value: &'a str, field: &str) -> Result<&'a str, Status> {
 }
 
 /// A store failure, answered without its text (it names tables and
-/// hosts): `UNAVAILABLE`, retry in a second, with the same request id.
+/// hosts): `UNAVAILABLE`, retry in a second, with the same request id; a
+/// lost `COMMIT` is `INTERNAL` (outcome unknown), since the shipment may
+/// have been scheduled.
 fn store_unavailable(err: keel_messaging::StoreError) -> Status {
     tracing::warn!(error = %err, "shipping's store failed");
+    if matches!(err, keel_messaging::StoreError::OutcomeUnknown(_)) {
+        return Status::internal(
+            "shipping's store lost the answer to its commit: the shipment may or may not have              been scheduled; retry with the same request_id",
+        );
+    }
     let mut status = Status::unavailable(
         "shipping's store is unavailable; nothing was scheduled, retry with the same request_id",
     );
