@@ -187,6 +187,9 @@ pub struct BackendOptions {
     /// NATS: the stream prefix (default `KEEL`). Processes sharing work
     /// must use the same one.
     pub stream_prefix: String,
+    /// NATS: how many servers keep each stream (default 1; 3 on a cluster,
+    /// see `NatsBrokerOptions::replicas`).
+    pub nats_replicas: usize,
 }
 
 impl BackendOptions {
@@ -198,6 +201,7 @@ impl BackendOptions {
             pg_schema: DEFAULT_PG_SCHEMA.to_owned(),
             pg_max_connections: 20,
             stream_prefix: DEFAULT_STREAM_PREFIX.to_owned(),
+            nats_replicas: 1,
         }
     }
 
@@ -376,12 +380,17 @@ async fn open_broker(options: &BackendOptions) -> Result<Arc<dyn Broker>, Broker
     match &options.broker {
         BrokerKind::Embedded(path) => Ok(Arc::new(open_embedded_broker(path).await?)),
         #[cfg(feature = "nats")]
-        BrokerKind::Nats(url) => Ok(Arc::new(
-            keel_nats::NatsBrokerOptions::new()
+        BrokerKind::Nats(url) => {
+            let broker = keel_nats::NatsBrokerOptions::new()
                 .stream_prefix(options.stream_prefix.clone())
+                .replicas(options.nats_replicas)
                 .open(url)
-                .await?,
-        )),
+                .await?;
+            for warning in broker.durability_warnings() {
+                tracing::warn!("NATS durability: {warning}");
+            }
+            Ok(Arc::new(broker))
+        }
         #[cfg(not(feature = "nats"))]
         BrokerKind::Nats(url) => Err(BrokerError::Other(
             parse_broker(url, &options.database)

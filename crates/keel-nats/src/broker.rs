@@ -130,6 +130,13 @@ impl NatsBroker {
         self.inner.streams.lock().remove(name);
     }
 
+    /// What this broker's settings leave exposed to losing a message it
+    /// acknowledged ([`NatsBrokerOptions::durability_warnings`]); `keel
+    /// serve` logs them at start.
+    pub fn durability_warnings(&self) -> Vec<String> {
+        self.inner.options.durability_warnings()
+    }
+
     /// The JetStream stream holding `topic`, created if missing: marked as
     /// created for expiring groups when `expiring` says so (see
     /// the `expiry` module).
@@ -148,6 +155,7 @@ impl NatsBroker {
             retention: RetentionPolicy::Limits,
             discard: DiscardPolicy::Old,
             storage: storage(options.file_storage),
+            num_replicas: options.replicas,
             max_age: options.retention,
             duplicate_window: options.duplicate_window,
             allow_direct: true,
@@ -250,6 +258,7 @@ impl NatsBroker {
                     &bucket,
                     options.retention,
                     options.file_storage,
+                    options.replicas,
                 )
             })
             .await

@@ -59,6 +59,7 @@ impl Cursors {
         bucket: &str,
         retention: Duration,
         file_storage: bool,
+        replicas: usize,
     ) -> Result<kv::Store, BrokerError> {
         if let Ok(store) = context.get_key_value(bucket).await {
             return Ok(store);
@@ -68,6 +69,7 @@ impl Cursors {
             description: "Keel: per group and key, the last finished stream sequence".to_owned(),
             history: 1,
             max_age: retention,
+            num_replicas: replicas,
             storage: if file_storage {
                 async_nats::jetstream::stream::StorageType::File
             } else {

@@ -33,6 +33,12 @@ pub struct NatsBrokerOptions {
     /// Whether streams keep messages on disk (`true`, the default) or in
     /// memory.
     pub file_storage: bool,
+    /// How many servers of a JetStream cluster keep each stream and the
+    /// key-cursor bucket (`num_replicas`, 1 to 5). Default 1, the only
+    /// value a single server accepts; a cluster should use 3, since a
+    /// single replica loses what its one server loses (see
+    /// [`NatsBroker::durability_warnings`](crate::NatsBroker::durability_warnings)).
+    pub replicas: usize,
 }
 
 impl Default for NatsBrokerOptions {
@@ -44,6 +50,7 @@ impl Default for NatsBrokerOptions {
             max_ack_pending: 4096,
             request_timeout: Duration::from_secs(5),
             file_storage: true,
+            replicas: 1,
         }
     }
 }
@@ -89,6 +96,42 @@ impl NatsBrokerOptions {
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = timeout;
         self
+    }
+
+    /// Sets [`replicas`](Self::replicas).
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// What these options leave exposed to losing a message the broker
+    /// acknowledged, one sentence each (empty when nothing is).
+    ///
+    /// JetStream acknowledges a publish once the stream's replicas stored
+    /// it in their page cache; by default a server fsyncs every two minutes
+    /// (`sync_interval`). With one replica, a machine crash or power loss
+    /// loses the acknowledged messages not yet synced, and a lost disk loses
+    /// them all; with three, a message is lost only if a majority of
+    /// machines fail together before syncing. Memory storage loses
+    /// everything with a server restart.
+    pub fn durability_warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if !self.file_storage {
+            warnings.push(
+                "streams are kept in memory: a NATS server restart loses every message; \
+                 use file storage"
+                    .to_owned(),
+            );
+        }
+        if self.replicas < 3 {
+            warnings.push(format!(
+                "streams have {} replica(s): a crash or power loss of the NATS server's machine \
+                 loses acknowledged messages not yet fsynced (every 2 minutes unless the server \
+                 sets sync_interval: always); run a cluster with 3 replicas",
+                self.replicas
+            ));
+        }
+        warnings
     }
 
     /// Sets [`file_storage`](Self::file_storage).

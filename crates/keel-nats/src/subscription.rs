@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::stream::{DirectGetErrorKind, Stream};
+use async_nats::jetstream::stream::{DirectGetErrorKind, LastRawMessageErrorKind, Stream};
 use async_nats::jetstream::{self, AckKind};
 use async_nats::{Client, Subject};
 use async_trait::async_trait;
@@ -277,11 +277,30 @@ impl NatsSubscription {
     }
 
     /// The sequence of the first message on `subject` after `cursor`.
+    ///
+    /// A replicated stream is asked through its leader: a direct get may be
+    /// answered by a replica that has not caught up, whose "nothing there"
+    /// would let a later message of the key overtake one it has not stored
+    /// yet. A single-replica stream has only its leader to ask, and the
+    /// direct get is one hop shorter.
     async fn head_after(&self, subject: &Subject, cursor: u64) -> Result<u64, BrokerError> {
         fail::fail_point!("keel-nats-direct-get", |_| Err(unavailable(
             "reading a key's head",
             "failpoint keel-nats-direct-get"
         )));
+        if self.stream.cached_info().config.num_replicas > 1 {
+            return match self
+                .stream
+                .get_first_raw_message_by_subject(subject.as_str(), cursor + 1)
+                .await
+            {
+                Ok(message) => Ok(message.sequence),
+                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                    Ok(u64::MAX)
+                }
+                Err(error) => Err(unavailable("reading a key's head", error)),
+            };
+        }
         match self
             .stream
             .direct_get_next_for_subject(subject.as_str(), Some(cursor + 1))

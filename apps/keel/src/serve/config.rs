@@ -54,6 +54,11 @@ pub struct ServeArgs {
     /// Processes sharing the work must use the same one.
     #[arg(long, env = "KEEL_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
+    /// NATS: how many servers of the JetStream cluster keep each stream
+    /// [default: 1]. Use 3 on a cluster: with 1, a crash of the server's
+    /// machine can lose acknowledged messages (warned at start).
+    #[arg(long, env = "KEEL_NATS_REPLICAS", value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub nats_replicas: Option<u8>,
     /// The admin API and console token (at least 16 characters); required
     /// unless listening on loopback. Prefer KEEL_ADMIN_TOKEN or
     /// --admin-token-file: a flag's value is visible in `ps`.
@@ -181,6 +186,8 @@ pub struct ServeFile {
     pub pg_schema: Option<String>,
     /// See [`ServeArgs::stream_prefix`].
     pub stream_prefix: Option<String>,
+    /// See [`ServeArgs::nats_replicas`].
+    pub nats_replicas: Option<u8>,
     /// See [`ServeArgs::admin_token`].
     pub admin_token: Option<String>,
     /// See [`ServeArgs::admin_token_file`].
@@ -262,6 +269,8 @@ pub struct ServeConfig {
     pub pg_schema: String,
     /// The NATS stream prefix.
     pub stream_prefix: String,
+    /// The NATS streams' replicas.
+    pub nats_replicas: usize,
     /// The admin token (none: loopback only).
     pub admin_token: Option<String>,
     /// The `Host` names the admin answers to.
@@ -443,6 +452,10 @@ impl ServeArgs {
             .clone()
             .or(file.stream_prefix)
             .unwrap_or_else(|| backend::DEFAULT_STREAM_PREFIX.to_owned());
+        let nats_replicas = usize::from(self.nats_replicas.or(file.nats_replicas).unwrap_or(1));
+        if !(1..=5).contains(&nats_replicas) {
+            return Err(invalid("nats-replicas", "must be 1 to 5".to_owned()));
+        }
         let admin_token = secret(
             self.admin_token.clone().or(file.admin_token),
             self.admin_token_file.clone().or(file.admin_token_file),
@@ -540,6 +553,7 @@ impl ServeArgs {
             broker,
             pg_schema,
             stream_prefix,
+            nats_replicas,
             admin_token,
             allowed_hosts,
             api_keys,
@@ -569,6 +583,7 @@ impl ServeConfig {
         BackendOptions {
             pg_schema: self.pg_schema.clone(),
             stream_prefix: self.stream_prefix.clone(),
+            nats_replicas: self.nats_replicas,
             ..BackendOptions::new(self.database.clone(), self.broker.clone())
         }
     }
