@@ -86,6 +86,29 @@ async fn a_cancelled_sqlx_begin_never_swallows_the_next_autocommit_write() {
     assert_eq!(notes(&store).await, ["acknowledged"]);
 }
 
+/// A session that goes back to the pool inside a transaction sqlx knows of
+/// (begun with its transaction manager by hand and never ended) is rolled
+/// back at the next checkout, so the next borrower's autocommit write is
+/// not swallowed by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_returned_inside_a_transaction_is_rolled_back_at_checkout() {
+    use sqlx_core::transaction::TransactionManager;
+    let Some((store, _lease)) = one_connection_store().await else {
+        return;
+    };
+    let mut conn = store.pool().acquire().await.expect("acquire");
+    sqlx::postgres::PgTransactionManager::begin(&mut conn, None)
+        .await
+        .expect("begin by hand");
+    sqlx::query("INSERT INTO notes (body) VALUES ('never committed')")
+        .execute(&mut *conn)
+        .await
+        .expect("insert in the leaked transaction");
+    drop(conn);
+    insert_note(&store, "acknowledged").await;
+    assert_eq!(notes(&store).await, ["acknowledged"]);
+}
+
 /// Keel's own [`Store::begin`] dropped after every number of polls from 1
 /// to 40, with the runtime running in between: whichever await it is cut
 /// at, nothing is left open.

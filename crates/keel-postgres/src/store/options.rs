@@ -225,6 +225,9 @@ pub(crate) fn pool_options() -> PgPoolOptions {
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
+                if !outside_a_transaction(conn).await {
+                    return Ok(false);
+                }
                 if meta.idle_for < PING_AFTER_IDLE {
                     return Ok(true);
                 }
@@ -232,6 +235,31 @@ pub(crate) fn pool_options() -> PgPoolOptions {
                 Ok(conn.ping().await.is_ok())
             })
         })
+}
+
+/// Whether `conn` may be handed out: a session that sqlx counts inside a
+/// transaction (one begun by hand with its transaction manager and never
+/// ended, whatever the reason) is rolled back first, or closed if that
+/// fails. Otherwise the next borrower's autocommit writes would answer
+/// success inside a transaction that a later rollback discards. sqlx knows
+/// the depth without asking the server, so the check costs nothing.
+async fn outside_a_transaction(conn: &mut sqlx::PgConnection) -> bool {
+    use sqlx::Connection;
+    use sqlx_core::transaction::TransactionManager;
+    if !conn.is_in_transaction() {
+        return true;
+    }
+    metrics::counter!("keel_postgres_leaked_transactions_total").increment(1);
+    tracing::warn!(
+        "a pooled PostgreSQL session was inside a transaction nobody owns; rolling it back"
+    );
+    while conn.is_in_transaction() {
+        let rolled_back = sqlx::postgres::PgTransactionManager::rollback(conn).await;
+        if rolled_back.is_err() {
+            return false;
+        }
+    }
+    true
 }
 
 /// How long a session may sit idle before a checkout pings it.
