@@ -17,6 +17,7 @@
 #   KEEL_TEST_NATS_URL       nats://127.0.0.1:PORT
 #   KEEL_TEST_SERVICES       this script's path, for restart/stop/start
 #   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
+#   KEEL_TEST_NATS_SERVER    the nats-server binary, for tests that run their own
 #
 # Tests read the URLs through keel_testkit::services; when a URL is missing they
 # skip on a developer's machine and fail loudly when CI=true.
@@ -135,6 +136,8 @@ cmd_run() {
   export KEEL_TEST_POSTGRES_URL="postgres://keel@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/postgres.port")/postgres"
   export KEEL_TEST_NATS_URL="nats://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
   export KEEL_TEST_SERVICES="$SELF"
+  # For tests that run nats-servers of their own (the three-node cluster).
+  export KEEL_TEST_NATS_SERVER="$(nats_dir)/bin/nats-server"
   log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL"
   "$@"
 }

@@ -61,8 +61,10 @@ impl std::fmt::Debug for NatsBroker {
 
 impl NatsBroker {
     /// Opens the broker on the NATS server at `url` (e.g.
-    /// `nats://127.0.0.1:4222`) with the default [`NatsBrokerOptions`]. The
-    /// client reconnects on its own after a server restart.
+    /// `nats://127.0.0.1:4222`, or a cluster's servers separated by commas)
+    /// with the default [`NatsBrokerOptions`]. The client reconnects on its
+    /// own after a server restart, to another server of a cluster if its
+    /// own is gone.
     pub async fn open(url: &str) -> Result<Self, BrokerError> {
         NatsBrokerOptions::new().open(url).await
     }
@@ -73,10 +75,17 @@ impl NatsBroker {
         options: NatsBrokerOptions,
     ) -> Result<Self, BrokerError> {
         check_prefix(&options.stream_prefix)?;
+        // A cluster's seeds, comma-separated: the client fails over between
+        // them (and whatever servers they announce).
+        let servers = url
+            .split(',')
+            .map(|one| one.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| BrokerError::Invalid(format!("NATS URL {url:?}: {e}")))?;
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(options.request_timeout)
             .max_reconnects(None)
-            .connect(url)
+            .connect(servers)
             .await
             .map_err(|e| unavailable(&format!("connecting to NATS at {url}"), e))?;
         Self::with_client(client, options)
@@ -181,12 +190,9 @@ impl NatsBroker {
     }
 
     /// Checks every message before any is sent, so a refused one never has
-    /// a later one stored after it; opens the streams; and gives each
-    /// message whose key occurs once its predecessor guess.
-    async fn prepare(
-        &self,
-        messages: &[Message],
-    ) -> Result<Vec<(Subject, Option<u64>, PublishMessage)>, BrokerError> {
+    /// a later one stored after it; opens the streams; returns each
+    /// message's subject.
+    async fn prepare(&self, messages: &[Message]) -> Result<Vec<Subject>, BrokerError> {
         let prefix = &self.inner.options.stream_prefix;
         let mut subjects = Vec::with_capacity(messages.len());
         let mut streams = HashSet::new();
@@ -198,20 +204,36 @@ impl NatsBroker {
                 self.stream(&names, None).await?;
             }
         }
-        let mut occurrences: HashMap<&str, usize> = HashMap::new();
-        for subject in &subjects {
-            *occurrences.entry(subject.as_str()).or_default() += 1;
-        }
+        Ok(subjects)
+    }
+
+    /// Publishes one round (no subject twice), each message stating its
+    /// key's last stored sequence, all in flight at once; then, without the
+    /// statement, those whose guess the server refused.
+    async fn publish_round(&self, round: &[(&Subject, &Message)]) -> Result<(), BrokerError> {
         let last_sequences = &self.inner.last_sequences;
-        subjects
-            .iter()
-            .zip(messages)
-            .map(|(subject, message)| {
-                let expected =
-                    (occurrences[subject.as_str()] == 1).then(|| last_sequences.guess(subject));
-                Ok((subject.clone(), expected, to_publish(message, expected)?))
-            })
-            .collect()
+        let mut acks = Vec::with_capacity(round.len());
+        for (subject, message) in round {
+            let publish = to_publish(message, Some(last_sequences.guess(subject)))?;
+            acks.push(self.send((*subject).clone(), publish).await?);
+        }
+        let mut refused = Vec::new();
+        for (ack, (subject, message)) in acks.into_iter().zip(round) {
+            match ack.await {
+                Err(error) if error.kind() == PublishErrorKind::WrongLastSequence => {
+                    refused.push((*subject, *message));
+                }
+                outcome => self.stored(subject, outcome)?,
+            }
+        }
+        for (subject, message) in refused {
+            metrics::counter!("keel_broker_publish_wrong_predecessor_total").increment(1);
+            let ack = self
+                .send(subject.clone(), to_publish(message, None)?)
+                .await?;
+            self.stored(subject, ack.await)?;
+        }
+        Ok(())
     }
 
     async fn send(
@@ -264,6 +286,30 @@ impl NatsBroker {
             .await
             .cloned()
     }
+}
+
+/// `messages` in rounds that hold each subject at most once: the first
+/// round has every key's first message, the next each key's second, and so
+/// on. A round is sent only once the one before it is stored, so a key's
+/// later message is never in flight beside an earlier one: if the
+/// connection dropped the earlier one on its way, the later one could be
+/// stored first. Waiting for it also tells the later message its
+/// predecessor's sequence, which the server then checks.
+fn rounds<'a>(
+    subjects: &'a [Subject],
+    messages: &'a [Message],
+) -> Vec<Vec<(&'a Subject, &'a Message)>> {
+    let mut rounds: Vec<Vec<(&Subject, &Message)>> = Vec::new();
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for (subject, message) in subjects.iter().zip(messages) {
+        let nth = seen.entry(subject.as_str()).or_default();
+        if rounds.len() <= *nth {
+            rounds.push(Vec::new());
+        }
+        rounds[*nth].push((subject, message));
+        *nth += 1;
+    }
+    rounds
 }
 
 fn storage(file: bool) -> StorageType {
@@ -354,30 +400,9 @@ impl Broker for NatsBroker {
     /// stored message (see the `predecessor` module); if JetStream refuses
     /// that guess, the message is sent again without it.
     async fn publish(&self, messages: &[Message]) -> Result<(), BrokerError> {
-        let prepared = self.prepare(messages).await?;
-        let mut acks = Vec::with_capacity(prepared.len());
-        for (subject, expected, publish) in prepared {
-            let ack = self.send(subject.clone(), publish).await?;
-            acks.push((subject, expected, ack));
-        }
-        let mut refused = Vec::new();
-        for ((subject, expected, ack), message) in acks.into_iter().zip(messages) {
-            match ack.await {
-                Err(error)
-                    if expected.is_some()
-                        && error.kind() == PublishErrorKind::WrongLastSequence =>
-                {
-                    refused.push((subject, message));
-                }
-                outcome => self.stored(&subject, outcome)?,
-            }
-        }
-        for (subject, message) in refused {
-            metrics::counter!("keel_broker_publish_wrong_predecessor_total").increment(1);
-            let ack = self
-                .send(subject.clone(), to_publish(message, None)?)
-                .await?;
-            self.stored(&subject, ack.await)?;
+        let subjects = self.prepare(messages).await?;
+        for round in rounds(&subjects, messages) {
+            self.publish_round(&round).await?;
         }
         Ok(())
     }

@@ -57,8 +57,9 @@ impl Default for NatsBrokerOptions {
 
 impl NatsBrokerOptions {
     /// Opens the broker on the NATS server at `url` (e.g.
-    /// `nats://127.0.0.1:4222`) with these options. The client reconnects
-    /// on its own after a server restart.
+    /// `nats://127.0.0.1:4222`, or a cluster's servers separated by commas)
+    /// with these options. The client reconnects on its own after a server
+    /// restart.
     pub async fn open(self, url: &str) -> Result<NatsBroker, BrokerError> {
         NatsBroker::connect(url, self).await
     }

@@ -18,8 +18,11 @@
 //! published by anyone else without an expectation, gets its head check
 //! from the stream.
 //!
-//! A key twice in one publish gets no expectation: if the first were
-//! refused, the second would already be stored ahead of its republish.
+//! A key twice in one publish is sent in rounds (see `broker.rs`): its
+//! second message only once its first is stored, stating the first's
+//! sequence. Sent together, a reconnect that lost the first on its way
+//! would have let the second be stored ahead of it, with nothing to refuse
+//! it.
 
 use async_nats::HeaderMap;
 use async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE;

@@ -61,6 +61,22 @@ pub fn nats_url() -> Option<String> {
     url(Service::Nats)
 }
 
+/// The nats-server binary `scripts/services.sh` installed, for a test that
+/// runs servers of its own (a cluster), or `None` (after printing why) when
+/// the test should be skipped. Panics in CI when it is missing.
+pub fn nats_server_binary() -> Option<std::path::PathBuf> {
+    if let Some(path) = std::env::var_os("KEEL_TEST_NATS_SERVER") {
+        return Some(path.into());
+    }
+    let why = "KEEL_TEST_NATS_SERVER is not set: run the tests through scripts/services.sh";
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{why}; in CI this is an error"
+    );
+    eprintln!("skipped: {why}");
+    None
+}
+
 /// `service`'s URL, or `None` when the test should be skipped.
 ///
 /// # Panics
