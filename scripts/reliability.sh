@@ -19,6 +19,12 @@
 #       a loop of fsynced 300 MB writes (a busy disk, as a parallel build
 #       makes it), with warnings logged; BINARY is a chaos test binary to
 #       use instead of this commit's (to compare commits).
+#   scripts/reliability.sh power-loss FIRST LAST
+#       `keel serve` on SQLite under the faultfs shim, for every seed
+#       FIRST..LAST: SIGKILL at random moments and inside an fsync, a disk
+#       that fills and grows again, a power loss (every write not fsynced
+#       dropped) after every kill and at the end; one line per seed, then the
+#       totals.
 #   scripts/reliability.sh openapi-fuzz FIRST LAST [EXAMPLES]
 #       Schemathesis against a fresh `keel serve` for every seed
 #       FIRST..LAST (default 100 examples per operation).
@@ -140,11 +146,38 @@ openapi_fuzz() {
   echo "openapi fuzz: $runs runs, $failed failed, $cases requests"
 }
 
+power_loss() {
+  local first="$1" last="$2" runs=0 failed=0
+  local kills=0 in_fsync=0 full=0 ok=0 unknown=0 recovered=0
+  cargo nextest run -p keel --all-features --test power_loss --no-run
+  for seed in $(seq "$first" "$last"); do
+    local log rc=0 line
+    log="target/power-loss-seed-$seed.log"
+    KEEL_FAULT_SEEDS="$seed" cargo nextest run -p keel --all-features --test power_loss \
+      --no-capture >"$log" 2>&1 || rc=$?
+    line="$(grep -o 'fault run: seed [0-9]* kills [0-9]* kills-in-fsync [0-9]* disk-full [0-9]* ok [0-9]* failed [0-9]* unknown [0-9]* recovered [0-9]*' "$log" | tail -n 1 || true)"
+    runs=$((runs + 1))
+    if [ "$rc" = 0 ] && [ -n "$line" ]; then
+      read -r -a f <<<"${line#fault run: }"
+      kills=$((kills + f[3])); in_fsync=$((in_fsync + f[5])); full=$((full + f[7]))
+      ok=$((ok + f[9])); unknown=$((unknown + f[13])); recovered=$((recovered + f[15]))
+      rm -f "$log"
+      echo "$line"
+    else
+      failed=$((failed + 1))
+      echo "seed $seed: FAILED (exit $rc), see $log"
+    fi
+  done
+  echo "power loss: $runs runs, $failed failed; $kills kills, $in_fsync kills inside an fsync," \
+    "$full full disks; $ok acknowledged calls, $unknown unknown, $recovered keys recovered"
+}
+
 case "${1:-}" in
   chaos) shift; chaos "$@" ;;
   scale-out-crash) shift; scale_out_crash "$@" ;;
   network-faults) shift; network_faults "$@" ;;
   chaos-busy-disk) shift; chaos_busy_disk "$@" ;;
   openapi-fuzz) shift; openapi_fuzz "$@" ;;
-  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | network-faults FIRST LAST | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES]" >&2; exit 2 ;;
+  power-loss) shift; power_loss "$@" ;;
+  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | network-faults FIRST LAST | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES] | power-loss FIRST LAST" >&2; exit 2 ;;
 esac

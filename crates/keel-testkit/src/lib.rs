@@ -17,6 +17,10 @@
 //! its servers and plays a seeded schedule of latency, resets, black holes,
 //! slow closes and partitions on it.
 //!
+//! [`faultfs`] (feature `faultfs`) makes a process's data directory as
+//! fragile as a disk: a power loss drops what was not fsynced, the disk
+//! fills, the process dies inside an fsync.
+//!
 //! [`bench`](mod@bench) (feature `bench`) is what the backends' messaging benchmarks
 //! share. [`eventually`] waits for what another task does; [`metrics`] (feature
 //! `metrics`) records what the code under test emits, for assertions.
@@ -30,6 +34,8 @@ pub mod browser;
 #[cfg(feature = "store-suite")]
 pub mod event_log_suite;
 mod eventually;
+#[cfg(feature = "faultfs")]
+pub mod faultfs;
 #[cfg(feature = "store-suite")]
 pub mod idempotency_suite;
 #[cfg(feature = "store-suite")]

@@ -220,6 +220,16 @@ pub async fn check<S: ShopStore>(
     workload: &WorkloadResult,
 ) -> Result<(Audit, Vec<String>, Money, Invariants), keel_messaging::StoreError> {
     let audit = store.audit().await?;
+    check_audit(store, audit, workload).await
+}
+
+/// [`check`] on an `audit` gathered elsewhere (the shop's effects from the
+/// dependencies' own store, say); `store` holds the dead letters.
+pub async fn check_audit<S: ShopStore>(
+    store: &S,
+    audit: Audit,
+    workload: &WorkloadResult,
+) -> Result<(Audit, Vec<String>, Money, Invariants), keel_messaging::StoreError> {
     let dead = store
         .dead_letter_list(&DeadLetterFilter {
             limit: Some(100_000),
