@@ -98,8 +98,13 @@ async fn crashes_in_relay_consumer_and_saga_lose_and_duplicate_nothing() {
     assert_invariants(&report);
     let demo = &report.demo;
     // Every order accepted across the restarts: the workload retried the
-    // interrupted submissions with the same keys.
-    assert_eq!(demo.orders_accepted, 120 + report.poison_orders);
+    // interrupted submissions with the same keys. A failpoint armed after
+    // the system settled gets orders of its own to fire on (tail orders):
+    // how many depends on timing, not on the seed.
+    assert_eq!(
+        demo.orders_accepted,
+        120 + report.poison_orders + report.tail_orders
+    );
     // The poison order is the only dead letter, on purpose.
     assert_eq!(report.poison_orders, 1);
     assert_eq!(demo.dead_letters, 1);

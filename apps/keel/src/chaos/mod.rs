@@ -199,6 +199,7 @@ impl Harness {
             armed_at_orders,
             fired,
             restart_ms: None,
+            tail_orders: tail as u64,
         };
         if !fired {
             eprintln!(

@@ -28,6 +28,9 @@ pub struct CrashOutcome {
     /// Milliseconds from the failpoint firing to the new incarnation
     /// answering (shutdown, close, reopen, start).
     pub restart_ms: Option<f64>,
+    /// Orders sent after the workload ended because the failpoint had not
+    /// fired by the time everything settled (it needed more work).
+    pub tail_orders: u64,
 }
 
 /// `keel chaos`'s report: the demo's report plus what was injected.
@@ -48,6 +51,9 @@ pub struct ChaosReport {
     /// Poison orders sent so that the dead-letter failpoint has something
     /// to fire on (each ends as a dead letter, on purpose).
     pub poison_orders: u64,
+    /// Orders sent after the workload for failpoints that needed more work
+    /// to fire on (see [`CrashOutcome::tail_orders`]).
+    pub tail_orders: u64,
     /// Where the files are, when kept.
     pub kept_dir: Option<PathBuf>,
     /// The demo's report: counts and the invariants' verdict.
@@ -138,6 +144,7 @@ impl ChaosReport {
                 .iter()
                 .filter(|c| c.crash.failpoint == DEAD_LETTER_FAILPOINT)
                 .count() as u64,
+            tail_orders: crashes.iter().map(|c| c.tail_orders).sum(),
             crashes,
             kept_dir,
             demo,

@@ -73,7 +73,8 @@ pub struct Crash {
 /// A payments outage in one incarnation of the system (the first is 0,
 /// each restart starts the next): from its `after_captures`-th capture on,
 /// payments answers `503` for `fail_for`, then answers too slowly for
-/// `slow_for`, then recovers.
+/// `slow_for`, then captures and answers too late for half as long, then
+/// captures and answers `500` for half as long, then recovers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PaymentsOutage {
     /// Which incarnation (0 = before the first crash).
@@ -94,6 +95,9 @@ impl PaymentsOutage {
             fail_for: Duration::from_millis(self.fail_ms),
             slow_for: Duration::from_millis(self.slow_ms),
             slow_delay: SLOW_DELAY,
+            // Derived, not drawn: the seeds' schedules stay as they were.
+            late_for: Duration::from_millis(self.slow_ms / 2),
+            error_for: Duration::from_millis(self.slow_ms / 2),
         }
     }
 }
@@ -261,8 +265,14 @@ impl fmt::Display for PaymentsOutage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "incarnation {}, capture {:>3}: payments 503 for {} ms, then slower than the timeout for {} ms",
-            self.incarnation, self.after_captures, self.fail_ms, self.slow_ms
+            "incarnation {}, capture {:>3}: payments 503 for {} ms, then slower than the timeout for {} ms, \
+             then applied and answered late for {} ms, then applied and answered 500 for {} ms",
+            self.incarnation,
+            self.after_captures,
+            self.fail_ms,
+            self.slow_ms,
+            self.slow_ms / 2,
+            self.slow_ms / 2
         )
     }
 }

@@ -10,7 +10,9 @@
 //! it undoes and tombstones it: that action, arriving late, is refused with
 //! `409` instead of landing after its undo. Payments can be made flaky on a schedule
 //! ([`PaymentsFaults`]): it fails with `503`, then answers too slowly, then
-//! recovers.
+//! captures and answers too late, then captures and answers `500`, then
+//! recovers. The last two are the dependency a saga must not trust: the
+//! work is done, and the answer says nothing or says it failed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,7 +36,9 @@ use super::quotes::{CARRIERS, SLOW_CARRIER, SLOW_CARRIER_DELAY};
 /// When the payments service misbehaves: from the `start_after`-th
 /// capture request on, it answers `503` for `fail_for`, then answers
 /// captures only after `slow_delay` (longer than the caller's attempt
-/// timeout) for `slow_for`, then recovers. Time-based rather than counted
+/// timeout) for `slow_for`, then for `late_for` captures first and answers
+/// after `slow_delay`, then for `error_for` captures and answers `500`,
+/// then recovers. Time-based rather than counted
 /// in requests, because an open breaker stops requests from arriving: an
 /// outage measured in requests would never end.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -47,6 +51,10 @@ pub struct PaymentsFaults {
     pub slow_for: Duration,
     /// How slow.
     pub slow_delay: Duration,
+    /// How long captures are applied, then answered after `slow_delay`.
+    pub late_for: Duration,
+    /// How long captures are applied, then answered with `500`.
+    pub error_for: Duration,
 }
 
 impl PaymentsFaults {
@@ -57,13 +65,16 @@ impl PaymentsFaults {
 
     /// The demo's schedule for about `orders` orders: healthy for the first
     /// fifth of the captures, then 0.7 s of failures, 0.7 s of slow answers,
-    /// then healthy again.
+    /// 0.3 s of captures answered too late and 0.3 s of captures answered
+    /// `500`, then healthy again.
     pub fn demo(orders: u64) -> Self {
         Self {
             start_after: Some(orders / 5),
             fail_for: Duration::from_millis(700),
             slow_for: Duration::from_millis(700),
             slow_delay: Duration::from_millis(600),
+            late_for: Duration::from_millis(300),
+            error_for: Duration::from_millis(300),
         }
     }
 }
@@ -74,6 +85,10 @@ enum Mode {
     Healthy,
     Failing,
     Slow,
+    /// Captures, then answers after `slow_delay`.
+    AppliedThenLate,
+    /// Captures, then answers `500`.
+    AppliedThenError,
 }
 
 /// The base URLs of the running dependencies.
@@ -110,13 +125,21 @@ impl<S> ServiceState<S> {
         }
         let began = *self.outage_began.get_or_init(keel_core::clock::now);
         let elapsed = began.elapsed();
-        if elapsed < self.faults.fail_for {
-            Mode::Failing
-        } else if elapsed < self.faults.fail_for + self.faults.slow_for {
-            Mode::Slow
-        } else {
-            Mode::Healthy
+        let f = &self.faults;
+        let phases = [
+            (f.fail_for, Mode::Failing),
+            (f.slow_for, Mode::Slow),
+            (f.late_for, Mode::AppliedThenLate),
+            (f.error_for, Mode::AppliedThenError),
+        ];
+        let mut end = Duration::ZERO;
+        for (span, mode) in phases {
+            end += span;
+            if elapsed < end {
+                return mode;
+            }
         }
+        Mode::Healthy
     }
 }
 
@@ -195,7 +218,8 @@ async fn capture<S: ShopDb>(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    match state.mode() {
+    let mode = state.mode();
+    match mode {
         Mode::Failing => {
             return Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -208,7 +232,7 @@ async fn capture<S: ShopDb>(
             // handler before the capture, like a request lost in a slow network.
             tokio::time::sleep(state.faults.slow_delay).await;
         }
-        Mode::Healthy => {}
+        Mode::Healthy | Mode::AppliedThenLate | Mode::AppliedThenError => {}
     }
     let (key, req) = match (key(&headers), parse::<CaptureRequest>(&body)) {
         (Ok(k), Ok(r)) => (k, r),
@@ -217,7 +241,7 @@ async fn capture<S: ShopDb>(
     if req.amount_cents <= 0 {
         return Problem::bad_request("amountCents must be positive").into_response();
     }
-    match state
+    let answer = match state
         .db
         .capture(&key, &req.order_id, req.amount_cents)
         .await
@@ -225,6 +249,20 @@ async fn capture<S: ShopDb>(
         Ok(Capture::Charged(new)) => applied(new),
         Ok(Capture::Undone) => undone(&key),
         Err(e) => store_failure(e),
+    };
+    match mode {
+        // The capture is durable; the answer comes after the caller gave
+        // up (its dropped connection cancels this sleep: no answer at all).
+        Mode::AppliedThenLate => {
+            tokio::time::sleep(state.faults.slow_delay).await;
+            answer
+        }
+        Mode::AppliedThenError => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "payments captured, then failed before answering (scheduled fault)",
+        )
+        .into_response(),
+        _ => answer,
     }
 }
 
