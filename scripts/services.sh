@@ -8,7 +8,7 @@
 # Usage:
 #   scripts/services.sh run CMD...      start both, run CMD with the URLs exported, stop both
 #   scripts/services.sh restart NAME    restart postgres or nats of a running `run` (tests use it)
-#   scripts/services.sh crash NAME      kill it as a crash would (immediate / SIGKILL), then start it
+#   scripts/services.sh crash NAME      kill it as a crash would (SIGKILL, every process), then start it
 #   scripts/services.sh stop NAME       stop one of them (tests use it for outages)
 #   scripts/services.sh start NAME      start it again on the same port and data
 #
@@ -72,10 +72,20 @@ start_postgres() {
     as_pg "$bin/initdb" -D "$dir/data" -U keel --auth=trust -E UTF8 >/dev/null
   fi
   # fsync off: the tests restart the server cleanly or kill it, never the machine.
-  as_pg "$bin/pg_ctl" -D "$dir/data" -l "$dir/log" -w -t 60 start -o \
-    "-h 127.0.0.1 -p $(cat "$KEEL_TEST_SERVICES_DIR/postgres.port") -k $dir -c fsync=off \
-     -c synchronous_commit=on -c full_page_writes=off -c max_connections=400 \
-     -c shared_buffers=128MB" >/dev/null
+  # After a SIGKILL, a backend that outlived the postmaster for a moment
+  # still holds the shared memory, and the start is refused: try again.
+  local attempt
+  for attempt in $(seq 1 40); do
+    if as_pg "$bin/pg_ctl" -D "$dir/data" -l "$dir/log" -w -t 60 start -o \
+      "-h 127.0.0.1 -p $(cat "$KEEL_TEST_SERVICES_DIR/postgres.port") -k $dir -c fsync=off \
+       -c synchronous_commit=on -c full_page_writes=off -c max_connections=400 \
+       -c shared_buffers=128MB" >/dev/null; then
+      return 0
+    fi
+    sleep 0.25
+  done
+  log "PostgreSQL did not start after $attempt tries; its log:"; tail -n 20 "$dir/log" >&2
+  return 1
 }
 
 stop_postgres() {
@@ -99,10 +109,19 @@ start_nats() {
   log "nats-server did not start; its log:"; cat "$dir/log" >&2 || true; exit 1
 }
 
+# A crash, not a shutdown: SIGKILL to the postmaster and every backend at
+# once (nothing flushed, nothing said to the clients); the next start runs
+# crash recovery from the WAL. A backend forked in between dies by itself
+# when it sees the postmaster gone; start_postgres waits for that.
 kill_postgres() {
-  local dir="$KEEL_TEST_SERVICES_DIR/postgres"
+  local dir="$KEEL_TEST_SERVICES_DIR/postgres" pid children
   [ -f "$dir/data/postmaster.pid" ] || return 0
-  as_pg "$(pg_bin)/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null || true
+  pid="$(head -n 1 "$dir/data/postmaster.pid")"
+  children="$(pgrep -P "$pid" || true)"
+  # shellcheck disable=SC2086
+  kill -KILL "$pid" $children 2>/dev/null || true
+  # shellcheck disable=SC2086
+  while kill -0 "$pid" $children 2>/dev/null; do sleep 0.05; done
 }
 
 stop_nats() {
