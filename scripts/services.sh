@@ -120,8 +120,16 @@ kill_postgres() {
   children="$(pgrep -P "$pid" || true)"
   # shellcheck disable=SC2086
   kill -KILL "$pid" $children 2>/dev/null || true
-  # shellcheck disable=SC2086
-  while kill -0 "$pid" $children 2>/dev/null; do sleep 0.05; done
+  # Gone, or a zombie nobody reaps (then it holds nothing): at most 10 s.
+  local waited
+  for waited in $(seq 1 200); do
+    # shellcheck disable=SC2086
+    if ! ps -o stat= -p "$(echo $pid $children | tr ' ' ',')" 2>/dev/null | grep -qv '^Z'; then
+      return 0
+    fi
+    sleep 0.05
+  done
+  log "PostgreSQL's processes outlived SIGKILL for $((waited / 20)) s"
 }
 
 stop_nats() {

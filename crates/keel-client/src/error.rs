@@ -142,12 +142,12 @@ impl Classify for HttpCallError {
 }
 
 /// What an error status says about the request: `429` and `503` that it
-/// was not processed (RFC 9110), unless the body says its commit's outcome
-/// is unknown (Keel's own `503` for a lost `COMMIT`); any other `5xx` that
-/// the server, or one behind a gateway, may have acted before failing; a
-/// `4xx` that it was refused.
+/// was not processed (RFC 9110), unless the body is a problem whose type
+/// says its commit's outcome is unknown (Keel's own `503` for a lost
+/// `COMMIT`); any other `5xx` that the server, or one behind a gateway, may
+/// have acted before failing; a `4xx` that it was refused.
 fn status_class(status: StatusCode, body: &str) -> ErrorClass {
-    if body.contains(keel_core::status::COMMIT_OUTCOME_UNKNOWN_PROBLEM) {
+    if status.is_server_error() && names_outcome_unknown(body) {
         return ErrorClass::OutcomeUnknown;
     }
     match status {
@@ -155,6 +155,27 @@ fn status_class(status: StatusCode, body: &str) -> ErrorClass {
         status if status.is_server_error() => ErrorClass::OutcomeUnknown,
         _ => ErrorClass::Permanent,
     }
+}
+
+/// Whether a problem document's `type` member is
+/// [`COMMIT_OUTCOME_UNKNOWN_PROBLEM`](keel_core::status::COMMIT_OUTCOME_UNKNOWN_PROBLEM):
+/// the member's name, a colon and the URN as a JSON string, so that a
+/// `detail` quoting the URN is not taken for it. (The body may be cut at
+/// [`ERROR_BODY_LIMIT`](super::ERROR_BODY_LIMIT), so it is not parsed.)
+fn names_outcome_unknown(body: &str) -> bool {
+    let urn = keel_core::status::COMMIT_OUTCOME_UNKNOWN_PROBLEM;
+    body.match_indices("\"type\"").any(|(at, member)| {
+        body[at + member.len()..]
+            .trim_start()
+            .strip_prefix(':')
+            .map(str::trim_start)
+            .and_then(|value| value.strip_prefix('"'))
+            .is_some_and(|value| {
+                value
+                    .strip_prefix(urn)
+                    .is_some_and(|rest| rest.starts_with('"'))
+            })
+    })
 }
 
 impl From<PolicyError<HttpCallError>> for HttpCallError {
@@ -245,6 +266,21 @@ mod tests {
         };
         assert_eq!(lost_commit.class(), ErrorClass::OutcomeUnknown);
         assert_eq!(lost_commit.retry_after(), Some(Duration::from_secs(1)));
+        // Only the problem's type counts, and only on a 5xx.
+        let quoted = HttpCallError::Status {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            url: "http://127.0.0.1/orders".to_owned(),
+            retry_after: None,
+            body: r#"{"type":"urn:keel:problem:store_unavailable","detail":"not urn:keel:problem:commit_outcome_unknown"}"#.to_owned(),
+        };
+        assert_eq!(quoted.class(), ErrorClass::Retryable);
+        let refused = HttpCallError::Status {
+            status: StatusCode::BAD_REQUEST,
+            url: "http://127.0.0.1/orders".to_owned(),
+            retry_after: None,
+            body: r#"{"type": "urn:keel:problem:commit_outcome_unknown"}"#.to_owned(),
+        };
+        assert_eq!(refused.class(), ErrorClass::Permanent);
     }
 
     #[test]

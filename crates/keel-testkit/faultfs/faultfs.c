@@ -28,6 +28,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -38,6 +39,12 @@
 #include <unistd.h>
 
 static atomic_long syncs;
+
+/* One copy at a time: a copy reads the file as it is when it runs, so with
+ * the copies in turn the last one to finish is also the newest, and a
+ * durable copy never goes back to an older state (two connections of one
+ * database fsync its WAL from different threads). */
+static pthread_mutex_t copying = PTHREAD_MUTEX_INITIALIZER;
 
 static const char *watched_dir(void) {
     const char *dir = getenv("FAULTFS_DIR");
@@ -53,6 +60,10 @@ static const char *watched_name(const char *path) {
     if (strncmp(path, dir, len) != 0 || path[len] != '/') return NULL;
     const char *name = path + len + 1;
     if (!*name || strchr(name, '/')) return NULL;
+    /* An open file already unlinked: nothing of it can survive. */
+    size_t n = strlen(name);
+    const char *deleted = " (deleted)";
+    if (n > strlen(deleted) && strcmp(name + n - strlen(deleted), deleted) == 0) return NULL;
     return name;
 }
 
@@ -115,9 +126,14 @@ static int synced(int fd, int (*real)(int)) {
         if (kill_at && *kill_at && atol(kill_at) == n) kill(getpid(), SIGKILL);
     }
     int rc = real(fd);
-    if (rc == 0 && name && make_durable(buf, name) != 0) {
-        errno = EIO;
-        return -1;
+    if (rc == 0 && name) {
+        pthread_mutex_lock(&copying);
+        int copied = make_durable(buf, name);
+        pthread_mutex_unlock(&copying);
+        if (copied != 0) {
+            errno = EIO;
+            return -1;
+        }
     }
     return rc;
 }

@@ -124,12 +124,24 @@ fn shim() -> io::Result<&'static PathBuf> {
         .map_err(|e| io::Error::other(e.clone()))
 }
 
+/// Builds the shim once per version of its source: into a name of this
+/// process's, then renamed to one every test process shares.
 fn compile() -> io::Result<PathBuf> {
-    let out = std::env::temp_dir().join(format!("keel-faultfs-{}.so", std::process::id()));
+    use std::hash::{Hash, Hasher};
+    let source = std::fs::read(SOURCE)?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    source.hash(&mut hasher);
+    let out = std::env::temp_dir().join(format!("keel-faultfs-{:016x}.so", hasher.finish()));
+    if out.exists() {
+        return Ok(out);
+    }
+    let partial = out.with_extension(format!("{}.partial", std::process::id()));
     let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
     let status = Command::new(&cc)
-        .args(["-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o"])
-        .arg(&out)
+        .args([
+            "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-pthread", "-o",
+        ])
+        .arg(&partial)
         .arg(SOURCE)
         .arg("-ldl")
         .status()
@@ -139,5 +151,6 @@ fn compile() -> io::Result<PathBuf> {
             "{cc:?} could not build the faultfs shim ({status})"
         )));
     }
+    std::fs::rename(&partial, &out)?;
     Ok(out)
 }

@@ -259,7 +259,8 @@ async fn capture<S: ShopDb>(
         }
         Mode::AppliedThenError => Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "payments captured, then failed before answering (scheduled fault)",
+            "payments failed before answering (scheduled fault); the capture may have \
+             been made",
         )
         .into_response(),
         _ => answer,

@@ -97,8 +97,10 @@ pub trait Store: Clone + Send + Sync + 'static {
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
     /// Rolls a transaction back, and answers only once every row the
-    /// transaction could read is durable: a caller may act on what it read
-    /// (ack a duplicate, replay a stored answer) when this returns `Ok`.
+    /// transaction could read is as durable as a commit of the store is
+    /// (on SQLite, at its `synchronous` setting): a caller may act on what
+    /// it read (ack a duplicate, replay a stored answer) when this returns
+    /// `Ok`.
     /// An error means what it read may not survive: read again.
     ///
     /// Dropping a transaction rolls it back too, but answers nobody.

@@ -86,7 +86,7 @@ where
                         Ok(delay) => delay,
                         Err(stop) => {
                             let earlier = this.maybe_applied.take();
-                            return Poll::Ready(shared.finish(outcome, unknown, earlier, stop));
+                            return Poll::Ready(shared.finish(outcome, verdict, earlier, stop));
                         }
                     };
                     if unknown {

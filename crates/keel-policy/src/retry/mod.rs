@@ -287,6 +287,16 @@ impl<P> Shared<P> {
         Ok(delay)
     }
 
+    /// Counts (and logs) a call that returns an earlier attempt's unknown
+    /// outcome instead of its last one's.
+    fn count_hidden_attempt(&self) {
+        self.metrics.maybe_applied.increment(1);
+        tracing::debug!(
+            retry = %self.name,
+            "an earlier attempt may have taken effect: returning its outcome, not the last one's"
+        );
+    }
+
     fn rand(&self) -> Rand {
         match self.seed {
             Some(seed) => {
@@ -321,7 +331,7 @@ impl<P> Shared<P> {
     {
         match (outcome, earlier) {
             (Err(error), Some(earlier)) if !self.policy.settles(&error) => {
-                self.hidden_attempt();
+                self.count_hidden_attempt();
                 earlier.map_err(PolicyError::Inner)
             }
             (outcome, _) => outcome.map_err(PolicyError::Inner),
@@ -331,19 +341,19 @@ impl<P> Shared<P> {
     /// The call's result once `stop` ended it: the last outcome, or a refusal
     /// if the budget stopped it and the caller asked for one. An `earlier`
     /// outcome that may have taken effect wins over both when the last one
-    /// is known to have done nothing (it was worth retrying), since that
-    /// says nothing about what came before it; `unknown` says the last
-    /// outcome may have taken effect itself.
+    /// is known to have done nothing (its `verdict` was a plain retry),
+    /// since that says nothing about what came before it.
     pub(crate) fn finish<T, E>(
         &self,
         outcome: Result<T, E>,
-        unknown: bool,
+        verdict: Verdict,
         earlier: Option<Result<T, E>>,
         stop: Stop,
     ) -> Result<T, PolicyError<E>> {
+        let unknown = matches!(verdict, Verdict::RetryIfIdempotent { .. });
         let (outcome, maybe_applied) = match earlier {
             Some(earlier) if !unknown => {
-                self.hidden_attempt();
+                self.count_hidden_attempt();
                 (earlier, true)
             }
             _ => (outcome, unknown),
@@ -369,18 +379,6 @@ impl<P> Shared<P> {
         counter.increment(1);
         tracing::debug!(retry = %self.name, reason = ?stop, "giving up: returning the last outcome");
         outcome.map_err(PolicyError::Inner)
-    }
-}
-
-impl<P> Shared<P> {
-    /// Counts a call that returns an earlier attempt's unknown outcome
-    /// instead of its last one's.
-    fn hidden_attempt(&self) {
-        self.metrics.maybe_applied.increment(1);
-        tracing::debug!(
-            retry = %self.name,
-            "an earlier attempt may have taken effect: returning its outcome, not the last one's"
-        );
     }
 }
 

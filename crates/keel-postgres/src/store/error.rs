@@ -54,11 +54,12 @@ pub(crate) fn commit_error(err: sqlx::Error) -> StoreError {
 }
 
 /// Maps the error of a write sent in autocommit: a connection that broke
-/// with no answer from the server (an I/O or TLS error, a protocol error
-/// on a half-read answer) may have lost the answer to a statement that
+/// with no answer from the server (an I/O error, a protocol error on a
+/// half-read answer) may have lost the answer to a statement that
 /// committed, so the write's outcome is unknown, as a lost `COMMIT`'s is.
-/// An error the server answered with, or a connection never had, still
-/// says nothing committed.
+/// An error the server answered with, or no connection in time, still says
+/// nothing committed. An I/O error while a new connection was being set up
+/// looks the same from here and is read as unknown too: the safe side.
 pub(crate) fn autocommit_write_error(err: StoreError) -> StoreError {
     match err {
         StoreError::Unavailable(source)
@@ -78,10 +79,7 @@ pub(crate) fn autocommit_write_error(err: StoreError) -> StoreError {
 fn is_answer_lost(err: &sqlx::Error) -> bool {
     matches!(
         err,
-        sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Protocol(_)
+        sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed | sqlx::Error::Protocol(_)
     )
 }
 

@@ -473,13 +473,9 @@ enum CommitFailure {
 /// an fsync that failed (the batch is rolled back, and its callers are told
 /// the outcome is unknown, the worst a failed fsync can mean for them).
 async fn commit_batch(conn: &mut SqliteConnection) -> Result<(), CommitFailure> {
-    if let Some((err, known)) = injected_commit_fault() {
+    if let Some(failure) = injected_commit_fault() {
         let _ = SqliteTransactionManager::rollback(conn).await;
-        return Err(if known {
-            CommitFailure::RolledBack(err)
-        } else {
-            CommitFailure::Unknown(err)
-        });
+        return Err(failure);
     }
     match SqliteTransactionManager::commit(conn).await {
         Ok(()) => Ok(()),
@@ -488,17 +484,19 @@ async fn commit_batch(conn: &mut SqliteConnection) -> Result<(), CommitFailure> 
     }
 }
 
-/// The commit failure armed at `keel-sqlite-group-commit`, and whether it
-/// is known to have rolled the batch back.
-fn injected_commit_fault() -> Option<(sqlx::Error, bool)> {
+/// The commit failure armed at `keel-sqlite-group-commit`, if any.
+fn injected_commit_fault() -> Option<CommitFailure> {
     fail::fail_point!("keel-sqlite-group-commit", |arg| {
-        let full = arg.as_deref() == Some("full");
-        let why = if full {
-            "injected: database or disk is full (SQLITE_FULL) at COMMIT"
+        let injected = |why: &str| sqlx::Error::Io(std::io::Error::other(why.to_owned()));
+        Some(if arg.as_deref() == Some("full") {
+            CommitFailure::RolledBack(injected(
+                "injected: database or disk is full (SQLITE_FULL) at COMMIT",
+            ))
         } else {
-            "injected: disk I/O error (SQLITE_IOERR_FSYNC) at COMMIT"
-        };
-        Some((sqlx::Error::Io(std::io::Error::other(why)), full))
+            CommitFailure::Unknown(injected(
+                "injected: disk I/O error (SQLITE_IOERR_FSYNC) at COMMIT",
+            ))
+        })
     });
     None
 }

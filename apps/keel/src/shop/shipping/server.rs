@@ -69,7 +69,8 @@ fn store_unavailable(err: keel_messaging::StoreError) -> Status {
     tracing::warn!(error = %err, "shipping's store failed");
     if matches!(err, keel_messaging::StoreError::OutcomeUnknown(_)) {
         return Status::internal(
-            "shipping's store lost the answer to its commit: the shipment may or may not have              been scheduled; retry with the same request_id",
+            "shipping's store lost the answer to its commit: the shipment may or may not \
+             have been scheduled; retry with the same request_id",
         );
     }
     let mut status = Status::unavailable(
