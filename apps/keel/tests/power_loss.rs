@@ -162,17 +162,12 @@ async fn play(disk: &FaultFs, port: u16, faults: Vec<(Duration, Fault)>) -> (Chi
     (child, log)
 }
 
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    listener.local_addr().expect("its address").port()
-}
-
 /// One seeded run: the workload against the faults, then everything
 /// settled, a last power loss, and the verdict on what survived.
 async fn run(seed: u64) {
     let root = tempfile::tempdir().expect("a directory");
     let disk = FaultFs::new(root.path()).expect("the faultfs shim (it needs a C compiler)");
-    let port = free_port();
+    let port = keel_testkit::services::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let faults = schedule(seed);
     let urls = [url.clone(), url];

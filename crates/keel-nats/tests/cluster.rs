@@ -32,11 +32,6 @@ struct Node {
     process: Option<Child>,
 }
 
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    listener.local_addr().expect("its address").port()
-}
-
 struct Cluster {
     binary: PathBuf,
     nodes: Vec<Node>,
@@ -49,9 +44,9 @@ impl Cluster {
         let nodes = (0..NODES)
             .map(|i| Node {
                 name: format!("n{i}"),
-                client_port: free_port(),
-                cluster_port: free_port(),
-                monitor_port: free_port(),
+                client_port: services::free_port(),
+                cluster_port: services::free_port(),
+                monitor_port: services::free_port(),
                 store: dir.path().join(format!("n{i}")),
                 process: None,
             })
@@ -67,25 +62,23 @@ impl Cluster {
         cluster
     }
 
-    fn routes(&self) -> String {
+    /// Every node's port that `port` picks, as NATS URLs separated by
+    /// commas.
+    fn urls(&self, port: impl Fn(&Node) -> u16) -> String {
         self.nodes
             .iter()
-            .map(|n| format!("nats://127.0.0.1:{}", n.cluster_port))
+            .map(|n| format!("nats://127.0.0.1:{}", port(n)))
             .collect::<Vec<_>>()
             .join(",")
     }
 
     /// The client URL naming every node, so the client fails over.
     fn url(&self) -> String {
-        self.nodes
-            .iter()
-            .map(|n| format!("nats://127.0.0.1:{}", n.client_port))
-            .collect::<Vec<_>>()
-            .join(",")
+        self.urls(|n| n.client_port)
     }
 
     fn start(&mut self, i: usize) {
-        let routes = self.routes();
+        let routes = self.urls(|n| n.cluster_port);
         let node = &mut self.nodes[i];
         let log = std::fs::File::create(node.store.with_extension("log")).expect("log file");
         let child = Command::new(&self.binary)

@@ -49,7 +49,7 @@ impl ChromeDriver {
             eprintln!("skipping the browser test: {why}");
             return None;
         }
-        let port = free_port();
+        let port = crate::services::free_port();
         let process = Command::new(&driver)
             .arg(format!("--port={port}"))
             .arg("--allowed-ips=127.0.0.1")
@@ -89,13 +89,6 @@ impl ChromeDriver {
         }
         options
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|probe| probe.local_addr())
-        .map(|addr| addr.port())
-        .unwrap_or_else(|e| panic!("no free loopback port: {e}"))
 }
 
 async fn wait_listening(port: u16) {

@@ -61,6 +61,16 @@ pub fn nats_url() -> Option<String> {
     url(Service::Nats)
 }
 
+/// A loopback port free right now, for a server a test starts itself (the
+/// port is released before the server binds it, so another may take it in
+/// between: rare enough on loopback).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|probe| probe.local_addr())
+        .map(|addr| addr.port())
+        .unwrap_or_else(|e| panic!("no free loopback port: {e}"))
+}
+
 /// The nats-server binary `scripts/services.sh` installed, for a test that
 /// runs servers of its own (a cluster), or `None` (after printing why) when
 /// the test should be skipped. Panics in CI when it is missing.

@@ -77,7 +77,7 @@ where
                         Ok(value) => shared.policy.check_ok(value),
                         Err(error) => shared.policy.check_error(error),
                     };
-                    let unknown = matches!(verdict, Verdict::RetryIfIdempotent { .. });
+                    let unknown = verdict.may_have_taken_effect();
                     if verdict == Verdict::Accept {
                         let earlier = this.maybe_applied.take();
                         return Poll::Ready(shared.accept(outcome, earlier));

@@ -350,7 +350,7 @@ impl<P> Shared<P> {
         earlier: Option<Result<T, E>>,
         stop: Stop,
     ) -> Result<T, PolicyError<E>> {
-        let unknown = matches!(verdict, Verdict::RetryIfIdempotent { .. });
+        let unknown = verdict.may_have_taken_effect();
         let (outcome, maybe_applied) = match earlier {
             Some(earlier) if !unknown => {
                 self.count_hidden_attempt();

@@ -52,6 +52,11 @@ impl Verdict {
         }
     }
 
+    /// Whether the attempt judged so may have taken effect.
+    pub(crate) fn may_have_taken_effect(self) -> bool {
+        matches!(self, Self::RetryIfIdempotent { .. })
+    }
+
     /// Try again after at least `after`.
     pub fn retry_after(after: Duration) -> Self {
         Self::Retry { after: Some(after) }
