@@ -7,10 +7,12 @@
 
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
+use keel_sql::dialect::within_answer_bound;
 use keel_sql::event_log::EventLogBackend;
 use sqlx::Row;
 
 use crate::PgStore;
+use crate::store::PgDialect;
 use crate::store::error::db_error;
 
 const APPEND_SQL: &str = "\
@@ -33,13 +35,14 @@ impl EventLogBackend for PgStore {
         data: &str,
         at: DateTime<Utc>,
     ) -> Result<i64, StoreError> {
-        let row = sqlx::query(APPEND_SQL)
+        let append = sqlx::query(APPEND_SQL)
             .bind(stream)
             .bind(event_type)
             .bind(data)
             .bind(at)
             .bind(self.channels.event_log.as_str())
-            .fetch_one(&mut **tx)
+            .fetch_one(&mut **tx);
+        let row = within_answer_bound::<PgDialect, _>(append)
             .await
             .map_err(db_error)?;
         row.try_get("seq").map_err(db_error)

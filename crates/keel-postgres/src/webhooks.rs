@@ -13,10 +13,12 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::Store;
+use keel_sql::dialect::within_answer_bound;
 use keel_sql::webhooks::WebhookBackend;
 use sqlx::postgres::PgRow;
 
 use crate::PgStore;
+use crate::store::PgDialect;
 use crate::store::error::{db_error, sql_limit};
 
 const CLAIM_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock(hashtext($1))";
@@ -58,18 +60,20 @@ impl WebhookBackend for PgStore {
         per_endpoint: usize,
     ) -> Result<Vec<PgRow>, StoreError> {
         let mut tx = self.begin().await?;
-        sqlx::query(CLAIM_LOCK_SQL)
+        let lock = sqlx::query(CLAIM_LOCK_SQL)
             .bind(format!("{}.webhook_claim", self.schema))
-            .execute(&mut *tx)
+            .execute(&mut *tx);
+        within_answer_bound::<PgDialect, _>(lock)
             .await
             .map_err(db_error)?;
-        let rows = sqlx::query(CLAIM_SQL)
+        let claim = sqlx::query(CLAIM_SQL)
             .bind(worker)
             .bind(until)
             .bind(now)
             .bind(sql_limit(limit))
             .bind(sql_limit(per_endpoint))
-            .fetch_all(&mut *tx)
+            .fetch_all(&mut *tx);
+        let rows = within_answer_bound::<PgDialect, _>(claim)
             .await
             .map_err(db_error)?;
         // A lost COMMIT leaves the rows leased to this worker or to no one;

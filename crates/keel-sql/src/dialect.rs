@@ -253,6 +253,16 @@ pub trait Dialect: Send + Sync + Sized + 'static {
         err
     }
 
+    /// How long a statement may go without an answer before the store gives
+    /// up on it ([`within_answer_bound`]). A network that drops every byte
+    /// and says nothing leaves a socket waiting for minutes (TCP's
+    /// retransmissions), and a server-side timeout never fires for a
+    /// statement the server never received. `None` (the default): as long
+    /// as the connection waits.
+    fn answer_bound() -> Option<std::time::Duration> {
+        None
+    }
+
     /// Whether the store may run one of its *own* statements again after
     /// `err` (a serialization failure or a deadlock, after which nothing was
     /// written). A user's transaction is never re-run by the store.
@@ -291,6 +301,39 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     }
 }
 
+/// Awaits `answer`, a statement's (or a `BEGIN`'s, a `COMMIT`'s), for at
+/// most `D`'s [`Dialect::answer_bound`]; past it, an I/O error (timed
+/// out) in its place, which the dialect's error mapping reads as any
+/// connection lost with no answer: nothing committed inside a
+/// transaction, outcome unknown for a `COMMIT` or an autocommit write.
+///
+/// The abandoned statement's connection is not reused until it answers:
+/// sqlx tests it when it goes back to the pool.
+pub async fn within_answer_bound<D: Dialect, T>(
+    answer: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    let Some(bound) = D::answer_bound() else {
+        return answer.await;
+    };
+    match tokio::time::timeout(bound, answer).await {
+        Ok(answered) => answered,
+        Err(_) => {
+            tracing::warn!(
+                database = D::NAME,
+                ?bound,
+                "no answer from the database within the bound; giving up on the connection"
+            );
+            Err(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no answer from {} within {bound:?}: the connection went silent",
+                    D::NAME
+                ),
+            )))
+        }
+    }
+}
+
 /// Writes a dialect's [`Dialect::execute`], [`Dialect::fetch_all`] and
 /// [`Dialect::fetch_optional`] on sqlx: given the database and row types,
 /// and how the kinds that differ between databases are bound (`json`,
@@ -311,10 +354,13 @@ macro_rules! sqlx_execution {
         + 'a {
             async move {
                 let query = $crate::sqlx_execution!(@bind $db, sql, params, $json, $time, $ids, $texts);
-                let done = match on {
-                    $crate::Exec::Pool(pool) => query.execute(pool).await,
-                    $crate::Exec::Tx(tx) => query.execute(&mut **tx).await,
-                };
+                let done = $crate::dialect::within_answer_bound::<Self, _>(async {
+                    match on {
+                        $crate::Exec::Pool(pool) => query.execute(pool).await,
+                        $crate::Exec::Tx(tx) => query.execute(&mut **tx).await,
+                    }
+                })
+                .await;
                 Ok(done.map_err(<Self as $crate::Dialect>::error)?.rows_affected())
             }
         }
@@ -329,10 +375,13 @@ macro_rules! sqlx_execution {
         + 'a {
             async move {
                 let query = $crate::sqlx_execution!(@bind $db, sql, params, $json, $time, $ids, $texts);
-                match on {
-                    $crate::Exec::Pool(pool) => query.fetch_all(pool).await,
-                    $crate::Exec::Tx(tx) => query.fetch_all(&mut **tx).await,
-                }
+                $crate::dialect::within_answer_bound::<Self, _>(async {
+                    match on {
+                        $crate::Exec::Pool(pool) => query.fetch_all(pool).await,
+                        $crate::Exec::Tx(tx) => query.fetch_all(&mut **tx).await,
+                    }
+                })
+                .await
                 .map_err(<Self as $crate::Dialect>::error)
             }
         }
@@ -350,10 +399,13 @@ macro_rules! sqlx_execution {
         + 'a {
             async move {
                 let query = $crate::sqlx_execution!(@bind $db, sql, params, $json, $time, $ids, $texts);
-                match on {
-                    $crate::Exec::Pool(pool) => query.fetch_optional(pool).await,
-                    $crate::Exec::Tx(tx) => query.fetch_optional(&mut **tx).await,
-                }
+                $crate::dialect::within_answer_bound::<Self, _>(async {
+                    match on {
+                        $crate::Exec::Pool(pool) => query.fetch_optional(pool).await,
+                        $crate::Exec::Tx(tx) => query.fetch_optional(&mut **tx).await,
+                    }
+                })
+                .await
                 .map_err(<Self as $crate::Dialect>::error)
             }
         }

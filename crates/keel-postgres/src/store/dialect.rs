@@ -3,6 +3,9 @@
 //! wake-ups in other processes, and retries of serialization failures and
 //! deadlocks.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_sql::backend::Wake;
@@ -14,6 +17,32 @@ use sqlx::{Column, Row, TypeInfo, ValueRef};
 
 use super::PgStore;
 use super::error::{autocommit_write_error, corrupt, db_error, is_conflict_store_error};
+
+/// How much longer than its `statement_timeout` a statement may go without
+/// an answer: the server cancels it at the timeout and answers at once, so
+/// a connection silent for this much longer is not going to answer.
+pub(crate) const ANSWER_MARGIN: Duration = Duration::from_secs(5);
+
+/// The client-side bound on a statement's answer, in milliseconds: the
+/// longest `statement_timeout` of every store this process opened, plus
+/// [`ANSWER_MARGIN`]. The dialect is a type, not a value, so the bound is
+/// the process's: the longest, which cuts no store's statement short.
+static ANSWER_BOUND_MS: AtomicU64 = AtomicU64::new(NO_BOUND_YET);
+const NO_BOUND_YET: u64 = 0;
+/// A store opened without a statement timeout: nothing is bounded.
+const UNBOUNDED: u64 = u64::MAX;
+
+/// Raises the process's answer bound to cover a store whose statements
+/// the server cancels after `statement_timeout` (zero: never, and then no
+/// statement is bounded).
+pub(crate) fn cover_statement_timeout(statement_timeout: Duration) {
+    let ms = if statement_timeout.is_zero() {
+        UNBOUNDED
+    } else {
+        u64::try_from((statement_timeout + ANSWER_MARGIN).as_millis()).unwrap_or(UNBOUNDED)
+    };
+    ANSWER_BOUND_MS.fetch_max(ms, Ordering::Relaxed);
+}
 
 /// PostgreSQL's dialect of the shared SQL core.
 #[derive(Debug, Clone, Copy, Default)]
@@ -85,6 +114,13 @@ impl Dialect for PgDialect {
 
     fn retries(err: &StoreError) -> bool {
         is_conflict_store_error(err)
+    }
+
+    fn answer_bound() -> Option<Duration> {
+        match ANSWER_BOUND_MS.load(Ordering::Relaxed) {
+            NO_BOUND_YET | UNBOUNDED => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
     }
 
     keel_sql::sqlx_execution!(

@@ -78,6 +78,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use keel_messaging::StoreError;
 use keel_messaging::store::Store;
+use keel_sql::dialect::within_answer_bound;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, Postgres};
 
@@ -89,6 +90,10 @@ use error::{commit_error, db_error, is_connection_lost};
 
 /// The first and last migration version this store owns.
 const VERSIONS: std::ops::RangeInclusive<i64> = 1001..=1999;
+
+/// How long [`PgStore::commit_resolved`] asks what became of a `COMMIT`
+/// whose answer was lost.
+const RESOLVE_FOR: Duration = Duration::from_secs(5);
 
 /// The messaging [`Store`] on PostgreSQL. Cheap to clone; clones share the
 /// pool.
@@ -226,11 +231,12 @@ impl PgStore {
     /// did not. Only if the server cannot tell is the outcome still unknown.
     /// Costs one extra round trip before the `COMMIT`.
     pub async fn commit_resolved(&self, mut tx: <Self as Store>::Tx) -> Result<(), StoreError> {
-        let xid: Option<i64> = sqlx::query_scalar("SELECT txid_current_if_assigned()")
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db_error)?;
-        let err = match tx.commit().await {
+        let xid: Option<i64> = within_answer_bound::<PgDialect, _>(
+            sqlx::query_scalar("SELECT txid_current_if_assigned()").fetch_one(&mut *tx),
+        )
+        .await
+        .map_err(db_error)?;
+        let err = match within_answer_bound::<PgDialect, _>(tx.commit()).await {
             Ok(()) => return Ok(()),
             Err(err) if is_connection_lost(&err) => err,
             Err(err) => return Err(commit_error(err)),
@@ -239,7 +245,12 @@ impl PgStore {
         let Some(xid) = xid else {
             return Err(StoreError::Unavailable(err.into()));
         };
-        for attempt in 0..25u32 {
+        // About five seconds of asking, however long each answer takes.
+        let until = tokio::time::Instant::now() + RESOLVE_FOR;
+        for attempt in 0.. {
+            if tokio::time::Instant::now() >= until {
+                break;
+            }
             match self.transaction_outcome(xid).await {
                 Ok(TxOutcome::Committed) => {
                     tracing::info!(xid, "commit outcome resolved: committed");
@@ -264,11 +275,13 @@ impl PgStore {
     /// What became of the transaction with id `xid` (`txid_current()`),
     /// asked on a pool connection.
     pub async fn transaction_outcome(&self, xid: i64) -> Result<TxOutcome, StoreError> {
-        let status: Option<String> = sqlx::query_scalar("SELECT txid_status($1)")
-            .bind(xid)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(db_error)?;
+        let status: Option<String> = within_answer_bound::<PgDialect, _>(
+            sqlx::query_scalar("SELECT txid_status($1)")
+                .bind(xid)
+                .fetch_one(&self.pool),
+        )
+        .await
+        .map_err(db_error)?;
         Ok(match status.as_deref() {
             Some("committed") => TxOutcome::Committed,
             Some("aborted") => TxOutcome::Aborted,
@@ -288,18 +301,22 @@ impl Store for PgStore {
     /// 0.9.1 makes its own `begin()` cancel-safe too; see `pool_options`.)
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         let pool = self.pool.clone();
-        tokio::spawn(async move { pool.begin().await })
+        tokio::spawn(async move { within_answer_bound::<PgDialect, _>(pool.begin()).await })
             .await
             .map_err(StoreError::other)?
             .map_err(db_error)
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        tx.commit().await.map_err(commit_error)
+        within_answer_bound::<PgDialect, _>(tx.commit())
+            .await
+            .map_err(commit_error)
     }
 
     async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        tx.rollback().await.map_err(db_error)
+        within_answer_bound::<PgDialect, _>(tx.rollback())
+            .await
+            .map_err(db_error)
     }
 
     async fn ready(&self) -> Result<(), StoreError> {

@@ -139,6 +139,14 @@ impl PgStoreOptions {
     /// fails with [`StoreError::Unavailable`] (try again later), and inside
     /// a transaction it fails the transaction. It covers your statements in
     /// the store's transactions too; migrations run without it.
+    ///
+    /// The store's own statements, `BEGIN` and `COMMIT` also give up on the
+    /// client side when no answer comes within the timeout plus 5 s (the
+    /// longest of any store in the process): a network that drops every
+    /// byte never lets the server see the statement to cancel it, and the
+    /// socket alone would wait for minutes. A statement given up on fails
+    /// with [`StoreError::Unavailable`] (nothing committed), a `COMMIT`
+    /// or an autocommit write with [`StoreError::OutcomeUnknown`].
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = timeout;
         self
@@ -181,6 +189,7 @@ impl PgStoreOptions {
     /// needed), creating the schema and migrating unless told not to.
     pub async fn open(self, url: &str) -> Result<PgStore, StoreError> {
         let options = self.connect_options(url)?;
+        super::dialect::cover_statement_timeout(self.statement_timeout);
         let pool = pool_options()
             .max_connections(self.max_connections)
             .min_connections(self.min_connections)

@@ -37,12 +37,13 @@
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::store::OutboxRecord;
+use keel_sql::dialect::within_answer_bound;
 use keel_sql::outbox::OutboxBackend;
 use sqlx::postgres::PgRow;
 
-use super::PgStore;
 use super::codec::to_json;
 use super::error::{db_error, sql_limit};
+use super::{PgDialect, PgStore};
 
 /// Inserts the rows given as parallel arrays and notifies the outbox
 /// channel, in one statement.
@@ -79,7 +80,7 @@ impl OutboxBackend for PgStore {
             headers.push(to_json(&record.headers)?);
             payloads.push(record.payload.as_ref());
         }
-        sqlx::query(APPEND_SQL)
+        let append = sqlx::query(APPEND_SQL)
             .bind(ids)
             .bind(topics)
             .bind(keys)
@@ -87,7 +88,8 @@ impl OutboxBackend for PgStore {
             .bind(payloads)
             .bind(created_at)
             .bind(self.channels.outbox.as_str())
-            .execute(&mut **tx)
+            .execute(&mut **tx);
+        within_answer_bound::<PgDialect, _>(append)
             .await
             .map_err(db_error)?;
         Ok(())
@@ -101,13 +103,14 @@ impl OutboxBackend for PgStore {
         limit: usize,
     ) -> Result<Vec<PgRow>, StoreError> {
         let lock_key = format!("{}.outbox_claim", self.schema);
-        sqlx::query(CLAIM_SQL)
+        let claim = sqlx::query(CLAIM_SQL)
             .bind(lock_key)
             .bind(relay)
             .bind(until)
             .bind(now)
             .bind(sql_limit(limit))
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool);
+        within_answer_bound::<PgDialect, _>(claim)
             .await
             .map_err(db_error)
     }

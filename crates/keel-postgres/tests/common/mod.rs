@@ -20,7 +20,7 @@ pub fn unique_schema() -> String {
 pub struct ServerLease(#[allow(dead_code)] ServerLock);
 
 impl ServerLease {
-    fn take(exclusive: bool) -> Self {
+    pub fn take(exclusive: bool) -> Self {
         Self(if exclusive {
             ServerLock::exclusive(Service::Postgres)
         } else {
