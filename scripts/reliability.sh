@@ -21,10 +21,17 @@
 #       use instead of this commit's (to compare commits).
 #   scripts/reliability.sh power-loss FIRST LAST
 #       `keel serve` on SQLite under the faultfs shim, for every seed
-#       FIRST..LAST: SIGKILL at random moments and inside an fsync, a disk
+#       FIRST..LAST: SIGKILL at random moments, inside an fsync and at
+#       failpoints (around a batch's COMMIT, between durable steps), a disk
 #       that fills and grows again, a power loss (every write not fsynced
 #       dropped) after every kill and at the end; one line per seed, then the
 #       totals.
+#   scripts/reliability.sh cluster FIRST LAST
+#       a three-node NATS JetStream cluster with R3 streams, under
+#       scripts/services.sh, for every seed FIRST..LAST: each node in a
+#       seeded order SIGKILLed and restarted under load, then (a fresh
+#       cluster) each node partitioned away (its routes black-holed) and
+#       healed; one line per seed and kind, then the totals.
 #   scripts/reliability.sh openapi-fuzz FIRST LAST [EXAMPLES]
 #       Schemathesis against a fresh `keel serve` for every seed
 #       FIRST..LAST (default 100 examples per operation).
@@ -148,19 +155,20 @@ openapi_fuzz() {
 
 power_loss() {
   local first="$1" last="$2" runs=0 failed=0
-  local kills=0 in_fsync=0 full=0 ok=0 unknown=0 recovered=0
+  local kills=0 in_fsync=0 at_failpoint=0 full=0 ok=0 unknown=0 recovered=0
   cargo nextest run -p keel --all-features --test power_loss --no-run
   for seed in $(seq "$first" "$last"); do
     local log rc=0 line
     log="target/power-loss-seed-$seed.log"
     KEEL_FAULT_SEEDS="$seed" cargo nextest run -p keel --all-features --test power_loss \
       --no-capture >"$log" 2>&1 || rc=$?
-    line="$(grep -o 'fault run: seed [0-9]* kills [0-9]* kills-in-fsync [0-9]* disk-full [0-9]* ok [0-9]* failed [0-9]* unknown [0-9]* recovered [0-9]*' "$log" | tail -n 1 || true)"
+    line="$(grep -o 'fault run: seed [0-9]* kills [0-9]* kills-in-fsync [0-9]* kills-at-failpoint [0-9]* disk-full [0-9]* ok [0-9]* failed [0-9]* unknown [0-9]* recovered [0-9]*' "$log" | tail -n 1 || true)"
     runs=$((runs + 1))
     if [ "$rc" = 0 ] && [ -n "$line" ]; then
       read -r -a f <<<"${line#fault run: }"
-      kills=$((kills + f[3])); in_fsync=$((in_fsync + f[5])); full=$((full + f[7]))
-      ok=$((ok + f[9])); unknown=$((unknown + f[13])); recovered=$((recovered + f[15]))
+      kills=$((kills + f[3])); in_fsync=$((in_fsync + f[5])); at_failpoint=$((at_failpoint + f[7]))
+      full=$((full + f[9])); ok=$((ok + f[11])); unknown=$((unknown + f[15]))
+      recovered=$((recovered + f[17]))
       rm -f "$log"
       echo "$line"
     else
@@ -169,7 +177,27 @@ power_loss() {
     fi
   done
   echo "power loss: $runs runs, $failed failed; $kills kills, $in_fsync kills inside an fsync," \
-    "$full full disks; $ok acknowledged calls, $unknown unknown, $recovered keys recovered"
+    "$at_failpoint kills at a failpoint, $full full disks; $ok acknowledged calls, $unknown unknown, $recovered keys recovered"
+}
+
+cluster() {
+  local first="$1" last="$2" runs=0 failed=0
+  cargo nextest run -p keel-nats --all-features --test cluster --no-run
+  for seed in $(seq "$first" "$last"); do
+    local log rc=0
+    log="target/cluster-seed-$seed.log"
+    KEEL_FAULT_SEEDS="$seed" scripts/services.sh run cargo nextest run -p keel-nats \
+      --all-features --test cluster --no-capture >"$log" 2>&1 || rc=$?
+    runs=$((runs + 2))
+    if [ "$rc" = 0 ]; then
+      grep -o 'fault run: cluster [a-z]* seed [0-9]*: .* retried' "$log" || true
+      rm -f "$log"
+    else
+      failed=$((failed + 1))
+      echo "seed $seed: FAILED (exit $rc), see $log"
+    fi
+  done
+  echo "cluster: $runs runs (kills and partitions), $failed seeds failed"
 }
 
 case "${1:-}" in
@@ -179,5 +207,6 @@ case "${1:-}" in
   chaos-busy-disk) shift; chaos_busy_disk "$@" ;;
   openapi-fuzz) shift; openapi_fuzz "$@" ;;
   power-loss) shift; power_loss "$@" ;;
-  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | network-faults FIRST LAST | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES] | power-loss FIRST LAST" >&2; exit 2 ;;
+  cluster) shift; cluster "$@" ;;
+  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | network-faults FIRST LAST | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES] | power-loss FIRST LAST | cluster FIRST LAST" >&2; exit 2 ;;
 esac

@@ -140,6 +140,18 @@ async fn demo_command(args: DemoArgs) -> anyhow::Result<bool> {
     Ok(report.invariants.ok)
 }
 
+async fn serve_command(args: ServeArgs) -> anyhow::Result<bool> {
+    // A test build's failpoints that kill the process (the fault harness's).
+    #[cfg(feature = "chaos")]
+    if chaos::kill::arm_from_env()? > 0 {
+        tracing::warn!(
+            "{} is set: this process kills itself at failpoints",
+            chaos::kill::KILL_AT_ENV
+        );
+    }
+    serve::run(args).await.map(|()| true)
+}
+
 #[cfg(feature = "chaos")]
 async fn chaos_command(args: ChaosArgs) -> anyhow::Result<bool> {
     let json = args.json;
@@ -185,7 +197,7 @@ fn main() -> ExitCode {
     let outcome = runtime.block_on(async {
         match cli.command {
             Command::Demo(args) => demo_command(args).await,
-            Command::Serve(args) => serve::run(*args).await.map(|()| true),
+            Command::Serve(args) => serve_command(*args).await,
             #[cfg(feature = "chaos")]
             Command::Chaos(args) => chaos_command(args).await,
             Command::Dlq { client, command } => ops::run_dlq(&client, command).await.map(|()| true),

@@ -1,6 +1,8 @@
 //! `keel serve` on SQLite, crashed the way machines crash: `SIGKILL` at a
 //! random moment under load, `SIGKILL` inside an fsync (after a commit's
-//! write, before its sync), a disk that fills and grows again, and after
+//! write, before its sync), `SIGKILL` at a failpoint (a group commit's
+//! `COMMIT` sent or returned but nobody answered; the relay, a consumer or
+//! a saga between two durable steps), a disk that fills and grows again, and after
 //! every kill a power loss that drops each write not yet fsynced. The
 //! server restarts on what survived, the clients retry under the same
 //! Idempotency-Keys, and the demo's checker judges every client call
@@ -11,7 +13,8 @@
 //! pauses between them, the fsync a kill lands in); where they land in the
 //! load depends on timing, as in the world. `scripts/reliability.sh` runs
 //! many seeds, CI a few. The shim (`keel_testkit::faultfs`) is built with the machine's C
-//! compiler.
+//! compiler; the failpoints need the `chaos` feature.
+#![cfg(feature = "chaos")]
 
 #[path = "history/mod.rs"]
 mod history;
@@ -21,6 +24,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
+use keel::chaos::kill::KILL_AT_ENV;
 use keel::demo::report;
 use keel::demo::workload::WorkloadResult;
 use keel::shop::db::ShopDb;
@@ -37,9 +41,26 @@ enum Fault {
     /// Restart under a shim that kills the process inside its Nth fsync from
     /// then on, then a power loss.
     KillInSync(u64),
+    /// Restart with a kill armed at the Nth time a failpoint is reached,
+    /// then a power loss.
+    KillAt(&'static str, u64),
     /// Every write fails with `ENOSPC` for a while, then the disk grows.
     DiskFull(Duration),
 }
+
+/// Where [`Fault::KillAt`] kills the server: around a batch's `COMMIT`
+/// most often (it is where every answer waits), and between the durable
+/// steps of the relay, the consumers and the sagas.
+const KILL_POINTS: [&str; 8] = [
+    "keel-sqlite-group-before-commit",
+    "keel-sqlite-group-after-commit",
+    "keel-sqlite-group-after-commit",
+    "relay-after-publish",
+    "consumer-after-handler",
+    "consumer-after-commit",
+    "keel-saga-after-claim",
+    "keel-saga-after-step",
+];
 
 /// The seeded schedule: two or three faults, each after a pause.
 fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
@@ -48,9 +69,10 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
         .map(|_| {
             // Short pauses: the faults land while the orders are coming in.
             let pause = Duration::from_millis(rng.u64(100..700));
-            let fault = match rng.u8(0..3) {
+            let fault = match rng.u8(0..4) {
                 0 => Fault::Kill,
                 1 => Fault::KillInSync(rng.u64(3..60)),
+                2 => Fault::KillAt(KILL_POINTS[rng.usize(..KILL_POINTS.len())], rng.u64(1..40)),
                 _ => Fault::DiskFull(Duration::from_millis(rng.u64(200..1_200))),
             };
             (pause, fault)
@@ -126,6 +148,25 @@ async fn power_loss(disk: &FaultFs, child: &mut Child) -> u64 {
     disk.power_loss().expect("power loss")
 }
 
+/// Power loss, then the server restarted with `arm` in its environment
+/// (a kill it deals itself), then whatever it died of, another power loss
+/// and a restart: the server, whether the armed kill fired, the bytes the
+/// second power loss dropped.
+async fn armed_kill(
+    disk: &FaultFs,
+    port: u16,
+    mut child: Child,
+    arm: (OsString, OsString),
+) -> (Child, bool, u64) {
+    let _ = power_loss(disk, &mut child).await;
+    let (mut armed, _) = start(disk, port, &[arm]).await;
+    // An idle server may never reach the armed point: then the kill comes
+    // from outside, a moment later.
+    let died = tokio::time::timeout(Duration::from_secs(3), armed.wait()).await;
+    let (next, lost) = crash_and_restart(disk, port, armed).await;
+    (next, died.is_ok(), lost)
+}
+
 /// Plays `faults` on the server on `port`; returns the last server and
 /// what happened, one line each.
 async fn play(disk: &FaultFs, port: u16, faults: Vec<(Duration, Fault)>) -> (Child, Vec<String>) {
@@ -140,15 +181,18 @@ async fn play(disk: &FaultFs, port: u16, faults: Vec<(Duration, Fault)>) -> (Chi
                 format!("SIGKILL, power loss dropped {lost} bytes")
             }
             Fault::KillInSync(nth) => {
-                let _ = power_loss(disk, &mut child).await;
-                let (mut armed, _) = start(disk, port, &[FaultFs::kill_at_sync(nth)]).await;
-                // An idle server may never reach its fsync `nth`: then the
-                // kill comes from outside, a moment later.
-                let died = tokio::time::timeout(Duration::from_secs(3), armed.wait()).await;
-                let (next, lost) = crash_and_restart(disk, port, armed).await;
+                let (next, died, lost) =
+                    armed_kill(disk, port, child, FaultFs::kill_at_sync(nth)).await;
                 child = next;
-                let how = if died.is_ok() { "inside" } else { "3 s before" };
+                let how = if died { "inside" } else { "3 s before" };
                 format!("SIGKILL {how} fsync {nth}, power loss dropped {lost} bytes")
+            }
+            Fault::KillAt(failpoint, nth) => {
+                let arm = (KILL_AT_ENV.into(), format!("{failpoint}:{nth}").into());
+                let (next, died, lost) = armed_kill(disk, port, child, arm).await;
+                child = next;
+                let how = if died { "at" } else { "3 s before" };
+                format!("SIGKILL {how} {failpoint} {nth}, power loss dropped {lost} bytes")
             }
             Fault::DiskFull(span) => {
                 disk.fill(true).expect("fill the disk");
@@ -198,10 +242,12 @@ async fn run(seed: u64) {
     // One line per run for scripts/reliability.sh; the assertions above
     // already failed the run on anything lost, duplicated or stuck.
     eprintln!(
-        "fault run: seed {seed} kills {} kills-in-fsync {} disk-full {} ok {} failed {} \
-         unknown {} recovered {recovered}; {log:?}; the last power loss dropped {lost} bytes",
+        "fault run: seed {seed} kills {} kills-in-fsync {} kills-at-failpoint {} disk-full {} \
+         ok {} failed {} unknown {} recovered {recovered}; {log:?}; \
+         the last power loss dropped {lost} bytes",
         count("SIGKILL,") + count("SIGKILL 3 s"),
         count("SIGKILL inside"),
+        count("SIGKILL at"),
         count("disk full"),
         result.calls.ok,
         result.calls.failed,
@@ -263,19 +309,9 @@ async fn judge(data: &Path, result: &WorkloadResult, seed: u64, log: &[String]) 
     invariants.recovered
 }
 
-/// The seeds to run: `KEEL_FAULT_SEEDS` (`7`, `1-50`), else `default`.
-fn seeds(default: std::ops::RangeInclusive<u64>) -> std::ops::RangeInclusive<u64> {
-    let Ok(spec) = std::env::var("KEEL_FAULT_SEEDS") else {
-        return default;
-    };
-    let (first, last) = spec.split_once('-').unwrap_or((&spec, &spec));
-    let parse = |s: &str| s.trim().parse::<u64>().expect("KEEL_FAULT_SEEDS: N or N-M");
-    parse(first)..=parse(last)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kills_power_losses_and_a_full_disk_lose_and_duplicate_nothing() {
-    for seed in seeds(1..=2) {
+    for seed in keel_testkit::seeds::fault_seeds(1..=2) {
         run(seed).await;
     }
 }

@@ -1,10 +1,16 @@
 //! A three-node JetStream cluster on loopback, streams with three replicas,
-//! and nodes killed (`SIGKILL`) and restarted while messages are published
-//! and consumed: every message a publish acknowledged is delivered, each
-//! key's messages in the order they were published, and nothing the
-//! publisher did not send. A single-replica stream could not promise this
-//! once its one node's disk is gone; R3 loses nothing while a majority
-//! lives.
+//! and nodes killed (`SIGKILL`) and restarted, or partitioned away from the
+//! other two and healed, while messages are published and consumed: every
+//! message a publish acknowledged is delivered, each key's messages in the
+//! order they were published, and nothing the publisher did not send. A
+//! single-replica stream could not promise this once its one node's disk is
+//! gone; R3 loses nothing while a majority lives.
+//!
+//! Every route between two nodes runs through a fault proxy
+//! (`keel_testkit::netfault`), one per direction: a partition black-holes
+//! every route of one node (its bytes neither arrive nor are refused, as a
+//! cut cable does) while its clients still reach it. The nodes advertise no
+//! route address of their own, so no node learns a way around the proxies.
 //!
 //! The test runs its own nats-servers (the binary `scripts/services.sh`
 //! installs), so it never disturbs the shared test server.
@@ -12,15 +18,53 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use keel_messaging::broker::{Broker, Message, SubscribeOptions};
 use keel_nats::{NatsBroker, NatsBrokerOptions};
+use keel_testkit::netfault::{Condition, FaultProxy};
 use keel_testkit::services;
 
 const NODES: usize = 3;
 const KEYS: u64 = 12;
 const MESSAGES: u64 = 240;
+
+/// One node's fault in a seeded run: each node has one, in a seeded order.
+#[derive(Debug, Clone, Copy)]
+struct Turn {
+    node: usize,
+    /// The batch before which the fault starts.
+    at: usize,
+    /// A kill: the batch before which the node restarts.
+    restart_at: usize,
+    /// A partition: how long it lasts (on the clock, not on progress: a
+    /// publisher whose node is cut off makes none until it heals). Longer
+    /// than a JetStream leader takes to notice it lost its followers.
+    partition: Duration,
+}
+
+/// The turns of `seed`: every node once, in a seeded order, each within
+/// its third of the batches.
+fn turns(seed: u64, batches: usize) -> Vec<Turn> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut order: Vec<usize> = (0..NODES).collect();
+    rng.shuffle(&mut order);
+    let share = batches / NODES;
+    order
+        .into_iter()
+        .enumerate()
+        .map(|(turn, node)| {
+            let at = turn * share + rng.usize(1..share / 2);
+            Turn {
+                node,
+                at,
+                restart_at: at + rng.usize(1..share / 2),
+                partition: Duration::from_millis(rng.u64(3_000..9_000)),
+            }
+        })
+        .collect()
+}
 
 /// One node of the cluster: its ports, its store, its process.
 struct Node {
@@ -30,6 +74,9 @@ struct Node {
     monitor_port: u16,
     store: PathBuf,
     process: Option<Child>,
+    /// The proxies this node dials to reach each other node's routes:
+    /// (that node, its proxy).
+    routes: Vec<(usize, FaultProxy)>,
 }
 
 struct Cluster {
@@ -39,18 +86,26 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn new(binary: PathBuf) -> Self {
+    async fn new(binary: PathBuf) -> Self {
         let dir = tempfile::tempdir().expect("a directory");
-        let nodes = (0..NODES)
-            .map(|i| Node {
+        let cluster_ports: Vec<u16> = (0..NODES).map(|_| services::free_port()).collect();
+        let mut nodes = Vec::new();
+        for i in 0..NODES {
+            let mut routes = Vec::new();
+            for (j, port) in cluster_ports.iter().enumerate().filter(|(j, _)| *j != i) {
+                let upstream = ([127, 0, 0, 1], *port).into();
+                routes.push((j, FaultProxy::start(upstream).await.expect("a route proxy")));
+            }
+            nodes.push(Node {
                 name: format!("n{i}"),
                 client_port: services::free_port(),
-                cluster_port: services::free_port(),
+                cluster_port: cluster_ports[i],
                 monitor_port: services::free_port(),
                 store: dir.path().join(format!("n{i}")),
                 process: None,
-            })
-            .collect();
+                routes,
+            });
+        }
         let mut cluster = Self {
             binary,
             nodes,
@@ -62,24 +117,43 @@ impl Cluster {
         cluster
     }
 
-    /// Every node's port that `port` picks, as NATS URLs separated by
-    /// commas.
-    fn urls(&self, port: impl Fn(&Node) -> u16) -> String {
-        self.nodes
-            .iter()
-            .map(|n| format!("nats://127.0.0.1:{}", port(n)))
-            .collect::<Vec<_>>()
-            .join(",")
+    /// Black-holes every route to and from node `k`.
+    fn partition(&self, k: usize) {
+        self.set_routes(k, Condition::BlackHole);
+    }
+
+    /// Node `k`'s routes pass again (what they held back arrives).
+    fn heal(&self, k: usize) {
+        self.set_routes(k, Condition::Healthy);
+    }
+
+    fn set_routes(&self, k: usize, condition: Condition) {
+        for (i, node) in self.nodes.iter().enumerate() {
+            for (j, proxy) in &node.routes {
+                if i == k || *j == k {
+                    proxy.set(condition);
+                }
+            }
+        }
     }
 
     /// The client URL naming every node, so the client fails over.
     fn url(&self) -> String {
-        self.urls(|n| n.client_port)
+        self.nodes
+            .iter()
+            .map(|n| format!("nats://127.0.0.1:{}", n.client_port))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     fn start(&mut self, i: usize) {
-        let routes = self.urls(|n| n.cluster_port);
         let node = &mut self.nodes[i];
+        let routes = node
+            .routes
+            .iter()
+            .map(|(_, proxy)| format!("nats://{}", proxy.addr()))
+            .collect::<Vec<_>>()
+            .join(",");
         let log = std::fs::File::create(node.store.with_extension("log")).expect("log file");
         let child = Command::new(&self.binary)
             .args(["-a", "127.0.0.1", "-p", &node.client_port.to_string()])
@@ -89,6 +163,9 @@ impl Cluster {
                 "--cluster",
                 &format!("nats://127.0.0.1:{}", node.cluster_port),
             ])
+            // Gossip would hand the others this node's own route address,
+            // around the proxies: advertise one that refuses.
+            .args(["--cluster_advertise", "127.0.0.1:1"])
             .args(["--routes", &routes, "-js", "-sd"])
             .arg(&node.store)
             .stdin(Stdio::null())
@@ -248,43 +325,35 @@ async fn consume(
     (order, seen)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_nodes_of_a_three_replica_cluster_lose_and_reorder_nothing() {
-    let Some(binary) = services::nats_server_binary() else {
-        return;
-    };
-    let mut cluster = Cluster::new(binary);
+/// The batches the publisher sends, four messages each.
+fn batches() -> Vec<Vec<Message>> {
+    (0..MESSAGES)
+        .collect::<Vec<_>>()
+        .chunks(4)
+        .map(|chunk| chunk.iter().copied().map(message).collect())
+        .collect()
+}
+
+/// A cluster of fresh nodes and a broker on it (R3, nothing to warn of).
+async fn cluster_and_broker() -> Option<(Cluster, NatsBroker)> {
+    let cluster = Cluster::new(services::nats_server_binary()?).await;
     let broker = open(&cluster.url()).await;
     assert!(
         broker.durability_warnings().is_empty(),
         "{:?}",
         broker.durability_warnings()
     );
+    Some((cluster, broker))
+}
 
-    let (mut acked, mut retries) = (BTreeSet::new(), 0);
-    let batches: Vec<Vec<Message>> = (0..MESSAGES)
-        .collect::<Vec<_>>()
-        .chunks(4)
-        .map(|chunk| chunk.iter().copied().map(message).collect())
-        .collect();
-    // Each node in turn is killed a quarter of the way into its share of
-    // the batches, and restarted halfway: the client's own node, a
-    // stream's leader, the meta leader, whichever they are.
-    let per_node = batches.len() / NODES;
-    for (b, batch) in batches.iter().enumerate() {
-        let (node, into) = (b / per_node, b % per_node);
-        if node < NODES && into == per_node / 4 {
-            cluster.wait_healthy().await;
-            cluster.kill(node);
-        }
-        if node < NODES && into == per_node / 2 {
-            cluster.start(node);
-        }
-        retries += publish_until_acked(&broker, batch).await;
-        acked.extend(batch.iter().map(|m| m.id.clone()));
-    }
-
-    let (order, seen) = consume(&broker, &acked).await;
+/// Every acknowledged message delivered, nothing else, each key in the
+/// order it was published.
+async fn assert_delivered_in_order(
+    cluster: &Cluster,
+    broker: &NatsBroker,
+    acked: &BTreeSet<String>,
+) {
+    let (order, seen) = consume(broker, acked).await;
     let missing: Vec<_> = acked.difference(&seen).collect();
     assert!(
         missing.is_empty(),
@@ -294,7 +363,7 @@ async fn killed_nodes_of_a_three_replica_cluster_lose_and_reorder_nothing() {
             .collect::<Vec<_>>()
             .join("\n---\n")
     );
-    let unexpected: Vec<_> = seen.difference(&acked).collect();
+    let unexpected: Vec<_> = seen.difference(acked).collect();
     assert!(
         unexpected.is_empty(),
         "delivered, never sent: {unexpected:?}"
@@ -309,8 +378,75 @@ async fn killed_nodes_of_a_three_replica_cluster_lose_and_reorder_nothing() {
     for (key, sent) in &published {
         assert_eq!(order.get(key), Some(sent), "key {key} out of order");
     }
-    eprintln!(
-        "cluster: {MESSAGES} messages acknowledged and delivered in key order across {NODES} \
-         kills; {retries} publishes retried"
-    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_nodes_of_a_three_replica_cluster_lose_and_reorder_nothing() {
+    for seed in keel_testkit::seeds::fault_seeds(1..=1) {
+        let Some((mut cluster, broker)) = cluster_and_broker().await else {
+            return;
+        };
+        let (mut acked, mut retries) = (BTreeSet::new(), 0);
+        let batches = batches();
+        // The client's own node, a stream's leader, the meta leader,
+        // whichever they are: each is killed in its turn.
+        let turns = turns(seed, batches.len());
+        for (b, batch) in batches.iter().enumerate() {
+            for turn in &turns {
+                if turn.at == b {
+                    cluster.wait_healthy().await;
+                    cluster.kill(turn.node);
+                }
+                if turn.restart_at == b {
+                    cluster.start(turn.node);
+                }
+            }
+            retries += publish_until_acked(&broker, batch).await;
+            acked.extend(batch.iter().map(|m| m.id.clone()));
+        }
+        assert_delivered_in_order(&cluster, &broker, &acked).await;
+        eprintln!(
+            "fault run: cluster kills seed {seed}: {MESSAGES} messages acknowledged and \
+             delivered in key order across {NODES} kills ({turns:?}); {retries} publishes retried"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_nodes_of_a_three_replica_cluster_lose_and_reorder_nothing() {
+    for seed in keel_testkit::seeds::fault_seeds(1..=1) {
+        let Some((cluster, broker)) = cluster_and_broker().await else {
+            return;
+        };
+        let batches = batches();
+        let turns = turns(seed, batches.len());
+        let published = AtomicUsize::new(0);
+        let partitions = async {
+            for turn in &turns {
+                while published.load(Ordering::Relaxed) < turn.at {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                cluster.wait_healthy().await;
+                cluster.partition(turn.node);
+                tokio::time::sleep(turn.partition).await;
+                cluster.heal(turn.node);
+            }
+        };
+        let publishing = async {
+            let (mut acked, mut retries) = (BTreeSet::new(), 0);
+            for batch in &batches {
+                retries += publish_until_acked(&broker, batch).await;
+                acked.extend(batch.iter().map(|m| m.id.clone()));
+                published.fetch_add(1, Ordering::Relaxed);
+            }
+            (acked, retries)
+        };
+        let ((acked, retries), ()) = tokio::join!(publishing, partitions);
+        assert_delivered_in_order(&cluster, &broker, &acked).await;
+        eprintln!(
+            "fault run: cluster partitions seed {seed}: {MESSAGES} messages acknowledged and \
+             delivered in key order across {NODES} partitions ({turns:?}); \
+             {retries} publishes retried"
+        );
+    }
 }

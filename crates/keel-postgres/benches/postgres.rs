@@ -36,8 +36,10 @@
 //!     --warm-up-time 1 --measurement-time 3
 //! ```
 //!
-//! The test server runs with `fsync=off` (scripts/services.sh), so raw
-//! commits cost no disk flush: the ratio compares CPU and round trips.
+//! The figures in BENCHMARKS.md were taken with `KEEL_TEST_PG_FSYNC=off`
+//! (scripts/services.sh starts the test server with `fsync=on` unless told),
+//! so raw commits cost no disk flush: the ratio compares CPU and round
+//! trips. The summary names the setting the run had.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -477,7 +479,8 @@ fn summary(latency: &Histogram<u64>, effects: &[Histogram<u64>]) {
     let ms = |micros: u64| micros as f64 / 1000.0;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!();
-    println!("== postgres summary (test server: fsync=off, synchronous_commit=on) ==");
+    let fsync = std::env::var("KEEL_TEST_PG_FSYNC").unwrap_or_else(|_| "on".to_owned());
+    println!("== postgres summary (test server: fsync={fsync}, synchronous_commit=on) ==");
     println!("raw insert+commit: {raw:.0} rows/s (first {first:.0}, last {last:.0})");
     println!(
         "relay drain:       {relay:.0} events/s = {:.2} x raw; {:.2} x the raw rate \

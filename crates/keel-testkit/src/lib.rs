@@ -21,6 +21,8 @@
 //! fragile as a disk: a power loss drops what was not fsynced, the disk
 //! fills, the process dies inside an fsync.
 //!
+//! [`seeds`] says which seeds a seeded fault test runs.
+//!
 //! [`bench`](mod@bench) (feature `bench`) is what the backends' messaging benchmarks
 //! share. [`eventually`] waits for what another task does; [`metrics`] (feature
 //! `metrics`) records what the code under test emits, for assertions.
@@ -45,6 +47,7 @@ pub mod ledger;
 pub mod metrics;
 #[cfg(feature = "netfault")]
 pub mod netfault;
+pub mod seeds;
 pub mod services;
 #[cfg(feature = "store-suite")]
 pub mod store_suite;

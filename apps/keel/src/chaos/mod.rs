@@ -19,6 +19,7 @@
 //! around them differ).
 
 pub mod broker;
+pub mod kill;
 pub mod report;
 pub mod schedule;
 mod system;

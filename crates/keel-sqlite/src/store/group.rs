@@ -427,6 +427,9 @@ impl GroupCommit {
                 Verdict::Unknown(Arc::new(err))
             }
         };
+        // A process that dies here committed (or not) without telling anyone:
+        // the callers' retries must find what the disk kept.
+        fail::fail_point!("keel-sqlite-group-after-commit");
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         metrics::histogram!("keel_sqlite_group_commit_size").record(batch.waiters.len() as f64);
         for waiter in batch.waiters {
