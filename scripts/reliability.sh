@@ -153,15 +153,35 @@ openapi_fuzz() {
   echo "openapi fuzz: $runs runs, $failed failed, $cases requests"
 }
 
+# Builds the integration test TEST of PACKAGE (all features) and copies it
+# under target/reliability/, with the keel binary when WITH_KEEL is set:
+# a long run then tests one build, whatever is built meanwhile. Prints the
+# test binary's path.
+snapshot_test() {
+  local package="$1" test="$2" dir bin
+  dir="target/reliability/$test-$(date +%s)"
+  mkdir -p "$dir"
+  bin="$(cargo test -q -p "$package" --all-features --test "$test" --no-run --message-format=json |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
+        print(m["executable"])' | tail -n 1)"
+  cp "$bin" "$dir/$test"
+  if [ -n "${WITH_KEEL:-}" ]; then cp target/debug/keel "$dir/keel"; fi
+  echo "$dir/$test"
+}
+
 power_loss() {
   local first="$1" last="$2" runs=0 failed=0
-  local kills=0 in_fsync=0 at_failpoint=0 full=0 ok=0 unknown=0 recovered=0
-  cargo nextest run -p keel --all-features --test power_loss --no-run
+  local kills=0 in_fsync=0 at_failpoint=0 full=0 ok=0 unknown=0 recovered=0 bin
+  bin="$(WITH_KEEL=1 snapshot_test keel power_loss)"
   for seed in $(seq "$first" "$last"); do
     local log rc=0 line
     log="target/power-loss-seed-$seed.log"
-    KEEL_FAULT_SEEDS="$seed" cargo nextest run -p keel --all-features --test power_loss \
-      --no-capture >"$log" 2>&1 || rc=$?
+    KEEL_FAULT_SEEDS="$seed" KEEL_TEST_KEEL_BIN="$(dirname "$bin")/keel" "$bin" --nocapture \
+      >"$log" 2>&1 || rc=$?
     line="$(grep -o 'fault run: seed [0-9]* kills [0-9]* kills-in-fsync [0-9]* kills-at-failpoint [0-9]* disk-full [0-9]* ok [0-9]* failed [0-9]* unknown [0-9]* recovered [0-9]*' "$log" | tail -n 1 || true)"
     runs=$((runs + 1))
     if [ "$rc" = 0 ] && [ -n "$line" ]; then
@@ -181,13 +201,13 @@ power_loss() {
 }
 
 cluster() {
-  local first="$1" last="$2" runs=0 failed=0
-  cargo nextest run -p keel-nats --all-features --test cluster --no-run
+  local first="$1" last="$2" runs=0 failed=0 bin
+  bin="$(snapshot_test keel-nats cluster)"
   for seed in $(seq "$first" "$last"); do
     local log rc=0
     log="target/cluster-seed-$seed.log"
-    KEEL_FAULT_SEEDS="$seed" scripts/services.sh run cargo nextest run -p keel-nats \
-      --all-features --test cluster --no-capture >"$log" 2>&1 || rc=$?
+    KEEL_FAULT_SEEDS="$seed" CI=true scripts/services.sh run "$bin" --nocapture --test-threads 1 \
+      >"$log" 2>&1 || rc=$?
     runs=$((runs + 2))
     if [ "$rc" = 0 ]; then
       grep -o 'fault run: cluster [a-z]* seed [0-9]*: .* retried' "$log" || true

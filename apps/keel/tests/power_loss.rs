@@ -84,7 +84,7 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
 /// `port`; whether it came up (one armed to die inside an fsync may not).
 async fn start(disk: &FaultFs, port: u16, extra_env: &[(OsString, OsString)]) -> (Child, bool) {
     let db = disk.data_dir().join("shop.db");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+    let mut child = Command::new(keel_binary())
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--database-url", &format!("sqlite:{}", db.display())])
         .env("KEEL_LOG", "error")
@@ -111,6 +111,13 @@ async fn start(disk: &FaultFs, port: u16, extra_env: &[(OsString, OsString)]) ->
     .unwrap_or(false);
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     (child, listening)
+}
+
+/// The `keel` binary to run: `KEEL_TEST_KEEL_BIN` (a copy that a build
+/// running meanwhile cannot replace, as `scripts/reliability.sh` takes), or
+/// the one cargo built with this test.
+fn keel_binary() -> OsString {
+    std::env::var_os("KEEL_TEST_KEEL_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_keel").into())
 }
 
 /// Where every incarnation of the server writes its log: beside the data,
