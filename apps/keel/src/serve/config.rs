@@ -2,6 +2,7 @@
 //! configuration it runs with.
 
 use std::net::SocketAddr;
+use std::num::NonZeroU64;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use serde::Deserialize;
 
 use crate::api::webhooks::{self};
 use crate::backend::{self, BackendOptions, InvalidBackend};
+use crate::shop::retention::Retention;
 
 use super::DEFAULT_LISTEN;
 
@@ -133,6 +135,27 @@ pub struct ServeArgs {
     /// may hold [default: 16].
     #[arg(long, env = "KEEL_MAX_STREAMS_PER_CLIENT")]
     pub max_streams_per_client: Option<usize>,
+    /// Seconds between retention passes, which delete expired
+    /// Idempotency-Keys, old event-log events, expired jobs and finished
+    /// webhook deliveries [default: 600].
+    #[arg(long, env = "KEEL_RETENTION_INTERVAL_SECS")]
+    pub retention_interval_secs: Option<u64>,
+    /// Seconds the event log keeps an event [default: 604800, 7 days]; 0
+    /// for no age limit.
+    #[arg(long, env = "KEEL_EVENT_LOG_MAX_AGE_SECS")]
+    pub event_log_max_age_secs: Option<u64>,
+    /// Events the event log keeps per stream, newest first [default:
+    /// 10000]; 0 for no count limit.
+    #[arg(long, env = "KEEL_EVENT_LOG_KEEP_LAST")]
+    pub event_log_keep_last: Option<u64>,
+    /// Seconds a job is kept after it expired (it answers 410 meanwhile)
+    /// [default: 86400].
+    #[arg(long, env = "KEEL_JOBS_GRACE_SECS")]
+    pub jobs_grace_secs: Option<u64>,
+    /// Seconds a finished webhook delivery, with its attempts, is kept
+    /// [default: 604800, 7 days].
+    #[arg(long, env = "KEEL_WEBHOOK_DELIVERIES_MAX_AGE_SECS")]
+    pub webhook_deliveries_max_age_secs: Option<u64>,
     /// Origins (`scheme://host[:port]`, comma-separated) whose pages may
     /// open `/ws`, besides the server's own.
     #[arg(long, env = "KEEL_WS_ALLOWED_ORIGINS", value_delimiter = ',')]
@@ -224,6 +247,16 @@ pub struct ServeFile {
     pub idle_timeout_secs: Option<u64>,
     /// See [`ServeArgs::max_streams_per_client`].
     pub max_streams_per_client: Option<usize>,
+    /// See [`ServeArgs::retention_interval_secs`].
+    pub retention_interval_secs: Option<u64>,
+    /// See [`ServeArgs::event_log_max_age_secs`].
+    pub event_log_max_age_secs: Option<u64>,
+    /// See [`ServeArgs::event_log_keep_last`].
+    pub event_log_keep_last: Option<u64>,
+    /// See [`ServeArgs::jobs_grace_secs`].
+    pub jobs_grace_secs: Option<u64>,
+    /// See [`ServeArgs::webhook_deliveries_max_age_secs`].
+    pub webhook_deliveries_max_age_secs: Option<u64>,
     /// See [`ServeArgs::ws_allowed_origins`].
     pub ws_allowed_origins: Option<Vec<String>>,
     /// See [`ServeArgs::otlp_endpoint`].
@@ -297,6 +330,8 @@ pub struct ServeConfig {
     pub max_streams_per_client: usize,
     /// Origins allowed to open `/ws`, besides the server's own.
     pub ws_allowed_origins: Vec<String>,
+    /// What is pruned, and when.
+    pub retention: Retention,
     /// Demo faults on.
     pub demo_faults: bool,
     /// Chaos experiments honoured (from loopback clients).
@@ -323,6 +358,7 @@ impl std::fmt::Debug for ServeConfig {
             .field("secrets", &self.secrets)
             .field("public_metrics", &self.public_metrics)
             .field("connection_limits", &self.connection_limits)
+            .field("retention", &self.retention)
             .field("inbound_webhook_secret", &set(&self.inbound_webhook_secret))
             .field("cursor_key", &set(&self.cursor_key))
             .finish_non_exhaustive()
@@ -408,6 +444,7 @@ impl ServeArgs {
     /// Like [`resolve`](Self::resolve), with `file` in place of the file
     /// `--config` names.
     pub fn resolve_with(&self, file: ServeFile) -> Result<ServeConfig, ConfigError> {
+        let retention = self.retention(&file)?;
         let listen = self
             .listen
             .clone()
@@ -567,12 +604,47 @@ impl ServeArgs {
             connection_limits,
             max_streams_per_client,
             ws_allowed_origins,
+            retention,
             demo_faults: self.demo_faults || file.demo_faults.unwrap_or(false),
             chaos_experiments: self.chaos_experiments || file.chaos_experiments.unwrap_or(false),
             allow_loopback_webhooks: self.allow_loopback_webhooks
                 || file.allow_loopback_webhooks.unwrap_or(false),
             inbound_webhook_secret,
             cursor_key,
+        })
+    }
+}
+
+impl ServeArgs {
+    /// The retention settings, flags over the file over the defaults.
+    fn retention(&self, file: &ServeFile) -> Result<Retention, ConfigError> {
+        let defaults = Retention::default();
+        let secs =
+            |flag: Option<u64>, in_file: Option<u64>| flag.or(in_file).map(Duration::from_secs);
+        let interval = secs(self.retention_interval_secs, file.retention_interval_secs)
+            .unwrap_or(defaults.interval);
+        if interval.is_zero() {
+            return Err(invalid("retention-interval-secs", "must be at least 1"));
+        }
+        Ok(Retention {
+            interval,
+            event_log_max_age: match secs(self.event_log_max_age_secs, file.event_log_max_age_secs)
+            {
+                Some(age) if age.is_zero() => None,
+                Some(age) => Some(age),
+                None => defaults.event_log_max_age,
+            },
+            event_log_keep_last: match self.event_log_keep_last.or(file.event_log_keep_last) {
+                Some(keep) => NonZeroU64::new(keep),
+                None => defaults.event_log_keep_last,
+            },
+            jobs_grace: secs(self.jobs_grace_secs, file.jobs_grace_secs)
+                .unwrap_or(defaults.jobs_grace),
+            webhook_deliveries: secs(
+                self.webhook_deliveries_max_age_secs,
+                file.webhook_deliveries_max_age_secs,
+            )
+            .unwrap_or(defaults.webhook_deliveries),
         })
     }
 }

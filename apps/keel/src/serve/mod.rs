@@ -246,6 +246,7 @@ async fn serve_on<S: ShopStore>(
         allow_loopback_webhooks: config.allow_loopback_webhooks,
         secrets: config.secrets.clone(),
         connection_limits: config.connection_limits.clone(),
+        retention: config.retention.clone(),
         streams_per_client: config.max_streams_per_client,
         ws_origins: config.ws_allowed_origins.clone(),
         cursor_key: config

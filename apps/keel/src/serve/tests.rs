@@ -216,3 +216,27 @@ fn a_parsed_file_resolves_like_the_file_it_came_from() {
     let unknown = ServeFile::from_toml("listne = \"127.0.0.1:7000\"\n").unwrap_err();
     assert!(unknown.to_string().contains("listne"), "{unknown}");
 }
+
+#[test]
+fn retention_runs_by_default_and_every_age_can_be_set() {
+    let defaults = args().resolve().unwrap().retention;
+    assert_eq!(defaults, crate::shop::retention::Retention::default());
+    assert_eq!(defaults.interval, Duration::from_secs(600));
+    assert!(defaults.event_log_max_age.is_some() && defaults.event_log_keep_last.is_some());
+
+    let file = ServeFile::from_toml("event_log_keep_last = 50\njobs_grace_secs = 60\n").unwrap();
+    let mut a = args();
+    a.retention_interval_secs = Some(30);
+    a.event_log_max_age_secs = Some(0);
+    a.webhook_deliveries_max_age_secs = Some(3600);
+    let retention = a.resolve_with(file).unwrap().retention;
+    assert_eq!(retention.interval, Duration::from_secs(30));
+    assert_eq!(retention.event_log_max_age, None, "0: no age limit");
+    assert_eq!(retention.event_log_keep_last.map(|n| n.get()), Some(50));
+    assert_eq!(retention.jobs_grace, Duration::from_secs(60));
+    assert_eq!(retention.webhook_deliveries, Duration::from_secs(3600));
+
+    a.retention_interval_secs = Some(0);
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("retention-interval-secs"), "{refused}");
+}

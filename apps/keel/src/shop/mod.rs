@@ -20,6 +20,7 @@ pub mod model;
 pub mod pg;
 pub mod projection;
 pub mod quotes;
+pub mod retention;
 pub mod saga;
 pub mod services;
 pub mod shipping;
@@ -128,6 +129,8 @@ pub struct SystemConfig {
     pub shipping_grpc: SocketAddr,
     /// How fast shipping's courier moves a shipment to delivered.
     pub courier_pace: shipping::CourierPace,
+    /// What is pruned, and when (default: [`retention::Retention`]'s).
+    pub retention: retention::Retention,
 }
 
 impl Default for SystemConfig {
@@ -160,6 +163,7 @@ impl Default for SystemConfig {
             relay_name: "shop-relay".to_owned(),
             shipping_grpc: SocketAddr::from(([127, 0, 0, 1], 0)),
             courier_pace: shipping::CourierPace::default(),
+            retention: retention::Retention::default(),
         }
     }
 }
@@ -418,6 +422,7 @@ impl System {
         tasks.spawn(async move {
             worker.run(on_stop).await;
         });
+        spawn_retention(&mut tasks, &store, &log, &config, stopped.clone());
         let server_drain = drain.clone();
         let limits = config.connection_limits.clone();
         let tls = config.tls.clone();
@@ -454,6 +459,30 @@ impl System {
             tasks,
         })
     }
+}
+
+/// Starts the pruners ([`retention::run`]) under a lease, so that of the
+/// processes sharing a database one at a time prunes.
+fn spawn_retention<S: ShopStore>(
+    tasks: &mut JoinSet<()>,
+    store: &S,
+    log: &EventLog<S>,
+    config: &SystemConfig,
+    stop: watch::Receiver<bool>,
+) {
+    let lease = LeaseLock::new(
+        store.clone(),
+        "retention",
+        config.relay_name.clone(),
+        3 * config.retention.interval,
+    );
+    tasks.spawn(retention::run(
+        store.clone(),
+        log.clone(),
+        config.retention.clone(),
+        LeaseGate::new(lease),
+        stop,
+    ));
 }
 
 /// The origins of the server's own pages: `http://ADDR`, and on loopback
