@@ -381,7 +381,7 @@ async fn past_the_connection_cap_a_new_connection_gets_503_with_retry_after() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (status, answer) = raw(
         &s,
-        "GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        "GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
     )
     .await;
     assert_eq!(status, 503, "{answer}");
@@ -389,6 +389,90 @@ async fn past_the_connection_cap_a_new_connection_gets_503_with_retry_after() {
         answer.to_ascii_lowercase().contains("retry-after: 1"),
         "{answer}"
     );
+    // Alive at the cap: a liveness probe that failed here would have the
+    // orchestrator restart the server in a loop for as long as the attack
+    // lasts.
+    let (status, answer) = raw(
+        &s,
+        "GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+#[tokio::test]
+async fn one_address_cannot_take_the_connections_every_other_client_needs() {
+    let s = serve(&[
+        "--max-connections",
+        "8",
+        "--max-connections-per-address",
+        "3",
+    ]);
+    let port = s.host().rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let from = |octet: u8| async move {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(([127, 0, 0, octet], 0).into()).unwrap();
+        socket.connect(([127, 0, 0, 1], port).into()).await.unwrap()
+    };
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(from(9).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut other = from(10).await;
+    other
+        .write_all(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), other.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "another address: {answer}"
+    );
+}
+
+#[tokio::test]
+async fn a_body_trickled_a_byte_at_a_time_is_cut_on_every_route() {
+    let s = serve(&["--body-read-timeout-secs", "1", "--admin-token", TOKEN]);
+    let json = "application/json";
+    let form = "application/x-www-form-urlencoded";
+    for (path, content_type) in [
+        ("/webhooks/inbound/partner", json),
+        ("/reports", json),
+        ("/console/login", form),
+        ("/orders", json),
+    ] {
+        let mut slow = TcpStream::connect(s.host()).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n\
+             Origin: {}\r\nIdempotency-Key: trickle-{path}\r\nContent-Length: 100\r\n\r\n",
+            s.url
+        );
+        slow.write_all(head.as_bytes()).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        // A byte every 200 ms, reading what comes back meanwhile.
+        while started.elapsed() < Duration::from_secs(8) {
+            let _ = slow.write_all(b" ").await;
+            if let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_millis(200), slow.read(&mut buf)).await
+            {
+                if n == 0 {
+                    break;
+                }
+                answer.extend_from_slice(&buf[..n]);
+            }
+        }
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{path}: {answer}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{path}: cut late"
+        );
+    }
 }
 
 #[tokio::test]

@@ -683,3 +683,114 @@ async fn raw_answer(stream: &mut TcpStream) -> String {
         .unwrap();
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
+
+/// A server on a free port with `limits`, answering `POST /upload` with the
+/// body's length and `GET /hello` with `hello`.
+async fn limited(limits: keel_http::health::ConnectionLimits) -> SocketAddr {
+    let app = Router::new()
+        .route(
+            "/upload",
+            axum::routing::post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+        )
+        .route("/hello", get(|| async { "hello" }))
+        .route("/livez", get(|| async { "live" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let serving = drain(0, 5_000);
+    tokio::spawn(async move { serving.serve_with(listener, app, limits).await });
+    addr
+}
+
+/// A connection to `server` from the loopback address `from`.
+async fn connect_from(from: [u8; 4], server: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind((from, 0).into()).unwrap();
+    socket.connect(server).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_trickling_in_past_its_read_timeout_gets_408_and_the_connection_closes() {
+    use keel_http::health::ConnectionLimits;
+    use tokio::io::AsyncWriteExt;
+    let limits = ConnectionLimits::new().body_read_timeout(Duration::from_secs(1));
+    let addr = limited(limits).await;
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        .await
+        .unwrap();
+    // A byte every 200 ms: never idle, never done.
+    let trickle = async {
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if slow.write_all(b"x").await.is_err() {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_millis(1_500), trickle)
+        .await
+        .ok();
+    let answer = raw_answer(&mut slow).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
+    assert!(closed_within(&mut slow, Duration::from_secs(3)).await);
+
+    let mut quick = TcpStream::connect(addr).await.unwrap();
+    quick
+        .write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        .await
+        .unwrap();
+    let answer = raw_answer(&mut quick).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holds_its_share_and_livez_answers_at_the_cap() {
+    use keel_http::health::ConnectionLimits;
+    use tokio::io::AsyncWriteExt;
+    let limits = ConnectionLimits::new()
+        .max_connections(4)
+        .max_connections_per_address(2);
+    let addr = limited(limits).await;
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let _held = [
+        connect_from([127, 0, 0, 1], addr).await,
+        connect_from([127, 0, 0, 1], addr).await,
+    ];
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut third = connect_from([127, 0, 0, 1], addr).await;
+    third.write_all(get("/hello").as_bytes()).await.unwrap();
+    let answer = raw_answer(&mut third).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 503"),
+        "past its share: {answer}"
+    );
+
+    let mut other = connect_from([127, 0, 0, 2], addr).await;
+    other.write_all(get("/hello").as_bytes()).await.unwrap();
+    let answer = raw_answer(&mut other).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "another address: {answer}"
+    );
+
+    let _more = [
+        connect_from([127, 0, 0, 3], addr).await,
+        connect_from([127, 0, 0, 3], addr).await,
+    ];
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut probe = connect_from([127, 0, 0, 4], addr).await;
+    probe.write_all(get("/livez").as_bytes()).await.unwrap();
+    let answer = raw_answer(&mut probe).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "alive at the cap: {answer}"
+    );
+    let mut refused = connect_from([127, 0, 0, 4], addr).await;
+    refused.write_all(get("/hello").as_bytes()).await.unwrap();
+    let answer = raw_answer(&mut refused).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "at the cap: {answer}");
+}

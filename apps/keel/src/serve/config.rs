@@ -24,7 +24,7 @@ mod telemetry;
 
 pub use telemetry::SERVICE_NAME;
 
-use sources::{api_keys, connection_limits, pick, secret};
+use sources::{ConnectionSettings, api_keys, connection_limits, pick, secret};
 
 /// `keel serve`'s flags; each also reads `KEEL_<NAME>`.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -127,6 +127,14 @@ pub struct ServeArgs {
     /// keep-alive connection) [default: 10].
     #[arg(long, env = "KEEL_HEADER_READ_TIMEOUT_SECS")]
     pub header_read_timeout_secs: Option<u64>,
+    /// One client address's share of the connections [default: 256]; past
+    /// it, its new connections get 503.
+    #[arg(long, env = "KEEL_MAX_CONNECTIONS_PER_ADDRESS")]
+    pub max_connections_per_address: Option<usize>,
+    /// Seconds a request body may take to arrive whole, counted from its
+    /// head, on every route [default: 10]; past it, 408.
+    #[arg(long, env = "KEEL_BODY_READ_TIMEOUT_SECS")]
+    pub body_read_timeout_secs: Option<u64>,
     /// Seconds a connection may move no byte before it is closed
     /// [default: 60].
     #[arg(long, env = "KEEL_IDLE_TIMEOUT_SECS")]
@@ -243,6 +251,10 @@ pub struct ServeFile {
     pub max_connections: Option<usize>,
     /// See [`ServeArgs::header_read_timeout_secs`].
     pub header_read_timeout_secs: Option<u64>,
+    /// See [`ServeArgs::max_connections_per_address`].
+    pub max_connections_per_address: Option<usize>,
+    /// See [`ServeArgs::body_read_timeout_secs`].
+    pub body_read_timeout_secs: Option<u64>,
     /// See [`ServeArgs::idle_timeout_secs`].
     pub idle_timeout_secs: Option<u64>,
     /// See [`ServeArgs::max_streams_per_client`].
@@ -517,12 +529,17 @@ impl ServeArgs {
             }
             None => SecretSealer::plaintext(),
         };
-        let connection_limits = connection_limits(
-            self.max_connections.or(file.max_connections),
-            self.header_read_timeout_secs
+        let connection_limits = connection_limits(ConnectionSettings {
+            max_connections: self.max_connections.or(file.max_connections),
+            max_connections_per_address: self
+                .max_connections_per_address
+                .or(file.max_connections_per_address),
+            header_read_secs: self
+                .header_read_timeout_secs
                 .or(file.header_read_timeout_secs),
-            self.idle_timeout_secs.or(file.idle_timeout_secs),
-        )?;
+            body_read_secs: self.body_read_timeout_secs.or(file.body_read_timeout_secs),
+            idle_secs: self.idle_timeout_secs.or(file.idle_timeout_secs),
+        })?;
         let max_streams_per_client = self
             .max_streams_per_client
             .or(file.max_streams_per_client)

@@ -317,14 +317,14 @@ impl Drain {
                 accepted = listener.accept() => accepted,
             };
             while connections.try_join_next().is_some() {}
-            if let Ok(slot) = Arc::clone(&slots).try_acquire_owned() {
+            if let Some(slot) = slots.try_take(peer.ip()) {
                 let connection =
                     serve_connection(io, peer, router.clone(), limits.clone(), self.clone(), slot);
                 connections.spawn(connection);
             } else {
                 metrics::counter!("keel_http_connections_refused_total").increment(1);
-                tracing::warn!(%peer, "connection cap reached: answering 503");
-                if let Ok(slot) = Arc::clone(&overflow).try_acquire_owned() {
+                tracing::warn!(%peer, "connection cap or the address's share reached: answering 503");
+                if let Some(slot) = overflow.try_take(peer.ip()) {
                     connections.spawn(answer_overloaded(io, slot));
                 }
             }

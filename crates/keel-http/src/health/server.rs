@@ -11,29 +11,42 @@
 //! - **idle timeout**: a connection that moves no byte either way for this
 //!   long is asked to close (after its response, if one is due), and
 //!   dropped if it is still silent one more period later;
+//! - **body read timeout**: a request's body must arrive whole within it,
+//!   counted from its head, on every route, however steadily its bytes
+//!   trickle in (each byte resets the idle timer, not this); past it the
+//!   request is answered `408` and the connection closed;
 //! - **connection cap**: past it, a new connection gets a `503` with
 //!   `Retry-After` and is closed (up to a small number of such answers at
-//!   once; beyond that it is closed unanswered).
+//!   once; beyond that it is closed unanswered). `/livez` is answered `200`
+//!   there: a server at its cap is alive, and an orchestrator that
+//!   restarted it would only hand the attacker a restart loop;
+//! - **a share per address**: one client address holds at most
+//!   `max_connections_per_address` of the slots, so one address cannot take
+//!   what every other client needs.
 //!
 //! Each request carries the peer's address as `ConnectInfo<SocketAddr>`,
 //! which per-client limits and throttles read.
 
+use std::collections::HashMap;
+use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::{Body, Bytes};
 use axum::extract::ConnectInfo;
-use axum::http::{Request, StatusCode};
+use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::IntoResponse;
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use keel_core::clock::{self, Instant};
 use keel_policy::ConfigError;
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
@@ -51,6 +64,15 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The default cap on open connections: 1,024.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
+/// The default share of the connections one client address may hold: 256.
+pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: usize = 256;
+
+/// The default body read timeout: 10 s.
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Over-the-cap answers one address gets at once.
+const OVERFLOW_ANSWERS_PER_ADDRESS: usize = 4;
+
 /// Connections over the cap answered `503` at once, at most.
 const OVERFLOW_ANSWERS: usize = 64;
 
@@ -62,25 +84,48 @@ const OVERFLOW_HEADER_TIMEOUT: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectionLimits {
     header_read_timeout: Duration,
+    body_read_timeout: Duration,
     idle_timeout: Duration,
     max_connections: usize,
+    max_connections_per_address: usize,
 }
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_address: DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         }
     }
 }
 
 impl ConnectionLimits {
     /// The defaults: [`DEFAULT_HEADER_READ_TIMEOUT`],
-    /// [`DEFAULT_IDLE_TIMEOUT`], [`DEFAULT_MAX_CONNECTIONS`].
+    /// [`DEFAULT_BODY_READ_TIMEOUT`], [`DEFAULT_IDLE_TIMEOUT`],
+    /// [`DEFAULT_MAX_CONNECTIONS`], [`DEFAULT_MAX_CONNECTIONS_PER_ADDRESS`].
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// How long a request's body may take to arrive whole, from its head.
+    pub fn body_read_timeout(mut self, timeout: Duration) -> Self {
+        self.body_read_timeout = timeout;
+        self
+    }
+
+    /// How many of the connections one client address may hold (capped at
+    /// `max_connections`).
+    pub fn max_connections_per_address(mut self, max: usize) -> Self {
+        self.max_connections_per_address = max;
+        self
+    }
+
+    /// The share of one client address.
+    pub fn per_address(&self) -> usize {
+        self.max_connections_per_address.min(self.max_connections)
     }
 
     /// How long a request head may take to arrive.
@@ -120,14 +165,83 @@ impl ConnectionLimits {
         if self.max_connections == 0 {
             return Err(ConfigError::new("max_connections", "must be at least 1"));
         }
+        if self.body_read_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "body_read_timeout",
+                "must be more than zero",
+            ));
+        }
+        if self.max_connections_per_address == 0 {
+            return Err(ConfigError::new(
+                "max_connections_per_address",
+                "must be at least 1",
+            ));
+        }
         Ok(self)
     }
 
-    pub(super) fn slots(&self) -> (Arc<Semaphore>, Arc<Semaphore>) {
+    pub(super) fn slots(&self) -> (Slots, Slots) {
         (
-            Arc::new(Semaphore::new(self.max_connections)),
-            Arc::new(Semaphore::new(OVERFLOW_ANSWERS)),
+            Slots::new(self.max_connections, self.per_address()),
+            Slots::new(OVERFLOW_ANSWERS, OVERFLOW_ANSWERS_PER_ADDRESS),
         )
+    }
+}
+
+/// A pool of connection slots with a share per client address. The map
+/// holds only addresses with a connection open, so it is never larger than
+/// the pool.
+#[derive(Debug)]
+pub(super) struct Slots {
+    all: Arc<Semaphore>,
+    per_address: usize,
+    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One slot of [`Slots`], given back when dropped.
+#[derive(Debug)]
+pub(super) struct Slot {
+    _permit: OwnedSemaphorePermit,
+    address: IpAddr,
+    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl Slots {
+    fn new(all: usize, per_address: usize) -> Self {
+        Self {
+            all: Arc::new(Semaphore::new(all)),
+            per_address,
+            held: Arc::default(),
+        }
+    }
+
+    /// A slot for a connection from `address`, unless the pool or the
+    /// address's share is full.
+    pub(super) fn try_take(&self, address: IpAddr) -> Option<Slot> {
+        let mut held = self.held.lock();
+        if held.get(&address).is_some_and(|n| *n >= self.per_address) {
+            metrics::counter!("keel_http_address_share_refused_total").increment(1);
+            return None;
+        }
+        let permit = Arc::clone(&self.all).try_acquire_owned().ok()?;
+        *held.entry(address).or_insert(0) += 1;
+        Some(Slot {
+            _permit: permit,
+            address,
+            held: Arc::clone(&self.held),
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut held = self.held.lock();
+        if let Some(count) = held.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.address);
+            }
+        }
     }
 }
 
@@ -139,7 +253,7 @@ pub(super) async fn serve_connection<Io>(
     router: Router,
     limits: ConnectionLimits,
     drain: Drain,
-    _slot: OwnedSemaphorePermit,
+    _slot: Slot,
 ) where
     Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -148,9 +262,9 @@ pub(super) async fn serve_connection<Io>(
         io,
         activity: activity.clone(),
     });
-    let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
-        request.extensions_mut().insert(ConnectInfo(peer));
-        router.clone().oneshot(request)
+    let body_read_timeout = limits.body_read_timeout;
+    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+        serve_request(router.clone(), request, peer, body_read_timeout)
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -188,21 +302,105 @@ pub(super) async fn serve_connection<Io>(
     }
 }
 
+/// One request through `router`, its body bounded by `body_read_timeout`:
+/// a body still arriving past it fails the handler's read, and the answer
+/// is `408` (and the connection closes).
+async fn serve_request(
+    router: Router,
+    request: Request<Incoming>,
+    peer: SocketAddr,
+    body_read_timeout: Duration,
+) -> Result<axum::response::Response, std::convert::Infallible> {
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(ConnectInfo(peer));
+    if body.is_end_stream() {
+        return router
+            .oneshot(Request::from_parts(parts, Body::new(body)))
+            .await;
+    }
+    let expired = Arc::new(AtomicBool::new(false));
+    let body = DeadlineBody {
+        inner: body,
+        deadline: Box::pin(tokio::time::sleep(body_read_timeout)),
+        expired: Arc::clone(&expired),
+    };
+    let response = router
+        .oneshot(Request::from_parts(parts, Body::new(body)))
+        .await?;
+    if !expired.load(Ordering::Relaxed) {
+        return Ok(response);
+    }
+    metrics::counter!("keel_http_slow_bodies_total").increment(1);
+    tracing::debug!(%peer, "request body not read within its timeout: 408");
+    let mut timed_out = Problem::new(
+        StatusCode::REQUEST_TIMEOUT,
+        format!("the request body did not arrive within {body_read_timeout:?}"),
+    )
+    .into_response();
+    timed_out
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    Ok(timed_out)
+}
+
+/// A request body that must arrive whole before its deadline; past it, an
+/// error (and `expired` set) in place of the next frame.
+struct DeadlineBody {
+    inner: Incoming,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    expired: Arc<AtomicBool>,
+}
+
+/// What a handler reading a body past its deadline gets.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within its read timeout")]
+struct BodyReadTimedOut;
+
+impl hyper::body::Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
+        }
+        if this.deadline.as_mut().poll(cx).is_ready() {
+            this.expired.store(true, Ordering::Relaxed);
+            return Poll::Ready(Some(Err(BodyReadTimedOut.into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// Answers a connection over the cap with `503` and `Retry-After`, then
-/// closes it.
-pub(super) async fn answer_overloaded<Io>(io: Io, _slot: OwnedSemaphorePermit)
+/// closes it; `GET /livez` with `200`, since a server at its cap is alive.
+pub(super) async fn answer_overloaded<Io>(io: Io, _slot: Slot)
 where
     Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = hyper::service::service_fn(|_: Request<Incoming>| async {
-        Ok::<_, std::convert::Infallible>(
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the server has as many connections open as it allows; retry shortly",
-            )
-            .with_retry_after(Duration::from_secs(1))
-            .into_response(),
+    let service = hyper::service::service_fn(|request: Request<Incoming>| async move {
+        if request.uri().path() == "/livez" {
+            let alive = axum::Json(serde_json::json!({ "ok": true, "at_connection_cap": true }));
+            return Ok::<_, std::convert::Infallible>(alive.into_response());
+        }
+        Ok(Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server has as many connections open as it allows; retry shortly",
         )
+        .with_retry_after(Duration::from_secs(1))
+        .into_response())
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use keel_http::access::ApiKeys;
 use keel_http::health::{
-    ConnectionLimits, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
 };
 
 use super::{ConfigError, invalid};
@@ -45,17 +46,31 @@ pub(super) fn api_keys(
 
 /// The edge's limits, each defaulted; the idle timeout must outlast a
 /// quiet long poll.
+/// The connection settings as given (flag, else file); unset ones take
+/// keel-http's defaults.
+#[derive(Debug, Default)]
+pub(super) struct ConnectionSettings {
+    pub max_connections: Option<usize>,
+    pub max_connections_per_address: Option<usize>,
+    pub header_read_secs: Option<u64>,
+    pub body_read_secs: Option<u64>,
+    pub idle_secs: Option<u64>,
+}
+
 pub(super) fn connection_limits(
-    max_connections: Option<usize>,
-    header_read_secs: Option<u64>,
-    idle_secs: Option<u64>,
+    settings: ConnectionSettings,
 ) -> Result<ConnectionLimits, ConfigError> {
+    let secs = |value: Option<u64>, default| value.map_or(default, Duration::from_secs);
     let limits = ConnectionLimits::new()
-        .max_connections(max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS))
-        .header_read_timeout(
-            header_read_secs.map_or(DEFAULT_HEADER_READ_TIMEOUT, Duration::from_secs),
+        .max_connections(settings.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS))
+        .max_connections_per_address(
+            settings
+                .max_connections_per_address
+                .unwrap_or(DEFAULT_MAX_CONNECTIONS_PER_ADDRESS),
         )
-        .idle_timeout(idle_secs.map_or(DEFAULT_IDLE_TIMEOUT, Duration::from_secs))
+        .header_read_timeout(secs(settings.header_read_secs, DEFAULT_HEADER_READ_TIMEOUT))
+        .body_read_timeout(secs(settings.body_read_secs, DEFAULT_BODY_READ_TIMEOUT))
+        .idle_timeout(secs(settings.idle_secs, DEFAULT_IDLE_TIMEOUT))
         .validate()
         .map_err(|e| invalid("connection limits", e.to_string()))?;
     let poll = keel_realtime::DEFAULT_POLL_TIMEOUT;
