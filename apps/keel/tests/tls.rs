@@ -1,7 +1,7 @@
 //! `keel serve` over HTTPS with a self-signed certificate from files: it
 //! says `https://` when listening, answers an order and the probes over
-//! TLS to a client that trusts the certificate, and refuses to start with
-//! a certificate it cannot use.
+//! TLS to a client that trusts the certificate (with HSTS, and `Secure`
+//! session cookies), and refuses to start with a certificate it cannot use.
 
 mod common;
 
@@ -38,7 +38,22 @@ async fn serve_answers_https_with_the_configured_certificate() {
             .await
             .unwrap();
         assert!(r.status().is_success(), "{probe}: {}", r.status());
+        assert_eq!(
+            r.headers()["strict-transport-security"],
+            "max-age=31536000",
+            "HSTS on every answer of Keel's own TLS"
+        );
     }
+    // No forwarded header says HTTPS, but the connection is: the session
+    // cookie must not travel over plain HTTP later.
+    let login = client
+        .post(format!("{}/admin/api/login", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert!(login.status().is_success(), "{}", login.status());
+    let cookie = login.headers()["set-cookie"].to_str().unwrap();
+    assert!(cookie.contains("; Secure"), "{cookie}");
     let r = client
         .post(format!("{}/orders", s.url))
         .header("idempotency-key", "tls-1")

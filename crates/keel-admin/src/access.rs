@@ -62,6 +62,8 @@ struct AccessInner {
     sessions: Sessions,
     hosts: AllowedHosts,
     throttle: FailureThrottle,
+    /// The server terminates TLS itself: every request came over HTTPS.
+    over_tls: bool,
 }
 
 impl AdminAccess {
@@ -90,6 +92,22 @@ impl AdminAccess {
                 sessions,
                 hosts,
                 throttle,
+                over_tls: false,
+            }),
+        }
+    }
+
+    /// This access as served by a server that terminates TLS itself: every
+    /// session cookie is `Secure`, whatever the forwarded headers say.
+    pub fn served_over_tls(self, over_tls: bool) -> Self {
+        let inner = &self.inner;
+        Self {
+            inner: Arc::new(AccessInner {
+                token: inner.token.clone(),
+                sessions: inner.sessions.clone(),
+                hosts: inner.hosts.clone(),
+                throttle: inner.throttle.clone(),
+                over_tls,
             }),
         }
     }
@@ -121,12 +139,13 @@ impl AdminAccess {
 
     /// Starts a session for the client of `request`: the response headers
     /// `answer` set its cookie (`HttpOnly`, `SameSite=Strict`, and `Secure` when the request
-    /// came over HTTPS, as a proxy's `X-Forwarded-Proto` or `Forwarded`
-    /// says).
+    /// came over HTTPS: the server's own TLS ([`served_over_tls`](Self::served_over_tls)),
+    /// or as a proxy's `X-Forwarded-Proto` or `Forwarded` says).
     pub fn start_session(&self, request: &HeaderMap, answer: &mut HeaderMap) -> AdminSession {
         let (session, value) = self.inner.sessions.issue();
         let max_age = self.inner.sessions.ttl().as_secs();
-        set_cookie(answer, request, &value, max_age);
+        let secure = self.inner.over_tls || over_https(request);
+        set_cookie(answer, secure, &value, max_age);
         session
     }
 
@@ -141,7 +160,8 @@ impl AdminAccess {
         if let Some(session) = session {
             self.inner.sessions.revoke(session);
         }
-        set_cookie(answer, request, "", 0);
+        let secure = self.inner.over_tls || over_https(request);
+        set_cookie(answer, secure, "", 0);
     }
 
     /// The layer of the JSON API: `401` problems.
@@ -252,8 +272,8 @@ impl AdminAccess {
 }
 
 /// Sets the session cookie to `value` for `max_age` seconds.
-fn set_cookie(answer: &mut HeaderMap, request: &HeaderMap, value: &str, max_age: u64) {
-    let secure = if over_https(request) { "; Secure" } else { "" };
+fn set_cookie(answer: &mut HeaderMap, secure: bool, value: &str, max_age: u64) {
+    let secure = if secure { "; Secure" } else { "" };
     let cookie = format!(
         "{SESSION_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"
     );

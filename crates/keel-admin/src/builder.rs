@@ -29,6 +29,7 @@ pub struct AdminBuilder<S> {
     hosts: AllowedHosts,
     session_ttl: Duration,
     throttle: FailureThrottle,
+    over_tls: bool,
     outbox: Option<Outbox<S>>,
     sagas: Option<SagaOrchestrator<S>>,
     breakers: Option<BreakerRegistry>,
@@ -57,6 +58,7 @@ where
             hosts: AllowedHosts::loopback(),
             session_ttl: DEFAULT_SESSION_TTL,
             throttle: FailureThrottle::default(),
+            over_tls: false,
             outbox: None,
             sagas: None,
             breakers: None,
@@ -89,6 +91,13 @@ where
     /// [`FailureThrottle::default`]: 10 per address per minute).
     pub fn throttle(mut self, throttle: FailureThrottle) -> Self {
         self.throttle = throttle;
+        self
+    }
+
+    /// The server terminates TLS itself (default: no): session cookies are
+    /// then always `Secure`.
+    pub fn served_over_tls(mut self, over_tls: bool) -> Self {
+        self.over_tls = over_tls;
         self
     }
 
@@ -135,7 +144,8 @@ where
                 outbox,
                 endpoints: Endpoints::new(self.store.clone(), SsrfGuard::default()),
                 store: self.store,
-                access: AdminAccess::with(self.token, self.hosts, self.session_ttl, self.throttle),
+                access: AdminAccess::with(self.token, self.hosts, self.session_ttl, self.throttle)
+                    .served_over_tls(self.over_tls),
                 sagas: self.sagas,
                 breakers: self.breakers,
                 gauges: self.gauges,

@@ -5,8 +5,10 @@
 //! inside `accept`, one client that opens a connection and sends nothing
 //! holds every other client at the door. [`TlsListener`] runs each
 //! handshake as a task of its own, bounded in number
-//! ([`TlsListener::max_handshakes`], 256) and in time
-//! ([`TlsListener::handshake_timeout`], 10 s), and hands out only
+//! ([`TlsListener::max_handshakes`], 256), per client address
+//! ([`TlsListener::max_handshakes_per_address`], 16: one address that
+//! opens connections and never starts TLS holds no more than its share) and
+//! in time ([`TlsListener::handshake_timeout`], 10 s), and hands out only
 //! connections whose handshake finished; failed and timed-out handshakes
 //! are counted in `keel_http_tls_handshake_failures_total{reason}`. It is
 //! an axum [`Listener`], so [`Drain`](crate::health::Drain) and the
@@ -22,7 +24,9 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::HashMap;
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,7 +85,25 @@ pub fn server_config(
     Ok(Arc::new(config))
 }
 
-type Handshake<L> = Option<(TlsStream<<L as Listener>::Io>, <L as Listener>::Addr)>;
+/// A finished handshake: the connection if it succeeded, and the client
+/// address whose share it held.
+type Handshake<L> = (
+    Option<(TlsStream<<L as Listener>::Io>, <L as Listener>::Addr)>,
+    Option<IpAddr>,
+);
+
+/// A listener address that may name the client's IP (a TCP peer does), so
+/// that each client address gets only its share of the handshakes.
+pub trait ClientAddress {
+    /// The client's IP, if the address has one.
+    fn client_ip(&self) -> Option<IpAddr>;
+}
+
+impl ClientAddress for SocketAddr {
+    fn client_ip(&self) -> Option<IpAddr> {
+        Some(self.ip())
+    }
+}
 
 /// A [`Listener`] that answers TLS on top of another one; see the
 /// [module docs](self).
@@ -91,6 +113,9 @@ pub struct TlsListener<L: Listener> {
     handshakes: JoinSet<Handshake<L>>,
     handshake_timeout: Duration,
     max_handshakes: usize,
+    max_per_address: usize,
+    /// Handshakes in progress per client address (only addresses with one).
+    per_address: HashMap<IpAddr, usize>,
 }
 
 impl<L: Listener> std::fmt::Debug for TlsListener<L> {
@@ -99,6 +124,7 @@ impl<L: Listener> std::fmt::Debug for TlsListener<L> {
             .field("handshaking", &self.handshakes.len())
             .field("handshake_timeout", &self.handshake_timeout)
             .field("max_handshakes", &self.max_handshakes)
+            .field("max_handshakes_per_address", &self.max_per_address)
             .finish_non_exhaustive()
     }
 }
@@ -106,7 +132,7 @@ impl<L: Listener> std::fmt::Debug for TlsListener<L> {
 impl<L> TlsListener<L>
 where
     L: Listener,
-    L::Addr: 'static,
+    L::Addr: ClientAddress + 'static,
 {
     /// TLS with `config` on `inner`'s connections.
     pub fn new(inner: L, config: Arc<ServerConfig>) -> Self {
@@ -116,7 +142,17 @@ where
             handshakes: JoinSet::new(),
             handshake_timeout: Duration::from_secs(10),
             max_handshakes: 256,
+            max_per_address: 16,
+            per_address: HashMap::new(),
         }
+    }
+
+    /// The most handshakes in progress from one client address (default
+    /// 16); past it, that address's new connections are closed at once.
+    #[must_use]
+    pub fn max_handshakes_per_address(mut self, max: usize) -> Self {
+        self.max_per_address = max.max(1);
+        self
     }
 
     /// The longest a client may take to finish its handshake (default
@@ -136,11 +172,22 @@ where
     }
 
     fn start_handshake(&mut self, io: L::Io, peer: L::Addr) {
+        let ip = peer.client_ip();
+        if let Some(ip) = ip {
+            let handshaking = self.per_address.entry(ip).or_insert(0);
+            if *handshaking >= self.max_per_address {
+                metrics::counter!("keel_http_tls_handshake_failures_total", "reason" => "address_share")
+                    .increment(1);
+                tracing::debug!(%ip, "TLS handshakes of one address at its share: closed");
+                return;
+            }
+            *handshaking += 1;
+        }
         let acceptor = self.acceptor.clone();
         let timeout = self.handshake_timeout;
         self.handshakes.spawn(async move {
             let reason = match tokio::time::timeout(timeout, acceptor.accept(io)).await {
-                Ok(Ok(stream)) => return Some((stream, peer)),
+                Ok(Ok(stream)) => return (Some((stream, peer)), ip),
                 Ok(Err(error)) => {
                     tracing::debug!(%error, "TLS handshake failed");
                     "failed"
@@ -149,15 +196,26 @@ where
             };
             metrics::counter!("keel_http_tls_handshake_failures_total", "reason" => reason)
                 .increment(1);
-            None
+            (None, ip)
         });
+    }
+
+    /// A handshake of `ip` ended: its address's share has room again.
+    fn handshake_ended(&mut self, ip: Option<IpAddr>) {
+        let Some(ip) = ip else { return };
+        if let Some(handshaking) = self.per_address.get_mut(&ip) {
+            *handshaking -= 1;
+            if *handshaking == 0 {
+                self.per_address.remove(&ip);
+            }
+        }
     }
 }
 
 impl<L> Listener for TlsListener<L>
 where
     L: Listener,
-    L::Addr: 'static,
+    L::Addr: ClientAddress + 'static,
 {
     type Io = TlsStream<L::Io>;
     type Addr = L::Addr;
@@ -170,7 +228,12 @@ where
                 // returned or left in the kernel's queue.
                 (io, peer) = self.inner.accept(), if room => self.start_handshake(io, peer),
                 Some(done) = self.handshakes.join_next(), if !self.handshakes.is_empty() => {
-                    if let Ok(Some(connection)) = done {
+                    // A handshake task never panics or is aborted (it only
+                    // awaits rustls under a timeout), so each ends with its
+                    // address.
+                    let Ok((connection, ip)) = done else { continue };
+                    self.handshake_ended(ip);
+                    if let Some(connection) = connection {
                         return connection;
                     }
                 }

@@ -115,6 +115,51 @@ async fn a_client_that_never_says_hello_blocks_nobody_and_is_closed() {
     );
 }
 
+#[tokio::test]
+async fn one_address_that_never_starts_tls_holds_only_its_share_of_the_handshakes() {
+    let pem = self_signed();
+    let config = server_config(pem.cert_path(), pem.key_path()).unwrap();
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let listener = TlsListener::new(tcp, config)
+        .max_handshakes(4)
+        .max_handshakes_per_address(2);
+    let app = Router::new().route("/hello", get(|| async { "hello over tls" }));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let from = |octet: u8| async move {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(([127, 0, 0, octet], 0).into()).unwrap();
+        socket.connect(addr).await.unwrap()
+    };
+    // Four silent connections from one address: without a share they
+    // would fill every handshake slot for the 10 s timeout.
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(from(5).await);
+    }
+    let mut buf = [0u8; 16];
+    let beyond = tokio::time::timeout(Duration::from_secs(2), silent[3].read(&mut buf))
+        .await
+        .expect("a connection past the address's share is closed at once");
+    assert!(matches!(beyond, Ok(0) | Err(_)), "{beyond:?}");
+    let other = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(pem.cert.as_bytes()).unwrap())
+        .local_address(std::net::IpAddr::from([127, 0, 0, 6]))
+        .build()
+        .unwrap();
+    let body = tokio::time::timeout(
+        Duration::from_secs(5),
+        other.get(format!("https://{addr}/hello")).send(),
+    )
+    .await
+    .expect("another address is handshaken at once")
+    .unwrap()
+    .text()
+    .await
+    .unwrap();
+    assert_eq!(body, "hello over tls");
+}
+
 #[test]
 fn a_missing_empty_or_mismatched_file_is_an_error_naming_it() {
     let pem = self_signed();

@@ -41,12 +41,14 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const REPORTS_GROUP: &str = "reports";
 
 /// The admin API and the console, behind the admin token and answering
-/// only `hosts`. Mounted by `keel serve`; the chaos run and tests can mount
+/// only `hosts` (`over_tls`: the server terminates TLS, so session cookies
+/// are always `Secure`). Mounted by `keel serve`; the chaos run and tests can mount
 /// it too.
 pub fn admin_routes<S: ShopStore>(
     c: &Components<S>,
     token: AdminToken,
     hosts: AllowedHosts,
+    over_tls: bool,
 ) -> (Admin<S>, Router) {
     let lag = BrokerLag::new(Arc::clone(&c.broker))
         .group(fulfilment::TOPIC, fulfilment::GROUP)
@@ -54,6 +56,7 @@ pub fn admin_routes<S: ShopStore>(
     let admin = Admin::builder(c.store.clone())
         .token(token)
         .allowed_hosts(hosts)
+        .served_over_tls(over_tls)
         .outbox(Outbox::new(c.store.clone()))
         .sagas(c.orchestrator.clone())
         .breakers(c.breakers.clone())
@@ -131,7 +134,8 @@ pub fn serve_routes<S: ShopStore>(
         .map_err(|e| StartError::Config(e.to_string()))?;
     let token = AdminToken::require_for(config.listen, config.admin_token.clone())
         .map_err(|e| StartError::Config(e.to_string()))?;
-    let (admin, admin_routes) = admin_routes(c, token, config.allowed_hosts.clone());
+    let (admin, admin_routes) =
+        admin_routes(c, token, config.allowed_hosts.clone(), config.tls.is_some());
     // Dead letters, sagas and lag reach /metrics whether or not anyone
     // opens the console, so the shipped alert rules can fire.
     let drain = c.drain.clone();

@@ -400,6 +400,11 @@ impl System {
             .map_err(config_err)?
             .merge(extra(&components)?)
             .layer(keel_http::request_metrics::RequestMetricsLayer::new());
+        let router = if config.tls.is_some() {
+            router.layer(axum::middleware::map_response(strict_transport_security))
+        } else {
+            router
+        };
 
         let wait = |rx: &watch::Receiver<bool>| {
             let mut rx = rx.clone();
@@ -459,6 +464,19 @@ impl System {
             tasks,
         })
     }
+}
+
+/// HSTS on every answer of a server that terminates TLS itself: a browser
+/// that reached it over HTTPS never tries plain HTTP on it for a year (no
+/// `includeSubDomains`: other hosts under the name are not ours to bind).
+async fn strict_transport_security(
+    mut response: axum::response::Response,
+) -> axum::response::Response {
+    response.headers_mut().insert(
+        axum::http::header::STRICT_TRANSPORT_SECURITY,
+        axum::http::HeaderValue::from_static("max-age=31536000"),
+    );
+    response
 }
 
 /// Starts the pruners ([`retention::run`]) under a lease, so that of the
