@@ -135,6 +135,9 @@ pub trait ShopDb: Store {
     ) -> Result<(), StoreError>;
     /// One order.
     async fn order(&self, id: &str) -> Result<Option<Order>, StoreError>;
+    /// The orders with these ids, in one statement (a DataLoader's batch);
+    /// unknown ids are left out.
+    async fn orders_by_id(&self, ids: &[String]) -> Result<Vec<Order>, StoreError>;
     /// The order whose `orders.placed` event has this id.
     async fn order_by_event(&self, event_id: &str) -> Result<Option<Order>, StoreError>;
     /// Up to `limit` orders with ids after `after`, oldest first,

@@ -319,6 +319,17 @@ impl<B: ShopBackend> ShopDb for B {
         row.as_ref().map(order_from_row::<B::Dialect>).transpose()
     }
 
+    async fn orders_by_id(&self, ids: &[String]) -> Result<Vec<Order>, StoreError> {
+        let mut filter = Filter::new();
+        filter.and_in("id", ids.iter().map(String::as_str));
+        let sql = format!(
+            "SELECT {ORDER_COLUMNS} FROM shop_orders {}",
+            filter.where_clause()
+        );
+        let rows = self.read_all(&sql, filter.params()).await?;
+        rows.iter().map(order_from_row::<B::Dialect>).collect()
+    }
+
     async fn order_by_event(&self, event_id: &str) -> Result<Option<Order>, StoreError> {
         let sql = format!("SELECT {ORDER_COLUMNS} FROM shop_orders WHERE event_id = $1");
         let row = self.read_optional(&sql, &[event_id.into()]).await?;

@@ -46,8 +46,8 @@ pub trait ShopReads: Send + Sync + 'static {
         customer: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Order>, StoreError>;
-    /// One order.
-    async fn order(&self, id: &str) -> Result<Option<Order>, StoreError>;
+    /// Orders by id, in one statement.
+    async fn orders(&self, ids: &[String]) -> Result<Vec<Order>, StoreError>;
     /// Customers by id, in one statement.
     async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError>;
     /// Products by SKU, in one statement.
@@ -67,8 +67,8 @@ impl<S: ShopStore> ShopReads for S {
         crate::shop::db::ShopDb::orders_after(self, after, customer, limit).await
     }
 
-    async fn order(&self, id: &str) -> Result<Option<Order>, StoreError> {
-        crate::shop::db::ShopDb::order(self, id).await
+    async fn orders(&self, ids: &[String]) -> Result<Vec<Order>, StoreError> {
+        crate::shop::db::ShopDb::orders_by_id(self, ids).await
     }
 
     async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError> {
@@ -104,8 +104,8 @@ impl<S: ShopStore> ShopReads for ShopView<S> {
         ShopReads::orders_after(&self.shop, after, customer, limit).await
     }
 
-    async fn order(&self, id: &str) -> Result<Option<Order>, StoreError> {
-        ShopReads::order(&self.shop, id).await
+    async fn orders(&self, ids: &[String]) -> Result<Vec<Order>, StoreError> {
+        ShopReads::orders(&self.shop, ids).await
     }
 
     async fn customers(&self, ids: &[String]) -> Result<Vec<Customer>, StoreError> {
@@ -121,6 +121,8 @@ impl<S: ShopStore> ShopReads for ShopView<S> {
     }
 }
 
+/// Loads orders by id.
+pub struct OrderLoader(Arc<dyn ShopReads>);
 /// Loads customers by id.
 pub struct CustomerLoader(Arc<dyn ShopReads>);
 /// Loads products by SKU.
@@ -142,6 +144,16 @@ fn answer<V>(
         answers.insert(key(&value).to_owned(), Some(value));
     }
     answers
+}
+
+impl Loader<String> for OrderLoader {
+    type Value = Option<Order>;
+    type Error = LoadError;
+
+    async fn load(&self, keys: &[String]) -> Result<HashMap<String, Option<Order>>, LoadError> {
+        let found = self.0.orders(keys).await.map_err(Arc::new)?;
+        Ok(answer(keys, found, |o| &o.id))
+    }
 }
 
 impl Loader<String> for CustomerLoader {
@@ -180,6 +192,8 @@ impl Loader<String> for SagaLoader {
 /// One request's loaders. Not `Clone`, and built only by
 /// [`for_request`](Self::for_request): a set never outlives its request.
 pub struct Loaders {
+    /// Orders by id (every `order(id:)` of a query, aliases included).
+    pub orders: DataLoader<OrderLoader, HashMapCache>,
     /// Customers by id.
     pub customers: DataLoader<CustomerLoader, HashMapCache>,
     /// Products by SKU.
@@ -196,6 +210,7 @@ impl Loaders {
                 .max_batch_size(MAX_BATCH)
         }
         Self {
+            orders: loader(OrderLoader(Arc::clone(reads))),
             customers: loader(CustomerLoader(Arc::clone(reads))),
             products: loader(ProductLoader(Arc::clone(reads))),
             sagas: loader(SagaLoader(Arc::clone(reads))),

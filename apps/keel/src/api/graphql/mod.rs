@@ -5,7 +5,8 @@
 //!
 //! - **one query per kind, per request**: a page of 50 orders with their
 //!   customers costs one orders query and one customer query, not 51; the
-//!   loaders ([`loaders`]) batch what the resolvers ask for;
+//!   loaders ([`loaders`]) batch what the resolvers ask for, `order(id:)`
+//!   under any number of aliases included;
 //! - **loaders per request**: [`ShopGraphql::execute`] is the only way to
 //!   run a query, and it builds a fresh set of loaders each time, so no
 //!   cached row ever crosses from one request (or customer) to another;
@@ -13,8 +14,11 @@
 //!   and gives the signed cursors of `GET /orders?customerId=`, and its
 //!   page size is bounded the same way (1 to 100);
 //! - **bounded queries**: depth at most [`MAX_DEPTH`], complexity at most
-//!   [`MAX_COMPLEXITY`] (a page counts `first ×` what each order asks for),
+//!   [`MAX_COMPLEXITY`] (a page counts `first ×` what each order asks for,
+//!   an `order(id:)` ten, so a thousand aliases are refused),
 //!   the body at most 64 KiB like every route;
+//! - **nothing internal shown**: a saga's `lastError` is a stable code,
+//!   never the error's text (which names internal services);
 //! - **errors with Keel's classes**: every error's `extensions` has
 //!   `class` (`retryable`, `permanent`, …), `type` and `status`, from the
 //!   same problem mapping as REST, plus `retryAfterMs` when to come back;

@@ -103,6 +103,10 @@ async fn place(store: &SqliteStore, customer: &str, skus: &[&str]) -> Order {
 }
 
 async fn start_saga(store: &SqliteStore, order: &Order) {
+    start_saga_failing(store, order, None).await;
+}
+
+async fn start_saga_failing(store: &SqliteStore, order: &Order, last_error: Option<&str>) {
     let at = keel_core::clock::utc_now();
     let saga = SagaRecord {
         id: order.id.clone(),
@@ -113,7 +117,7 @@ async fn start_saga(store: &SqliteStore, order: &Order) {
         attempts: 0,
         outcome_unknown: false,
         first_attempt_at: None,
-        last_error: None,
+        last_error: last_error.map(str::to_owned),
         next_attempt_at: at,
         created_at: at,
         updated_at: at,
@@ -204,6 +208,63 @@ async fn a_page_of_fifty_orders_with_customers_costs_one_customer_query() {
     assert_eq!(of("shop_stock"), 1, "one product query: {ran:#?}");
     assert_eq!(of("keel_sagas"), 1, "one saga query: {ran:#?}");
     assert_eq!(ran.len(), 4, "orders, customers, products, sagas: {ran:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliased_orders_by_id_cost_one_query_and_a_thousand_are_refused() {
+    let log = statements();
+    let store = shop().await;
+    let mut placed = Vec::new();
+    for n in 0..30 {
+        placed.push(place(&store, &format!("a{n:02}"), &["tea"]).await);
+    }
+    let api = api(&store);
+    let aliased = |ids: &[&str]| {
+        let fields: Vec<String> = ids
+            .iter()
+            .enumerate()
+            .map(|(n, id)| format!("o{n}: order(id: \"{id}\") {{ id customerId }}"))
+            .collect();
+        format!("{{ {} }}", fields.join(" "))
+    };
+    let mut ids: Vec<&str> = placed.iter().map(|o| o.id.as_str()).collect();
+    ids.push("no-such-order");
+    log.lock().clear();
+    let answer = run(&api, &aliased(&ids)).await;
+    let ran = log.lock().clone();
+    assert_eq!(answer["errors"], Value::Null, "{answer}");
+    for (n, order) in placed.iter().enumerate() {
+        assert_eq!(answer["data"][format!("o{n}")]["id"], order.id.as_str());
+    }
+    assert_eq!(answer["data"][format!("o{}", placed.len())], Value::Null);
+    let reads = ran.iter().filter(|sql| sql.contains("shop_orders")).count();
+    assert_eq!(reads, 1, "31 aliases, one orders query: {ran:#?}");
+
+    let thousand: Vec<&str> = (0..990).map(|_| ids[0]).collect();
+    let answer = run(&api, &aliased(&thousand)).await;
+    assert!(
+        answer["errors"][0]["message"]
+            .as_str()
+            .expect("message")
+            .contains("too complex"),
+        "990 store reads in one query: {answer}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sagas_last_error_is_a_code_never_an_internal_address() {
+    let store = shop().await;
+    let order = place(&store, "leak", &["tea"]).await;
+    let internal = "http://127.0.0.1:41234/reservations answered 409";
+    start_saga_failing(&store, &order, Some(internal)).await;
+    let api = api(&store);
+    let query = format!("{{ order(id: \"{}\") {{ saga {{ lastError }} }} }}", order.id);
+    let answer = run(&api, &query).await;
+    assert_eq!(
+        answer["data"]["order"]["saga"]["lastError"], "step_failed",
+        "{answer}"
+    );
+    assert!(!answer.to_string().contains("127.0.0.1"), "{answer}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -363,7 +424,7 @@ impl ShopReads for Down {
     ) -> Result<Vec<Order>, StoreError> {
         Err(StoreError::Unavailable("the pool is closed".into()))
     }
-    async fn order(&self, _: &str) -> Result<Option<Order>, StoreError> {
+    async fn orders(&self, _: &[String]) -> Result<Vec<Order>, StoreError> {
         Err(StoreError::Unavailable("the pool is closed".into()))
     }
     async fn customers(&self, _: &[String]) -> Result<Vec<Customer>, StoreError> {
