@@ -285,12 +285,15 @@ async fn without_a_token_rebinding_headerless_posts_and_self_aimed_webhooks_chan
     .await;
     assert_eq!(status, 403, "no proof of intent: {answer}");
     assert!(answer.contains("admin_intent_required"), "{answer}");
+    let port = s.url.rsplit(':').next().unwrap();
+    let grpc_port = s.grpc.rsplit(':').next().unwrap();
     for target in [
         format!("{}{discard}", s.url),
-        format!(
-            "http://localhost:{}{discard}",
-            s.url.rsplit(':').next().unwrap()
-        ),
+        format!("http://localhost:{port}{discard}"),
+        // The same address, spelt as an IPv4-mapped IPv6 one.
+        format!("http://[::ffff:127.0.0.1]:{port}{discard}"),
+        // Another of Keel's own listeners.
+        format!("http://127.0.0.1:{grpc_port}/shipping.v1.Shipping/CreateShipment"),
     ] {
         let aimed = create_endpoint(&http, &s, ACME_KEY, &target).await;
         assert_eq!(
@@ -637,6 +640,28 @@ async fn an_ssrf_refusal_does_not_say_what_a_name_resolves_to() {
     for leak in ["127.0.0.1", "::1", "loopback"] {
         assert!(!detail.contains(leak), "{leak} in {detail}");
     }
+    // A name that does not exist is refused in the same words and status:
+    // registering URLs cannot probe which internal names exist.
+    let missing = create_endpoint(
+        &client(),
+        &s,
+        ACME_KEY,
+        "http://no-such-name.invalid:9/hook",
+    )
+    .await;
+    assert_eq!(missing.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let missing = missing.text().await.unwrap();
+    let words = |detail: &str, host: &str| detail.replace(host, "HOST");
+    let (a, b): (Value, Value) = (
+        serde_json::from_str(&detail).unwrap(),
+        serde_json::from_str(&missing).unwrap(),
+    );
+    assert_eq!(
+        words(a["detail"].as_str().unwrap(), "localhost"),
+        words(b["detail"].as_str().unwrap(), "no-such-name.invalid"),
+        "{a} / {b}"
+    );
+    assert_eq!(a["type"], b["type"]);
 }
 
 #[tokio::test]

@@ -177,10 +177,7 @@ pub enum SsrfError {
     /// The message names neither the address nor its range: a caller
     /// registering URLs must not learn what internal names resolve to.
     /// Both are in the server's log.
-    #[error(
-        "refusing to call {host}: it is (or resolves to) an address webhooks may not call; \
-         webhooks may only call public addresses (an operator can allow-list a network)"
-    )]
+    #[error("{}", refusal(host))]
     Forbidden {
         /// The host as written.
         host: String,
@@ -189,20 +186,39 @@ pub enum SsrfError {
         /// The range it is in.
         range: &'static str,
     },
-    /// The name did not resolve.
-    #[error("could not resolve {host}: {reason}")]
+    /// The name did not resolve (when a delivery is attempted: try again
+    /// later). Said as a refusal is, so that no caller tells a name that
+    /// does not exist from one that resolves inside; `reason` is logged.
+    #[error("{}", refusal(host))]
     Resolve {
         /// The host.
         host: String,
         /// What the resolver said.
         reason: String,
     },
-    /// The name resolved to no address.
-    #[error("{host} resolves to no address")]
+    /// The name resolved to no address (as [`Resolve`](Self::Resolve)).
+    #[error("{}", refusal(host))]
     NoAddress {
         /// The host.
         host: String,
     },
+    /// The name did not resolve when the endpoint was registered: refused
+    /// as a forbidden address is, in the same words, so that registering
+    /// URLs cannot probe which internal names exist.
+    #[error("{}", refusal(host))]
+    Unresolvable {
+        /// The host.
+        host: String,
+    },
+}
+
+/// What every refusal of a host says, whatever the reason (forbidden,
+/// unresolvable): the same words, naming no address or range.
+fn refusal(host: &str) -> String {
+    format!(
+        "refusing to call {host}: it does not resolve to an address webhooks may call; \
+         webhooks may only call public addresses (an operator can allow-list a network)"
+    )
 }
 
 impl SsrfError {
@@ -310,9 +326,12 @@ impl SsrfGuard {
     }
 
     fn check_socket(&self, host: &str, addr: SocketAddr) -> Result<(), SsrfError> {
+        // Canonical forms: `::ffff:127.0.0.1` is `127.0.0.1`.
+        let ip = addr.ip().to_canonical();
         let denied = self.inner.deny.iter().any(|d| {
+            let denied_ip = d.ip().to_canonical();
             d.port() == addr.port()
-                && (d.ip() == addr.ip() || d.ip().is_unspecified() || addr.ip().is_unspecified())
+                && (denied_ip == ip || denied_ip.is_unspecified() || ip.is_unspecified())
         });
         if !denied {
             return Ok(());
@@ -392,7 +411,9 @@ impl SsrfGuard {
 
     /// Parses and checks a URL, resolving its host: what to call when an
     /// endpoint is registered, so a bad URL is refused at once rather than
-    /// at its first delivery. Returns the parsed URL.
+    /// at its first delivery. Returns the parsed URL. A name that does not
+    /// resolve is [`SsrfError::Unresolvable`], refused for good and in the
+    /// words of a forbidden one.
     pub async fn check(&self, url: &str) -> Result<Url, SsrfError> {
         if url.len() > MAX_URL_LEN {
             return Err(SsrfError::TooLong { len: url.len() });
@@ -402,7 +423,19 @@ impl SsrfGuard {
         if literal_ip(&parsed)?.is_none() {
             let host = parsed.host_str().unwrap_or_default();
             self.resolve(host, parsed.port_or_known_default().unwrap_or(0))
-                .await?;
+                .await
+                .map_err(|err| match err {
+                    SsrfError::Resolve { host, reason } => {
+                        tracing::info!(
+                            host,
+                            reason,
+                            "webhook URL refused: its name does not resolve"
+                        );
+                        SsrfError::Unresolvable { host }
+                    }
+                    SsrfError::NoAddress { host } => SsrfError::Unresolvable { host },
+                    other => other,
+                })?;
         }
         Ok(parsed)
     }

@@ -312,7 +312,11 @@ impl System {
         let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
         let dependencies =
             Dependencies::new(urls, &breakers, &config.tuning).map_err(config_err)?;
-        let (log, webhooks, endpoints, worker) = fan_out(&store, addr, &config)?;
+        // Webhooks may never be aimed at any of this process's listeners.
+        let own: Vec<SocketAddr> = std::iter::once(addr)
+            .chain(dependencies.urls().sockets())
+            .collect();
+        let (log, webhooks, endpoints, worker) = fan_out(&store, &own, &config)?;
         let settlement =
             projection::OrderSettlement::new(store.clone(), log.clone(), webhooks, worker.clone());
         let settled = settlement.counter();
@@ -510,7 +514,7 @@ fn spawn_retention<S: ShopStore>(
 #[allow(clippy::type_complexity)]
 fn fan_out<S: ShopStore>(
     store: &S,
-    addr: SocketAddr,
+    own: &[SocketAddr],
     config: &SystemConfig,
 ) -> Result<
     (
@@ -521,8 +525,9 @@ fn fan_out<S: ShopStore>(
     ),
     StartError,
 > {
-    // Webhooks may never be aimed at this server's own listener.
-    let mut guard = SsrfGuard::new().deny(addr);
+    let mut guard = own
+        .iter()
+        .fold(SsrfGuard::new(), |guard, addr| guard.deny(*addr));
     if config.allow_loopback_webhooks {
         tracing::warn!("webhook endpoints on loopback are allowed (demo/serve configuration)");
         for net in [

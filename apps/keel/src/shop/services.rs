@@ -107,6 +107,25 @@ pub struct DependencyUrls {
     pub notifications: String,
 }
 
+impl DependencyUrls {
+    /// The sockets the dependencies listen on (each URL's `IP:PORT`).
+    pub fn sockets(&self) -> Vec<std::net::SocketAddr> {
+        [
+            &self.payments,
+            &self.inventory,
+            &self.shipping,
+            &self.shipping_grpc,
+            &self.notifications,
+        ]
+        .into_iter()
+        .filter_map(|url| {
+            let authority = url.split("://").nth(1)?.split('/').next()?;
+            authority.parse().ok()
+        })
+        .collect()
+    }
+}
+
 struct ServiceState<S> {
     db: S,
     faults: PaymentsFaults,

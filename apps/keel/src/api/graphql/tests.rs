@@ -258,7 +258,10 @@ async fn a_sagas_last_error_is_a_code_never_an_internal_address() {
     let internal = "http://127.0.0.1:41234/reservations answered 409";
     start_saga_failing(&store, &order, Some(internal)).await;
     let api = api(&store);
-    let query = format!("{{ order(id: \"{}\") {{ saga {{ lastError }} }} }}", order.id);
+    let query = format!(
+        "{{ order(id: \"{}\") {{ saga {{ lastError }} }} }}",
+        order.id
+    );
     let answer = run(&api, &query).await;
     assert_eq!(
         answer["data"]["order"]["saga"]["lastError"], "step_failed",
