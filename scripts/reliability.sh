@@ -73,13 +73,13 @@ print(r["ok"], i["lost"], i["duplicated"], i["unexpected"], d["sagas_stuck"] + d
 }
 
 scale_out_crash() {
-  local runs="$1" passed=0
-  cargo nextest run -p keel --all-features --test scale_out --no-run
+  local runs="$1" passed=0 bin
+  bin="$(WITH_KEEL=1 snapshot_test keel scale_out)"
   for i in $(seq 1 "$runs"); do
     local log rc=0
     log="$(mktemp)"
-    scripts/services.sh run cargo nextest run -p keel --all-features --test scale_out \
-      --no-capture crashing_postgres_and_nats_mid_run >"$log" 2>&1 || rc=$?
+    CI=true KEEL_TEST_KEEL_BIN="$(dirname "$bin")/keel" scripts/services.sh run "$bin" \
+      --nocapture crashing_postgres_and_nats_mid_run >"$log" 2>&1 || rc=$?
     grep -E "client calls|after crashing|panicked" "$log" || true
     if [ "$rc" = 0 ]; then passed=$((passed + 1)); else cp "$log" "target/scale-out-crash-$i.log"; fi
     rm -f "$log"

@@ -84,19 +84,21 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
 /// `port`; whether it came up (one armed to die inside an fsync may not).
 async fn start(disk: &FaultFs, port: u16, extra_env: &[(OsString, OsString)]) -> (Child, bool) {
     let db = disk.data_dir().join("shop.db");
-    let mut child = Command::new(keel_binary())
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--database-url", &format!("sqlite:{}", db.display())])
-        .env("KEEL_LOG", "error")
-        .env_remove("KEEL_CONFIG")
-        .envs(disk.env())
-        .envs(extra_env.iter().cloned())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(server_log(disk))
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start keel serve");
+    let mut child = Command::new(keel_testkit::services::keel_binary(env!(
+        "CARGO_BIN_EXE_keel"
+    )))
+    .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+    .args(["--database-url", &format!("sqlite:{}", db.display())])
+    .env("KEEL_LOG", "error")
+    .env_remove("KEEL_CONFIG")
+    .envs(disk.env())
+    .envs(extra_env.iter().cloned())
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(server_log(disk))
+    .kill_on_drop(true)
+    .spawn()
+    .expect("start keel serve");
     let stdout = child.stdout.take().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
     let listening = tokio::time::timeout(Duration::from_secs(60), async {
@@ -111,13 +113,6 @@ async fn start(disk: &FaultFs, port: u16, extra_env: &[(OsString, OsString)]) ->
     .unwrap_or(false);
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     (child, listening)
-}
-
-/// The `keel` binary to run: `KEEL_TEST_KEEL_BIN` (a copy that a build
-/// running meanwhile cannot replace, as `scripts/reliability.sh` takes), or
-/// the one cargo built with this test.
-fn keel_binary() -> OsString {
-    std::env::var_os("KEEL_TEST_KEEL_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_keel").into())
 }
 
 /// Where every incarnation of the server writes its log: beside the data,

@@ -71,6 +71,14 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|e| panic!("no free loopback port: {e}"))
 }
 
+/// The `keel` binary a test runs: `KEEL_TEST_KEEL_BIN` when set (a copy
+/// that a build running meanwhile cannot replace, as `scripts/reliability.sh`
+/// takes), else `built`, the one cargo built with the test
+/// (`env!("CARGO_BIN_EXE_keel")`).
+pub fn keel_binary(built: &str) -> std::path::PathBuf {
+    std::env::var_os("KEEL_TEST_KEEL_BIN").map_or_else(|| built.into(), Into::into)
+}
+
 /// The nats-server binary `scripts/services.sh` installed, for a test that
 /// runs servers of its own (a cluster), or `None` (after printing why) when
 /// the test should be skipped. Panics in CI when it is missing.

@@ -84,19 +84,21 @@ impl Cluster {
     /// A `keel serve` that reaches PostgreSQL and NATS at these URLs (a
     /// fault proxy's, say) rather than the servers' own.
     pub async fn serve_via(&self, name: &str, pg_url: &str, nats_url: &str) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(["--database-url", pg_url])
-            .args(["--broker", nats_url])
-            .args(["--pg-schema", &self.schema])
-            .args(["--stream-prefix", &self.prefix])
-            .env("KEEL_LOG", "warn")
-            .env_remove("KEEL_CONFIG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start keel serve");
+        let mut child = Command::new(keel_testkit::services::keel_binary(env!(
+            "CARGO_BIN_EXE_keel"
+        )))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["--database-url", pg_url])
+        .args(["--broker", nats_url])
+        .args(["--pg-schema", &self.schema])
+        .args(["--stream-prefix", &self.prefix])
+        .env("KEEL_LOG", "warn")
+        .env_remove("KEEL_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start keel serve");
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let line = tokio::time::timeout(Duration::from_secs(60), async {

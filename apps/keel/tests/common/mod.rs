@@ -85,18 +85,20 @@ pub fn serve_on(backend: &[String], extra: &[&str]) -> Server {
     let acme = format!("acme:{ACME_KEY}");
     let log = dir.path().join("stderr.log");
     let stderr = std::fs::File::create(&log).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .args(backend)
-        .args(["--api-key", &acme])
-        .args(extra)
-        .env_remove("KEEL_ADMIN_TOKEN")
-        .env_remove("KEEL_API_KEYS")
-        .env("KEEL_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(stderr))
-        .spawn()
-        .expect("keel serve starts");
+    let mut child = Command::new(keel_testkit::services::keel_binary(env!(
+        "CARGO_BIN_EXE_keel"
+    )))
+    .args(["serve", "--listen", "127.0.0.1:0"])
+    .args(backend)
+    .args(["--api-key", &acme])
+    .args(extra)
+    .env_remove("KEEL_ADMIN_TOKEN")
+    .env_remove("KEEL_API_KEYS")
+    .env("KEEL_LOG", "warn")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::from(stderr))
+    .spawn()
+    .expect("keel serve starts");
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let mut next = |prefix: &str| {
         let mut line = String::new();
