@@ -794,3 +794,33 @@ async fn a_webhook_redirect_to_another_host_is_not_followed() {
         "the signed POST stayed with its endpoint"
     );
 }
+
+#[tokio::test]
+async fn the_shipping_grpc_port_asks_for_the_token_and_closes_silent_connections() {
+    use keel::shop::shipping::pb::CreateShipmentRequest;
+    use keel::shop::shipping::pb::shipping_client::ShippingClient;
+    let s = serve(&["--admin-token", TOKEN, "--header-read-timeout-secs", "1"]);
+    let mut client = ShippingClient::connect(s.grpc.clone()).await.unwrap();
+    let forged = CreateShipmentRequest {
+        order_id: "forged".to_owned(),
+        request_id: "forged-1".to_owned(),
+    };
+    let refused = client.create_shipment(forged.clone()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    let mut request = tonic::Request::new(forged);
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let accepted = client.create_shipment(request).await;
+    assert!(
+        !matches!(&accepted, Err(status) if status.code() == tonic::Code::Unauthenticated),
+        "{accepted:?}"
+    );
+
+    let grpc = s.grpc.trim_start_matches("http://").to_owned();
+    let mut silent = TcpStream::connect(&grpc).await.unwrap();
+    assert!(
+        closed_within(&mut silent, Duration::from_secs(5)).await,
+        "a connection that never sends its preface"
+    );
+}

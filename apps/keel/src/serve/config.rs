@@ -40,6 +40,11 @@ pub struct ServeArgs {
     /// a free port, printed at start].
     #[arg(long, env = "KEEL_SHIPPING_GRPC_LISTEN")]
     pub shipping_grpc_listen: Option<String>,
+    /// The token every call on the shipping gRPC port (but health) must
+    /// carry as `authorization: Bearer` [default: the admin token]; a
+    /// non-loopback --shipping-grpc-listen needs one.
+    #[arg(long, env = "KEEL_SHIPPING_GRPC_TOKEN", hide_env_values = true)]
+    pub shipping_grpc_token: Option<String>,
     /// `sqlite:PATH` (default `sqlite:keel.db`), or `postgres://...` with the
     /// `postgres` feature.
     #[arg(long, env = "KEEL_DATABASE_URL")]
@@ -209,6 +214,8 @@ pub struct ServeFile {
     pub listen: Option<String>,
     /// See [`ServeArgs::shipping_grpc_listen`].
     pub shipping_grpc_listen: Option<String>,
+    /// See [`ServeArgs::shipping_grpc_token`].
+    pub shipping_grpc_token: Option<String>,
     /// See [`ServeArgs::database_url`].
     pub database_url: Option<String>,
     /// See [`ServeArgs::broker`].
@@ -306,6 +313,8 @@ pub struct ServeConfig {
     pub listen: SocketAddr,
     /// The shipping service's gRPC address.
     pub shipping_grpc_listen: SocketAddr,
+    /// The token the shipping gRPC port asks for (none: loopback only).
+    pub shipping_grpc_token: Option<String>,
     /// The database.
     pub database: Database,
     /// The broker.
@@ -365,6 +374,7 @@ impl std::fmt::Debug for ServeConfig {
             .field("database", &self.database)
             .field("broker", &self.broker)
             .field("admin_token", &set(&self.admin_token))
+            .field("shipping_grpc_token", &set(&self.shipping_grpc_token))
             .field("allowed_hosts", &self.allowed_hosts.describe())
             .field("api_keys", &self.api_keys)
             .field("secrets", &self.secrets)
@@ -512,6 +522,20 @@ impl ServeArgs {
         )?;
         AdminToken::require_for(listen, admin_token.clone())
             .map_err(|e| invalid("admin-token", e.to_string()))?;
+        let shipping_grpc_token = self
+            .shipping_grpc_token
+            .clone()
+            .or(file.shipping_grpc_token)
+            .or_else(|| admin_token.clone());
+        if shipping_grpc_token.is_none() && !shipping_grpc_listen.ip().is_loopback() {
+            return Err(invalid(
+                "shipping-grpc-listen",
+                format!(
+                    "{shipping_grpc_listen} is not a loopback address: give the port a \
+                     credential (--shipping-grpc-token, or --admin-token)"
+                ),
+            ));
+        }
         let allowed_hosts = AllowedHosts::loopback()
             .with(pick(self.allowed_hosts.clone(), file.allowed_hosts))
             .map_err(|e| invalid("allowed-hosts", e.to_string()))?;
@@ -603,6 +627,7 @@ impl ServeArgs {
         Ok(ServeConfig {
             listen,
             shipping_grpc_listen,
+            shipping_grpc_token,
             database,
             broker,
             pg_schema,

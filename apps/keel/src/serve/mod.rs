@@ -245,6 +245,7 @@ async fn serve_on<S: ShopStore>(
     let system = SystemConfig {
         listen: config.listen,
         shipping_grpc: config.shipping_grpc_listen,
+        shipping_grpc_token: config.shipping_grpc_token.clone(),
         demo_faults: config.demo_faults,
         chaos_experiments: config.chaos_experiments,
         allow_loopback_webhooks: config.allow_loopback_webhooks,

@@ -240,3 +240,23 @@ fn retention_runs_by_default_and_every_age_can_be_set() {
     let refused = a.resolve().unwrap_err().to_string();
     assert!(refused.contains("retention-interval-secs"), "{refused}");
 }
+
+#[test]
+fn the_shipping_port_off_loopback_needs_a_credential_the_admin_token_serves() {
+    let mut a = args();
+    a.shipping_grpc_listen = Some("0.0.0.0:50051".into());
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("shipping-grpc"), "{refused}");
+    a.shipping_grpc_token = Some("grpc-token-grpc-token".into());
+    assert_eq!(
+        a.resolve().unwrap().shipping_grpc_token.as_deref(),
+        Some("grpc-token-grpc-token")
+    );
+    let mut b = args();
+    b.admin_token = Some("admin-token-admin-token".into());
+    assert_eq!(
+        b.resolve().unwrap().shipping_grpc_token.as_deref(),
+        Some("admin-token-admin-token"),
+        "the admin token by default"
+    );
+}

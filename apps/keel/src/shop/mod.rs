@@ -127,6 +127,9 @@ pub struct SystemConfig {
     pub relay_name: String,
     /// Where the shipping service's gRPC server listens (port 0 picks one).
     pub shipping_grpc: SocketAddr,
+    /// The token its calls must carry (`None`: none; loopback only). The
+    /// saga's own client sends it.
+    pub shipping_grpc_token: Option<String>,
     /// How fast shipping's courier moves a shipment to delivered.
     pub courier_pace: shipping::CourierPace,
     /// What is pruned, and when (default: [`retention::Retention`]'s).
@@ -162,6 +165,7 @@ impl Default for SystemConfig {
             poll_interval: Duration::from_millis(50),
             relay_name: "shop-relay".to_owned(),
             shipping_grpc: SocketAddr::from(([127, 0, 0, 1], 0)),
+            shipping_grpc_token: None,
             courier_pace: shipping::CourierPace::default(),
             retention: retention::Retention::default(),
         }
@@ -310,8 +314,13 @@ impl System {
             services::start_dependencies(dependencies_store.clone(), &config, dependencies_stopped)
                 .await?;
         let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
-        let dependencies =
-            Dependencies::new(urls, &breakers, &config.tuning).map_err(config_err)?;
+        let dependencies = Dependencies::new(
+            urls,
+            &breakers,
+            &config.tuning,
+            config.shipping_grpc_token.as_deref(),
+        )
+        .map_err(config_err)?;
         // Webhooks may never be aimed at any of this process's listeners.
         let own: Vec<SocketAddr> = std::iter::once(addr)
             .chain(dependencies.urls().sockets())

@@ -117,6 +117,7 @@ impl Dependencies {
         urls: DependencyUrls,
         breakers: &BreakerRegistry,
         tuning: &DependencyTuning,
+        shipping_token: Option<&str>,
     ) -> Result<Self, ConfigError> {
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
@@ -172,7 +173,7 @@ impl Dependencies {
             quotes: CarrierQuotes::new(client.clone(), &urls.shipping, breakers)?,
             payments: build("payments")?,
             inventory: build("inventory")?,
-            shipping: ShippingClient::new(&urls.shipping_grpc, breakers, tuning)?,
+            shipping: ShippingClient::new(&urls.shipping_grpc, shipping_token, breakers, tuning)?,
             notifications: build("notifications")?,
             urls,
             stuck_refunds: Arc::default(),

@@ -439,9 +439,14 @@ pub async fn start_dependencies<S: ShopDb>(
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<DependencyUrls> {
     let grpc = TcpListener::bind(config.shipping_grpc).await?;
+    let access = super::shipping::GrpcAccess {
+        token: config.shipping_grpc_token.clone(),
+        limits: config.connection_limits.clone(),
+    };
     let shipping_grpc = super::shipping::serve(
         grpc,
         super::shipping::ShippingService::new(db.clone(), config.courier_pace),
+        access,
         shutdown.clone(),
     )
     .await?;

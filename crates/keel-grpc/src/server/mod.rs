@@ -1,5 +1,7 @@
 //! The server half: the call's deadline from `grpc-timeout`, the caller's
-//! trace from `traceparent`, and streams ended cleanly on shutdown.
+//! trace from `traceparent`, streams ended cleanly on shutdown, a bearer
+//! credential ([`RequireBearer`]), and connections bounded in number, per
+//! address and in time ([`BoundedIncoming`]).
 //!
 //! Add the layers to a tonic server, deadline outermost:
 //!
@@ -31,12 +33,16 @@
 //! }
 //! ```
 
+mod bearer;
 mod deadline;
+mod incoming;
 mod trace;
 
 use std::time::Duration;
 
+pub use bearer::RequireBearer;
 pub use deadline::{DEFAULT_MAX_DEADLINE, DeadlineLayer, DeadlineService};
+pub use incoming::{BoundedConnection, BoundedIncoming};
 use keel_core::Deadline;
 use tonic::Status;
 pub use trace::{TraceContextLayer, TraceContextService};

@@ -180,34 +180,47 @@ impl ConnectionLimits {
         Ok(self)
     }
 
-    pub(super) fn slots(&self) -> (Slots, Slots) {
+    pub(super) fn slots(&self) -> (ConnectionSlots, ConnectionSlots) {
         (
-            Slots::new(self.max_connections, self.per_address()),
-            Slots::new(OVERFLOW_ANSWERS, OVERFLOW_ANSWERS_PER_ADDRESS),
+            self.connection_slots(),
+            ConnectionSlots::new(OVERFLOW_ANSWERS, OVERFLOW_ANSWERS_PER_ADDRESS),
         )
+    }
+
+    /// Slots for `max_connections` connections, each address's share of
+    /// them as `max_connections_per_address` says.
+    pub fn connection_slots(&self) -> ConnectionSlots {
+        ConnectionSlots::new(self.max_connections, self.per_address())
+    }
+
+    /// The header read timeout.
+    pub fn header_read(&self) -> Duration {
+        self.header_read_timeout
     }
 }
 
-/// A pool of connection slots with a share per client address. The map
-/// holds only addresses with a connection open, so it is never larger than
-/// the pool.
+/// A pool of connection slots with a share per client address: what
+/// [`Drain::serve_with`] takes one of per connection, for any other server
+/// (a gRPC one) to bound its connections the same way. The map holds only
+/// addresses with a connection open, so it is never larger than the pool.
 #[derive(Debug)]
-pub(super) struct Slots {
+pub struct ConnectionSlots {
     all: Arc<Semaphore>,
     per_address: usize,
     held: Arc<Mutex<HashMap<IpAddr, usize>>>,
 }
 
-/// One slot of [`Slots`], given back when dropped.
+/// One slot of [`ConnectionSlots`], given back when dropped.
 #[derive(Debug)]
-pub(super) struct Slot {
+pub struct ConnectionSlot {
     _permit: OwnedSemaphorePermit,
     address: IpAddr,
     held: Arc<Mutex<HashMap<IpAddr, usize>>>,
 }
 
-impl Slots {
-    fn new(all: usize, per_address: usize) -> Self {
+impl ConnectionSlots {
+    /// `all` slots, at most `per_address` of them for one client address.
+    pub fn new(all: usize, per_address: usize) -> Self {
         Self {
             all: Arc::new(Semaphore::new(all)),
             per_address,
@@ -217,7 +230,7 @@ impl Slots {
 
     /// A slot for a connection from `address`, unless the pool or the
     /// address's share is full.
-    pub(super) fn try_take(&self, address: IpAddr) -> Option<Slot> {
+    pub fn try_take(&self, address: IpAddr) -> Option<ConnectionSlot> {
         let mut held = self.held.lock();
         if held.get(&address).is_some_and(|n| *n >= self.per_address) {
             metrics::counter!("keel_http_address_share_refused_total").increment(1);
@@ -225,7 +238,7 @@ impl Slots {
         }
         let permit = Arc::clone(&self.all).try_acquire_owned().ok()?;
         *held.entry(address).or_insert(0) += 1;
-        Some(Slot {
+        Some(ConnectionSlot {
             _permit: permit,
             address,
             held: Arc::clone(&self.held),
@@ -233,7 +246,7 @@ impl Slots {
     }
 }
 
-impl Drop for Slot {
+impl Drop for ConnectionSlot {
     fn drop(&mut self) {
         let mut held = self.held.lock();
         if let Some(count) = held.get_mut(&self.address) {
@@ -253,7 +266,7 @@ pub(super) async fn serve_connection<Io>(
     router: Router,
     limits: ConnectionLimits,
     drain: Drain,
-    _slot: Slot,
+    _slot: ConnectionSlot,
 ) where
     Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -386,7 +399,7 @@ impl hyper::body::Body for DeadlineBody {
 
 /// Answers a connection over the cap with `503` and `Retry-After`, then
 /// closes it; `GET /livez` with `200`, since a server at its cap is alive.
-pub(super) async fn answer_overloaded<Io>(io: Io, _slot: Slot)
+pub(super) async fn answer_overloaded<Io>(io: Io, _slot: ConnectionSlot)
 where
     Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {

@@ -48,12 +48,17 @@ impl std::fmt::Debug for ShippingClient {
 
 impl ShippingClient {
     /// A client of the service at `url` (`http://host:port`), connecting
-    /// on first use.
+    /// on first use, sending `token` as `authorization: Bearer` if given.
     pub fn new(
         url: &str,
+        token: Option<&str>,
         breakers: &BreakerRegistry,
         tuning: &DependencyTuning,
     ) -> Result<Self, ConfigError> {
+        let authorization = token
+            .map(|token| http::HeaderValue::from_str(&format!("Bearer {token}")))
+            .transpose()
+            .map_err(|e| ConfigError::new("shipping token", e.to_string()))?;
         let channel = Endpoint::from_shared(url.to_owned())
             .map_err(|e| ConfigError::new("shipping url", e.to_string()))?
             .connect_timeout(Duration::from_secs(1))
@@ -87,6 +92,14 @@ impl ShippingClient {
             .layer(attempt.layer())
             .layer(BulkheadLayer::new(bulkhead))
             .layer(ChannelBodyLayer)
+            .map_request(move |mut request: http::Request<_>| {
+                if let Some(value) = &authorization {
+                    request
+                        .headers_mut()
+                        .insert(http::header::AUTHORIZATION, value.clone());
+                }
+                request
+            })
             .service(channel);
         Ok(Self {
             inner: Arc::new(Mutex::new(Generated::new(

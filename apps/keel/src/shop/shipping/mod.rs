@@ -27,10 +27,11 @@ pub use server::{MAX_SCANS_PER_UPLOAD, MIN_TIME_TO_CREATE, SYNC_OUTBOX, Shipping
 use std::time::Duration;
 
 use keel_grpc::health::GrpcHealth;
-use keel_grpc::server::{DeadlineLayer, TraceContextLayer};
-use keel_http::health::{Drain, Health, Phase};
+use keel_grpc::server::{BoundedIncoming, DeadlineLayer, RequireBearer, TraceContextLayer};
+use keel_http::health::{ConnectionLimits, Drain, Health, Phase};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tonic::service::interceptor::InterceptedService;
 
 use super::db::ShopDb;
 
@@ -49,13 +50,33 @@ pub mod pb {
 /// does not hang up.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Who may call the shipping port, and how its connections are bounded.
+#[derive(Debug, Clone, Default)]
+pub struct GrpcAccess {
+    /// The token every call of `shipping.v1.Shipping` and of reflection
+    /// must carry as `authorization: Bearer` (`None`: none asked for; only
+    /// allowed on loopback). Health answers without it: probes carry none.
+    pub token: Option<String>,
+    /// The cap, the share per address, the first bytes' and the idle
+    /// timeouts of its connections.
+    pub limits: ConnectionLimits,
+}
+
+/// HTTP/2 pings to an idle connection this often; one unanswered for
+/// [`KEEPALIVE_TIMEOUT`] closes it. Their round trips also keep a quiet
+/// stream within the idle timeout.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Serves `service` on `listener` (deadline capped at 10 s, the caller's
-/// trace, `grpc.health.v1` and reflection) until `shutdown` turns `true`;
-/// then health answers `NOT_SERVING`, open streams end with `UNAVAILABLE`
-/// for their clients to resume elsewhere, and the server stops.
+/// trace, `grpc.health.v1` and reflection, `access`'s credential and
+/// connection limits) until `shutdown` turns `true`; then health answers
+/// `NOT_SERVING`, open streams end with `UNAVAILABLE` for their clients to
+/// resume elsewhere, and the server stops.
 pub async fn serve<S: ShopDb>(
     listener: TcpListener,
     service: ShippingService<S>,
+    access: GrpcAccess,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
@@ -77,12 +98,18 @@ pub async fn serve<S: ShopDb>(
     let deadline = DeadlineLayer::with_max(Duration::from_secs(10))
         .map_err(std::io::Error::other)?
         .drain(&drain);
+    let bearer = RequireBearer::new(access.token.as_deref());
     let router = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .layer(deadline)
         .layer(TraceContextLayer::new())
-        .add_service(pb::shipping_server::ShippingServer::new(service))
+        .add_service(pb::shipping_server::ShippingServer::with_interceptor(
+            service,
+            bearer.clone(),
+        ))
         .add_service(health)
-        .add_service(reflection);
+        .add_service(InterceptedService::new(reflection, bearer));
     let trigger = drain.clone();
     tokio::spawn(async move {
         let mut shutdown = shutdown;
@@ -90,7 +117,7 @@ pub async fn serve<S: ShopDb>(
         trigger.trigger();
     });
     tokio::spawn(async move {
-        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let incoming = BoundedIncoming::new(listener, &access.limits);
         let serving = router.serve_with_incoming_shutdown(incoming, drain.closing());
         tokio::select! {
             served = serving => if let Err(err) = served {

@@ -15,7 +15,7 @@ use super::pb::{
     ClientMsg, CreateShipmentRequest, EventAck, GetShipmentRequest, Scan, ShipmentEvent,
     WatchShipmentRequest, client_msg, server_msg, shipment,
 };
-use super::{CourierPace, ShippingService, serve};
+use super::{CourierPace, GrpcAccess, ShippingService, serve};
 use crate::shop::db::ShopDb;
 
 struct Running {
@@ -25,21 +25,31 @@ struct Running {
 }
 
 async fn start(pace: CourierPace) -> Running {
+    start_with(pace, GrpcAccess::default()).await.0
+}
+
+async fn start_with(pace: CourierPace, access: GrpcAccess) -> (Running, std::net::SocketAddr) {
     let store = SqliteStore::open_in_memory().await.expect("store");
     store.migrate_shop().await.expect("shop tables");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let (stop, stopped) = watch::channel(false);
-    let addr = serve(listener, ShippingService::new(store.clone(), pace), stopped)
-        .await
-        .expect("serve");
+    let addr = serve(
+        listener,
+        ShippingService::new(store.clone(), pace),
+        access,
+        stopped,
+    )
+    .await
+    .expect("serve");
     let client = ShippingClient::connect(format!("http://{addr}"))
         .await
         .expect("connect");
-    Running {
+    let running = Running {
         client,
         store,
         _stop: stop,
-    }
+    };
+    (running, addr)
 }
 
 fn create(order: &str, key: &str) -> CreateShipmentRequest {
@@ -337,6 +347,85 @@ async fn a_watch_resumed_at_the_delivery_ends_at_once() {
         assert!(
             matches!(end, Ok(Ok(None))),
             "after {after}: nothing more will come, so the stream ends: {end:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn without_the_token_shipping_answers_unauthenticated_and_health_still_answers() {
+    let access = GrpcAccess {
+        token: Some("grpc-token-grpc-token".to_owned()),
+        ..GrpcAccess::default()
+    };
+    let (mut running, addr) = start_with(CourierPace::default(), access).await;
+    let refused = running
+        .client
+        .create_shipment(create("o-auth", "k-auth"))
+        .await
+        .expect_err("no token");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+    let mut request = tonic::Request::new(create("o-auth", "k-auth"));
+    request.metadata_mut().insert(
+        "authorization",
+        "Bearer grpc-token-grpc-token".parse().unwrap(),
+    );
+    running
+        .client
+        .create_shipment(request)
+        .await
+        .expect("with the token");
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .expect("probes carry no token");
+    assert_eq!(status.into_inner().status, 1, "SERVING");
+}
+
+#[tokio::test]
+async fn silent_connections_and_an_address_past_its_share_are_closed() {
+    use tokio::io::AsyncReadExt;
+    let access = GrpcAccess {
+        limits: keel_http::health::ConnectionLimits::new()
+            .header_read_timeout(std::time::Duration::from_millis(500))
+            .max_connections(8)
+            .max_connections_per_address(3),
+        ..GrpcAccess::default()
+    };
+    // The test's own client holds one of the address's three.
+    let (_running, addr) = start_with(CourierPace::default(), access).await;
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let closed = |mut stream: tokio::net::TcpStream, within: u64| async move {
+        let mut buf = [0u8; 64];
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(within);
+        loop {
+            match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+                Err(_) => return false,
+                Ok(Ok(0) | Err(_)) => return true,
+                // The server's settings frame: keep reading.
+                Ok(Ok(_)) => {}
+            }
+        }
+    };
+    let past_share = silent.pop().unwrap();
+    assert!(
+        closed(past_share, 300).await,
+        "past the address's share: closed at once"
+    );
+    for stream in silent {
+        assert!(
+            closed(stream, 3_000).await,
+            "no preface within 500 ms: closed"
         );
     }
 }
