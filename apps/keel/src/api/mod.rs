@@ -105,6 +105,9 @@ pub struct EdgeLimits {
     /// Origins whose pages may open `/ws` (clients sending no `Origin`,
     /// which are not browsers, are let in too).
     pub ws_origins: Vec<String>,
+    /// How long an Idempotency-Key is remembered (then the retention pass
+    /// deletes it).
+    pub idempotency_ttl: Duration,
 }
 
 /// The public API: orders and realtime, behind the trace and deadline
@@ -117,6 +120,7 @@ pub fn public_router<S: ShopStore>(
     let idempotency = IdempotencyLayer::with_options(
         state.store.clone(),
         IdempotencyOptions::new()
+            .ttl(limits.idempotency_ttl)
             .max_body(MAX_BODY_BYTES)
             .in_flight_retry_after(Duration::from_secs(1)),
     )

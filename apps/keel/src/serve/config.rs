@@ -148,6 +148,10 @@ pub struct ServeArgs {
     /// may hold [default: 16].
     #[arg(long, env = "KEEL_MAX_STREAMS_PER_CLIENT")]
     pub max_streams_per_client: Option<usize>,
+    /// Seconds an Idempotency-Key is remembered: a retry after that is a
+    /// new request [default: 86400].
+    #[arg(long, env = "KEEL_IDEMPOTENCY_KEY_TTL_SECS")]
+    pub idempotency_key_ttl_secs: Option<u64>,
     /// Seconds between retention passes, which delete expired
     /// Idempotency-Keys, old event-log events, expired jobs and finished
     /// webhook deliveries [default: 600].
@@ -169,6 +173,13 @@ pub struct ServeArgs {
     /// [default: 604800, 7 days].
     #[arg(long, env = "KEEL_WEBHOOK_DELIVERIES_MAX_AGE_SECS")]
     pub webhook_deliveries_max_age_secs: Option<u64>,
+    /// Seconds a published outbox row is kept [default: 604800, 7 days].
+    #[arg(long, env = "KEEL_OUTBOX_RETENTION_SECS")]
+    pub outbox_retention_secs: Option<u64>,
+    /// Seconds an inbox row (a processed message's id) is kept, which must
+    /// outlast any redelivery [default: 604800, 7 days].
+    #[arg(long, env = "KEEL_INBOX_RETENTION_SECS")]
+    pub inbox_retention_secs: Option<u64>,
     /// Origins (`scheme://host[:port]`, comma-separated) whose pages may
     /// open `/ws`, besides the server's own.
     #[arg(long, env = "KEEL_WS_ALLOWED_ORIGINS", value_delimiter = ',')]
@@ -266,6 +277,8 @@ pub struct ServeFile {
     pub idle_timeout_secs: Option<u64>,
     /// See [`ServeArgs::max_streams_per_client`].
     pub max_streams_per_client: Option<usize>,
+    /// See [`ServeArgs::idempotency_key_ttl_secs`].
+    pub idempotency_key_ttl_secs: Option<u64>,
     /// See [`ServeArgs::retention_interval_secs`].
     pub retention_interval_secs: Option<u64>,
     /// See [`ServeArgs::event_log_max_age_secs`].
@@ -276,6 +289,10 @@ pub struct ServeFile {
     pub jobs_grace_secs: Option<u64>,
     /// See [`ServeArgs::webhook_deliveries_max_age_secs`].
     pub webhook_deliveries_max_age_secs: Option<u64>,
+    /// See [`ServeArgs::outbox_retention_secs`].
+    pub outbox_retention_secs: Option<u64>,
+    /// See [`ServeArgs::inbox_retention_secs`].
+    pub inbox_retention_secs: Option<u64>,
     /// See [`ServeArgs::ws_allowed_origins`].
     pub ws_allowed_origins: Option<Vec<String>>,
     /// See [`ServeArgs::otlp_endpoint`].
@@ -353,6 +370,8 @@ pub struct ServeConfig {
     pub ws_allowed_origins: Vec<String>,
     /// What is pruned, and when.
     pub retention: Retention,
+    /// How long an Idempotency-Key is remembered.
+    pub idempotency_ttl: Duration,
     /// Demo faults on.
     pub demo_faults: bool,
     /// Chaos experiments honoured (from loopback clients).
@@ -467,6 +486,13 @@ impl ServeArgs {
     /// `--config` names.
     pub fn resolve_with(&self, file: ServeFile) -> Result<ServeConfig, ConfigError> {
         let retention = self.retention(&file)?;
+        let idempotency_ttl = self
+            .idempotency_key_ttl_secs
+            .or(file.idempotency_key_ttl_secs)
+            .map_or(keel_http::idempotency::DEFAULT_TTL, Duration::from_secs);
+        if idempotency_ttl.is_zero() {
+            return Err(invalid("idempotency-key-ttl-secs", "must be at least 1"));
+        }
         let listen = self
             .listen
             .clone()
@@ -647,6 +673,7 @@ impl ServeArgs {
             max_streams_per_client,
             ws_allowed_origins,
             retention,
+            idempotency_ttl,
             demo_faults: self.demo_faults || file.demo_faults.unwrap_or(false),
             chaos_experiments: self.chaos_experiments || file.chaos_experiments.unwrap_or(false),
             allow_loopback_webhooks: self.allow_loopback_webhooks
@@ -687,6 +714,10 @@ impl ServeArgs {
                 file.webhook_deliveries_max_age_secs,
             )
             .unwrap_or(defaults.webhook_deliveries),
+            outbox: secs(self.outbox_retention_secs, file.outbox_retention_secs)
+                .unwrap_or(defaults.outbox),
+            inbox: secs(self.inbox_retention_secs, file.inbox_retention_secs)
+                .unwrap_or(defaults.inbox),
         })
     }
 }

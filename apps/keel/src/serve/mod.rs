@@ -252,6 +252,7 @@ async fn serve_on<S: ShopStore>(
         secrets: config.secrets.clone(),
         connection_limits: config.connection_limits.clone(),
         retention: config.retention.clone(),
+        idempotency_ttl: config.idempotency_ttl,
         streams_per_client: config.max_streams_per_client,
         ws_origins: config.ws_allowed_origins.clone(),
         cursor_key: config

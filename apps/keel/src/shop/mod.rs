@@ -134,6 +134,8 @@ pub struct SystemConfig {
     pub courier_pace: shipping::CourierPace,
     /// What is pruned, and when (default: [`retention::Retention`]'s).
     pub retention: retention::Retention,
+    /// How long an Idempotency-Key is remembered (default 24 hours).
+    pub idempotency_ttl: Duration,
 }
 
 impl Default for SystemConfig {
@@ -168,6 +170,7 @@ impl Default for SystemConfig {
             shipping_grpc_token: None,
             courier_pace: shipping::CourierPace::default(),
             retention: retention::Retention::default(),
+            idempotency_ttl: keel_http::idempotency::DEFAULT_TTL,
         }
     }
 }
@@ -347,10 +350,12 @@ impl System {
             store.clone(),
             "outbox-prune",
             config.relay_name.clone(),
-            3 * keel_messaging::outbox::DEFAULT_PRUNE_INTERVAL,
+            3 * config.retention.interval,
         );
         let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
             .name(config.relay_name.clone())
+            .retention(config.retention.outbox)
+            .prune_interval(config.retention.interval)
             .prune_under(LeaseGate::new(prune_lease))
             .poll_interval(config.poll_interval)
             .batch_size(NonZeroUsize::new(200).unwrap_or(NonZeroUsize::MIN))
@@ -369,6 +374,8 @@ impl System {
             .max_deliveries(
                 NonZeroU32::new(config.max_deliveries.max(1)).unwrap_or(NonZeroU32::MIN),
             )
+            .inbox_retention(Some(config.retention.inbox))
+            .inbox_prune_interval(config.retention.interval)
             .receive_wait(Duration::from_millis(200))
             .drain_timeout(Duration::from_secs(5))
             .backoff(backoff)
@@ -403,6 +410,7 @@ impl System {
             broker: Arc::clone(&broker),
         };
         let limits = api::EdgeLimits {
+            idempotency_ttl: config.idempotency_ttl,
             streams_per_client: config.streams_per_client,
             ws_origins: own_origins(scheme, addr)
                 .into_iter()

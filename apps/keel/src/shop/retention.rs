@@ -1,8 +1,8 @@
 //! What the system deletes, and when: every table that client requests
 //! grow is pruned by default, so storage under a steady load stays flat.
 //!
-//! The outbox relay prunes what it published and each consumer its inbox
-//! (their own options). This task prunes the rest, on one process at a time
+//! The outbox relay prunes what it published and each consumer its inbox,
+//! at the ages and the interval given here. This task prunes the rest, on one process at a time
 //! (a lease, as the outbox prune has): expired Idempotency-Keys (each key
 //! carries its own expiry), the event log past its age or per-stream count,
 //! jobs some time after they expired (until then they answer `410`), and
@@ -48,6 +48,13 @@ pub struct Retention {
     /// Finished webhook deliveries go this long after they last changed
     /// [`DEFAULT_WEBHOOK_DELIVERIES`].
     pub webhook_deliveries: Duration,
+    /// Published outbox rows go this long after they were published (the
+    /// relay prunes them, on one process at a time) [7 days].
+    pub outbox: Duration,
+    /// Inbox rows (what each consumer group processed, for deduplication)
+    /// go this long after (each consumer prunes its own) [7 days]: longer
+    /// than any redelivery can come.
+    pub inbox: Duration,
 }
 
 impl Default for Retention {
@@ -58,6 +65,8 @@ impl Default for Retention {
             event_log_keep_last: NonZeroU64::new(keel_realtime::DEFAULT_KEEP_LAST),
             jobs_grace: DEFAULT_JOBS_GRACE,
             webhook_deliveries: DEFAULT_WEBHOOK_DELIVERIES,
+            outbox: keel_messaging::outbox::DEFAULT_RETENTION,
+            inbox: keel_messaging::consumer::DEFAULT_INBOX_RETENTION,
         }
     }
 }

@@ -279,6 +279,12 @@ where
         self
     }
 
+    /// Sets the time between inbox prunes (default one hour).
+    pub fn inbox_prune_interval(mut self, interval: Duration) -> Self {
+        self.options.inbox_prune_interval = interval;
+        self
+    }
+
     /// Builds the consumer. Refuses no groups, a group without handlers, the
     /// same (topic, group) twice, and inconsistent lease settings.
     pub fn build(self) -> Result<Consumer<S, B>, ConfigError> {
