@@ -8,7 +8,9 @@
 #      preStop sleep + --lb-notice-secs + --drain-timeout-secs + 5 s margin;
 #      the startup/liveness/readiness probes hit /livez, /livez, /readyz on the
 #      container's port, which is the port of --listen; the Deployment, Service
-#      and PodDisruptionBudget selectors all match the pod labels.
+#      and PodDisruptionBudget selectors all match the pod labels; a
+#      NetworkPolicy selects the pods, restricts ingress and egress, and opens
+#      keel's port alone.
 set -euo pipefail
 
 VERSION=1.37.0
@@ -74,12 +76,15 @@ for f in files:
 deployments = [(f, d) for f, d in docs if d.get("kind") == "Deployment"]
 services = [(f, d) for f, d in docs if d.get("kind") == "Service"]
 pdbs = [(f, d) for f, d in docs if d.get("kind") == "PodDisruptionBudget"]
+policies = [(f, d) for f, d in docs if d.get("kind") == "NetworkPolicy"]
 if len(deployments) != 1:
     sys.exit(f"kubernetes.sh: FAIL: expected exactly one Deployment, found {len(deployments)}")
 if not services:
     fail("no Service")
 if not pdbs:
     fail("no PodDisruptionBudget")
+if not policies:
+    fail("no NetworkPolicy")
 
 _, dep = deployments[0]
 pod = dep["spec"]["template"]
@@ -213,6 +218,17 @@ for _, svc in services:
         if resolve(sp.get("targetPort", sp.get("port"))) != listen_port:
             fail(f"Service {svc['metadata']['name']} targetPort {sp.get('targetPort')!r} is not keel's port ({listen_port})")
 
+for _, policy in policies:
+    name = policy["metadata"]["name"]
+    if not selects(policy["spec"].get("podSelector"), pod_labels):
+        fail(f"NetworkPolicy {name} does not select the Deployment's pods {pod_labels}")
+    if set(policy["spec"].get("policyTypes", [])) != {"Ingress", "Egress"}:
+        fail(f"NetworkPolicy {name} must restrict both Ingress and Egress")
+    opened = {resolve(p.get("port")) for rule in policy["spec"].get("ingress", [])
+              for p in rule.get("ports", [])}
+    if opened != {listen_port}:
+        fail(f"NetworkPolicy {name} must open keel's port ({listen_port}) and only it, not {opened}")
+
 if errors:
     for e in errors:
         print(f"kubernetes.sh: FAIL: {e}", file=sys.stderr)
@@ -221,5 +237,5 @@ if errors:
 print(f"kubernetes.sh: OK: {len(docs)} documents valid (kubernetes-validate {tool_version} --strict,"
       f" Kubernetes {k8s_versions}); grace {grace}s >= preStop {prestop} + lb notice {notice}"
       f" + drain {drain} + margin {MARGIN} = {needed}s; probes /livez,/livez,/readyz on :{listen_port};"
-      f" Service and PDB select the pods")
+      f" Service, PDB and NetworkPolicy select the pods; the policy opens only :{listen_port}")
 PY
