@@ -72,7 +72,7 @@ def start(binary, directory):
         "--database-url", f"sqlite:{directory}/soak.db",
         "--api-key", f"soak:{API_KEY}", "--allow-loopback-webhooks",
         "--idempotency-key-ttl-secs", "60", "--event-log-max-age-secs", "60",
-        "--event-log-keep-last", "100", "--jobs-grace-secs", "30",
+        "--event-log-keep-last", "100", "--job-ttl-secs", "60", "--jobs-grace-secs", "30",
         "--webhook-deliveries-max-age-secs", "60", "--outbox-retention-secs", "60",
         "--inbox-retention-secs", "60", "--retention-interval-secs", "20",
     ]

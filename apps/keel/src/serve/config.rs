@@ -165,6 +165,10 @@ pub struct ServeArgs {
     /// 10000]; 0 for no count limit.
     #[arg(long, env = "KEEL_EVENT_LOG_KEEP_LAST")]
     pub event_log_keep_last: Option<u64>,
+    /// Seconds a report job lives after its last change [default: 86400];
+    /// then it answers 410 until it is pruned.
+    #[arg(long, env = "KEEL_JOB_TTL_SECS")]
+    pub job_ttl_secs: Option<u64>,
     /// Seconds a job is kept after it expired (it answers 410 meanwhile)
     /// [default: 86400].
     #[arg(long, env = "KEEL_JOBS_GRACE_SECS")]
@@ -285,6 +289,8 @@ pub struct ServeFile {
     pub event_log_max_age_secs: Option<u64>,
     /// See [`ServeArgs::event_log_keep_last`].
     pub event_log_keep_last: Option<u64>,
+    /// See [`ServeArgs::job_ttl_secs`].
+    pub job_ttl_secs: Option<u64>,
     /// See [`ServeArgs::jobs_grace_secs`].
     pub jobs_grace_secs: Option<u64>,
     /// See [`ServeArgs::webhook_deliveries_max_age_secs`].
@@ -372,6 +378,8 @@ pub struct ServeConfig {
     pub retention: Retention,
     /// How long an Idempotency-Key is remembered.
     pub idempotency_ttl: Duration,
+    /// How long a report job lives after its last change.
+    pub job_ttl: Duration,
     /// Demo faults on.
     pub demo_faults: bool,
     /// Chaos experiments honoured (from loopback clients).
@@ -492,6 +500,13 @@ impl ServeArgs {
             .map_or(keel_http::idempotency::DEFAULT_TTL, Duration::from_secs);
         if idempotency_ttl.is_zero() {
             return Err(invalid("idempotency-key-ttl-secs", "must be at least 1"));
+        }
+        let job_ttl = self
+            .job_ttl_secs
+            .or(file.job_ttl_secs)
+            .map_or(keel_http::jobs::DEFAULT_TTL, Duration::from_secs);
+        if job_ttl.is_zero() {
+            return Err(invalid("job-ttl-secs", "must be at least 1"));
         }
         let listen = self
             .listen
@@ -674,6 +689,7 @@ impl ServeArgs {
             ws_allowed_origins,
             retention,
             idempotency_ttl,
+            job_ttl,
             demo_faults: self.demo_faults || file.demo_faults.unwrap_or(false),
             chaos_experiments: self.chaos_experiments || file.chaos_experiments.unwrap_or(false),
             allow_loopback_webhooks: self.allow_loopback_webhooks

@@ -275,8 +275,11 @@ async fn serve_on<S: ShopStore>(
         ..SystemConfig::default()
     };
     let reports = Reports::default();
-    let jobs = Jobs::new(Outbox::new(store.clone()), JobsOptions::new("report"))
-        .map_err(|e| anyhow::anyhow!("jobs: {e}"))?;
+    let jobs = Jobs::new(
+        Outbox::new(store.clone()),
+        JobsOptions::new("report").ttl(config.job_ttl),
+    )
+    .map_err(|e| anyhow::anyhow!("jobs: {e}"))?;
     let worker = Consumer::builder(store.clone(), Arc::clone(&broker))
         .group(
             Group::new(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP).on(
