@@ -9,7 +9,8 @@
 //! per process. Logging out records the id as revoked until it would have
 //! expired anyway; that record is per process, so behind a load balancer
 //! a revoked session stays usable on the other processes until it
-//! expires (at most the session lifetime).
+//! expires (at most the session lifetime). The revocations remembered are
+//! bounded: past 10,000 live ones, every session issued so far ends.
 //!
 //! The CSRF token is an HMAC of the session id: a page that shows it must
 //! have been read by someone holding the session, which a cross-site page
@@ -17,6 +18,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
@@ -57,6 +59,10 @@ pub struct Sessions {
     key: Arc<[u8; 32]>,
     ttl: Duration,
     revoked: Arc<Mutex<HashMap<String, u64>>>,
+    /// Every session expiring at or before this (Unix seconds) is over: set
+    /// when more live sessions were revoked than are remembered, which ends
+    /// every session issued so far instead of forgetting a revocation.
+    ended_through: Arc<AtomicU64>,
     notices: Arc<Mutex<HashMap<String, Notice>>>,
 }
 
@@ -99,6 +105,7 @@ impl Sessions {
             key: Arc::new(key),
             ttl: ttl.max(Duration::from_secs(1)),
             revoked: Arc::default(),
+            ended_through: Arc::default(),
             notices: Arc::default(),
         }
     }
@@ -133,7 +140,11 @@ impl Sessions {
         let expires_at: u64 = expires.parse().ok()?;
         let expected = self.sign(id, expires_at);
         let genuine: bool = expected.as_bytes().ct_eq(presented.as_bytes()).into();
-        if !genuine || now >= expires_at || self.revoked.lock().contains_key(id) {
+        if !genuine
+            || now >= expires_at
+            || expires_at <= self.ended_through.load(Ordering::Relaxed)
+            || self.revoked.lock().contains_key(id)
+        {
             return None;
         }
         Some(self.session(id.to_owned(), expires_at))
@@ -145,6 +156,17 @@ impl Sessions {
         let mut revoked = self.revoked.lock();
         if revoked.len() >= MAX_REMEMBERED {
             revoked.retain(|_, expires| *expires > now);
+        }
+        if revoked.len() >= MAX_REMEMBERED {
+            // Still full of live revocations: end every session issued so
+            // far (they all expire by now + ttl) rather than grow.
+            tracing::warn!(
+                remembered = revoked.len(),
+                "too many sessions revoked at once: every session ends, log in again"
+            );
+            self.ended_through
+                .fetch_max(now + self.ttl.as_secs(), Ordering::Relaxed);
+            revoked.clear();
         }
         revoked.insert(session.id.clone(), session.expires_at);
         self.notices.lock().remove(&session.id);
@@ -189,6 +211,24 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn revocations_past_the_bound_end_every_session_instead_of_growing() {
+        let sessions = Sessions::new(Some("the-admin-token-0123"), DEFAULT_SESSION_TTL);
+        let (kept, kept_value) = sessions.issue();
+        for _ in 0..MAX_REMEMBERED {
+            let (session, _) = sessions.issue();
+            sessions.revoke(&session);
+        }
+        assert!(sessions.verify(&kept_value).is_some());
+        let (one_more, _) = sessions.issue();
+        sessions.revoke(&one_more);
+        assert!(sessions.revoked.lock().len() <= 1, "the map was emptied");
+        assert!(
+            sessions.verify(&kept_value).is_none(),
+            "every session issued so far ended: {kept:?}"
+        );
+    }
 
     #[test]
     fn sessions_are_unique_expire_and_end_when_revoked() {
