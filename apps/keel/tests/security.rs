@@ -417,8 +417,9 @@ async fn one_address_cannot_take_the_connections_every_other_client_needs() {
         socket.bind(([127, 0, 0, octet], 0).into()).unwrap();
         socket.connect(([127, 0, 0, 1], port).into()).await.unwrap()
     };
+    // Eight from one address: without a share they would take every slot.
     let mut held = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..8 {
         held.push(from(9).await);
     }
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -122,7 +122,10 @@ impl Sessions {
             panic!("no randomness for a session id: {err}");
         }
         let id = hex::encode(raw);
-        let expires_at = keel_core::clock::unix_seconds() + self.ttl.as_secs();
+        // Past the watermark of sessions ended at once (a login in the very
+        // second they were ended would otherwise be born ended).
+        let expires_at = (keel_core::clock::unix_seconds() + self.ttl.as_secs())
+            .max(self.ended_through.load(Ordering::Relaxed) + 1);
         let value = format!("{id}.{expires_at}.{}", self.sign(&id, expires_at));
         let session = self.session(id, expires_at);
         (session, value)
@@ -140,14 +143,18 @@ impl Sessions {
         let expires_at: u64 = expires.parse().ok()?;
         let expected = self.sign(id, expires_at);
         let genuine: bool = expected.as_bytes().ct_eq(presented.as_bytes()).into();
-        if !genuine
-            || now >= expires_at
-            || expires_at <= self.ended_through.load(Ordering::Relaxed)
-            || self.revoked.lock().contains_key(id)
-        {
+        if !genuine || now >= expires_at || self.ended(id, expires_at) {
             return None;
         }
         Some(self.session(id.to_owned(), expires_at))
+    }
+
+    /// Whether the session was revoked, alone or with every session of its
+    /// time; the watermark is read under the lock a revocation holds while
+    /// it raises it and empties the map, so no revocation slips between.
+    fn ended(&self, id: &str, expires_at: u64) -> bool {
+        let revoked = self.revoked.lock();
+        expires_at <= self.ended_through.load(Ordering::Relaxed) || revoked.contains_key(id)
     }
 
     /// Ends `session` in this process.
@@ -227,6 +234,11 @@ mod tests {
         assert!(
             sessions.verify(&kept_value).is_none(),
             "every session issued so far ended: {kept:?}"
+        );
+        let (_, fresh) = sessions.issue();
+        assert!(
+            sessions.verify(&fresh).is_some(),
+            "a new login works at once"
         );
     }
 

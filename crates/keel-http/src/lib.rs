@@ -30,6 +30,7 @@
 
 pub mod access;
 pub mod problem;
+pub mod slots;
 
 #[cfg(feature = "chaos")]
 pub mod experiment;

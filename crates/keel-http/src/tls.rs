@@ -24,7 +24,6 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -38,6 +37,13 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
+
+use crate::slots::ConnectionSlots;
+
+/// Handshakes in progress at once, by default.
+const DEFAULT_MAX_HANDSHAKES: usize = 256;
+/// Handshakes in progress from one client address, by default.
+const DEFAULT_HANDSHAKES_PER_ADDRESS: usize = 16;
 
 /// The certificate or key could not be used; the message names the file.
 #[derive(Debug, thiserror::Error)]
@@ -85,12 +91,8 @@ pub fn server_config(
     Ok(Arc::new(config))
 }
 
-/// A finished handshake: the connection if it succeeded, and the client
-/// address whose share it held.
-type Handshake<L> = (
-    Option<(TlsStream<<L as Listener>::Io>, <L as Listener>::Addr)>,
-    Option<IpAddr>,
-);
+/// A finished handshake's connection, if it succeeded.
+type Handshake<L> = Option<(TlsStream<<L as Listener>::Io>, <L as Listener>::Addr)>;
 
 /// A listener address that may name the client's IP (a TCP peer does), so
 /// that each client address gets only its share of the handshakes.
@@ -114,8 +116,9 @@ pub struct TlsListener<L: Listener> {
     handshake_timeout: Duration,
     max_handshakes: usize,
     max_per_address: usize,
-    /// Handshakes in progress per client address (only addresses with one).
-    per_address: HashMap<IpAddr, usize>,
+    /// Each client address's share of the handshakes; a handshake's task
+    /// holds its slot, so the share is given back however the task ends.
+    per_address: ConnectionSlots,
 }
 
 impl<L: Listener> std::fmt::Debug for TlsListener<L> {
@@ -141,9 +144,12 @@ where
             acceptor: TlsAcceptor::from(config),
             handshakes: JoinSet::new(),
             handshake_timeout: Duration::from_secs(10),
-            max_handshakes: 256,
-            max_per_address: 16,
-            per_address: HashMap::new(),
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            max_per_address: DEFAULT_HANDSHAKES_PER_ADDRESS,
+            per_address: ConnectionSlots::new(
+                DEFAULT_MAX_HANDSHAKES,
+                DEFAULT_HANDSHAKES_PER_ADDRESS,
+            ),
         }
     }
 
@@ -152,6 +158,7 @@ where
     #[must_use]
     pub fn max_handshakes_per_address(mut self, max: usize) -> Self {
         self.max_per_address = max.max(1);
+        self.per_address = ConnectionSlots::new(self.max_handshakes, self.max_per_address);
         self
     }
 
@@ -168,26 +175,29 @@ where
     #[must_use]
     pub fn max_handshakes(mut self, max: usize) -> Self {
         self.max_handshakes = max.max(1);
+        self.per_address = ConnectionSlots::new(self.max_handshakes, self.max_per_address);
         self
     }
 
     fn start_handshake(&mut self, io: L::Io, peer: L::Addr) {
-        let ip = peer.client_ip();
-        if let Some(ip) = ip {
-            let handshaking = self.per_address.entry(ip).or_insert(0);
-            if *handshaking >= self.max_per_address {
-                metrics::counter!("keel_http_tls_handshake_failures_total", "reason" => "address_share")
-                    .increment(1);
-                tracing::debug!(%ip, "TLS handshakes of one address at its share: closed");
-                return;
-            }
-            *handshaking += 1;
-        }
+        let slot = match peer.client_ip() {
+            Some(ip) => match self.per_address.try_take(ip) {
+                Some(slot) => Some(slot),
+                None => {
+                    metrics::counter!("keel_http_tls_handshake_failures_total", "reason" => "address_share")
+                        .increment(1);
+                    tracing::debug!(%ip, "TLS handshakes of one address at its share: closed");
+                    return;
+                }
+            },
+            None => None,
+        };
         let acceptor = self.acceptor.clone();
         let timeout = self.handshake_timeout;
         self.handshakes.spawn(async move {
+            let _slot = slot;
             let reason = match tokio::time::timeout(timeout, acceptor.accept(io)).await {
-                Ok(Ok(stream)) => return (Some((stream, peer)), ip),
+                Ok(Ok(stream)) => return Some((stream, peer)),
                 Ok(Err(error)) => {
                     tracing::debug!(%error, "TLS handshake failed");
                     "failed"
@@ -196,19 +206,8 @@ where
             };
             metrics::counter!("keel_http_tls_handshake_failures_total", "reason" => reason)
                 .increment(1);
-            (None, ip)
+            None
         });
-    }
-
-    /// A handshake of `ip` ended: its address's share has room again.
-    fn handshake_ended(&mut self, ip: Option<IpAddr>) {
-        let Some(ip) = ip else { return };
-        if let Some(handshaking) = self.per_address.get_mut(&ip) {
-            *handshaking -= 1;
-            if *handshaking == 0 {
-                self.per_address.remove(&ip);
-            }
-        }
     }
 }
 
@@ -228,12 +227,7 @@ where
                 // returned or left in the kernel's queue.
                 (io, peer) = self.inner.accept(), if room => self.start_handshake(io, peer),
                 Some(done) = self.handshakes.join_next(), if !self.handshakes.is_empty() => {
-                    // A handshake task never panics or is aborted (it only
-                    // awaits rustls under a timeout), so each ends with its
-                    // address.
-                    let Ok((connection, ip)) = done else { continue };
-                    self.handshake_ended(ip);
-                    if let Some(connection) = connection {
+                    if let Ok(Some(connection)) = done {
                         return connection;
                     }
                 }

@@ -789,6 +789,10 @@ async fn one_address_holds_its_share_and_livez_answers_at_the_cap() {
         answer.starts_with("HTTP/1.1 200"),
         "alive at the cap: {answer}"
     );
+    assert!(
+        answer.contains("at_connection_cap"),
+        "answered by the cap's path: {answer}"
+    );
     let mut refused = connect_from([127, 0, 0, 4], addr).await;
     refused.write_all(get("/hello").as_bytes()).await.unwrap();
     let answer = raw_answer(&mut refused).await;

@@ -10,6 +10,7 @@
 
 use std::future::Future;
 use std::ops::DerefMut;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
@@ -301,6 +302,25 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     }
 }
 
+/// When a statement was last given up on ([`within_answer_bound`]), in
+/// Unix milliseconds; 0 for never.
+static LAST_GAVE_UP_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Whether a statement was given up on within `window`: a pool then checks
+/// the connections it gets back within a bound (one given up on may still
+/// be waiting for its answer, and an unbounded check would hold its slot
+/// until the kernel gives up on the socket).
+pub fn gave_up_within(window: std::time::Duration) -> bool {
+    let last = LAST_GAVE_UP_MS.load(Ordering::Relaxed);
+    last != 0
+        && unix_ms().saturating_sub(last) <= u64::try_from(window.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn unix_ms() -> u64 {
+    let since = keel_core::clock::utc_now().timestamp_millis();
+    u64::try_from(since).unwrap_or(0)
+}
+
 /// Awaits `answer`, a statement's (or a `BEGIN`'s, a `COMMIT`'s), for at
 /// most `D`'s [`Dialect::answer_bound`]; past it, an I/O error (timed
 /// out) in its place, which the dialect's error mapping reads as any
@@ -308,7 +328,9 @@ pub trait Dialect: Send + Sync + Sized + 'static {
 /// transaction, outcome unknown for a `COMMIT` or an autocommit write.
 ///
 /// The abandoned statement's connection is not reused until it answers:
-/// sqlx tests it when it goes back to the pool.
+/// sqlx tests it when it goes back to the pool, and a backend should bound
+/// that test while [`gave_up_within`] says a statement was given up on
+/// (keel-postgres closes a connection that does not answer in time).
 pub async fn within_answer_bound<D: Dialect, T>(
     answer: impl Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, sqlx::Error> {
@@ -318,6 +340,7 @@ pub async fn within_answer_bound<D: Dialect, T>(
     match tokio::time::timeout(bound, answer).await {
         Ok(answered) => answered,
         Err(_) => {
+            LAST_GAVE_UP_MS.store(unix_ms(), Ordering::Relaxed);
             tracing::warn!(
                 database = D::NAME,
                 ?bound,

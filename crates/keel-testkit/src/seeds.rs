@@ -23,5 +23,7 @@ pub fn fault_seeds(default: RangeInclusive<u64>) -> RangeInclusive<u64> {
             .parse::<u64>()
             .unwrap_or_else(|_| panic!("{FAULT_SEEDS}: `{spec}` is not N or N-M"))
     };
-    parse(first)..=parse(last)
+    let (first, last) = (parse(first), parse(last));
+    assert!(first <= last, "{FAULT_SEEDS}: `{spec}` names no seed");
+    first..=last
 }

@@ -329,6 +329,9 @@ impl ServeFile {
 
 pub use crate::backend::{BrokerKind, Database};
 
+/// The shortest shipping gRPC token taken, as for the admin token.
+const MIN_GRPC_TOKEN_CHARS: usize = 16;
+
 /// The validated configuration. Its `Debug` output shows no secret.
 #[derive(Clone)]
 pub struct ServeConfig {
@@ -568,6 +571,15 @@ impl ServeArgs {
             .clone()
             .or(file.shipping_grpc_token)
             .or_else(|| admin_token.clone());
+        if shipping_grpc_token
+            .as_ref()
+            .is_some_and(|token| token.chars().count() < MIN_GRPC_TOKEN_CHARS)
+        {
+            return Err(invalid(
+                "shipping-grpc-token",
+                format!("must be at least {MIN_GRPC_TOKEN_CHARS} characters"),
+            ));
+        }
         if shipping_grpc_token.is_none() && !shipping_grpc_listen.ip().is_loopback() {
             return Err(invalid(
                 "shipping-grpc-listen",
@@ -734,6 +746,23 @@ impl ServeArgs {
                 .unwrap_or(defaults.outbox),
             inbox: secs(self.inbox_retention_secs, file.inbox_retention_secs)
                 .unwrap_or(defaults.inbox),
+        })
+        .and_then(|retention| {
+            // Zero would delete at once what must outlive redeliveries and
+            // audits: say what is meant instead.
+            for (setting, age) in [
+                ("outbox-retention-secs", retention.outbox),
+                ("inbox-retention-secs", retention.inbox),
+                (
+                    "webhook-deliveries-max-age-secs",
+                    retention.webhook_deliveries,
+                ),
+            ] {
+                if age.is_zero() {
+                    return Err(invalid(setting, "must be at least 1"));
+                }
+            }
+            Ok(retention)
         })
     }
 }

@@ -239,6 +239,10 @@ fn retention_runs_by_default_and_every_age_can_be_set() {
     a.retention_interval_secs = Some(0);
     let refused = a.resolve().unwrap_err().to_string();
     assert!(refused.contains("retention-interval-secs"), "{refused}");
+    a.retention_interval_secs = None;
+    a.inbox_retention_secs = Some(0);
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("inbox-retention-secs"), "{refused}");
 }
 
 #[test]
@@ -247,6 +251,9 @@ fn the_shipping_port_off_loopback_needs_a_credential_the_admin_token_serves() {
     a.shipping_grpc_listen = Some("0.0.0.0:50051".into());
     let refused = a.resolve().unwrap_err().to_string();
     assert!(refused.contains("shipping-grpc"), "{refused}");
+    a.shipping_grpc_token = Some("short".into());
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("at least 16"), "{refused}");
     a.shipping_grpc_token = Some("grpc-token-grpc-token".into());
     assert_eq!(
         a.resolve().unwrap().shipping_grpc_token.as_deref(),

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
@@ -12,7 +13,9 @@ use tonic::{Request, Status};
 /// chose to leave open). Cheap to clone.
 #[derive(Clone)]
 pub struct RequireBearer {
-    expected: Option<Arc<[u8]>>,
+    /// The SHA-256 of `Bearer <token>`: digests of equal length are compared,
+    /// so the time taken says nothing about the token, not even its length.
+    expected: Option<Arc<[u8; 32]>>,
 }
 
 impl std::fmt::Debug for RequireBearer {
@@ -27,9 +30,13 @@ impl RequireBearer {
     /// Calls must carry `token` (`None`: no credential asked for).
     pub fn new(token: Option<&str>) -> Self {
         Self {
-            expected: token.map(|t| Arc::from(format!("Bearer {t}").into_bytes())),
+            expected: token.map(|t| Arc::new(digest(format!("Bearer {t}").as_bytes()))),
         }
     }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
 }
 
 impl Interceptor for RequireBearer {
@@ -42,7 +49,7 @@ impl Interceptor for RequireBearer {
             .get("authorization")
             .map(|v| v.as_bytes())
             .unwrap_or_default();
-        if bool::from(presented.ct_eq(expected)) {
+        if bool::from(digest(presented).ct_eq(expected.as_slice())) {
             return Ok(request);
         }
         metrics::counter!("keel_grpc_server_calls_total", "outcome" => "unauthenticated")

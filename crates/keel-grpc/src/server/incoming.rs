@@ -33,7 +33,13 @@ pub struct BoundedIncoming {
     slots: ConnectionSlots,
     first_bytes: Duration,
     idle: Duration,
+    /// After an accept error (a full file table), the wait before the
+    /// next accept: trying again at once would spin.
+    backoff: Option<Pin<Box<Sleep>>>,
 }
+
+/// How long accepting pauses after an error.
+const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 
 impl BoundedIncoming {
     /// `listener`'s connections within `limits` (its header read timeout
@@ -44,6 +50,7 @@ impl BoundedIncoming {
             slots: limits.connection_slots(),
             first_bytes: limits.header_read(),
             idle: limits.idle(),
+            backoff: None,
         }
     }
 }
@@ -54,12 +61,19 @@ impl futures_util::Stream for BoundedIncoming {
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
         loop {
+            if let Some(backoff) = this.backoff.as_mut() {
+                if backoff.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                this.backoff = None;
+            }
             let (stream, peer) = match this.listener.poll_accept(cx) {
                 Poll::Pending => return Poll::Pending,
                 // An accept error (a full file table) ends no server: the
-                // next poll tries again.
+                // next accept comes after a pause.
                 Poll::Ready(Err(error)) => {
-                    tracing::warn!(%error, "gRPC accept failed");
+                    tracing::warn!(%error, "gRPC accept failed; pausing accepts for {ACCEPT_BACKOFF:?}");
+                    this.backoff = Some(Box::pin(tokio::time::sleep(ACCEPT_BACKOFF)));
                     continue;
                 }
                 Poll::Ready(Ok(accepted)) => accepted,

@@ -22,15 +22,16 @@
 //!   restarted it would only hand the attacker a restart loop;
 //! - **a share per address**: one client address holds at most
 //!   `max_connections_per_address` of the slots, so one address cannot take
-//!   what every other client needs.
+//!   what every other client needs (an IPv6 /64 counts as one address).
+//!   Behind a proxy every client shares the proxy's address: raise the
+//!   share to the cap there, and bound clients at the proxy.
 //!
 //! Each request carries the peer's address as `ConnectInfo<SocketAddr>`,
 //! which per-client limits and throttles read.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,13 +47,12 @@ use hyper::body::{Body as _, Incoming};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use keel_core::clock::{self, Instant};
 use keel_policy::ConfigError;
-use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
 use super::drain::Drain;
 use crate::problem::Problem;
+pub use crate::slots::{ConnectionSlot, ConnectionSlots};
 
 /// The default header read timeout: 10 s.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -196,65 +196,6 @@ impl ConnectionLimits {
     /// The header read timeout.
     pub fn header_read(&self) -> Duration {
         self.header_read_timeout
-    }
-}
-
-/// A pool of connection slots with a share per client address: what
-/// [`Drain::serve_with`] takes one of per connection, for any other server
-/// (a gRPC one) to bound its connections the same way. The map holds only
-/// addresses with a connection open, so it is never larger than the pool.
-#[derive(Debug)]
-pub struct ConnectionSlots {
-    all: Arc<Semaphore>,
-    per_address: usize,
-    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
-}
-
-/// One slot of [`ConnectionSlots`], given back when dropped.
-#[derive(Debug)]
-pub struct ConnectionSlot {
-    _permit: OwnedSemaphorePermit,
-    address: IpAddr,
-    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
-}
-
-impl ConnectionSlots {
-    /// `all` slots, at most `per_address` of them for one client address.
-    pub fn new(all: usize, per_address: usize) -> Self {
-        Self {
-            all: Arc::new(Semaphore::new(all)),
-            per_address,
-            held: Arc::default(),
-        }
-    }
-
-    /// A slot for a connection from `address`, unless the pool or the
-    /// address's share is full.
-    pub fn try_take(&self, address: IpAddr) -> Option<ConnectionSlot> {
-        let mut held = self.held.lock();
-        if held.get(&address).is_some_and(|n| *n >= self.per_address) {
-            metrics::counter!("keel_http_address_share_refused_total").increment(1);
-            return None;
-        }
-        let permit = Arc::clone(&self.all).try_acquire_owned().ok()?;
-        *held.entry(address).or_insert(0) += 1;
-        Some(ConnectionSlot {
-            _permit: permit,
-            address,
-            held: Arc::clone(&self.held),
-        })
-    }
-}
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        let mut held = self.held.lock();
-        if let Some(count) = held.get_mut(&self.address) {
-            *count -= 1;
-            if *count == 0 {
-                held.remove(&self.address);
-            }
-        }
     }
 }
 

@@ -24,8 +24,8 @@ use super::error::{autocommit_write_error, corrupt, db_error, is_conflict_store_
 pub(crate) const ANSWER_MARGIN: Duration = Duration::from_secs(5);
 
 /// The client-side bound on a statement's answer, in milliseconds: the
-/// longest `statement_timeout` of every store this process opened, plus
-/// [`ANSWER_MARGIN`]. The dialect is a type, not a value, so the bound is
+/// longest `statement_timeout` plus `acquire_timeout` of every store this
+/// process opened, plus [`ANSWER_MARGIN`]. The dialect is a type, not a value, so the bound is
 /// the process's: the longest, which cuts no store's statement short.
 static ANSWER_BOUND_MS: AtomicU64 = AtomicU64::new(NO_BOUND_YET);
 const NO_BOUND_YET: u64 = 0;
@@ -34,12 +34,16 @@ const UNBOUNDED: u64 = u64::MAX;
 
 /// Raises the process's answer bound to cover a store whose statements
 /// the server cancels after `statement_timeout` (zero: never, and then no
-/// statement is bounded).
-pub(crate) fn cover_statement_timeout(statement_timeout: Duration) {
+/// statement is bounded), and whose pool gives up waiting for a connection
+/// after `acquire_timeout`: a statement on the pool waits for both, and one
+/// never sent must fail as the pool's timeout (nothing committed), not as
+/// the bound's (outcome unknown).
+pub(crate) fn cover_statement_timeout(statement_timeout: Duration, acquire_timeout: Duration) {
     let ms = if statement_timeout.is_zero() {
         UNBOUNDED
     } else {
-        u64::try_from((statement_timeout + ANSWER_MARGIN).as_millis()).unwrap_or(UNBOUNDED)
+        u64::try_from((statement_timeout + acquire_timeout + ANSWER_MARGIN).as_millis())
+            .unwrap_or(UNBOUNDED)
     };
     ANSWER_BOUND_MS.fetch_max(ms, Ordering::Relaxed);
 }

@@ -246,30 +246,35 @@ impl PgStore {
             return Err(StoreError::Unavailable(err.into()));
         };
         // About five seconds of asking, however long each answer takes.
-        let until = tokio::time::Instant::now() + RESOLVE_FOR;
-        for attempt in 0.. {
-            if tokio::time::Instant::now() >= until {
-                break;
-            }
+        match tokio::time::timeout(RESOLVE_FOR, self.resolve(xid, &err)).await {
+            Ok(Some(resolved)) => resolved,
+            Ok(None) | Err(_) => Err(commit_error(err)),
+        }
+    }
+
+    /// Asks what became of transaction `xid` until the server says
+    /// committed, aborted or unknown (`None`); `err` is the lost `COMMIT`'s.
+    async fn resolve(&self, xid: i64, err: &sqlx::Error) -> Option<Result<(), StoreError>> {
+        for attempt in 0u32.. {
             match self.transaction_outcome(xid).await {
                 Ok(TxOutcome::Committed) => {
                     tracing::info!(xid, "commit outcome resolved: committed");
-                    return Ok(());
+                    return Some(Ok(()));
                 }
                 Ok(TxOutcome::Aborted) => {
                     tracing::info!(xid, "commit outcome resolved: rolled back");
-                    return Err(StoreError::Unavailable(
+                    return Some(Err(StoreError::Unavailable(
                         format!("the transaction was rolled back: {err}").into(),
-                    ));
+                    )));
                 }
-                Ok(TxOutcome::Unknown) => break,
+                Ok(TxOutcome::Unknown) => return None,
                 Ok(TxOutcome::InProgress) | Err(_) => {
                     tracing::debug!(xid, attempt, "commit outcome not known yet");
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
         }
-        Err(commit_error(err))
+        None
     }
 
     /// What became of the transaction with id `xid` (`txid_current()`),

@@ -189,7 +189,7 @@ impl PgStoreOptions {
     /// needed), creating the schema and migrating unless told not to.
     pub async fn open(self, url: &str) -> Result<PgStore, StoreError> {
         let options = self.connect_options(url)?;
-        super::dialect::cover_statement_timeout(self.statement_timeout);
+        super::dialect::cover_statement_timeout(self.statement_timeout, self.acquire_timeout);
         let pool = pool_options()
             .max_connections(self.max_connections)
             .min_connections(self.min_connections)
@@ -231,6 +231,7 @@ impl PgStoreOptions {
 /// its validation in the same window).
 pub(crate) fn pool_options() -> PgPoolOptions {
     PgPoolOptions::new()
+        .after_release(|conn, _meta| Box::pin(answers_after_a_silence(conn)))
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
@@ -244,6 +245,34 @@ pub(crate) fn pool_options() -> PgPoolOptions {
                 Ok(conn.ping().await.is_ok())
             })
         })
+}
+
+/// How long after a statement was given up on the connections coming back
+/// are checked within the answer bound.
+const SILENCE_WATCH: Duration = Duration::from_secs(120);
+
+/// Whether a connection coming back to the pool may be kept, after a
+/// statement was given up on lately (`Ok(true)` at once otherwise): it
+/// must answer a ping within the answer bound, or it is closed. sqlx's own
+/// release check (a ping) has no bound, and a connection the network went
+/// silent on would hold its pool slot until the kernel gave up on the
+/// socket, minutes later, so that a pool of them would refuse every
+/// caller even once the server is reachable again.
+async fn answers_after_a_silence(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+    use sqlx::Connection;
+    if !keel_sql::dialect::gave_up_within(SILENCE_WATCH) {
+        return Ok(true);
+    }
+    let Some(bound) = <super::PgDialect as keel_sql::Dialect>::answer_bound() else {
+        return Ok(true);
+    };
+    match tokio::time::timeout(bound, conn.ping()).await {
+        Ok(answered) => answered.map(|()| true),
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "a connection given back after a silence did not answer: closed",
+        ))),
+    }
 }
 
 /// Whether `conn` may be handed out: a session that sqlx counts inside a
