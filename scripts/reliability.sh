@@ -5,10 +5,11 @@
 #   scripts/reliability.sh chaos FIRST LAST [ORDERS]
 #       `keel chaos` on SQLite for every seed FIRST..LAST (default 200
 #       orders, 4 crashes each), one line per seed, then the totals.
-#   scripts/reliability.sh scale-out-crash RUNS
-#       the scale-out crash test (two keel serve processes; PostgreSQL
-#       immediate shutdown and nats-server SIGKILL mid-run) RUNS times in a
-#       row, under scripts/services.sh.
+#   scripts/reliability.sh scale-out-crash FIRST LAST
+#       the scale-out crash test (two keel serve processes; PostgreSQL, with
+#       fsync on, and nats-server SIGKILLed mid-run, the order and the pauses
+#       drawn from the seed) for every seed FIRST..LAST, under
+#       scripts/services.sh.
 #   scripts/reliability.sh network-faults FIRST LAST
 #       the scale-out pair under the seeded network fault schedules of
 #       every seed FIRST..LAST (fault proxies between each keel serve and
@@ -73,19 +74,20 @@ print(r["ok"], i["lost"], i["duplicated"], i["unexpected"], d["sagas_stuck"] + d
 }
 
 scale_out_crash() {
-  local runs="$1" passed=0 bin
+  local first="$1" last="$2" passed=0 bin
   bin="$(WITH_KEEL=1 snapshot_test keel scale_out)"
-  for i in $(seq 1 "$runs"); do
+  for i in $(seq "$first" "$last"); do
     local log rc=0
     log="$(mktemp)"
-    CI=true KEEL_TEST_KEEL_BIN="$(dirname "$bin")/keel" scripts/services.sh run "$bin" \
-      --nocapture crashing_postgres_and_nats_mid_run >"$log" 2>&1 || rc=$?
+    CI=true KEEL_FAULT_SEEDS="$i" KEEL_TEST_KEEL_BIN="$(dirname "$bin")/keel" \
+      scripts/services.sh run "$bin" --nocapture crashing_postgres_and_nats_mid_run \
+      >"$log" 2>&1 || rc=$?
     grep -E "client calls|after crashing|panicked" "$log" || true
     if [ "$rc" = 0 ]; then passed=$((passed + 1)); else cp "$log" "target/scale-out-crash-$i.log"; fi
     rm -f "$log"
-    echo "run $i: exit $rc, $passed passed so far"
+    echo "seed $i: exit $rc, $passed passed so far"
   done
-  echo "scale-out crash: $runs runs, $passed passed"
+  echo "scale-out crash: $((last - first + 1)) runs, $passed passed"
 }
 
 network_faults() {
@@ -228,5 +230,5 @@ case "${1:-}" in
   openapi-fuzz) shift; openapi_fuzz "$@" ;;
   power-loss) shift; power_loss "$@" ;;
   cluster) shift; cluster "$@" ;;
-  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash RUNS | network-faults FIRST LAST | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES] | power-loss FIRST LAST | cluster FIRST LAST" >&2; exit 2 ;;
+  *) echo "usage: $0 chaos FIRST LAST [ORDERS] | scale-out-crash FIRST LAST | network-faults FIRST LAST | chaos-busy-disk ROUNDS [BINARY] | openapi-fuzz FIRST LAST [EXAMPLES] | power-loss FIRST LAST | cluster FIRST LAST" >&2; exit 2 ;;
 esac

@@ -80,20 +80,41 @@ async fn crashing_postgres_and_nats_mid_run_loses_and_duplicates_nothing() {
     outage_mid_run(services::crash, "crashing").await;
 }
 
-/// Runs the two-server workload while `outage` hits PostgreSQL, then
-/// nats-server; every order must settle once, with nothing lost.
+/// Runs the two-server workload while `outage` hits PostgreSQL and
+/// nats-server, once per seed (`KEEL_FAULT_SEEDS`, else seed 1): the seed
+/// draws which goes first and the pause before each. Every order must
+/// settle once, with nothing lost.
 async fn outage_mid_run(outage: fn(Service) -> Result<(), services::ServiceError>, what: &str) {
+    for seed in keel_testkit::seeds::fault_seeds(1..=1) {
+        if !outage_with_seed(outage, what, seed).await {
+            return;
+        }
+    }
+}
+
+/// One seeded run of [`outage_mid_run`]; `false` when no servers run.
+async fn outage_with_seed(
+    outage: fn(Service) -> Result<(), services::ServiceError>,
+    what: &str,
+    seed: u64,
+) -> bool {
     let Some(cluster) = Cluster::new() else {
-        return;
+        return false;
     };
     let _lease = ServerLease::take(true);
     let a = cluster.serve("a").await;
     let b = cluster.serve("b").await;
     let servers = [&a, &b];
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut order = [Service::Postgres, Service::Nats];
+    if rng.bool() {
+        order.reverse();
+    }
+    let pauses = [rng.u64(200..1_500), rng.u64(200..1_500)];
     let run = workload(&servers, 12);
     let faults = async {
-        for service in [Service::Postgres, Service::Nats] {
-            tokio::time::sleep(Duration::from_millis(500)).await;
+        for (service, pause) in order.into_iter().zip(pauses) {
+            tokio::time::sleep(Duration::from_millis(pause)).await;
             tokio::task::spawn_blocking(move || outage(service))
                 .await
                 .unwrap()
@@ -111,10 +132,11 @@ async fn outage_mid_run(outage: fn(Service) -> Result<(), services::ServiceError
     let store = cluster.store().await;
     let (invariants, dead) = verdict(&store, &result).await;
     eprintln!(
-        "after {what} both servers: {dead} dead letters, 0 lost, 0 duplicated, 0 unexpected, \
-         {} recovered",
+        "after {what} both servers (seed {seed}: {order:?} after {pauses:?} ms): {dead} dead \
+         letters, 0 lost, 0 duplicated, 0 unexpected, {} recovered",
         invariants.recovered
     );
+    true
 }
 
 /// A key in flight when its server is killed (`SIGKILL`: nothing completes

@@ -35,25 +35,26 @@ const BATCH: usize = 1_000;
 /// field.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retention {
-    /// How often every pruner runs [`DEFAULT_INTERVAL`].
+    /// How often every pruner runs (default [`DEFAULT_INTERVAL`]).
     pub interval: Duration,
-    /// Event log: events older than this go (`None`: no age limit)
-    /// [7 days].
+    /// Event log: events older than this go (`None`: no age limit;
+    /// default 7 days).
     pub event_log_max_age: Option<Duration>,
     /// Event log: the newest this many events per stream stay (`None`: no
-    /// count limit) [10,000].
+    /// count limit; default 10,000).
     pub event_log_keep_last: Option<NonZeroU64>,
-    /// Jobs go this long after they expired [`DEFAULT_JOBS_GRACE`].
+    /// Jobs go this long after they expired (default
+    /// [`DEFAULT_JOBS_GRACE`]).
     pub jobs_grace: Duration,
     /// Finished webhook deliveries go this long after they last changed
-    /// [`DEFAULT_WEBHOOK_DELIVERIES`].
+    /// (default [`DEFAULT_WEBHOOK_DELIVERIES`]).
     pub webhook_deliveries: Duration,
     /// Published outbox rows go this long after they were published (the
-    /// relay prunes them, on one process at a time) [7 days].
+    /// relay prunes them, on one process at a time; default 7 days).
     pub outbox: Duration,
     /// Inbox rows (what each consumer group processed, for deduplication)
-    /// go this long after (each consumer prunes its own) [7 days]: longer
-    /// than any redelivery can come.
+    /// go this long after (each consumer prunes its own; default 7 days):
+    /// longer than any redelivery can come.
     pub inbox: Duration,
 }
 
