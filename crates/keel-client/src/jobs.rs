@@ -11,11 +11,12 @@
 //! - **typed ends**: a failed job ([`JobError::Failed`], with the server's
 //!   reason: asking succeeded, the job did not), a cancelled one, an
 //!   expired one (`410`), an unknown one (`404`);
-//! - **cancellation sends `DELETE`**: when the future of [`Job::wait`] is
-//!   dropped before the job ended (the caller's own timeout, a cancelled
-//!   request) or the deadline leaves no time to wait, the client sends a
-//!   best-effort `DELETE` for the job, so the server stops work nobody will
-//!   read. Use [`Job::status`] to look without that commitment.
+//! - **giving up waiting is not cancelling**: dropping the future of
+//!   [`Job::wait`] (the caller's own timeout, a cancelled request) or a
+//!   deadline that leaves no time to wait ends the *waiting* only; the job
+//!   goes on, and [`Job::resume`] picks it up again later (another process
+//!   may be the one that reads the result). Cancelling is a decision, and
+//!   [`Job::cancel`] (`DELETE`) is the explicit call that makes it.
 //!
 //! Failures on the way (a restarting server, a `503`, a dropped connection)
 //! are ridden out with the jittered delays of [`Reconnect`].
@@ -250,29 +251,13 @@ impl Job {
     /// Polls until the job ends and returns the result's response.
     ///
     /// Dropping this future before the job ended, or the deadline leaving
-    /// no time to wait, sends a best-effort `DELETE` for the job.
+    /// no time to wait, stops the waiting and nothing else: the job runs
+    /// on (call [`cancel`](Self::cancel) to stop it).
     ///
     /// # Errors
     ///
     /// As [`status`](Self::status), after riding out failures.
     pub async fn wait(&self) -> Result<reqwest::Response, JobError> {
-        let mut guard = CancelOnDrop {
-            job: self,
-            armed: true,
-        };
-        let outcome = self.poll_to_the_end().await;
-        guard.armed = !matches!(
-            outcome,
-            Ok(_)
-                | Err(JobError::Failed { .. }
-                    | JobError::Cancelled
-                    | JobError::Expired
-                    | JobError::NotFound)
-        );
-        outcome
-    }
-
-    async fn poll_to_the_end(&self) -> Result<reqwest::Response, JobError> {
         let mut reconnect = self.jobs.reconnect.start();
         loop {
             reconnect.ready().await.map_err(LoopError::from)?;
@@ -388,35 +373,5 @@ fn ended(error: HttpCallError, reconnect: &mut ReconnectState) -> Result<(), Job
         Some(StatusCode::NOT_FOUND) => Err(JobError::NotFound),
         Some(StatusCode::GONE) => Err(JobError::Expired),
         _ => Ok(after_call_failure(reconnect, error)?),
-    }
-}
-
-/// How many times the `DELETE` of an abandoned wait is tried: 5.
-const ABANDONED_CANCEL_ATTEMPTS: u32 = 5;
-
-/// Sends the `DELETE` of a wait that did not see its job end.
-struct CancelOnDrop<'a> {
-    job: &'a Job,
-    armed: bool,
-}
-
-impl Drop for CancelOnDrop<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        // Detached on purpose: the caller stopped waiting, and the DELETE
-        // must not wait for it. It runs outside the caller's deadline.
-        let mut job = self.job.clone();
-        job.jobs.reconnect = job.jobs.reconnect.max_failures(ABANDONED_CANCEL_ATTEMPTS);
-        metrics::counter!("keel_job_client_cancel_total").increment(1);
-        runtime.spawn(async move {
-            if let Err(error) = job.cancel().await {
-                tracing::debug!(url = %job.status_url, %error, "cancelling an abandoned job failed");
-            }
-        });
     }
 }
