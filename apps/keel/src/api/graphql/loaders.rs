@@ -194,6 +194,9 @@ impl Loader<String> for SagaLoader {
 pub struct Loaders {
     /// Orders by id (every `order(id:)` of a query, aliases included).
     pub orders: DataLoader<OrderLoader, HashMapCache>,
+    /// Set once the query's top-level `order(id:)` fields were loaded in
+    /// one batch ([`prime_orders`](Self::prime_orders)).
+    orders_primed: tokio::sync::OnceCell<()>,
     /// Customers by id.
     pub customers: DataLoader<CustomerLoader, HashMapCache>,
     /// Products by SKU.
@@ -211,10 +214,25 @@ impl Loaders {
         }
         Self {
             orders: loader(OrderLoader(Arc::clone(reads))),
+            orders_primed: tokio::sync::OnceCell::new(),
             customers: loader(CustomerLoader(Arc::clone(reads))),
             products: loader(ProductLoader(Arc::clone(reads))),
             sagas: loader(SagaLoader(Arc::clone(reads))),
         }
+    }
+
+    /// Loads every id in `ids` into the orders loader's cache in one batch
+    /// (of up to [`MAX_BATCH`]), once per request: the first `order(id:)`
+    /// field to ask does it for its siblings, which wait for it and then
+    /// read the cache. The DataLoader's own batching collects keys for a
+    /// millisecond, which a loaded machine can miss; this cannot. A failed
+    /// load is left to each field's own.
+    pub async fn prime_orders(&self, ids: impl FnOnce() -> Vec<String>) {
+        self.orders_primed
+            .get_or_init(|| async {
+                let _ = self.orders.load_many(ids()).await;
+            })
+            .await;
     }
 
     /// Loads, for a page of `orders`, what the query asks of them (`wants`),

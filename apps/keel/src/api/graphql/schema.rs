@@ -78,6 +78,7 @@ impl Query {
     #[graphql(complexity = "ORDER_READ_COST + child_complexity")]
     async fn order(&self, ctx: &Context<'_>, id: ID) -> Result<Option<OrderNode>> {
         let loaders = ctx.data::<Loaders>()?;
+        loaders.prime_orders(|| top_level_order_ids(ctx)).await;
         let order = loaders
             .orders
             .load_one(id.to_string())
@@ -85,6 +86,35 @@ impl Query {
             .map_err(|e| store_error(&e))?;
         Ok(order.flatten().map(OrderNode::from))
     }
+}
+
+/// The ids of the operation's top-level `order(id:)` fields, written
+/// inline or as variables (those under fragments load one by one, in the
+/// DataLoader's own batches).
+fn top_level_order_ids(ctx: &Context<'_>) -> Vec<String> {
+    use async_graphql::Value;
+    use async_graphql::parser::types::Selection;
+    let env = &ctx.query_env;
+    env.operation
+        .node
+        .selection_set
+        .node
+        .items
+        .iter()
+        .filter_map(|selection| match &selection.node {
+            Selection::Field(field) if field.node.name.node == "order" => {
+                field.node.get_argument("id")
+            }
+            _ => None,
+        })
+        .filter_map(|id| {
+            let variable = |name| env.variables.get(&name).cloned().ok_or(());
+            match id.node.clone().into_const_with(variable) {
+                Ok(Value::String(id)) => Some(id),
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 /// What the query asks of each order of the page, whether through `edges
