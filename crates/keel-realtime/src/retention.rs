@@ -12,7 +12,7 @@ use std::num::{NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
 use keel_messaging::StoreError;
-use keel_messaging::store::EventLogStore;
+use keel_messaging::store::{EventLogStore, delete_in_batches};
 use tokio::sync::watch;
 
 use super::log::EventLog;
@@ -86,36 +86,23 @@ impl<S: EventLogStore> EventLog<S> {
     /// returns how many events were deleted.
     pub async fn trim(&self, retention: &Retention) -> Result<u64, StoreError> {
         let batch = retention.batch.get();
-        let full = u64::try_from(batch).unwrap_or(u64::MAX);
         let mut deleted = 0;
         if let Some(max_age) = retention.max_age {
             let age = chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX);
             let before = keel_core::clock::utc_now()
                 .checked_sub_signed(age)
                 .unwrap_or(chrono::DateTime::UNIX_EPOCH);
-            loop {
-                let n = self.store().event_log_trim(before, batch).await?;
-                metrics::counter!("keel_event_log_trimmed_total", "rule" => "age").increment(n);
-                deleted += n;
-                if n < full {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
+            let n = delete_in_batches(batch, || self.store().event_log_trim(before, batch)).await?;
+            metrics::counter!("keel_event_log_trimmed_total", "rule" => "age").increment(n);
+            deleted += n;
         }
         if let Some(keep) = retention.keep_last {
-            loop {
-                let n = self
-                    .store()
-                    .event_log_trim_keep_last(keep.get(), batch)
-                    .await?;
-                metrics::counter!("keel_event_log_trimmed_total", "rule" => "count").increment(n);
-                deleted += n;
-                if n < full {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
+            let n = delete_in_batches(batch, || {
+                self.store().event_log_trim_keep_last(keep.get(), batch)
+            })
+            .await?;
+            metrics::counter!("keel_event_log_trimmed_total", "rule" => "count").increment(n);
+            deleted += n;
         }
         if deleted > 0 {
             tracing::debug!(deleted, "event log trimmed");

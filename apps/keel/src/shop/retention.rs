@@ -9,13 +9,13 @@
 //! finished webhook deliveries with their attempts. Each delete is a bounded
 //! batch, so a prune never holds the write lock for long.
 
-use std::future::Future;
 use std::num::NonZeroU64;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use keel_messaging::StoreError;
 use keel_messaging::lease::LeaseGate;
+use keel_messaging::store::delete_in_batches;
 use keel_realtime::EventLog;
 use tokio::sync::watch;
 
@@ -98,8 +98,11 @@ pub async fn prune_once<S: ShopStore>(
     let pruned = Pruned {
         idempotency_keys: keel_http::idempotency::prune_expired(store, BATCH).await?,
         events: log.trim(&events).await?,
-        jobs: in_batches(|| store.job_prune(ago(now, retention.jobs_grace), BATCH)).await?,
-        webhook_deliveries: in_batches(|| {
+        jobs: delete_in_batches(BATCH, || {
+            store.job_prune(ago(now, retention.jobs_grace), BATCH)
+        })
+        .await?,
+        webhook_deliveries: delete_in_batches(BATCH, || {
             store.webhook_prune(ago(now, retention.webhook_deliveries), BATCH)
         })
         .await?,
@@ -141,24 +144,6 @@ pub async fn run<S: ShopStore>(
         }
     })
     .await;
-}
-
-/// `delete` (one bounded batch) again until a batch comes back short;
-/// the rows deleted in all.
-async fn in_batches<F, Fut>(mut delete: F) -> Result<u64, StoreError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<u64, StoreError>>,
-{
-    let mut total = 0;
-    loop {
-        let deleted = delete().await?;
-        total += deleted;
-        if deleted < BATCH as u64 {
-            return Ok(total);
-        }
-        tokio::task::yield_now().await;
-    }
 }
 
 /// `now` minus `age`, or the beginning of time when that underflows.

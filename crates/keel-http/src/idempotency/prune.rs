@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use keel_messaging::StoreError;
-use keel_messaging::store::IdempotencyStore;
+use keel_messaging::store::{IdempotencyStore, delete_in_batches};
 use tokio::task::JoinHandle;
 
 use super::service::wall_now;
@@ -24,15 +24,7 @@ pub async fn prune_expired<S: IdempotencyStore>(
 ) -> Result<u64, StoreError> {
     let batch = batch.max(1);
     let now = wall_now();
-    let mut total = 0;
-    loop {
-        let deleted = store.idempotency_prune(now, batch).await?;
-        total += deleted;
-        if deleted < batch as u64 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
+    let total = delete_in_batches(batch, || store.idempotency_prune(now, batch)).await?;
     if total > 0 {
         metrics::counter!("keel_idempotency_pruned_total").increment(total);
         tracing::debug!(deleted = total, "expired idempotency keys pruned");

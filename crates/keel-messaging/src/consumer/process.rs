@@ -452,15 +452,10 @@ impl<S: Store + ConsumerStore> Processor<S> {
         let before = keel_core::clock::utc_now()
             .checked_sub_signed(age)
             .unwrap_or(chrono::DateTime::<Utc>::MIN_UTC);
-        let mut total = 0;
-        loop {
-            let deleted = self.store.inbox_prune(before, INBOX_PRUNE_BATCH).await?;
-            total += deleted;
-            if deleted < INBOX_PRUNE_BATCH as u64 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        let total = crate::store::delete_in_batches(INBOX_PRUNE_BATCH, || {
+            self.store.inbox_prune(before, INBOX_PRUNE_BATCH)
+        })
+        .await?;
         if total > 0 {
             metrics::counter!("keel_consumer_inbox_pruned_total").increment(total);
             tracing::info!(rows = total, "inbox pruned");

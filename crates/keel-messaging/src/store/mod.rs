@@ -13,6 +13,7 @@
 //! `keel-sqlite` and `keel-postgres` implement them; `keel-testkit` holds the
 //! conformance suite that defines their behaviour.
 
+mod batches;
 mod dead_letter;
 mod entity_version;
 mod event_log;
@@ -25,6 +26,7 @@ mod outbox;
 mod saga;
 mod webhooks;
 
+pub use batches::delete_in_batches;
 pub use dead_letter::*;
 pub use entity_version::*;
 pub use event_log::*;

@@ -374,20 +374,15 @@ impl<S: OutboxStore, B: Broker + ?Sized> OutboxRelay<S, B> {
             .checked_sub_signed(retention)
             .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
         let batch = self.options.prune_batch.get();
-        let mut total = 0;
-        loop {
-            let deleted = if self.options.archive {
-                self.store.outbox_archive(before, batch).await?
+        // Between batches the business transactions get the write lock.
+        let total = crate::store::delete_in_batches(batch, || async {
+            if self.options.archive {
+                self.store.outbox_archive(before, batch).await
             } else {
-                self.store.outbox_prune(before, batch).await?
-            };
-            total += deleted;
-            if deleted < batch as u64 {
-                break;
+                self.store.outbox_prune(before, batch).await
             }
-            // Let the business transactions in between the batches.
-            tokio::task::yield_now().await;
-        }
+        })
+        .await?;
         if total > 0 {
             let how = if self.options.archive {
                 "archived"
