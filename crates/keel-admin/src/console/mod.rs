@@ -46,6 +46,8 @@ mod render;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use axum::Router;
@@ -54,10 +56,10 @@ use axum::extract::{Extension, Form, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use futures_util::Stream;
-use keel_messaging::MessagingStore;
-use keel_messaging::store::{SagaStatus, WebhookStore};
+use keel_store::MessagingStore;
+use keel_store::{SagaStatus, WebhookStore};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -148,27 +150,71 @@ where
             .route("/console", get(console_page::<S>))
             .route("/console/", get(|| async { Redirect::to("/console") }))
             .route("/console/events", get(events::<S>))
-            .route("/console/sagas/{id}/retry", post(retry_saga::<S>))
-            .route("/console/sagas/{id}/cancel", post(cancel_saga::<S>))
+            .route(
+                "/console/sagas/{id}/retry",
+                button(|admin, id| {
+                    Box::pin(async move {
+                        let saga = admin.retry_saga(&id).await?;
+                        Ok(format!(
+                            "Retried saga {} (now {})",
+                            saga.id,
+                            saga.status.as_str()
+                        ))
+                    })
+                }),
+            )
+            .route(
+                "/console/sagas/{id}/cancel",
+                button(|admin, id| {
+                    Box::pin(async move {
+                        let saga = admin.cancel_saga(&id).await?;
+                        Ok(format!(
+                            "Cancelled saga {} (now {})",
+                            saga.id,
+                            saga.status.as_str()
+                        ))
+                    })
+                }),
+            )
             .route(
                 "/console/dead-letters/{id}/replay",
-                post(replay_letter::<S>),
+                button(|admin, id| {
+                    Box::pin(async move {
+                        Ok(done(&admin.replay_dead_letter(&id).await?, "dead letter"))
+                    })
+                }),
             )
             .route(
                 "/console/dead-letters/{id}/discard",
-                post(discard_letter::<S>),
+                button(|admin, id| {
+                    Box::pin(async move {
+                        Ok(done(&admin.discard_dead_letter(&id).await?, "dead letter"))
+                    })
+                }),
             )
             .route(
                 "/console/outbox/parked/{id}/replay",
-                post(replay_parked::<S>),
+                button(|admin, id| {
+                    Box::pin(async move {
+                        Ok(done(&admin.replay_parked(&id).await?, "parked outbox row"))
+                    })
+                }),
             )
             .route(
                 "/console/outbox/parked/{id}/discard",
-                post(discard_parked::<S>),
+                button(|admin, id| {
+                    Box::pin(async move {
+                        Ok(done(&admin.discard_parked(&id).await?, "parked outbox row"))
+                    })
+                }),
             )
             .route(
                 "/console/webhook-deliveries/{id}/resend",
-                post(resend_delivery::<S>),
+                button(|admin, id| {
+                    Box::pin(async move {
+                        Ok(done(&admin.resend_delivery(&id).await?, "webhook delivery"))
+                    })
+                }),
             )
             .route("/console/logout", post(logout::<S>))
             .route_layer(access.page_layer("/console/login", csp))
@@ -358,117 +404,25 @@ fn capitalize(word: &str) -> String {
         .unwrap_or_default()
 }
 
-async fn retry_saga<S: MessagingStore + WebhookStore>(
-    State(console): State<Console<S>>,
-    session: Option<Extension<AdminSession>>,
-    Path(id): Path<String>,
-) -> Redirect {
-    back(
-        &console,
-        session,
-        console
-            .admin
-            .retry_saga(&id)
-            .await
-            .map(|s| format!("Retried saga {} (now {})", s.id, s.status.as_str())),
+/// A console button: runs `op` on the id in the path, then answers `303`
+/// back to the console with the outcome as the session's notice. Every
+/// button is one of these, so each ends the same way.
+fn button<S>(op: fn(Admin<S>, String) -> Outcome) -> MethodRouter<Console<S>>
+where
+    S: MessagingStore + WebhookStore,
+{
+    post(
+        move |State(console): State<Console<S>>,
+              session: Option<Extension<AdminSession>>,
+              Path(id): Path<String>| async move {
+            let result = op(console.admin.clone(), id).await;
+            back(&console, session, result)
+        },
     )
 }
 
-async fn cancel_saga<S: MessagingStore + WebhookStore>(
-    State(console): State<Console<S>>,
-    session: Option<Extension<AdminSession>>,
-    Path(id): Path<String>,
-) -> Redirect {
-    back(
-        &console,
-        session,
-        console
-            .admin
-            .cancel_saga(&id)
-            .await
-            .map(|s| format!("Cancelled saga {} (now {})", s.id, s.status.as_str())),
-    )
-}
-
-async fn replay_letter<S: MessagingStore + WebhookStore>(
-    State(console): State<Console<S>>,
-    session: Option<Extension<AdminSession>>,
-    Path(id): Path<String>,
-) -> Redirect {
-    back(
-        &console,
-        session,
-        console
-            .admin
-            .replay_dead_letter(&id)
-            .await
-            .map(|a| done(&a, "dead letter")),
-    )
-}
-
-async fn discard_letter<S: MessagingStore + WebhookStore>(
-    State(console): State<Console<S>>,
-    session: Option<Extension<AdminSession>>,
-    Path(id): Path<String>,
-) -> Redirect {
-    back(
-        &console,
-        session,
-        console
-            .admin
-            .discard_dead_letter(&id)
-            .await
-            .map(|a| done(&a, "dead letter")),
-    )
-}
-
-async fn replay_parked<S: MessagingStore + WebhookStore>(
-    State(console): State<Console<S>>,
-    session: Option<Extension<AdminSession>>,
-    Path(id): Path<String>,
-) -> Redirect {
-    back(
-        &console,
-        session,
-        console
-            .admin
-            .replay_parked(&id)
-            .await
-            .map(|a| done(&a, "parked outbox row")),
-    )
-}
-
-async fn discard_parked<S: MessagingStore + WebhookStore>(
-    State(console): State<Console<S>>,
-    session: Option<Extension<AdminSession>>,
-    Path(id): Path<String>,
-) -> Redirect {
-    back(
-        &console,
-        session,
-        console
-            .admin
-            .discard_parked(&id)
-            .await
-            .map(|a| done(&a, "parked outbox row")),
-    )
-}
-
-async fn resend_delivery<S: MessagingStore + WebhookStore>(
-    State(console): State<Console<S>>,
-    session: Option<Extension<AdminSession>>,
-    Path(id): Path<String>,
-) -> Redirect {
-    back(
-        &console,
-        session,
-        console
-            .admin
-            .resend_delivery(&id)
-            .await
-            .map(|a| done(&a, "webhook delivery")),
-    )
-}
+/// What a button's operation answers: the notice's text, or the error.
+type Outcome = Pin<Box<dyn Future<Output = Result<String, AdminError>> + Send>>;
 
 async fn login_page<S: MessagingStore + WebhookStore>(
     State(console): State<Console<S>>,
