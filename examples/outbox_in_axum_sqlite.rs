@@ -21,10 +21,10 @@ use axum::routing::post;
 use axum::{Json, Router};
 use keel_examples::OrderPlaced;
 use keel_messaging::consumer::{Group, HandlerError};
-use keel_messaging::envelope::EventMeta;
 use keel_messaging::outbox::Outbox;
-use keel_messaging::store::Store;
 use keel_sqlite::{SqliteBroker, SqliteStore};
+use keel_store::Store;
+use keel_store::envelope::EventMeta;
 
 type Tx = <SqliteStore as Store>::Tx;
 

@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use keel_core::Classified;
 use keel_messaging::saga::{SagaDefinition, SagaOrchestrator, Step, StepContext};
-use keel_messaging::store::Store;
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 

@@ -19,8 +19,8 @@
 use std::time::Duration;
 
 use axum::Router;
-use keel_messaging::store::Store;
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
 use keel_webhooks::signing::Secret;
 use keel_webhooks::ssrf::SsrfGuard;
 use keel_webhooks::{

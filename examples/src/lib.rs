@@ -30,10 +30,10 @@ use std::time::Duration;
 
 use axum::Router;
 use keel_messaging::consumer::{Consumer, ConsumerStore, Group};
-use keel_messaging::envelope::Event;
 use keel_messaging::outbox::{Outbox, OutboxRelay};
-use keel_messaging::store::OutboxStore;
 use keel_sqlite::SqliteBroker;
+use keel_store::OutboxStore;
+use keel_store::envelope::Event;
 use serde::{Deserialize, Serialize};
 
 /// The event the outbox examples announce an order with.

@@ -18,8 +18,8 @@ use keel::api::graphql::ShopGraphql;
 use keel::shop::db::ShopDb;
 use keel::shop::model::{Item, Order, OrderStatus};
 use keel_http::pagination::{Cursor, CursorCodec, Pagination, list_scope};
-use keel_messaging::store::Store;
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
 
 const GRAPHQL_ORDERS_ONLY: &str = "{ orders(first: 50) { edges { cursor node { id customerId totalCents status } } \
                                    pageInfo { hasNextPage endCursor } } }";

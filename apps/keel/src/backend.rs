@@ -22,9 +22,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use keel_messaging::StoreError;
-use keel_messaging::broker::{Broker, BrokerError};
 use keel_sqlite::{SqliteBroker, SqliteStore};
+use keel_store::StoreError;
+use keel_store::broker::{Broker, BrokerError};
 
 use crate::shop::{ShopStore, SystemHandle};
 

@@ -6,6 +6,7 @@
 //! over real HTTP on loopback. [`demo`] drives a workload through it and
 //! checks the invariants; [`serve`] runs it as a server.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod api;
 pub mod backend;
 #[cfg(feature = "chaos")]

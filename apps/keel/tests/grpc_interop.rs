@@ -1,6 +1,6 @@
 //! A client in another language calls `keel serve`'s shipping service:
 //! Python's standard gRPC (grpcio), its stubs compiled from the checked-in
-//! proto by grpcio-tools, the way the seed's Python calls `GetShipment`.
+//! proto by grpcio-tools, the way any Python client calls `GetShipment`.
 //! Nothing Keel-only is needed to talk to it: health, deadlines as
 //! `grpc-timeout`, a unary call made twice, a refusal for too little time,
 //! codes for bad input, a client stream, a bidirectional stream with

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use keel::shop::retention::Retention;
 use keel::shop::{System, SystemConfig};
-use keel_messaging::broker::Broker;
-use keel_messaging::store::{JobRecord, JobStatus, JobStore, Store};
 use keel_realtime::StreamId;
 use keel_sqlite::{SqliteBroker, SqliteStore};
+use keel_store::broker::Broker;
+use keel_store::{JobRecord, JobStatus, JobStore, Store};
 
 fn job(id: &str, expires_in: chrono::Duration) -> JobRecord {
     let now = keel_core::clock::utc_now();

@@ -10,10 +10,10 @@ use std::time::Duration;
 use keel::shop::SystemHandle;
 use keel::shop::db::ShopDb;
 use keel::shop::model::{Item, Order, OrderStatus};
-use keel_messaging::envelope::Envelope;
-use keel_messaging::store::Store;
-use keel_messaging::store::{DeadLetterFilter, SagaStatus};
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
+use keel_store::envelope::Envelope;
+use keel_store::{DeadLetterFilter, SagaStatus};
 use serde_json::json;
 
 async fn start(dir: &std::path::Path) -> SystemHandle<SqliteStore> {

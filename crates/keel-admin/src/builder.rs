@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_http::access::{AllowedHosts, FailureThrottle};
-use keel_messaging::MessagingStore;
 use keel_messaging::dead_letter::DeadLetters;
 use keel_messaging::outbox::Outbox;
 use keel_messaging::saga::SagaOrchestrator;
-use keel_messaging::store::WebhookStore;
 use keel_policy::breaker::BreakerRegistry;
+use keel_store::MessagingStore;
+use keel_store::WebhookStore;
 use keel_webhooks::Endpoints;
 use keel_webhooks::ssrf::SsrfGuard;
 

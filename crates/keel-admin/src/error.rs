@@ -3,9 +3,9 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use keel_core::{Classify, ErrorClass};
-use keel_messaging::StoreError;
 use keel_messaging::dead_letter::DeadLetterError;
 use keel_messaging::saga::SagaError;
+use keel_store::StoreError;
 
 use keel_http::problem::Problem;
 use keel_webhooks::WebhookError;

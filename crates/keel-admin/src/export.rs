@@ -27,8 +27,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use keel_messaging::MessagingStore;
-use keel_messaging::store::{SagaStatus, WebhookStore};
+use keel_store::MessagingStore;
+use keel_store::{SagaStatus, WebhookStore};
 use parking_lot::Mutex;
 
 use crate::Admin;

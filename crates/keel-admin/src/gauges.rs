@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use keel_messaging::broker::Broker;
+use keel_store::broker::Broker;
 use serde::{Deserialize, Serialize};
 
 /// One reading, e.g. `consumer_lag{group="billing", topic="orders"} = 12`.
@@ -92,7 +92,7 @@ where
 ///
 /// ```
 /// # use std::sync::Arc;
-/// # use keel_messaging::broker::Broker;
+/// # use keel_store::broker::Broker;
 /// # fn lag(broker: Arc<dyn Broker>) {
 /// use keel_admin::BrokerLag;
 /// let lag = BrokerLag::new(broker).group("orders", "fulfilment").group("orders", "billing");

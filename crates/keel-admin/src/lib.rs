@@ -44,6 +44,7 @@
 //! # let _ = app; Ok(()) }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod access;
 mod auth;
 mod builder;
@@ -62,12 +63,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use chrono::Utc;
-use keel_messaging::MessagingStore;
 use keel_messaging::dead_letter::DeadLetters;
 use keel_messaging::outbox::Outbox;
 use keel_messaging::saga::{SagaOrchestrator, SagaView};
-use keel_messaging::store::{SagaRecord, WebhookStore};
 use keel_policy::breaker::{BreakerRegistry, State};
+use keel_store::MessagingStore;
+use keel_store::{SagaRecord, WebhookStore};
 
 use keel_webhooks::Endpoints;
 
@@ -422,7 +423,7 @@ where
         };
         // The orchestrator names steps only in its listings; look the saga
         // up among the few that share its status and last update.
-        let filter = keel_messaging::store::SagaFilter {
+        let filter = keel_store::SagaFilter {
             status: Some(record.status),
             updated_before: Some(record.updated_at + chrono::TimeDelta::milliseconds(1)),
             limit: Some(MAX_LIMIT),

@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use keel_messaging::saga::SagaView;
-use keel_messaging::store::{
+use keel_policy::breaker::BreakerSnapshot;
+use keel_store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeliveryAttempt, DeliveryStatus, OutboxStats,
     ParkedOutbox, SagaStatus, WebhookDelivery,
 };
-use keel_policy::breaker::BreakerSnapshot;
 use serde::{Deserialize, Serialize};
 
 use super::gauges::Gauge;

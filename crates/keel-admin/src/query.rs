@@ -3,7 +3,7 @@
 //! names the valid values, never an empty list that looks like good news.
 
 use chrono::TimeDelta;
-use keel_messaging::store::{
+use keel_store::{
     DeadLetterFilter, DeadLetterStatus, DeliveryFilter, DeliveryStatus, ParkedFilter, SagaFilter,
     SagaStatus,
 };

@@ -8,8 +8,8 @@ use axum::extract::{Extension, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use keel_messaging::MessagingStore;
-use keel_messaging::store::WebhookStore;
+use keel_store::MessagingStore;
+use keel_store::WebhookStore;
 use serde::de::DeserializeOwned;
 
 use super::model::Listing;

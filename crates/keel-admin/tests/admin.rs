@@ -15,16 +15,16 @@ use axum::http::{Method, Request, StatusCode, header};
 use http_body_util::BodyExt;
 use keel_admin::{Admin, AdminToken, CSRF_HEADER, Gauge, SESSION_COOKIE};
 use keel_core::{BoxError, Classified};
-use keel_messaging::broker::Message;
 use keel_messaging::dead_letter::REPLAY_OF_HEADER;
 use keel_messaging::saga::{Backoff, Jitter, SagaDefinition, SagaOrchestrator, Step, StepContext};
-use keel_messaging::store::{
+use keel_policy::breaker::{BreakerRegistry, CircuitBreakerConfig};
+use keel_sqlite::store::SqliteStore;
+use keel_store::broker::Message;
+use keel_store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, DeliveryAttempt, DeliveryOutcome,
     DeliveryStatus, OutboxStore, SagaStatus, Store, WebhookEndpoint, WebhookMessage, WebhookSecret,
     WebhookStore,
 };
-use keel_policy::breaker::{BreakerRegistry, CircuitBreakerConfig};
-use keel_sqlite::store::SqliteStore;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tempfile::TempDir;
@@ -775,7 +775,7 @@ async fn breakers_and_lag_report_what_the_process_knows() {
 #[tokio::test]
 async fn broker_lag_reports_each_groups_unfinished_messages() {
     use keel_admin::BrokerLag;
-    use keel_messaging::broker::{Broker, SubscribeOptions};
+    use keel_store::broker::{Broker, SubscribeOptions};
     let w = world().await;
     let broker = Arc::new(
         keel_sqlite::SqliteBroker::open(w._dir.path().join("broker.db"))
@@ -858,7 +858,7 @@ async fn without_an_orchestrator_sagas_are_listed_and_actions_are_501() {
 /// `poison`, as a relay does when the broker refuses them; returns the
 /// row ids of every event, in order.
 async fn park_outbox_rows(store: &SqliteStore, keys: &[&str], poison: &str) -> Vec<i64> {
-    use keel_messaging::store::OutboxRecord;
+    use keel_store::OutboxRecord;
     let records: Vec<OutboxRecord> = keys
         .iter()
         .enumerate()
@@ -1016,9 +1016,9 @@ async fn parked_outbox_rows_are_listed_inspected_replayed_and_discarded() {
 /// for it, and says so instead of failing.
 #[tokio::test]
 async fn a_stuck_choreographed_flow_shows_with_the_sagas() {
-    use keel_messaging::envelope::Envelope;
     use keel_messaging::outbox::Outbox;
     use keel_messaging::saga::flow::{Flow, FlowWatch};
+    use keel_store::envelope::Envelope;
 
     let w = world().await;
     let flow = Flow::builder("checkout", Duration::from_millis(100))

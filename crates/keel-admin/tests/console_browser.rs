@@ -18,12 +18,10 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use keel_admin::console::Console;
 use keel_admin::{Admin, AdminToken};
 use keel_core::BoxError;
-use keel_messaging::broker::Message;
 use keel_messaging::saga::{Backoff, Jitter, SagaDefinition, SagaOrchestrator, Step, StepContext};
-use keel_messaging::store::{
-    AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, SagaStatus, Store,
-};
 use keel_sqlite::store::SqliteStore;
+use keel_store::broker::Message;
+use keel_store::{AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, SagaStatus, Store};
 use keel_testkit::browser::ChromeDriver;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

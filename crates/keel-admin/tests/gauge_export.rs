@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use keel_admin::{Admin, Gauge};
-use keel_messaging::broker::Message;
-use keel_messaging::store::{
+use keel_sqlite::store::SqliteStore;
+use keel_store::broker::Message;
+use keel_store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, WebhookEndpoint, WebhookSecret,
     WebhookStore,
 };
-use keel_sqlite::store::SqliteStore;
 use keel_testkit::eventually;
 use keel_testkit::metrics::MetricsRecorder;
 

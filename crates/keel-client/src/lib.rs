@@ -46,6 +46,7 @@
 //! They share [`Reconnect`] (full-jitter backoff, `Retry-After`, the
 //! current deadline) and one error type, [`LoopError`].
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod client;
 mod dependency;
 mod error;

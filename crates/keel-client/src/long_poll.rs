@@ -1,7 +1,7 @@
 //! [`LongPoll`]: the client half of long polling (`GET ?after=<cursor>` →
 //! `200 {events, cursor}` or `204`), as Keel's realtime server speaks it.
 //!
-//! Seed 000's loop, done once:
+//! The long-poll client loop, done once:
 //!
 //! - **keep the cursor**: every batch moves it to the batch's `cursor`, and
 //!   the next poll asks for what came after it, so a reconnect misses

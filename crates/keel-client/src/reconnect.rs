@@ -3,7 +3,7 @@
 //!
 //! A loop that reconnects at once hammers a server that is restarting, and
 //! every client it dropped comes back in the same instant. So each failure
-//! waits a delay drawn from a [`Backoff`] (by default seed 000's: 200 ms
+//! waits a delay drawn from a [`Backoff`] (by default: 200 ms
 //! doubling up to 10 s, **full jitter**), and at least as long as the
 //! server's `Retry-After` when it sent one. The count of failures resets
 //! only once the server has answered something useful (a batch, an event, a

@@ -16,6 +16,7 @@
 //! - [`id`]: time-ordered UUIDv7 identifiers.
 //! - [`clock`]: the one place that reads time, so tests can pause it.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod clock;
 pub mod deadline;
 pub mod error;

@@ -14,7 +14,7 @@
 //!   before the answer or in the middle of a stream; a malformed header is
 //!   `INVALID_ARGUMENT`; streams end with `UNAVAILABLE`, resumable, when
 //!   the server drains. [`server::require_remaining`] lets a handler refuse
-//!   to start with too little time left (the seed's 50 ms).
+//!   to start with too little time left (50 ms, say).
 //! - [`server::TraceContextLayer`]: the caller's `traceparent` as the
 //!   handler's trace context.
 //! - [`client::PropagationLayer`]: the current deadline as `grpc-timeout`
@@ -34,6 +34,7 @@
 //! Everything here is the gRPC wire protocol and nothing else: a client
 //! or server in any language interoperates with it.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod body;
 pub mod client;
 #[cfg(feature = "health")]

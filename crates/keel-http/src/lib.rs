@@ -28,6 +28,7 @@
 //! crates built on this one (`keel-realtime`, `keel-webhooks`,
 //! `keel-admin`) share the access checks.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod access;
 pub mod problem;
 pub mod slots;

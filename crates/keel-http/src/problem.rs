@@ -19,8 +19,9 @@ use std::time::Duration;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel_core::Rejected;
-use keel_messaging::StoreError;
+#[cfg(feature = "outbox")]
 use keel_messaging::outbox::OutboxError;
+use keel_store::StoreError;
 use serde::Serialize;
 
 mod json;
@@ -173,6 +174,7 @@ impl Problem {
     }
 
     /// The status [`from_outbox`](Self::from_outbox) answers `err` with.
+    #[cfg(feature = "outbox")]
     pub fn outbox_status(err: &OutboxError) -> StatusCode {
         match err {
             OutboxError::Store(store) => Self::store_status(store),
@@ -186,6 +188,7 @@ impl Problem {
     /// is the server's own bug, a `500` whose detail is logged, not sent.
     /// A handler whose event carries the client's data and can tell it was
     /// too large answers its own `413` or `422` before appending.
+    #[cfg(feature = "outbox")]
     pub fn from_outbox(err: &OutboxError) -> Self {
         match err {
             OutboxError::Store(store) => Self::from_store(store),
@@ -194,6 +197,7 @@ impl Problem {
     }
 }
 
+#[cfg(feature = "outbox")]
 impl From<&OutboxError> for Problem {
     fn from(err: &OutboxError) -> Self {
         Self::from_outbox(err)

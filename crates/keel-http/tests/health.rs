@@ -150,32 +150,32 @@ struct CountedStore {
 }
 
 #[async_trait::async_trait]
-impl keel_messaging::Store for CountedStore {
+impl keel_store::Store for CountedStore {
     type Tx = ();
 
-    async fn begin(&self) -> Result<(), keel_messaging::StoreError> {
+    async fn begin(&self) -> Result<(), keel_store::StoreError> {
         Ok(())
     }
 
-    async fn commit(&self, (): ()) -> Result<(), keel_messaging::StoreError> {
+    async fn commit(&self, (): ()) -> Result<(), keel_store::StoreError> {
         Ok(())
     }
 
-    async fn rollback(&self, (): ()) -> Result<(), keel_messaging::StoreError> {
+    async fn rollback(&self, (): ()) -> Result<(), keel_store::StoreError> {
         Ok(())
     }
 
-    async fn ready(&self) -> Result<(), keel_messaging::StoreError> {
+    async fn ready(&self) -> Result<(), keel_store::StoreError> {
         self.asked.fetch_add(1, Ordering::SeqCst);
         if self.down.load(Ordering::SeqCst) {
-            Err(keel_messaging::StoreError::other("connection refused"))
+            Err(keel_store::StoreError::other("connection refused"))
         } else {
             Ok(())
         }
     }
 }
 
-/// The cascade the seeds warn about: every instance shares the database,
+/// The classic cascade: every instance shares the database,
 /// so a readiness probe that reads it takes the whole fleet out of the load
 /// balancer when the database blips. Readiness asks the store once, at
 /// start; the blip shows in `/debug/deep` only.

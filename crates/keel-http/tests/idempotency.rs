@@ -20,11 +20,9 @@ use keel_http::idempotency::{
     HeldKey, IdempotencyLayer, IdempotencyOptions, InvalidIdempotencyOptions, prune_expired,
 };
 use keel_http::problem::PROBLEM_JSON;
-use keel_messaging::StoreError;
-use keel_messaging::store::{
-    IdempotencyBegin, IdempotencyClaim, IdempotencyStore, Store, StoredResponse,
-};
 use keel_sqlite::SqliteStore;
+use keel_store::StoreError;
+use keel_store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, Store, StoredResponse};
 use keel_testkit::metrics::MetricsRecorder;
 use tempfile::TempDir;
 use tokio::sync::Notify;

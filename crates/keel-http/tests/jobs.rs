@@ -11,10 +11,10 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderValue, Request, StatusCode, header};
 use keel_http::jobs::{Cancelled, JobError, JobView, Jobs, JobsOptions};
 use keel_http::problem::PROBLEM_JSON;
-use keel_messaging::envelope::Envelope;
 use keel_messaging::outbox::Outbox;
-use keel_messaging::store::{JobStatus, OutboxStore};
 use keel_sqlite::SqliteStore;
+use keel_store::envelope::Envelope;
+use keel_store::{JobStatus, OutboxStore};
 use tempfile::TempDir;
 use tower::ServiceExt;
 

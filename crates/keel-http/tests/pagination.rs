@@ -50,7 +50,7 @@ struct Sort {
     order: Option<Order>,
 }
 
-/// `GET /orders?order=asc|desc&limit=&cursor=`: the seek of seed 000.
+/// `GET /orders?order=asc|desc&limit=&cursor=`: a keyset seek.
 async fn list_orders(
     State(state): State<AppState>,
     Query(sort): Query<Sort>,

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use keel_messaging::store::SagaStatus;
+use keel_store::SagaStatus;
 
 use super::*;
 

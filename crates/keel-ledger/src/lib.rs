@@ -35,7 +35,7 @@
 //! were called: a handler whose transaction rolled back had no effect.
 //!
 //! ```
-//! use keel_testkit::ledger::Ledger;
+//! use keel_ledger::Ledger;
 //!
 //! let ledger = Ledger::with_handlers(["billing"]);
 //! ledger.committed("e1", "order-7", 1);
@@ -55,10 +55,12 @@
 //! assert!(err.to_string().contains("e3"));
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use keel_messaging::store::SagaStatus;
+use keel_store::SagaStatus;
 
 mod check;
 mod report;

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use keel_messaging::store::SagaStatus;
+use keel_store::SagaStatus;
 
 /// What a [`Ledger`](super::Ledger) found: counts of what it was told, and every
 /// violation, grouped by invariant, sorted by id.

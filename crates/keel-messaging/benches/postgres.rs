@@ -32,7 +32,7 @@
 //! Needs `KEEL_TEST_POSTGRES_URL`; run through scripts/services.sh:
 //!
 //! ```text
-//! scripts/services.sh run cargo bench -p keel-postgres --bench postgres -- \
+//! scripts/services.sh run cargo bench -p keel-messaging --bench postgres -- \
 //!     --warm-up-time 1 --measurement-time 3
 //! ```
 //!
@@ -522,7 +522,7 @@ fn main() {
     let Ok(url) = std::env::var(keel_testkit::services::POSTGRES_URL) else {
         eprintln!(
             "{} is not set: run through scripts/services.sh \
-             (scripts/services.sh run cargo bench -p keel-postgres --bench postgres)",
+             (scripts/services.sh run cargo bench -p keel-messaging --bench postgres)",
             keel_testkit::services::POSTGRES_URL
         );
         std::process::exit(2);

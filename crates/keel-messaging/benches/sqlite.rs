@@ -26,7 +26,7 @@
 //! Run (about a minute and a half):
 //!
 //! ```text
-//! cargo bench -p keel-sqlite --bench messaging -- --warm-up-time 1 --measurement-time 3
+//! cargo bench -p keel-messaging --bench sqlite -- --warm-up-time 1 --measurement-time 3
 //! ```
 //!
 //! The store and the broker live in two files in one temporary directory,

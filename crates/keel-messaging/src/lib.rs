@@ -5,10 +5,10 @@
 //! effects that happen exactly once, in per-entity order, or land in a
 //! dead-letter store with their story:
 //!
-//! - [`envelope`]: CloudEvents 1.0 with a tolerant, lossless reader.
-//! - [`store`] and [`broker`]: the contracts a database and a broker fulfil
-//!   (`keel-sqlite` is the embedded default; `keel-postgres` and `keel-nats`
-//!   scale out).
+//! - [`envelope`], [`store`] and [`broker`]: the CloudEvents envelope and
+//!   the contracts a database and a broker fulfil, re-exported from
+//!   `keel-store`, the API crate backends depend on (`keel-sqlite` is the
+//!   embedded default; `keel-postgres` and `keel-nats` scale out).
 //! - [`outbox`]: write the event in the business transaction; the
 //!   [`relay`](outbox::OutboxRelay) publishes it afterwards.
 //! - [`consumer`]: the consumer runtime: inbox dedupe in the effect's
@@ -25,9 +25,13 @@
 //! - [`version_guard`]: drop an event older than its entity's applied
 //!   version, where per-key order cannot be relied on.
 
-pub mod broker;
-pub mod envelope;
-pub mod store;
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub use keel_store::{broker, dedup, envelope};
+/// The storage contracts (`keel-store`), under the path users know.
+pub mod store {
+    pub use keel_store::*;
+}
 
 pub use broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 pub use consumer::{Consumer, Group, HandlerError};
@@ -39,7 +43,6 @@ pub use store::{MessagingStore, Store, StoreError};
 
 pub mod consumer;
 pub mod dead_letter;
-pub mod dedup;
 pub mod outbox;
 pub mod version_guard;
 

@@ -246,7 +246,7 @@ impl DeliveryControl for LostAck {
 
 // ---------------------------------------------------------------- tests --
 
-/// Seed 000: "prove duplicates are harmless, because they WILL happen".
+/// Prove duplicates are harmless, because they WILL happen.
 /// The same delivery arrives three times (two acks lost after the commit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handler_is_idempotent_under_triple_delivery() {

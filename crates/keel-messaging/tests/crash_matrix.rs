@@ -32,7 +32,7 @@
 //! The workload and fault plan derive from a seed (`KEEL_CRASH_SEED`,
 //! printed by every scenario); thread timing is not reproducible, so a seed
 //! replays the plan, not the exact interleaving. Run one scenario with
-//! output: `cargo nextest run -p keel-sqlite --test crash_matrix
+//! output: `cargo nextest run -p keel-messaging --test crash_matrix
 //! relay_after_publish --no-capture`.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -159,16 +159,10 @@ fn random_combinations_by_seed() {
 fn the_matrix_covers_every_failpoint_in_the_code() {
     let mut in_code = BTreeSet::new();
     let sources = [
+        (include_str!("../src/outbox/relay/mod.rs"), "fail_point!(\""),
+        (include_str!("../src/consumer/process.rs"), "fail_point!(\""),
         (
-            include_str!("../../keel-messaging/src/outbox/relay/mod.rs"),
-            "fail_point!(\"",
-        ),
-        (
-            include_str!("../../keel-messaging/src/consumer/process.rs"),
-            "fail_point!(\"",
-        ),
-        (
-            include_str!("../../keel-messaging/src/saga/orchestrator/call.rs"),
+            include_str!("../src/saga/orchestrator/call.rs"),
             "\"keel-saga-",
         ),
     ];
@@ -896,7 +890,7 @@ fn run_scenario(name: &str, armed: &[&'static str], kills: usize) {
     }
     let report = verify(&world).unwrap_or_else(|err| panic!("{name} (seed {seed}): {err}"));
     if armed.contains(&"relay-after-publish") {
-        // Seed 000: the outbox republishes after a relay crash, and the
+        // The outbox republishes after a relay crash, and the
         // consumer still applies once (the ledger checked that).
         assert!(world.republished() > 0, "{name}: nothing was republished");
     }

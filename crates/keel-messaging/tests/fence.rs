@@ -1,5 +1,5 @@
-//! Fencing tokens from SqliteStore, checked by a SQLite resource with the
-//! seed's conditional write (`... where id = $2 and fence < $1`).
+//! Fencing tokens from SqliteStore, checked by a SQLite resource with a
+//! conditional write (`... where id = $2 and fence < $1`).
 
 use std::collections::HashSet;
 

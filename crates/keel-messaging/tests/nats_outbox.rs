@@ -4,6 +4,7 @@
 //! knows the broker, and parked by the relay when it does not, while every
 //! other row is published.
 
+#[path = "../../keel-nats/tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;

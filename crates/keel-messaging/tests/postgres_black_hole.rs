@@ -5,6 +5,7 @@
 //! and answers with what the silence may mean: nothing committed for a
 //! statement inside a transaction, outcome unknown for a `COMMIT`.
 
+#[path = "../../keel-postgres/tests/common/mod.rs"]
 mod common;
 
 use std::time::Duration;

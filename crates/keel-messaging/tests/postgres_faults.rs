@@ -3,7 +3,10 @@
 //! relay replica killed in the middle of a batch while another runs. In
 //! both, nothing committed is lost and no effect happens twice.
 
+#[path = "../../keel-postgres/tests/common/mod.rs"]
 mod common;
+#[path = "postgres/recording_broker.rs"]
+mod recording_broker;
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
@@ -22,7 +25,7 @@ use keel_testkit::services::{self, Service};
 use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
 
-use common::broker::{Recorded, RecordingBroker};
+use recording_broker::{Recorded, RecordingBroker};
 
 type Tx = <PgStore as Store>::Tx;
 

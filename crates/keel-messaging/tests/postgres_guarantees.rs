@@ -6,7 +6,10 @@
 //! before COMMIT is an unknown outcome (resolved when asked), and
 //! LISTEN/NOTIFY wakes other processes.
 
+#[path = "../../keel-postgres/tests/common/mod.rs"]
 mod common;
+#[path = "postgres/recording_broker.rs"]
+mod recording_broker;
 
 use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroUsize;
@@ -19,7 +22,7 @@ use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::{InboxStore, OutboxRecord, OutboxStore, Store};
 use keel_postgres::{PgStore, PgWakeups, TxOutcome};
 
-use common::broker::{Recorded, RecordingBroker};
+use recording_broker::{Recorded, RecordingBroker};
 
 const LEASE: Duration = Duration::from_secs(30);
 

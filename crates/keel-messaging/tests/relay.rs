@@ -216,7 +216,7 @@ fn charge_group() -> Group<Tx> {
     })
 }
 
-/// Seed 000's test, with a real crash: the relay dies after the broker
+/// The classic outbox test, with a real crash: the relay dies after the broker
 /// accepted the batch and before it marked the rows published. The restarted
 /// relay republishes (at-least-once) and the consumer still applies once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! The saga orchestrator on SqliteStore: seed 000's order saga runs,
+//! The saga orchestrator on SqliteStore: the order saga runs,
 //! compensates, sticks and is steered by an operator; and a crash at any
 //! save, a process killed mid-step, or two orchestrators racing never make
 //! an effect happen twice or leave a saga anywhere but completed, fully
@@ -140,13 +140,13 @@ fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
     })
 }
 
-/// Seed 000: capture_payment, reserve_stock, schedule_shipment (the pivot),
-/// send_receipt.
+/// The order saga: capture_payment, reserve_stock, schedule_shipment (the
+/// pivot), send_receipt.
 fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
     seed_saga_with(svc, Duration::from_millis(2), DEFAULT_FORWARD_BUDGET)
 }
 
-/// Seed 000 with this first backoff, retrying forward (after the pivot, or
+/// The order saga with this first backoff, retrying forward (after the pivot, or
 /// at a pivot that may have happened) for `forward_budget`.
 fn seed_saga_with(
     svc: &Arc<Services>,
@@ -854,7 +854,7 @@ async fn a_reaction_commits_its_effect_and_the_next_event_together() {
 
 // ------------------------------------------- choreography's safety net --
 
-/// Seed 000's checkout as a choreography: the shop places the order, the
+/// The order checkout as a choreography: the shop places the order, the
 /// inventory reserves stock (undone by releasing it), payments capture
 /// (undone by a refund), shipping schedules.
 fn checkout(deadline: Duration, undo_within: Duration) -> Flow {

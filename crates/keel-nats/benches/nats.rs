@@ -30,8 +30,8 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use futures_util::StreamExt;
 use futures_util::future::join_all;
 use keel_core::clock;
-use keel_messaging::broker::{Broker, Message, SubscribeOptions};
 use keel_nats::NatsBrokerOptions;
+use keel_store::broker::{Broker, Message, SubscribeOptions};
 
 const BATCH: usize = 100;
 const PAYLOAD: &[u8] = &[b'x'; 256];

@@ -17,9 +17,7 @@ use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, Storag
 use async_nats::jetstream::{self, kv};
 use async_nats::{HeaderMap, HeaderName, HeaderValue, Subject};
 use async_trait::async_trait;
-use keel_messaging::broker::{
-    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
-};
+use keel_store::broker::{Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription};
 use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 

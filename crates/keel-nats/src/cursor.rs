@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv::{self, CreateErrorKind, UpdateErrorKind};
 use bytes::Bytes;
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 use parking_lot::Mutex;
 
 use crate::error::unavailable;

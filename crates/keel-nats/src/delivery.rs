@@ -18,7 +18,7 @@ use async_nats::{Client, Subject};
 use async_trait::async_trait;
 use bytes::Bytes;
 use keel_core::clock::{self, Instant};
-use keel_messaging::broker::{BrokerError, DeliveryControl};
+use keel_store::broker::{BrokerError, DeliveryControl};
 use parking_lot::Mutex;
 use tokio::task::AbortHandle;
 

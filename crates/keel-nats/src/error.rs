@@ -7,7 +7,7 @@
 //! `Invalid`.
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 
 /// A failure to reach or use the server: retryable.
 pub(crate) fn unavailable(what: &str, error: impl std::fmt::Display) -> BrokerError {

@@ -9,7 +9,7 @@ use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::stream::{self, ConsumerErrorKind};
 use futures_util::TryStreamExt;
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 
 use crate::NatsBroker;
 use crate::error::unavailable;

@@ -1,4 +1,4 @@
-//! Keel's messaging [`Broker`](keel_messaging::Broker) on NATS JetStream,
+//! Keel's messaging [`Broker`](keel_store::Broker) on NATS JetStream,
 //! and request-reply over core NATS.
 //!
 //! When one machine is no longer enough, [`NatsBroker`] replaces the
@@ -36,7 +36,7 @@
 //!   is longer than the ack wait; terminate = cursor, then `+TERM`. A settle
 //!   after the client-side lease deadline is [`LeaseLost`] and sends nothing.
 //!
-//! [`LeaseLost`]: keel_messaging::broker::BrokerError::LeaseLost
+//! [`LeaseLost`]: keel_store::broker::BrokerError::LeaseLost
 //!
 //! # Per-key order: the trade-off
 //!
@@ -63,7 +63,7 @@
 //!   messages they order.
 //!
 //! ```no_run
-//! use keel_messaging::broker::{Broker, Message, SubscribeOptions};
+//! use keel_store::broker::{Broker, Message, SubscribeOptions};
 //! use keel_nats::NatsBroker;
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let broker = NatsBroker::open("nats://127.0.0.1:4222").await?;
@@ -76,6 +76,7 @@
 //! # Ok(()) }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod broker;
 pub mod cursor;
 mod delivery;

@@ -8,7 +8,7 @@
 //! names never share a token, so two keys never share a subject and never
 //! wait for each other.
 
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 
 /// The longest escaped token this crate creates; JetStream's limit on stream
 /// names is 255 bytes and the prefix and separators need some of it.

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 
 use crate::NatsBroker;
 

@@ -49,8 +49,8 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use keel_core::deadline::MIN_TIME_TO_START;
 use keel_core::{Classify, Deadline, ErrorClass};
-use keel_messaging::broker::{Headers, header};
-use keel_messaging::reply::{DEFAULT_TIMEOUT, REPLY_STATUS};
+use keel_store::broker::reply::{DEFAULT_TIMEOUT, REPLY_STATUS, STATUS_ERROR, STATUS_OK};
+use keel_store::broker::{Headers, header};
 
 /// A request-reply call failed.
 #[derive(Debug, thiserror::Error)]
@@ -157,7 +157,7 @@ impl NatsRequester {
                 _ => ReplyError::Unavailable(e.to_string()),
             })?;
         let headers = from_header_map(reply.headers.as_ref());
-        if headers.get(REPLY_STATUS).map(String::as_str) == Some("error") {
+        if headers.get(REPLY_STATUS).map(String::as_str) == Some(STATUS_ERROR) {
             return Err(ReplyError::Refused(
                 String::from_utf8_lossy(&reply.payload).into_owned(),
             ));
@@ -298,8 +298,8 @@ async fn answer<H, Fut, E>(
         None => work.await,
     };
     let (status, payload) = match outcome {
-        Ok(payload) => ("ok", payload),
-        Err(error) => ("error", Bytes::from(error.to_string())),
+        Ok(payload) => (STATUS_OK, payload),
+        Err(error) => (STATUS_ERROR, Bytes::from(error.to_string())),
     };
     let mut headers = HeaderMap::new();
     let _ = insert(&mut headers, REPLY_STATUS, status);

@@ -22,7 +22,7 @@ use async_trait::async_trait;
 use futures_util::StreamExt;
 use futures_util::future::join_all;
 use keel_core::clock::{self, Instant};
-use keel_messaging::broker::{BrokerError, Delivery, Headers, Message, Subscription};
+use keel_store::broker::{BrokerError, Delivery, Headers, Message, Subscription};
 
 use crate::cursor::Cursors;
 use crate::delivery::{HeldKeys, Lease, NatsDeliveryControl, margin};

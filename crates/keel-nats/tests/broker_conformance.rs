@@ -33,7 +33,7 @@ async fn a_restarted_requester_leaves_nothing_behind() {
         let mut topics: Vec<String> = names
             .iter()
             .filter_map(|stream| nats.topic_of_stream(stream))
-            .filter(|topic| topic.starts_with(keel_messaging::reply::REPLY_TOPIC_PREFIX))
+            .filter(|topic| topic.starts_with(keel_store::broker::reply::REPLY_TOPIC_PREFIX))
             .collect();
         topics.sort();
         topics

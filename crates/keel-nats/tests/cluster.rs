@@ -21,8 +21,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use keel_messaging::broker::{Broker, Message, SubscribeOptions};
 use keel_nats::{NatsBroker, NatsBrokerOptions};
+use keel_store::broker::{Broker, Message, SubscribeOptions};
 use keel_testkit::netfault::{Condition, FaultProxy};
 use keel_testkit::services;
 

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use common::{ServerLock, fresh_broker, test_options};
 use keel_core::clock;
 use keel_core::{Classify, ErrorClass};
-use keel_messaging::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
+use keel_store::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 use keel_testkit::broker_suite::OrderChecker;
 use keel_testkit::ledger::Ledger;
 use keel_testkit::services::{self, Service};

@@ -9,8 +9,8 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream::Stream};
 use common::{TestBroker, fresh_broker};
-use keel_messaging::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 use keel_nats::{KEY_HEADER, MESSAGE_ID_HEADER};
+use keel_store::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 
 const EXPECTED: &str = "Nats-Expected-Last-Subject-Sequence";
 const LEASE: Duration = Duration::from_secs(30);

@@ -10,8 +10,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{ServerLock, unique_prefix};
 use keel_core::{Deadline, clock};
-use keel_messaging::broker::header;
 use keel_nats::{NatsRequester, NatsResponder, ReplyError};
+use keel_store::broker::header;
 
 struct Fixture {
     client: async_nats::Client,

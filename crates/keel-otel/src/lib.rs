@@ -33,6 +33,7 @@
 //! # Ok(()) }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod export;
 pub mod log;
 pub mod queue;

@@ -17,6 +17,7 @@
 //! All time is read through tokio's clock, so every policy can be tested with
 //! `tokio::time::pause()`.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod config;
 pub use config::ConfigError;
 

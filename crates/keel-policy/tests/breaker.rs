@@ -1295,7 +1295,7 @@ mod config {
 
 mod model {
     //! The count-based breaker against a plain reference implementation of
-    //! the seed's algorithm, over random call sequences.
+    //! the reference algorithm, over random call sequences.
     use super::*;
     use proptest::prelude::*;
     use std::collections::VecDeque;
@@ -1325,7 +1325,7 @@ mod model {
         cap_factor: u64,
     }
 
-    /// The seed's breaker, written as plainly as possible.
+    /// The reference breaker, written as plainly as possible.
     struct Model {
         p: Params,
         state: State,

@@ -6,9 +6,9 @@
 //! notification leaves at commit, so readers in every process wake up.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
 use keel_sql::dialect::within_answer_bound;
 use keel_sql::event_log::EventLogBackend;
+use keel_store::StoreError;
 use sqlx::Row;
 
 use crate::PgStore;

@@ -1,7 +1,7 @@
 //! Keel on PostgreSQL: the messaging Store for systems that outgrow one
 //! machine.
 //!
-//! - [`PgStore`]: every storage trait of [`keel_messaging::store`] (outbox,
+//! - [`PgStore`]: every storage trait of [`keel_store`] (outbox,
 //!   inbox, dead letters, sagas, fencing tokens, idempotency keys, jobs, the
 //!   event log, webhook tables) on one `sqlx::PgPool`, in a schema of its
 //!   own, with embedded migrations. Several processes share it safely:
@@ -17,6 +17,7 @@
 //! connection lost during `COMMIT` is an unknown outcome, which the store
 //! resolves for its own transactions by asking the server.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod event_log;
 pub mod store;
 pub mod wakeups;

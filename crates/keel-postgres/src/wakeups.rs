@@ -1,6 +1,6 @@
 //! Cross-process wake-ups over PostgreSQL's `LISTEN/NOTIFY`.
 //!
-//! An [`Outbox`](keel_messaging::outbox::Outbox) wakes the relay of its own
+//! An outbox (`keel_messaging::outbox::Outbox`) wakes the relay of its own
 //! process after a commit; a relay in *another* process would only notice
 //! at its next poll. [`PgWakeups`] closes that gap: the store's appends send
 //! `pg_notify` inside their transaction (delivered at commit, dropped on
@@ -9,15 +9,16 @@
 //!
 //! ```no_run
 //! # async fn demo(store: keel_postgres::PgStore) {
-//! use keel_messaging::outbox::Outbox;
+//! use std::sync::Arc;
 //! use keel_postgres::PgWakeups;
 //!
-//! let outbox = Outbox::new(store.clone());
-//! let waker = outbox.clone();
+//! // With keel-messaging, the handler is `move || outbox.notify()`.
+//! let relay_wake = Arc::new(tokio::sync::Notify::new());
+//! let waker = relay_wake.clone();
 //! let wakeups = PgWakeups::builder(&store)
-//!     .on_outbox(move || waker.notify())
+//!     .on_outbox(move || waker.notify_one())
 //!     .spawn();
-//! // ... build and run the OutboxRelay from `outbox` as usual ...
+//! // ... the relay waits on `relay_wake.notified()` between polls ...
 //! # drop(wakeups);
 //! # }
 //! ```
@@ -27,8 +28,10 @@
 //! (event-log handlers with `None`: "something may have been missed"), and
 //! polling stays the fallback that bounds the delay if even that fails.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
+
+use keel_policy::retry::{Backoff, Jitter};
 
 use sqlx::postgres::{PgListener, PgPool};
 use tokio::sync::watch;
@@ -274,9 +277,16 @@ async fn subscribe(pool: &PgPool, names: &[&str]) -> Result<PgListener, sqlx::Er
     Ok(listener)
 }
 
+/// 100 ms × 2ⁿ after the n-th failure in a row, at most
+/// [`MAX_RECONNECT_DELAY`], equal jitter: every process's listener lost
+/// the same server at once, and should not all come back at once.
 fn reconnect_delay(failures: u32) -> Duration {
-    let delay = Duration::from_millis(100).saturating_mul(1 << failures.min(6));
-    delay.min(MAX_RECONNECT_DELAY)
+    static BACKOFF: LazyLock<Backoff> = LazyLock::new(|| {
+        Backoff::exponential(Duration::from_millis(100), 2.0, MAX_RECONNECT_DELAY)
+            .and_then(|backoff| backoff.with_jitter(Jitter::Equal))
+            .expect("constant, valid bounds")
+    });
+    BACKOFF.delay(failures).unwrap_or(MAX_RECONNECT_DELAY)
 }
 
 #[cfg(test)]
@@ -298,7 +308,9 @@ mod tests {
 
     #[test]
     fn reconnect_delay_is_bounded() {
-        assert_eq!(reconnect_delay(1), Duration::from_millis(200));
-        assert_eq!(reconnect_delay(30), MAX_RECONNECT_DELAY);
+        let first = reconnect_delay(1);
+        assert!((Duration::from_millis(100)..=Duration::from_millis(200)).contains(&first));
+        let late = reconnect_delay(30);
+        assert!((MAX_RECONNECT_DELAY / 2..=MAX_RECONNECT_DELAY).contains(&late));
     }
 }

@@ -11,10 +11,10 @@
 //! workers together would exceed `per_endpoint`.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::Store;
 use keel_sql::dialect::within_answer_bound;
 use keel_sql::webhooks::WebhookBackend;
+use keel_store::Store;
+use keel_store::StoreError;
 use sqlx::postgres::PgRow;
 
 use crate::PgStore;

@@ -11,8 +11,8 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use keel_messaging::store::Store;
 use keel_postgres::PgStore;
+use keel_store::Store;
 use sqlx::Connection;
 
 /// Polls `future` once and drops it: the cancellation that lands between

@@ -20,8 +20,8 @@
 
 use axum::http::header;
 use axum::http::request::Parts;
-use keel_messaging::envelope::Envelope;
-use keel_messaging::store::LoggedEvent;
+use keel_store::LoggedEvent;
+use keel_store::envelope::Envelope;
 
 use super::stream::StreamId;
 

@@ -25,8 +25,8 @@
 //!   up with its stream, and it is cut off. It reconnects with its cursor and
 //!   loses nothing, and its replay is paced.
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{EventLogStore, LoggedEvent};
+use keel_store::StoreError;
+use keel_store::{EventLogStore, LoggedEvent};
 
 use super::log::EventLog;
 use super::queue::{Push, SendQueue};

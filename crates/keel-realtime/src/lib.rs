@@ -79,6 +79,7 @@
 //! # Ok(()) }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod cloudevents;
 pub mod feed;
 mod log;
@@ -102,7 +103,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use axum::Router;
 use axum::http::request::Parts;
 use axum::routing::{MethodRouter, any, get};
-use keel_messaging::store::EventLogStore;
+use keel_store::EventLogStore;
 use tokio::sync::watch;
 
 pub use feed::TRUNCATED_EVENT;

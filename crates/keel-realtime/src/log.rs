@@ -9,8 +9,8 @@
 
 use std::sync::Arc;
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{EventLogStore, LoggedEvent};
+use keel_store::StoreError;
+use keel_store::{EventLogStore, LoggedEvent};
 
 use super::notifier::{LocalNotifier, Notifier, Subscription};
 use super::stream::StreamId;
@@ -60,7 +60,7 @@ pub enum AppendError {
 ///
 /// ```
 /// use keel_realtime::{EventLog, StreamId};
-/// use keel_messaging::store::Store;
+/// use keel_store::Store;
 /// use keel_sqlite::SqliteStore;
 ///
 /// # #[tokio::main(flavor = "current_thread")]

@@ -36,7 +36,7 @@ use chrono::{DateTime, Utc};
 use std::time::Duration;
 
 use keel_core::{Deadline, clock};
-use keel_messaging::store::{EventLogStore, LoggedEvent};
+use keel_store::{EventLogStore, LoggedEvent};
 use serde::Serialize;
 
 use super::cloudevents;

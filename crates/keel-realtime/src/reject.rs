@@ -6,7 +6,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use super::options::MAX_CURSOR_LEN;
 use keel_http::problem::Problem;

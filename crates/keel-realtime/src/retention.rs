@@ -11,8 +11,8 @@
 use std::num::{NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{EventLogStore, delete_in_batches};
+use keel_store::StoreError;
+use keel_store::{EventLogStore, delete_in_batches};
 use tokio::sync::watch;
 
 use super::log::EventLog;

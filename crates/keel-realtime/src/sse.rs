@@ -66,7 +66,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::Stream;
 use keel_core::clock;
-use keel_messaging::store::EventLogStore;
+use keel_store::EventLogStore;
 
 use super::cloudevents;
 use super::feed::{Fed, Frame, Mode, TRUNCATED_EVENT, feed};

@@ -196,8 +196,8 @@ mod log {
     use std::num::{NonZeroU64, NonZeroUsize};
     use std::time::Duration;
 
-    use keel_messaging::store::Store;
     use keel_sqlite::SqliteStore;
+    use keel_store::Store;
     use serde_json::json;
     use tokio::sync::watch;
 

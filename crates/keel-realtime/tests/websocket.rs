@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::http::request::Parts;
-use keel_messaging::store::Store;
 use keel_realtime::{EventLog, Realtime, RealtimeOptions, SendMessage, SendRejected, StreamId};
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};

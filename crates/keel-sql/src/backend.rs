@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::ops::DerefMut;
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use crate::dialect::{Dialect, Exec, Value};
 

@@ -6,9 +6,9 @@
 //! attempt at a time and is cleared when the message succeeds.
 
 use bytes::Bytes;
-use keel_messaging::StoreError;
-use keel_messaging::broker::Message;
-use keel_messaging::store::{AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus};
+use keel_store::StoreError;
+use keel_store::broker::Message;
+use keel_store::{AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus};
 
 use crate::backend::{SqlBackend, Tx};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
@@ -46,7 +46,7 @@ SELECT attempt, error, at FROM keel_failures
 const FAILURE_CLEAR_SQL: &str =
     "DELETE FROM keel_failures WHERE consumer_group = $1 AND message_id = $2";
 
-/// [`DeadLetterStore::dead_letter_put`](keel_messaging::store::DeadLetterStore::dead_letter_put).
+/// [`DeadLetterStore::dead_letter_put`](keel_store::DeadLetterStore::dead_letter_put).
 pub async fn put<B: SqlBackend>(store: &B, letter: &DeadLetter) -> Result<(), StoreError> {
     let message = &letter.message;
     let headers = serde_json::to_string(&message.headers).map_err(StoreError::other)?;
@@ -69,7 +69,7 @@ pub async fn put<B: SqlBackend>(store: &B, letter: &DeadLetter) -> Result<(), St
     Ok(())
 }
 
-/// [`DeadLetterStore::dead_letter_list`](keel_messaging::store::DeadLetterStore::dead_letter_list).
+/// [`DeadLetterStore::dead_letter_list`](keel_store::DeadLetterStore::dead_letter_list).
 pub async fn list<B: SqlBackend>(
     store: &B,
     filter: &DeadLetterFilter,
@@ -88,14 +88,14 @@ pub async fn list<B: SqlBackend>(
     rows.iter().map(letter_from_row::<B::Dialect>).collect()
 }
 
-/// [`DeadLetterStore::dead_letter_get`](keel_messaging::store::DeadLetterStore::dead_letter_get).
+/// [`DeadLetterStore::dead_letter_get`](keel_store::DeadLetterStore::dead_letter_get).
 pub async fn get<B: SqlBackend>(store: &B, id: &str) -> Result<Option<DeadLetter>, StoreError> {
     let sql = format!("SELECT {COLUMNS} FROM keel_dead_letters WHERE id = $1");
     let row = store.read_optional(&sql, &[id.into()]).await?;
     row.as_ref().map(letter_from_row::<B::Dialect>).transpose()
 }
 
-/// [`DeadLetterStore::dead_letter_settle`](keel_messaging::store::DeadLetterStore::dead_letter_settle).
+/// [`DeadLetterStore::dead_letter_settle`](keel_store::DeadLetterStore::dead_letter_settle).
 pub async fn settle<B: SqlBackend>(
     tx: &mut Tx<B>,
     id: &str,
@@ -111,7 +111,7 @@ pub async fn settle<B: SqlBackend>(
     Ok(settled == 1)
 }
 
-/// [`DeadLetterStore::dead_letter_counts`](keel_messaging::store::DeadLetterStore::dead_letter_counts).
+/// [`DeadLetterStore::dead_letter_counts`](keel_store::DeadLetterStore::dead_letter_counts).
 pub async fn counts<B: SqlBackend>(store: &B) -> Result<Vec<(String, u64)>, StoreError> {
     let rows = store.read_all(COUNTS_SQL, &[]).await?;
     rows.iter()
@@ -124,7 +124,7 @@ pub async fn counts<B: SqlBackend>(store: &B) -> Result<Vec<(String, u64)>, Stor
         .collect()
 }
 
-/// [`DeadLetterStore::failure_record`](keel_messaging::store::DeadLetterStore::failure_record).
+/// [`DeadLetterStore::failure_record`](keel_store::DeadLetterStore::failure_record).
 pub async fn failure_record<B: SqlBackend>(
     store: &B,
     group: &str,
@@ -142,7 +142,7 @@ pub async fn failure_record<B: SqlBackend>(
     Ok(())
 }
 
-/// [`DeadLetterStore::failure_history`](keel_messaging::store::DeadLetterStore::failure_history).
+/// [`DeadLetterStore::failure_history`](keel_store::DeadLetterStore::failure_history).
 pub async fn failure_history<B: SqlBackend>(
     store: &B,
     group: &str,
@@ -162,7 +162,7 @@ pub async fn failure_history<B: SqlBackend>(
         .collect()
 }
 
-/// [`DeadLetterStore::failure_clear`](keel_messaging::store::DeadLetterStore::failure_clear).
+/// [`DeadLetterStore::failure_clear`](keel_store::DeadLetterStore::failure_clear).
 pub async fn failure_clear<B: SqlBackend>(
     store: &B,
     group: &str,
@@ -194,7 +194,7 @@ fn letter_from_row<D: Dialect>(row: &D::Row) -> Result<DeadLetter, StoreError> {
     })
 }
 
-/// Implements [`DeadLetterStore`](keel_messaging::store::DeadLetterStore) for
+/// Implements [`DeadLetterStore`](keel_store::DeadLetterStore) for
 /// a [`SqlBackend`] whose transaction is the core's [`Tx`].
 #[macro_export]
 macro_rules! dead_letter_store {

@@ -13,8 +13,8 @@ use std::ops::DerefMut;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::AttemptError;
+use keel_store::AttemptError;
+use keel_store::StoreError;
 
 use crate::error::corrupt;
 

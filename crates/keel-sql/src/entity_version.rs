@@ -6,7 +6,7 @@
 //! on that lock (PostgreSQL re-checks the condition against the committed
 //! row; SQLite has one writer), so a stale event never wins a race.
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use crate::backend::{SqlBackend, Tx};
 use crate::dialect::{Dialect, Exec, SqlRow};
@@ -20,7 +20,7 @@ RETURNING version";
 
 const GET_SQL: &str = "SELECT version FROM keel_entity_versions WHERE scope = $1 AND entity = $2";
 
-/// [`EntityVersionStore::entity_version_advance`](keel_messaging::store::EntityVersionStore::entity_version_advance).
+/// [`EntityVersionStore::entity_version_advance`](keel_store::EntityVersionStore::entity_version_advance).
 pub async fn advance<B: SqlBackend>(
     tx: &mut Tx<B>,
     scope: &str,
@@ -34,7 +34,7 @@ pub async fn advance<B: SqlBackend>(
     Ok(row.is_some())
 }
 
-/// [`EntityVersionStore::entity_version_get`](keel_messaging::store::EntityVersionStore::entity_version_get).
+/// [`EntityVersionStore::entity_version_get`](keel_store::EntityVersionStore::entity_version_get).
 pub async fn get<B: SqlBackend>(
     store: &B,
     scope: &str,
@@ -47,7 +47,7 @@ pub async fn get<B: SqlBackend>(
         .transpose()
 }
 
-/// Implements [`EntityVersionStore`](keel_messaging::store::EntityVersionStore)
+/// Implements [`EntityVersionStore`](keel_store::EntityVersionStore)
 /// for a [`SqlBackend`] whose transaction is the core's [`Tx`].
 #[macro_export]
 macro_rules! entity_version_store {

@@ -1,7 +1,7 @@
 //! Errors every backend reports the same way: a row that does not decode,
 //! and numbers that do not fit.
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 /// A stored row that this version of Keel cannot read (a schema mismatch or
 /// a row written by something else).

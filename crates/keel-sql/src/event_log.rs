@@ -17,8 +17,8 @@
 //! locks for long.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::LoggedEvent;
+use keel_store::LoggedEvent;
+use keel_store::StoreError;
 
 use std::future::Future;
 
@@ -50,7 +50,7 @@ pub trait EventLogBackend: SqlBackend {
     ) -> impl Future<Output = Result<i64, StoreError>> + Send + 'a;
 }
 
-/// [`EventLogStore::event_log_append`](keel_messaging::store::EventLogStore::event_log_append).
+/// [`EventLogStore::event_log_append`](keel_store::EventLogStore::event_log_append).
 pub async fn append<B: EventLogBackend>(
     store: &B,
     tx: &mut Tx<B>,
@@ -64,7 +64,7 @@ pub async fn append<B: EventLogBackend>(
         .await
 }
 
-/// [`EventLogStore::event_log_read_after`](keel_messaging::store::EventLogStore::event_log_read_after).
+/// [`EventLogStore::event_log_read_after`](keel_store::EventLogStore::event_log_read_after).
 pub async fn read_after<B: SqlBackend>(
     store: &B,
     stream: &str,
@@ -90,7 +90,7 @@ pub async fn read_after<B: SqlBackend>(
         .collect()
 }
 
-/// [`EventLogStore::event_log_trim`](keel_messaging::store::EventLogStore::event_log_trim).
+/// [`EventLogStore::event_log_trim`](keel_store::EventLogStore::event_log_trim).
 pub async fn trim<B: SqlBackend>(
     store: &B,
     before: DateTime<Utc>,
@@ -100,13 +100,13 @@ pub async fn trim<B: SqlBackend>(
     delete_batch(store, "event_log_trim", &sql, before.into(), batch).await
 }
 
-/// [`EventLogStore::event_log_last_seq`](keel_messaging::store::EventLogStore::event_log_last_seq).
+/// [`EventLogStore::event_log_last_seq`](keel_store::EventLogStore::event_log_last_seq).
 pub async fn last_seq<B: SqlBackend>(store: &B, stream: &str) -> Result<i64, StoreError> {
     let row = store.read_optional(LAST_SEQ_SQL, &[stream.into()]).await?;
     row.map_or(Ok(0), |row| row.int("last_seq"))
 }
 
-/// [`EventLogStore::event_log_trim_keep_last`](keel_messaging::store::EventLogStore::event_log_trim_keep_last):
+/// [`EventLogStore::event_log_trim_keep_last`](keel_store::EventLogStore::event_log_trim_keep_last):
 /// walks the streams and, through the `(stream, seq)` index, each stream's
 /// events at or below `last_seq - keep`.
 pub async fn trim_keep_last<B: SqlBackend>(
@@ -125,7 +125,7 @@ pub async fn trim_keep_last<B: SqlBackend>(
     delete_batch(store, "event_log_trim_keep_last", &sql, keep.into(), batch).await
 }
 
-/// Implements [`EventLogStore`](keel_messaging::store::EventLogStore) for a
+/// Implements [`EventLogStore`](keel_store::EventLogStore) for a
 /// [`EventLogBackend`].
 #[macro_export]
 macro_rules! event_log_store {

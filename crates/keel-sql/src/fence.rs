@@ -7,7 +7,7 @@
 //! PostgreSQL's commit). A token whose autocommit was lost is simply never
 //! used: the next one is still greater.
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use crate::backend::SqlBackend;
 use crate::dialect::{Dialect, SqlRow};
@@ -19,7 +19,7 @@ INSERT INTO keel_fences (resource, last_token) VALUES ($1, 1)
 ON CONFLICT (resource) DO UPDATE SET last_token = keel_fences.last_token + 1
 RETURNING last_token";
 
-/// [`FenceStore::fence_next`](keel_messaging::store::FenceStore::fence_next).
+/// [`FenceStore::fence_next`](keel_store::FenceStore::fence_next).
 pub async fn next<B: SqlBackend>(store: &B, resource: &str) -> Result<u64, StoreError> {
     let params = [resource.into()];
     let row =
@@ -35,7 +35,7 @@ pub async fn next<B: SqlBackend>(store: &B, resource: &str) -> Result<u64, Store
     to_u64("fencing token", row.int("last_token")?)
 }
 
-/// Implements [`FenceStore`](keel_messaging::store::FenceStore) for a
+/// Implements [`FenceStore`](keel_store::FenceStore) for a
 /// [`SqlBackend`] with the core's [`next`].
 #[macro_export]
 macro_rules! fence_store {

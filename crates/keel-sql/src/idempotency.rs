@@ -23,8 +23,8 @@
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, StoredResponse};
+use keel_store::StoreError;
+use keel_store::{IdempotencyBegin, IdempotencyClaim, StoredResponse};
 
 use crate::backend::{SqlBackend, Tx};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
@@ -72,7 +72,7 @@ enum Decision {
     TakeOver,
 }
 
-/// [`IdempotencyStore::idempotency_begin`](keel_messaging::store::IdempotencyStore::idempotency_begin).
+/// [`IdempotencyStore::idempotency_begin`](keel_store::IdempotencyStore::idempotency_begin).
 pub async fn begin<B: SqlBackend>(
     store: &B,
     claim: &IdempotencyClaim<'_>,
@@ -157,7 +157,7 @@ async fn settled<B: SqlBackend>(
     })
 }
 
-/// [`IdempotencyStore::idempotency_renew`](keel_messaging::store::IdempotencyStore::idempotency_renew).
+/// [`IdempotencyStore::idempotency_renew`](keel_store::IdempotencyStore::idempotency_renew).
 pub async fn renew<B: SqlBackend>(
     store: &B,
     principal: &str,
@@ -174,7 +174,7 @@ pub async fn renew<B: SqlBackend>(
     Ok(write(store, "idempotency_renew", RENEW_SQL, &params).await? == 1)
 }
 
-/// [`IdempotencyStore::idempotency_complete`](keel_messaging::store::IdempotencyStore::idempotency_complete).
+/// [`IdempotencyStore::idempotency_complete`](keel_store::IdempotencyStore::idempotency_complete).
 pub async fn complete<B: SqlBackend>(
     store: &B,
     principal: &str,
@@ -190,7 +190,7 @@ pub async fn complete<B: SqlBackend>(
     )
 }
 
-/// [`IdempotencyStore::idempotency_complete_in`](keel_messaging::store::IdempotencyStore::idempotency_complete_in).
+/// [`IdempotencyStore::idempotency_complete_in`](keel_store::IdempotencyStore::idempotency_complete_in).
 pub async fn complete_in<B: SqlBackend>(
     tx: &mut Tx<B>,
     principal: &str,
@@ -237,7 +237,7 @@ fn completed(key: &str, changed: u64) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// [`IdempotencyStore::idempotency_release`](keel_messaging::store::IdempotencyStore::idempotency_release).
+/// [`IdempotencyStore::idempotency_release`](keel_store::IdempotencyStore::idempotency_release).
 pub async fn release<B: SqlBackend>(
     store: &B,
     principal: &str,
@@ -249,7 +249,7 @@ pub async fn release<B: SqlBackend>(
     Ok(())
 }
 
-/// [`IdempotencyStore::idempotency_prune`](keel_messaging::store::IdempotencyStore::idempotency_prune).
+/// [`IdempotencyStore::idempotency_prune`](keel_store::IdempotencyStore::idempotency_prune).
 pub async fn prune<B: SqlBackend>(
     store: &B,
     now: DateTime<Utc>,
@@ -313,7 +313,7 @@ fn response_from_row<D: Dialect>(row: &D::Row) -> Result<StoredResponse, StoreEr
     })
 }
 
-/// Implements [`IdempotencyStore`](keel_messaging::store::IdempotencyStore)
+/// Implements [`IdempotencyStore`](keel_store::IdempotencyStore)
 /// for a [`SqlBackend`].
 #[macro_export]
 macro_rules! idempotency_store {

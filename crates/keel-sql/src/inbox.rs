@@ -9,7 +9,7 @@
 //! duplicate records the event and does the work.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use crate::backend::{SqlBackend, Tx};
 use crate::dialect::{Dialect, Exec};
@@ -19,7 +19,7 @@ const RECORD_SQL: &str = "\
 INSERT INTO keel_inbox (event_id, handler, processed_at) VALUES ($1, $2, $3)
 ON CONFLICT (event_id, handler) DO NOTHING";
 
-/// [`InboxStore::inbox_record`](keel_messaging::store::InboxStore::inbox_record).
+/// [`InboxStore::inbox_record`](keel_store::InboxStore::inbox_record).
 pub async fn record<B: SqlBackend>(
     tx: &mut Tx<B>,
     event_id: &str,
@@ -30,7 +30,7 @@ pub async fn record<B: SqlBackend>(
     Ok(inserted == 1)
 }
 
-/// [`InboxStore::inbox_prune`](keel_messaging::store::InboxStore::inbox_prune).
+/// [`InboxStore::inbox_prune`](keel_store::InboxStore::inbox_prune).
 pub async fn prune<B: SqlBackend>(
     store: &B,
     before: DateTime<Utc>,
@@ -45,7 +45,7 @@ pub async fn prune<B: SqlBackend>(
     delete_batch(store, "inbox_prune", &sql, before.into(), batch).await
 }
 
-/// Implements [`InboxStore`](keel_messaging::store::InboxStore) for a
+/// Implements [`InboxStore`](keel_store::InboxStore) for a
 /// [`SqlBackend`] whose transaction is the core's [`Tx`].
 #[macro_export]
 macro_rules! inbox_store {

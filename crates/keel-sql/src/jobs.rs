@@ -16,8 +16,8 @@
 //! loser is told.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::{JobRecord, JobStatus};
+use keel_store::StoreError;
+use keel_store::{JobRecord, JobStatus};
 
 use crate::backend::{SqlBackend, Tx, refused_or_missing};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
@@ -39,7 +39,7 @@ UPDATE keel_jobs
        expires_at = $7
  WHERE id = $1 AND status IN ('queued', 'running')";
 
-/// [`JobStore::job_create`](keel_messaging::store::JobStore::job_create).
+/// [`JobStore::job_create`](keel_store::JobStore::job_create).
 pub async fn create<B: SqlBackend>(
     tx: &mut Tx<B>,
     job: &JobRecord,
@@ -70,14 +70,14 @@ pub async fn create<B: SqlBackend>(
     job_from_row::<B::Dialect>(&row)
 }
 
-/// [`JobStore::job_get`](keel_messaging::store::JobStore::job_get).
+/// [`JobStore::job_get`](keel_store::JobStore::job_get).
 pub async fn get<B: SqlBackend>(store: &B, id: &str) -> Result<Option<JobRecord>, StoreError> {
     let sql = format!("SELECT {COLUMNS} FROM keel_jobs WHERE id = $1");
     let row = store.read_optional(&sql, &[id.into()]).await?;
     row.as_ref().map(job_from_row::<B::Dialect>).transpose()
 }
 
-/// [`JobStore::job_update`](keel_messaging::store::JobStore::job_update).
+/// [`JobStore::job_update`](keel_store::JobStore::job_update).
 pub async fn update<B: SqlBackend>(store: &B, job: &JobRecord) -> Result<bool, StoreError> {
     let params = [
         job.id.as_str().into(),
@@ -98,7 +98,7 @@ pub async fn update<B: SqlBackend>(store: &B, job: &JobRecord) -> Result<bool, S
     .await
 }
 
-/// [`JobStore::job_prune`](keel_messaging::store::JobStore::job_prune).
+/// [`JobStore::job_prune`](keel_store::JobStore::job_prune).
 pub async fn prune<B: SqlBackend>(
     store: &B,
     before: DateTime<Utc>,
@@ -126,7 +126,7 @@ fn job_from_row<D: Dialect>(row: &D::Row) -> Result<JobRecord, StoreError> {
     })
 }
 
-/// Implements [`JobStore`](keel_messaging::store::JobStore) for a
+/// Implements [`JobStore`](keel_store::JobStore) for a
 /// [`SqlBackend`] whose transaction is the core's [`Tx`].
 #[macro_export]
 macro_rules! job_store {

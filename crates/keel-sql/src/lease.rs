@@ -10,8 +10,8 @@
 
 use std::time::Duration;
 
-use keel_messaging::StoreError;
-use keel_messaging::store::LeaseGrant;
+use keel_store::LeaseGrant;
+use keel_store::StoreError;
 
 use crate::backend::SqlBackend;
 use crate::dialect::{Dialect, SqlRow};
@@ -31,7 +31,7 @@ RETURNING token, expires_at";
 const RELEASE_SQL: &str = "\
 UPDATE keel_leases SET expires_at = $4 WHERE name = $1 AND holder = $2 AND token = $3";
 
-/// [`LeaseStore::lease_acquire`](keel_messaging::store::LeaseStore::lease_acquire).
+/// [`LeaseStore::lease_acquire`](keel_store::LeaseStore::lease_acquire).
 pub async fn acquire<B: SqlBackend>(
     store: &B,
     name: &str,
@@ -55,7 +55,7 @@ pub async fn acquire<B: SqlBackend>(
     .transpose()
 }
 
-/// [`LeaseStore::lease_release`](keel_messaging::store::LeaseStore::lease_release).
+/// [`LeaseStore::lease_release`](keel_store::LeaseStore::lease_release).
 pub async fn release<B: SqlBackend>(
     store: &B,
     name: &str,
@@ -73,7 +73,7 @@ pub async fn release<B: SqlBackend>(
     Ok(write(store, "lease_release", RELEASE_SQL, &params).await? == 1)
 }
 
-/// Implements [`LeaseStore`](keel_messaging::store::LeaseStore) for a
+/// Implements [`LeaseStore`](keel_store::LeaseStore) for a
 /// [`SqlBackend`] with the core's [`acquire`] and [`release`].
 #[macro_export]
 macro_rules! lease_store {

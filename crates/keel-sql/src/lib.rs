@@ -28,7 +28,7 @@
 //! # Shape
 //!
 //! One module per table: its SQL, its row codec and one generic function per
-//! operation of the matching `keel_messaging::store` trait. A backend crate
+//! operation of the matching `keel_store` trait. A backend crate
 //! implements [`SqlBackend`] for its store and says which contracts it takes
 //! from the core with the matching macro ([`dead_letter_store!`],
 //! [`saga_store!`], [`inbox_store!`], [`fence_store!`],
@@ -40,6 +40,7 @@
 //! module says so with a trait of its own ([`outbox::OutboxBackend`],
 //! [`webhooks::WebhookBackend`], [`event_log::EventLogBackend`]).
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod backend;
 pub mod dead_letter;
 pub mod dialect;
@@ -66,7 +67,7 @@ pub use dialect::{Dialect, Exec, Field, SqlRow, Value};
 pub mod __private {
     pub use async_trait::async_trait;
     pub use chrono::{DateTime, Utc};
-    pub use keel_messaging::StoreError;
-    pub use keel_messaging::store;
+    pub use keel_store as store;
+    pub use keel_store::StoreError;
     pub use serde_json;
 }

@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::{
+use keel_store::StoreError;
+use keel_store::{
     OutboxRecord, OutboxStats, ParkedFilter, ParkedOutbox, PendingOutbox, PublishedOutbox,
 };
 
@@ -92,7 +92,7 @@ pub trait OutboxBackend: SqlBackend {
     ) -> impl Future<Output = Result<Vec<Row<Self>>, StoreError>> + Send + 'a;
 }
 
-/// [`OutboxStore::outbox_append`](keel_messaging::store::OutboxStore::outbox_append).
+/// [`OutboxStore::outbox_append`](keel_store::OutboxStore::outbox_append).
 pub async fn append<B: OutboxBackend>(
     store: &B,
     tx: &mut Tx<B>,
@@ -104,7 +104,7 @@ pub async fn append<B: OutboxBackend>(
     store.append_rows(tx, records, B::Dialect::now()).await
 }
 
-/// [`OutboxStore::outbox_claim`](keel_messaging::store::OutboxStore::outbox_claim).
+/// [`OutboxStore::outbox_claim`](keel_store::OutboxStore::outbox_claim).
 pub async fn claim<B: OutboxBackend>(
     store: &B,
     relay: &str,
@@ -164,21 +164,21 @@ async fn update_unpublished<B: SqlBackend>(
 /// lease must not free its successor's claim.
 const CLAIMED_BY_RELAY: &str = " AND claimed_by = $2";
 
-/// [`OutboxStore::outbox_mark_published`](keel_messaging::store::OutboxStore::outbox_mark_published).
+/// [`OutboxStore::outbox_mark_published`](keel_store::OutboxStore::outbox_mark_published).
 pub async fn mark_published<B: SqlBackend>(store: &B, ids: &[i64]) -> Result<(), StoreError> {
     let set = "published_at = $2, claimed_by = NULL, claimed_until = NULL";
     let now = [B::Dialect::now().into()];
     update_unpublished(store, "outbox_mark_published", set, "", ids, &now).await
 }
 
-/// [`OutboxStore::outbox_release`](keel_messaging::store::OutboxStore::outbox_release).
+/// [`OutboxStore::outbox_release`](keel_store::OutboxStore::outbox_release).
 pub async fn release<B: SqlBackend>(store: &B, relay: &str, ids: &[i64]) -> Result<(), StoreError> {
     let set = "claimed_by = NULL, claimed_until = NULL";
     let relay = [relay.into()];
     update_unpublished(store, "outbox_release", set, CLAIMED_BY_RELAY, ids, &relay).await
 }
 
-/// [`OutboxStore::outbox_release_failed`](keel_messaging::store::OutboxStore::outbox_release_failed).
+/// [`OutboxStore::outbox_release_failed`](keel_store::OutboxStore::outbox_release_failed).
 pub async fn release_failed<B: SqlBackend>(
     store: &B,
     relay: &str,
@@ -203,7 +203,7 @@ pub fn prune_sql<D: Dialect>() -> String {
     bounded_delete_sql::<D>("keel_outbox", "id", "published_at < $1", "published_at")
 }
 
-/// [`OutboxStore::outbox_prune`](keel_messaging::store::OutboxStore::outbox_prune).
+/// [`OutboxStore::outbox_prune`](keel_store::OutboxStore::outbox_prune).
 pub async fn prune<B: SqlBackend>(
     store: &B,
     before: DateTime<Utc>,
@@ -213,7 +213,7 @@ pub async fn prune<B: SqlBackend>(
     delete_batch(store, "outbox_prune", &sql, before.into(), batch).await
 }
 
-/// [`OutboxStore::outbox_archive`](keel_messaging::store::OutboxStore::outbox_archive):
+/// [`OutboxStore::outbox_archive`](keel_store::OutboxStore::outbox_archive):
 /// one transaction copies a bounded batch of published rows into
 /// `keel_outbox_archive` and deletes from the outbox exactly the rows the
 /// archive holds, so a row is never in neither table. A retried batch
@@ -257,7 +257,7 @@ DELETE FROM keel_outbox
     .await
 }
 
-/// [`OutboxStore::outbox_archived`](keel_messaging::store::OutboxStore::outbox_archived).
+/// [`OutboxStore::outbox_archived`](keel_store::OutboxStore::outbox_archived).
 pub async fn archived<B: SqlBackend>(
     store: &B,
     after: i64,
@@ -279,7 +279,7 @@ fn published_row<D: Dialect>(row: &D::Row) -> Result<PublishedOutbox, StoreError
     })
 }
 
-/// [`OutboxStore::outbox_stats`](keel_messaging::store::OutboxStore::outbox_stats).
+/// [`OutboxStore::outbox_stats`](keel_store::OutboxStore::outbox_stats).
 pub async fn stats<B: SqlBackend>(store: &B) -> Result<OutboxStats, StoreError> {
     let row = store
         .read_optional(STATS_SQL, &[])
@@ -297,7 +297,7 @@ pub async fn stats<B: SqlBackend>(store: &B) -> Result<OutboxStats, StoreError> 
     })
 }
 
-/// [`OutboxStore::outbox_published`](keel_messaging::store::OutboxStore::outbox_published).
+/// [`OutboxStore::outbox_published`](keel_store::OutboxStore::outbox_published).
 pub async fn published<B: SqlBackend>(
     store: &B,
     after: i64,
@@ -309,13 +309,13 @@ pub async fn published<B: SqlBackend>(
     rows.iter().map(published_row::<B::Dialect>).collect()
 }
 
-/// [`OutboxStore::outbox_park`](keel_messaging::store::OutboxStore::outbox_park).
+/// [`OutboxStore::outbox_park`](keel_store::OutboxStore::outbox_park).
 pub async fn park<B: SqlBackend>(store: &B, id: i64, error: &str) -> Result<bool, StoreError> {
     let params = [id.into(), error.into(), B::Dialect::now().into()];
     Ok(write(store, "outbox_park", PARK_SQL, &params).await? > 0)
 }
 
-/// [`OutboxStore::outbox_parked`](keel_messaging::store::OutboxStore::outbox_parked).
+/// [`OutboxStore::outbox_parked`](keel_store::OutboxStore::outbox_parked).
 pub async fn parked<B: SqlBackend>(
     store: &B,
     filter: &ParkedFilter,
@@ -328,7 +328,7 @@ pub async fn parked<B: SqlBackend>(
     rows.iter().map(parked_from_row::<B::Dialect>).collect()
 }
 
-/// [`OutboxStore::outbox_parked_get`](keel_messaging::store::OutboxStore::outbox_parked_get).
+/// [`OutboxStore::outbox_parked_get`](keel_store::OutboxStore::outbox_parked_get).
 pub async fn parked_get<B: SqlBackend>(
     store: &B,
     id: i64,
@@ -349,12 +349,12 @@ fn parked_sql(conditions: &Filter<'_>, limit: &str) -> String {
     )
 }
 
-/// [`OutboxStore::outbox_unpark`](keel_messaging::store::OutboxStore::outbox_unpark).
+/// [`OutboxStore::outbox_unpark`](keel_store::OutboxStore::outbox_unpark).
 pub async fn unpark<B: SqlBackend>(store: &B, id: i64) -> Result<bool, StoreError> {
     Ok(write(store, "outbox_unpark", UNPARK_SQL, &[id.into()]).await? > 0)
 }
 
-/// [`OutboxStore::outbox_discard`](keel_messaging::store::OutboxStore::outbox_discard).
+/// [`OutboxStore::outbox_discard`](keel_store::OutboxStore::outbox_discard).
 pub async fn discard<B: SqlBackend>(store: &B, id: i64) -> Result<bool, StoreError> {
     Ok(write(store, "outbox_discard", DISCARD_SQL, &[id.into()]).await? > 0)
 }
@@ -388,7 +388,7 @@ fn parked_from_row<D: Dialect>(row: &D::Row) -> Result<ParkedOutbox, StoreError>
     })
 }
 
-/// Implements [`OutboxStore`](keel_messaging::store::OutboxStore) for an
+/// Implements [`OutboxStore`](keel_store::OutboxStore) for an
 /// [`OutboxBackend`].
 #[macro_export]
 macro_rules! outbox_store {

@@ -11,9 +11,11 @@
 //! re-run.
 
 use std::future::Future;
+use std::sync::LazyLock;
 use std::time::Duration;
 
-use keel_messaging::StoreError;
+use keel_policy::retry::{Backoff, Jitter};
+use keel_store::StoreError;
 
 use crate::backend::SqlBackend;
 use crate::dialect::{Dialect, Value};
@@ -24,6 +26,13 @@ pub const MAX_RETRIES: u32 = 6;
 /// The first backoff cap; it doubles per retry (equal jitter, see
 /// [`backoff`]).
 pub const BASE_DELAY: Duration = Duration::from_millis(4);
+
+/// [`BASE_DELAY`] × 2ⁿ, at most 1024 × [`BASE_DELAY`], equal jitter.
+static BACKOFF: LazyLock<Backoff> = LazyLock::new(|| {
+    Backoff::exponential(BASE_DELAY, 2.0, BASE_DELAY * 1024)
+        .and_then(|backoff| backoff.with_jitter(Jitter::Equal))
+        .expect("a valid constant backoff")
+});
 
 /// Runs `op` until it succeeds, fails with an error `D` does not retry, or
 /// has been retried [`MAX_RETRIES`] times.
@@ -53,9 +62,9 @@ where
 /// jitter"), so colliding transactions spread out yet each waits at least
 /// half the cap.
 pub fn backoff(retries: u32) -> Duration {
-    let cap = BASE_DELAY.saturating_mul(1 << retries.saturating_sub(1).min(10));
-    let cap_us = u64::try_from(cap.as_micros()).unwrap_or(u64::MAX);
-    Duration::from_micros(fastrand::u64(cap_us / 2..=cap_us))
+    BACKOFF
+        .delay(retries.saturating_sub(1))
+        .unwrap_or(BASE_DELAY)
 }
 
 /// A write outside a transaction, retried like all of the store's own.

@@ -7,8 +7,8 @@
 //! rescheduled saga is picked up at once.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::{SagaFilter, SagaRecord, SagaStatus};
+use keel_store::StoreError;
+use keel_store::{SagaFilter, SagaRecord, SagaStatus};
 
 use crate::backend::{SqlBackend, Tx, Wake, refused_or_missing, signalled};
 use crate::dialect::{Dialect, Exec, SqlRow, Value};
@@ -64,7 +64,7 @@ pub fn due_sql<D: Dialect>(kinds: usize) -> String {
     )
 }
 
-/// [`SagaStore::saga_insert`](keel_messaging::store::SagaStore::saga_insert).
+/// [`SagaStore::saga_insert`](keel_store::SagaStore::saga_insert).
 pub async fn insert<B: SqlBackend>(
     store: &B,
     tx: &mut Tx<B>,
@@ -77,14 +77,14 @@ pub async fn insert<B: SqlBackend>(
     Ok(inserted.is_some())
 }
 
-/// [`SagaStore::saga_get`](keel_messaging::store::SagaStore::saga_get).
+/// [`SagaStore::saga_get`](keel_store::SagaStore::saga_get).
 pub async fn get<B: SqlBackend>(store: &B, id: &str) -> Result<Option<SagaRecord>, StoreError> {
     let sql = format!("SELECT {COLUMNS} FROM keel_sagas WHERE id = $1");
     let row = store.read_optional(&sql, &[id.into()]).await?;
     row.as_ref().map(saga_from_row::<B::Dialect>).transpose()
 }
 
-/// [`SagaStore::saga_get_many`](keel_messaging::store::SagaStore::saga_get_many):
+/// [`SagaStore::saga_get_many`](keel_store::SagaStore::saga_get_many):
 /// one `IN` list.
 pub async fn get_many<B: SqlBackend>(
     store: &B,
@@ -100,7 +100,7 @@ pub async fn get_many<B: SqlBackend>(
     rows.iter().map(saga_from_row::<B::Dialect>).collect()
 }
 
-/// [`SagaStore::saga_get_in`](keel_messaging::store::SagaStore::saga_get_in).
+/// [`SagaStore::saga_get_in`](keel_store::SagaStore::saga_get_in).
 pub async fn get_in<B: SqlBackend>(
     tx: &mut Tx<B>,
     id: &str,
@@ -110,7 +110,7 @@ pub async fn get_in<B: SqlBackend>(
     row.as_ref().map(saga_from_row::<B::Dialect>).transpose()
 }
 
-/// [`SagaStore::saga_save`](keel_messaging::store::SagaStore::saga_save).
+/// [`SagaStore::saga_save`](keel_store::SagaStore::saga_save).
 pub async fn save<B: SqlBackend>(store: &B, saga: &SagaRecord) -> Result<bool, StoreError> {
     let data = serde_json::to_string(&saga.data).map_err(StoreError::other)?;
     let (sql, params) = save_statement(store, saga, &data);
@@ -129,7 +129,7 @@ pub async fn save<B: SqlBackend>(store: &B, saga: &SagaRecord) -> Result<bool, S
     .await
 }
 
-/// [`SagaStore::saga_save_in`](keel_messaging::store::SagaStore::saga_save_in).
+/// [`SagaStore::saga_save_in`](keel_store::SagaStore::saga_save_in).
 pub async fn save_in<B: SqlBackend>(
     store: &B,
     tx: &mut Tx<B>,
@@ -158,7 +158,7 @@ fn save_statement<'a, B: SqlBackend>(
     signalled(store, Wake::Sagas, SAVE_SQL, params)
 }
 
-/// [`SagaStore::saga_due`](keel_messaging::store::SagaStore::saga_due).
+/// [`SagaStore::saga_due`](keel_store::SagaStore::saga_due).
 pub async fn due<B: SqlBackend>(
     store: &B,
     kinds: &[&str],
@@ -175,7 +175,7 @@ pub async fn due<B: SqlBackend>(
     rows.iter().map(saga_from_row::<B::Dialect>).collect()
 }
 
-/// [`SagaStore::saga_list`](keel_messaging::store::SagaStore::saga_list).
+/// [`SagaStore::saga_list`](keel_store::SagaStore::saga_list).
 pub async fn list<B: SqlBackend>(
     store: &B,
     filter: &SagaFilter,
@@ -193,7 +193,7 @@ pub async fn list<B: SqlBackend>(
     rows.iter().map(saga_from_row::<B::Dialect>).collect()
 }
 
-/// [`SagaStore::saga_counts`](keel_messaging::store::SagaStore::saga_counts).
+/// [`SagaStore::saga_counts`](keel_store::SagaStore::saga_counts).
 pub async fn counts<B: SqlBackend>(store: &B) -> Result<Vec<(SagaStatus, u64)>, StoreError> {
     let rows = store.read_all(COUNTS_SQL, &[]).await?;
     rows.iter()
@@ -255,7 +255,7 @@ fn saga_from_row<D: Dialect>(row: &D::Row) -> Result<SagaRecord, StoreError> {
     })
 }
 
-/// Implements [`SagaStore`](keel_messaging::store::SagaStore) for a
+/// Implements [`SagaStore`](keel_store::SagaStore) for a
 /// [`SqlBackend`] whose transaction is the core's [`Tx`].
 #[macro_export]
 macro_rules! saga_store {

@@ -3,7 +3,7 @@
 
 use std::ops::RangeInclusive;
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use crate::backend::SqlBackend;
 use crate::dialect::{SqlRow, Value};

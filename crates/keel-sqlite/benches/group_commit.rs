@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use keel_core::clock;
-use keel_messaging::store::Store;
 use keel_sqlite::store::SqliteStore;
+use keel_store::Store;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Executor, SqlitePool};
 use tempfile::TempDir;

@@ -10,8 +10,8 @@
 //! every other transaction waits for it).
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
 use keel_sql::event_log::EventLogBackend;
+use keel_store::StoreError;
 
 use crate::SqliteStore;
 use crate::store::codec::to_ms;

@@ -1,11 +1,12 @@
 //! Keel on SQLite: durable messaging with no server to run.
 //!
-//! - [`store`]: the messaging [`Store`](keel_messaging::Store) (outbox, inbox,
+//! - [`store`]: the messaging [`Store`](keel_store::Store) (outbox, inbox,
 //!   dead letters, sagas, fencing tokens) on SQLite in WAL mode, with embedded
 //!   migrations.
-//! - [`broker`]: an embedded durable [`Broker`](keel_messaging::Broker) on
+//! - [`broker`]: an embedded durable [`Broker`](keel_store::Broker) on
 //!   SQLite: topics, consumer groups, per-key order, leases, redelivery.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #[cfg(feature = "broker")]
 pub mod broker;
 #[cfg(any(feature = "store", feature = "broker"))]

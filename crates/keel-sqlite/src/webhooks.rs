@@ -11,8 +11,8 @@
 //! the other endpoints.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
 use keel_sql::webhooks::WebhookBackend;
+use keel_store::StoreError;
 use sqlx::sqlite::SqliteRow;
 
 use crate::SqliteStore;

@@ -4,10 +4,8 @@
 #![cfg(feature = "broker")]
 
 use async_trait::async_trait;
-use keel_messaging::broker::{
-    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
-};
 use keel_sqlite::broker::SqliteBroker;
+use keel_store::broker::{Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription};
 use tempfile::TempDir;
 
 /// A broker in a temporary directory that is removed with it.

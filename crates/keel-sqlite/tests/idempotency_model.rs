@@ -37,9 +37,9 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use chrono::{DateTime, TimeDelta, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
 use keel_sqlite::store::SqliteStore;
+use keel_store::StoreError;
+use keel_store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
 use proptest::prelude::*;
 
 const PRINCIPALS: [&str; 2] = ["alice", "bob"];

@@ -15,8 +15,8 @@
 //!   earlier message with the same [`Message::key`] is unacked.
 //! - **Publisher dedupe.** A message whose id was already published on the
 //!   topic (within the broker's dedupe window) is accepted and dropped.
-//! - **Ack last.** Consumers ack only after their effect committed; see
-//!   [`crate::consumer`].
+//! - **Ack last.** Consumers ack only after their effect committed (the
+//!   consumer runtime in `keel-messaging` does).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -45,6 +45,31 @@ pub mod header {
     pub const CORRELATION_ID: &str = "correlation-id";
     /// The event type, so routers need not parse the body.
     pub const EVENT_TYPE: &str = "ce-type";
+}
+
+/// The request-reply convention both ends speak, whichever broker carries
+/// it (`keel-messaging`'s requester and responder over any [`Broker`],
+/// `keel-nats`'s over core NATS).
+pub mod reply {
+    use std::time::Duration;
+
+    /// The header carrying the request id the responder dedupes on; stable
+    /// across a caller's retries of one request.
+    pub const REQUEST_ID: &str = "request-id";
+    /// The header saying whether a reply is a result ([`STATUS_OK`]) or a
+    /// refusal ([`STATUS_ERROR`], with the reason as the payload).
+    pub const REPLY_STATUS: &str = "reply-status";
+    /// [`REPLY_STATUS`] of a result.
+    pub const STATUS_OK: &str = "ok";
+    /// [`REPLY_STATUS`] of a refusal.
+    pub const STATUS_ERROR: &str = "error";
+    /// The default time a requester waits for a reply: 2 s, long enough for
+    /// a queued request behind a busy responder, short enough that a caller
+    /// gives up before its own caller does.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+    /// The prefix of per-process reply topics, which a broker's listing of
+    /// topics tells apart from the application's.
+    pub const REPLY_TOPIC_PREFIX: &str = "_reply.";
 }
 
 /// A message as published.

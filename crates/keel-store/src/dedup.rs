@@ -1,7 +1,7 @@
 //! A bounded in-memory dedupe window, for consumers whose effect has no
 //! transaction to put an inbox row in.
 //!
-//! The inbox ([`InboxStore`](crate::store::InboxStore)) is the exact answer
+//! The inbox (`InboxStore`, feature `inbox`) is the exact answer
 //! to at-least-once delivery: the dedupe row and the effect commit together.
 //! Some effects cannot join a transaction (a cache write, a push
 //! notification, a call to an API without idempotency keys). For those, a
@@ -24,7 +24,7 @@
 //! ```
 //! use std::num::NonZeroUsize;
 //! use std::time::Duration;
-//! use keel_messaging::dedup::DedupWindow;
+//! use keel_store::dedup::DedupWindow;
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
 //! let mut seen = DedupWindow::new(Duration::from_secs(600), NonZeroUsize::new(10_000).unwrap());

@@ -19,7 +19,7 @@
 //! never silently strips fields its neighbours depend on.
 //!
 //! ```
-//! use keel_messaging::envelope::{Envelope, Event, EventMeta};
+//! use keel_store::envelope::{Envelope, Event, EventMeta};
 //! use serde::{Deserialize, Serialize};
 //!
 //! #[derive(Serialize, Deserialize)]
@@ -53,8 +53,8 @@ use keel_core::TraceParent;
 /// The CloudEvents specification version Keel speaks.
 pub const SPEC_VERSION: &str = "1.0";
 
-/// The default largest encoded envelope, 100 KiB: seed 000's "keep under
-/// ~100 KB". Brokers take more (NATS 1 MiB), but every consumer, log line
+/// The default largest encoded envelope, 100 KiB: keep messages under
+/// ~100 KB. Brokers take more (NATS 1 MiB), but every consumer, log line
 /// and retry carries the whole message; bigger payloads belong in an
 /// object store, with a claim check on the message
 /// (the `claim_check` module, feature `claim-check`).

@@ -1,42 +1,101 @@
-//! The storage contract: the tables the messaging patterns need.
+//! The contracts a database and a broker fulfil for Keel: the tables the
+//! messaging patterns and the HTTP edge need, the [`broker`] trait, and the
+//! CloudEvents [`envelope`] that crosses it.
 //!
-//! The user's own database transaction is the unit of work. A [`Store`] hands
-//! out its backend's transaction type ([`Store::Tx`], e.g.
+//! This crate is an API, like restate's storage-api: no runtime, no
+//! backend. The runtimes (`keel-messaging`'s relay, consumer and sagas;
+//! `keel-http`'s idempotency keys and jobs; `keel-webhooks`; `keel-realtime`)
+//! are written against these traits, and the backends (`keel-sqlite`, the
+//! embedded default; `keel-postgres`; `keel-nats`) implement them without
+//! compiling any runtime. A new backend depends on this crate alone. It may
+//! depend on `keel-core` and nothing else of Keel's.
+//!
+//! The user's own database transaction is the unit of work. A [`Store`]
+//! hands out its backend's transaction type ([`Store::Tx`], e.g.
 //! `sqlx::Transaction<'static, Postgres>`, or SQLite's group-committed
 //! `WriteTx`, both lending their connection to `&mut *tx`), the user writes
-//! business rows in it with their own SQL, and Keel adds its rows to the *same* transaction: the
-//! outbox row commits with the order, the inbox row commits with the effect.
-//! That is the whole trick of both patterns, so it is in the type signatures.
+//! business rows in it with their own SQL, and Keel adds its rows to the
+//! *same* transaction: the outbox row commits with the order, the inbox row
+//! commits with the effect. That is the whole trick of both patterns, so it
+//! is in the type signatures.
 //!
-//! Each capability is its own trait so a backend can be tested (and a user
-//! can depend) capability by capability; [`MessagingStore`] is all of them.
-//! `keel-sqlite` and `keel-postgres` implement them; `keel-testkit` holds the
-//! conformance suite that defines their behaviour.
+//! Each table is its own trait behind its own cargo feature, so a backend
+//! can be built and tested (and a user can depend) table by table:
+//!
+//! | feature | trait | used by |
+//! |---|---|---|
+//! | `outbox` | [`OutboxStore`] | the relay, and operators |
+//! | `inbox` | [`InboxStore`] | idempotent consumers |
+//! | `dead-letter` | [`DeadLetterStore`] | consumers, and operators |
+//! | `saga` | [`SagaStore`] | the saga orchestrator |
+//! | `fence` | [`FenceStore`] | resources that check fencing tokens |
+//! | `entity-version` | [`EntityVersionStore`] | version guards |
+//! | `lease` | [`LeaseStore`] | leases and leader election |
+//! | `idempotency` | [`IdempotencyStore`] | the HTTP edge's idempotency keys |
+//! | `jobs` | [`JobStore`] | the HTTP edge's async jobs |
+//! | `event-log` | [`EventLogStore`] | realtime streams' replay |
+//! | `webhooks` | [`WebhookStore`] | webhook delivery |
+//!
+//! `messaging` turns on the first seven, which [`MessagingStore`] bounds
+//! together. `keel-testkit` holds the conformance suite that defines what
+//! every implementation must do.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batches;
+pub mod broker;
+pub mod dedup;
+pub mod envelope;
+
+#[cfg(feature = "dead-letter")]
 mod dead_letter;
+#[cfg(feature = "entity-version")]
 mod entity_version;
+#[cfg(feature = "event-log")]
 mod event_log;
+#[cfg(feature = "fence")]
 mod fence;
+#[cfg(feature = "idempotency")]
 mod idempotency;
+#[cfg(feature = "inbox")]
 mod inbox;
+#[cfg(feature = "jobs")]
 mod jobs;
+#[cfg(feature = "lease")]
 mod lease;
+#[cfg(feature = "outbox")]
 mod outbox;
+#[cfg(feature = "saga")]
 mod saga;
+#[cfg(feature = "webhooks")]
 mod webhooks;
 
 pub use batches::delete_in_batches;
+pub use broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
+pub use dedup::DedupWindow;
+pub use envelope::{Envelope, Event, EventMeta};
+
+#[cfg(feature = "dead-letter")]
 pub use dead_letter::*;
+#[cfg(feature = "entity-version")]
 pub use entity_version::*;
+#[cfg(feature = "event-log")]
 pub use event_log::*;
+#[cfg(feature = "fence")]
 pub use fence::*;
+#[cfg(feature = "idempotency")]
 pub use idempotency::*;
+#[cfg(feature = "inbox")]
 pub use inbox::*;
+#[cfg(feature = "jobs")]
 pub use jobs::*;
+#[cfg(feature = "lease")]
 pub use lease::*;
+#[cfg(feature = "outbox")]
 pub use outbox::*;
+#[cfg(feature = "saga")]
 pub use saga::*;
+#[cfg(feature = "webhooks")]
 pub use webhooks::*;
 
 use async_trait::async_trait;
@@ -113,6 +172,7 @@ pub trait Store: Clone + Send + Sync + 'static {
 }
 
 /// Every messaging capability in one bound.
+#[cfg(feature = "messaging")]
 pub trait MessagingStore:
     OutboxStore
     + InboxStore
@@ -124,6 +184,7 @@ pub trait MessagingStore:
 {
 }
 
+#[cfg(feature = "messaging")]
 impl<S> MessagingStore for S where
     S: OutboxStore
         + InboxStore

@@ -157,7 +157,7 @@ pub trait SagaStore: Store {
 
     /// [`saga_save`](Self::saga_save) inside the caller's transaction, so
     /// that what else the transaction writes (a
-    /// [`SagaHook`](crate::saga::SagaHook)'s projection) commits or rolls
+    /// `keel_messaging::saga::SagaHook`'s projection) commits or rolls
     /// back with the saga's new state. The store retries nothing here: a
     /// conflict is the caller's to re-run, like any of its transactions.
     async fn saga_save_in(&self, tx: &mut Self::Tx, saga: &SagaRecord) -> Result<bool, StoreError>;
@@ -165,7 +165,7 @@ pub trait SagaStore: Store {
     /// Sagas of `kinds` that are not terminal and due
     /// (`next_attempt_at <= now`), oldest first. Only the kinds the caller
     /// runs: an orchestrator never picks up another's sagas, nor the
-    /// choreographed flows a [`FlowWatch`](crate::saga::flow::FlowWatch)
+    /// choreographed flows a `FlowWatch` (`keel-messaging`)
     /// keeps.
     async fn saga_due(
         &self,

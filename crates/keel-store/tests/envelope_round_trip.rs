@@ -1,7 +1,7 @@
 //! What the `cloudevents` fuzz target found, kept as tests: the envelope
 //! reader is lossless, and binary mode carries the same event or refuses it.
 
-use keel_messaging::envelope::{Envelope, EnvelopeError};
+use keel_store::envelope::{Envelope, EnvelopeError};
 
 fn read(json: &str) -> Envelope {
     Envelope::from_json(json.as_bytes()).expect("a valid event")

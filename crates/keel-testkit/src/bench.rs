@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use keel_messaging::envelope::{Envelope, Event, EventMeta};
+use keel_store::envelope::{Envelope, Event, EventMeta};
 use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 

@@ -1,5 +1,5 @@
 //! The Broker conformance suite: the executable meaning of the
-//! [`Broker`](keel_messaging::Broker) contract.
+//! [`Broker`](keel_store::Broker) contract.
 //!
 //! The contract's sentences (at-least-once, every group sees every message,
 //! per-key order, publisher dedupe, leases) are easy to write and easy to

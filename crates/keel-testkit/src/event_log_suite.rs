@@ -21,10 +21,10 @@
 //! });
 //! ```
 //!
-//! [`EventLogStore`]: keel_messaging::store::EventLogStore
+//! [`EventLogStore`]: keel_store::EventLogStore
 
 use chrono::Duration;
-use keel_messaging::store::{EventLogStore, LoggedEvent};
+use keel_store::{EventLogStore, LoggedEvent};
 use serde_json::json;
 
 use crate::store_suite::now_ms;
@@ -280,7 +280,7 @@ pub async fn trim_keep_last_keeps_newest_per_stream<S: EventLogStore>(store: &S)
 /// `event_log_conformance::<behaviour>`. See the
 /// [module docs](crate::event_log_suite).
 ///
-/// [`EventLogStore`]: keel_messaging::store::EventLogStore
+/// [`EventLogStore`]: keel_store::EventLogStore
 #[macro_export]
 macro_rules! event_log_conformance_tests {
     ($make:expr) => {

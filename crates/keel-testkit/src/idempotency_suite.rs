@@ -19,12 +19,12 @@
 //! });
 //! ```
 //!
-//! [`IdempotencyStore`]: keel_messaging::store::IdempotencyStore
+//! [`IdempotencyStore`]: keel_store::IdempotencyStore
 
 use bytes::Bytes;
 use chrono::{DateTime, Duration, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
+use keel_store::StoreError;
+use keel_store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
 
 use crate::store_suite::now_ms;
 
@@ -175,7 +175,7 @@ pub async fn complete_requires_an_in_flight_key<S: IdempotencyStore>(store: &S) 
         .await
         .expect_err("complete without begin");
     assert!(
-        matches!(err, keel_messaging::StoreError::NotFound(_)),
+        matches!(err, keel_store::StoreError::NotFound(_)),
         "{err:?}"
     );
     let fresh = begin(store, claim("alice", "nope", "fp")).await;
@@ -261,7 +261,7 @@ pub async fn only_the_owner_settles_a_key<S: IdempotencyStore>(store: &S) {
         .await
         .expect_err("the old holder cannot complete");
     assert!(
-        matches!(err, keel_messaging::StoreError::NotFound(_)),
+        matches!(err, keel_store::StoreError::NotFound(_)),
         "{err:?}"
     );
     store
@@ -410,7 +410,7 @@ pub async fn prune_deletes_expired_keys_in_batches<S: IdempotencyStore>(store: &
 /// `idempotency_conformance::<behaviour>`. See the
 /// [module docs](crate::idempotency_suite).
 ///
-/// [`IdempotencyStore`]: keel_messaging::store::IdempotencyStore
+/// [`IdempotencyStore`]: keel_store::IdempotencyStore
 #[macro_export]
 macro_rules! idempotency_conformance_tests {
     ($make:expr) => {

@@ -19,11 +19,11 @@
 //! });
 //! ```
 //!
-//! [`JobStore`]: keel_messaging::store::JobStore
+//! [`JobStore`]: keel_store::JobStore
 
 use chrono::Duration;
-use keel_messaging::StoreError;
-use keel_messaging::store::{JobRecord, JobStatus, JobStore};
+use keel_store::StoreError;
+use keel_store::{JobRecord, JobStatus, JobStore};
 
 use crate::store_suite::now_ms;
 
@@ -217,7 +217,7 @@ pub async fn prune_deletes_expired_jobs_in_batches<S: JobStore>(store: &S) {
 /// or a [`Fixture`](crate::store_suite::Fixture)). The tests are named
 /// `jobs_conformance::<behaviour>`. See the [module docs](crate::jobs_suite).
 ///
-/// [`JobStore`]: keel_messaging::store::JobStore
+/// [`JobStore`]: keel_store::JobStore
 #[macro_export]
 macro_rules! jobs_conformance_tests {
     ($make:expr) => {

@@ -4,10 +4,11 @@
 //! against the embedded SQLite backends and the PostgreSQL and NATS ones, so
 //! "works on SQLite" and "works on PostgreSQL" mean the same thing.
 //!
-//! [`ledger`] is the invariant checker that crash tests (and `keel chaos`)
-//! feed with what was committed, published and applied: nothing lost,
-//! nothing applied twice, no aborted event published, per-key order kept,
-//! every saga completed or fully compensated.
+//! [`ledger`] re-exports `keel-ledger`, the invariant checker that crash
+//! tests (and `keel chaos`, which is why it is a crate of its own that a
+//! binary may ship) feed with what was committed, published and applied:
+//! nothing lost, nothing applied twice, no aborted event published, per-key
+//! order kept, every saga completed or fully compensated.
 //!
 //! [`services`] hands tests the PostgreSQL and NATS servers that
 //! `scripts/services.sh` runs, and fails loudly in CI when they are missing;
@@ -27,6 +28,8 @@
 //! share. [`eventually`] waits for what another task does; [`metrics`] (feature
 //! `metrics`) records what the code under test emits, for assertions.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[cfg(feature = "bench")]
 pub mod bench;
 #[cfg(feature = "broker-suite")]
@@ -42,7 +45,7 @@ pub mod faultfs;
 pub mod idempotency_suite;
 #[cfg(feature = "store-suite")]
 pub mod jobs_suite;
-pub mod ledger;
+pub use keel_ledger as ledger;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 #[cfg(feature = "netfault")]

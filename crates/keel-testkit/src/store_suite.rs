@@ -1,7 +1,7 @@
 //! The Store conformance suite: what every messaging [`Store`] backend must
 //! do, written once and run against each.
 //!
-//! The traits in [`keel_messaging::store`] describe the behaviour in
+//! The traits in [`keel_store`] describe the behaviour in
 //! sentences; these tests are the same sentences as code. They use only the
 //! traits (no backend SQL), so the identical suite runs on SQLite today and
 //! PostgreSQL tomorrow, and "passes the suite" means the same on both.
@@ -28,13 +28,13 @@
 //! millisecond precision (the suite only stores whole milliseconds), and
 //! each test gets a store no other test uses.
 //!
-//! [`Store`]: keel_messaging::Store
+//! [`Store`]: keel_store::Store
 
 use std::any::Any;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
-use keel_messaging::MessagingStore;
+use keel_store::MessagingStore;
 
 pub mod dead_letter;
 pub mod entity_version;

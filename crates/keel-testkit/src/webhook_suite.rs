@@ -24,13 +24,13 @@
 //! });
 //! ```
 //!
-//! [`WebhookStore`]: keel_messaging::store::WebhookStore
+//! [`WebhookStore`]: keel_store::WebhookStore
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use keel_messaging::store::{
+use keel_store::{
     DeliveryAttempt, DeliveryFilter, DeliveryOutcome, DeliveryStatus, WebhookDelivery,
     WebhookEndpoint, WebhookMessage, WebhookSecret, WebhookStore,
 };
@@ -174,7 +174,7 @@ fn outcome(
 /// or a [`Fixture`](crate::store_suite::Fixture)). The tests are named
 /// `webhook_conformance::<behaviour>`. See the [module docs](crate::webhook_suite).
 ///
-/// [`WebhookStore`]: keel_messaging::store::WebhookStore
+/// [`WebhookStore`]: keel_store::WebhookStore
 #[macro_export]
 macro_rules! webhook_conformance_tests {
     ($make:expr) => {

@@ -12,8 +12,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::HeaderMap;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use keel_messaging::Store;
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
 use keel_webhooks::signing::{Secret, SignatureScheme, Verifier, signature_headers};
 use keel_webhooks::ssrf::SsrfGuard;
 use keel_webhooks::{

@@ -13,8 +13,8 @@
 
 use std::time::Duration;
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{WebhookEndpoint, WebhookFormat, WebhookSecret, WebhookStore};
+use keel_store::StoreError;
+use keel_store::{WebhookEndpoint, WebhookFormat, WebhookSecret, WebhookStore};
 
 use super::WallClock;
 use super::error::WebhookError;

@@ -1,7 +1,7 @@
 //! What can go wrong when managing endpoints and queueing deliveries.
 
 use keel_core::{Classify, ErrorClass};
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use super::signing::SecretError;
 use super::ssrf::SsrfError;

@@ -2,12 +2,13 @@
 //! retried over hours, guarded against SSRF and logged; and an extractor
 //! that verifies, dedupes and hands incoming webhooks on.
 //!
-//! Seed 000's two checklists, and where each item lives:
+//! The two checklists, for sending and for receiving, and where each item
+//! lives:
 //!
 //! | sending | here |
 //! |---|---|
 //! | never send inline from the request that caused the event | [`WebhookOutbox::enqueue`] writes deliveries in the caller's transaction; a [`DeliveryWorker`] sends them |
-//! | sign timestamp + raw body with HMAC-SHA256, per-endpoint secret | [`signing`]: Standard Webhooks by default, the seed's `t=,v1=` as an option |
+//! | sign timestamp + raw body with HMAC-SHA256, per-endpoint secret | [`signing`]: Standard Webhooks by default, the `t=<timestamp>,v1=<hex>` format as an option |
 //! | two active secrets so customers can rotate without downtime | [`Endpoints::rotate_secret`]: both sign during a grace period |
 //! | include an event id; delivery is at least once | `webhook-id` and the body's `id`, the same in every attempt |
 //! | include a sequence number or occurredAt | the body's `timestamp` (occurred at) and optional `sequence` ([`WebhookEvent`]) |
@@ -42,6 +43,7 @@
 //! [`DeliveryWorker::notify`] after a commit makes it claim at once, and a
 //! store's cross-process wake-up (PostgreSQL's `LISTEN`) can call it too.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod attempt;
 mod clock;
 mod endpoints;
@@ -77,7 +79,7 @@ pub use worker::{BatchReport, DeliveryWorker};
 
 /// The storage types, re-exported so using webhooks needs no direct
 /// dependency on `keel-messaging`'s module paths.
-pub use keel_messaging::store::{
+pub use keel_store::{
     DeliveryAttempt, DeliveryFilter, DeliveryStatus, WebhookDelivery, WebhookEndpoint,
     WebhookFormat, WebhookStore,
 };

@@ -8,8 +8,8 @@
 //! owner fixes it and asks for a replay of the window they missed.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::{DeliveryAttempt, DeliveryFilter, WebhookDelivery, WebhookStore};
+use keel_store::StoreError;
+use keel_store::{DeliveryAttempt, DeliveryFilter, WebhookDelivery, WebhookStore};
 
 use super::endpoints::{Endpoints, not_found};
 use super::error::WebhookError;

@@ -68,8 +68,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::MethodRouter;
 use bytes::Bytes;
 use keel_core::clock::{self, Instant};
-use keel_messaging::broker::Headers;
-use keel_messaging::store::{InboxStore, OutboxRecord, OutboxStore};
+use keel_store::broker::Headers;
+use keel_store::{InboxStore, OutboxRecord, OutboxStore};
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
@@ -138,7 +138,7 @@ impl WebhookReceiver {
         Arc::make_mut(&mut self.inner)
     }
 
-    /// Verifies the seed's `t=...,v1=<hex>` format instead.
+    /// Verifies the `t=<timestamp>,v1=<hex>` format instead.
     pub fn scheme(mut self, scheme: SignatureScheme) -> Self {
         let config = self.config();
         config.verifier = config.verifier.clone().scheme(scheme);
@@ -274,7 +274,7 @@ async fn hand_to_outbox<St, T>(
     webhook: &VerifiedWebhook<T>,
     topic: &str,
     scope: &str,
-) -> Result<bool, keel_messaging::StoreError>
+) -> Result<bool, keel_store::StoreError>
 where
     St: OutboxStore + InboxStore,
 {
@@ -516,7 +516,7 @@ impl IntoResponse for WebhookRejection {
 }
 
 /// Recently seen webhook ids, bounded by age and by count, with removal
-/// (unlike [`DedupWindow`](keel_messaging::dedup::DedupWindow), an id can be
+/// (unlike [`DedupWindow`](keel_store::dedup::DedupWindow), an id can be
 /// forgotten when its webhook could not be handed on).
 #[derive(Debug)]
 struct SeenIds {

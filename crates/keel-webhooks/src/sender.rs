@@ -30,8 +30,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, SecondsFormat, Utc};
 use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
-use keel_messaging::envelope::Envelope;
-use keel_messaging::store::{WebhookMessage, WebhookStore};
+use keel_store::envelope::Envelope;
+use keel_store::{WebhookMessage, WebhookStore};
 use serde::Serialize;
 
 use super::WallClock;
@@ -209,7 +209,7 @@ pub(crate) fn check_message(
 /// ```
 /// use keel_webhooks::{Endpoints, NewEndpoint, WebhookEvent, WebhookOutbox};
 /// use keel_webhooks::ssrf::SsrfGuard;
-/// use keel_messaging::store::{Store, WebhookStore};
+/// use keel_store::{Store, WebhookStore};
 /// use keel_sqlite::SqliteStore;
 ///
 /// # #[tokio::main(flavor = "current_thread")]

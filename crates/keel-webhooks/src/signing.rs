@@ -1,5 +1,5 @@
 //! Signing and verifying webhook requests: Standard Webhooks by default, the
-//! seed's `t=<ts>,v1=<hex>` format as an option.
+//! `t=<timestamp>,v1=<hex>` format as an option.
 //!
 //! A receiver must know that a request came from us, unchanged, and
 //! recently. So the sender signs the *timestamp* and the *raw body* with
@@ -24,12 +24,12 @@
 //! separated by spaces, and a receiver accepts the request if any of them
 //! verifies with any secret it knows.
 //!
-//! # The seed's format
+//! # The `t=<timestamp>,v1=<hex>` format
 //!
 //! [`SignatureScheme::TimestampedHex`] sends `t=<timestamp>,v1=<hex>` (one
-//! `v1=` per active secret) over `"{timestamp}.{body}"`, as in seed 000's
-//! sender. A raw (non-`whsec_`) secret is used as its UTF-8 bytes there, as
-//! the seed's `secret.encode()` does.
+//! `v1=` per active secret) over `"{timestamp}.{body}"`. A raw (non-`whsec_`)
+//! secret is used as its UTF-8 bytes there, as Python's `secret.encode()`
+//! does.
 //!
 //! ```
 //! use keel_webhooks::signing::{Secret, sign_standard};
@@ -75,13 +75,13 @@ pub const MAX_SIGNATURES: usize = 8;
 /// The longest signature header accepted, in bytes.
 pub const MAX_SIGNATURE_HEADER_LEN: usize = 1024;
 /// How far a timestamp may be from the receiver's clock, either way
-/// (Standard Webhooks and the seed both use five minutes).
+/// (five minutes, as in Standard Webhooks).
 pub const DEFAULT_TOLERANCE: Duration = Duration::from_secs(300);
 
 /// A signing secret: key bytes, and the text they were given as.
 ///
 /// `whsec_<base64>` is decoded to its key bytes (Standard Webhooks); any
-/// other text is used as its UTF-8 bytes (the seed's raw secrets). `Debug`
+/// other text is used as its UTF-8 bytes (a raw secret). `Debug`
 /// never shows the key.
 #[derive(Clone)]
 pub struct Secret {
@@ -191,18 +191,18 @@ pub enum SignatureScheme {
     /// over `"{id}.{timestamp}.{body}"`.
     #[default]
     StandardWebhooks,
-    /// Seed 000's format: `<header>: t=<timestamp>,v1=<hex>[,v1=<hex>]`
+    /// Timestamped hex: `<header>: t=<timestamp>,v1=<hex>[,v1=<hex>]`
     /// over `"{timestamp}.{body}"`. `webhook-id` and `webhook-timestamp` are
     /// sent too, but the id is not covered by the signature.
     TimestampedHex {
         /// The header carrying the signature (`webhook-signature` by default;
-        /// the seed used `X-Acme-Signature`).
+        /// a sender may use its own, such as `X-Acme-Signature`).
         header: HeaderName,
     },
 }
 
 impl SignatureScheme {
-    /// The seed's format in the `webhook-signature` header.
+    /// The `t=<timestamp>,v1=<hex>` format in the `webhook-signature` header.
     pub fn timestamped_hex() -> Self {
         Self::TimestampedHex {
             header: WEBHOOK_SIGNATURE,
@@ -230,7 +230,7 @@ pub fn sign_standard(secret: &Secret, id: &str, timestamp: i64, body: &[u8]) -> 
     format!("v1,{}", BASE64.encode(mac.finalize().into_bytes()))
 }
 
-/// The seed's signature header value: `t=<timestamp>` and one `v1=<hex>` of
+/// A timestamped hex signature header value: `t=<timestamp>` and one `v1=<hex>` of
 /// HMAC-SHA256 over `"{timestamp}.{body}"` per secret.
 pub fn sign_timestamped_hex<'a>(
     secrets: impl IntoIterator<Item = &'a Secret>,
@@ -332,7 +332,7 @@ impl Verifier {
         }
     }
 
-    /// Verifies the seed's format (or Standard Webhooks) instead.
+    /// Verifies the `t=<timestamp>,v1=<hex>` format (or Standard Webhooks) instead.
     pub fn scheme(mut self, scheme: SignatureScheme) -> Self {
         self.scheme = scheme;
         self
@@ -469,7 +469,7 @@ fn parse_standard(raw: &str, header: &HeaderName) -> Result<Vec<Vec<u8>>, Verify
     Ok(signatures)
 }
 
-/// The timestamp and signatures of the seed's `t=...,v1=...` header.
+/// The timestamp and signatures of a `t=...,v1=...` header.
 fn parse_timestamped_hex<'a>(
     raw: &'a str,
     header: &HeaderName,

@@ -26,8 +26,8 @@
 use axum::http::{HeaderName, HeaderValue, header};
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use keel_messaging::envelope::{Envelope, STRUCTURED_CONTENT_TYPE};
-use keel_messaging::store::WebhookFormat;
+use keel_store::WebhookFormat;
+use keel_store::envelope::{Envelope, STRUCTURED_CONTENT_TYPE};
 use serde::Deserialize;
 
 use super::error::WebhookError;

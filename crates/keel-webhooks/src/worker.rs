@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use axum::http::HeaderValue;
 use chrono::{DateTime, Utc};
-use keel_messaging::store::{ClaimedDelivery, DeliveryOutcome, DeliveryStatus, WebhookStore};
+use keel_store::{ClaimedDelivery, DeliveryOutcome, DeliveryStatus, WebhookStore};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 

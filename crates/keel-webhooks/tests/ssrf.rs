@@ -14,9 +14,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
-use keel_messaging::Store;
 use keel_policy::retry::Backoff;
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
 use keel_webhooks::ssrf::{IpNetwork, ResolveFn, SsrfError, SsrfGuard, forbidden_range};
 use keel_webhooks::{
     DEFAULT_SCHEDULE, DeliveryFilter, DeliveryStatus, DeliveryWorker, Endpoints, NewEndpoint,

@@ -17,8 +17,8 @@ use chrono::{DateTime, Utc};
 use hmac::{Hmac, Mac};
 use http_body_util::BodyExt;
 use keel_http::problem::PROBLEM_JSON;
-use keel_messaging::store::OutboxStore;
 use keel_sqlite::SqliteStore;
+use keel_store::OutboxStore;
 use keel_webhooks::signing::{
     Secret, SignatureScheme, Verifier, VerifyError, sign_standard, sign_timestamped_hex,
     signature_headers,

@@ -16,9 +16,9 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use chrono::{DateTime, Utc};
 use hmac::{Hmac, Mac};
-use keel_messaging::Store;
 use keel_policy::retry::Backoff;
 use keel_sqlite::SqliteStore;
+use keel_store::Store;
 use keel_testkit::metrics::MetricsRecorder;
 use keel_webhooks::signing::{Secret, SignatureScheme, Verifier, VerifyError};
 use keel_webhooks::ssrf::SsrfGuard;
@@ -895,7 +895,7 @@ async fn the_seed_format_is_available_as_an_option() {
         DeliveryWorker::new(f.store.clone(), f.options().scheme(scheme.clone())).expect("worker");
     worker.run_once().await.expect("run");
     let request = f.hooks.received().pop().expect("request");
-    // The seed's sign(): hmac(secret.encode(), f"{timestamp}." + body).hexdigest()
+    // The reference sign(): hmac(secret.encode(), f"{timestamp}." + body).hexdigest()
     let ts = start_time().timestamp();
     let mut mac = Hmac::<Sha256>::new_from_slice(b"s3cr3t-from-the-seed").expect("key");
     mac.update(format!("{ts}.").as_bytes());
@@ -954,7 +954,7 @@ fn stored_endpoint(id: &str, url: &str) -> WebhookEndpoint {
         url: url.to_owned(),
         description: String::new(),
         event_types: Vec::new(),
-        secrets: vec![keel_messaging::store::WebhookSecret {
+        secrets: vec![keel_store::WebhookSecret {
             secret: Secret::generate().expect("secret").expose().to_owned(),
             created_at: start_time(),
             expires_at: None,
@@ -1040,11 +1040,11 @@ async fn the_verified_receiver_gets_each_event_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_outbox_consumer_path_queues_each_event_once() {
-    use keel_messaging::broker::Broker;
     use keel_messaging::consumer::{Consumer, Group};
-    use keel_messaging::envelope::Envelope;
     use keel_messaging::outbox::Outbox;
     use keel_sqlite::broker::SqliteBroker;
+    use keel_store::broker::Broker;
+    use keel_store::envelope::Envelope;
     use keel_webhooks::WebhookFanout;
 
     let f = fx().await;

@@ -23,10 +23,10 @@ use axum::response::{IntoResponse, Response};
 use keel_http::idempotency::{CompleteInError, Completion, HeldKey};
 use keel_http::pagination::{Cursor, Page, PageRequest};
 use keel_http::problem::Problem;
-use keel_messaging::StoreError;
-use keel_messaging::envelope::{Envelope, EventMeta};
 use keel_messaging::outbox::OutboxError;
 use keel_realtime::AppendError;
+use keel_store::StoreError;
+use keel_store::envelope::{Envelope, EventMeta};
 use serde::Deserialize;
 
 use super::AppState;
@@ -300,7 +300,7 @@ async fn commit<S: ShopStore>(
     state: &AppState<S>,
     tx: S::Tx,
     appended: Vec<keel_realtime::Appended>,
-) -> Result<(), keel_messaging::StoreError> {
+) -> Result<(), keel_store::StoreError> {
     #[cfg(feature = "chaos")]
     if let Some(landed) = fail::eval("keel-orders-commit-lost", |arg| {
         arg.as_deref() == Some("committed")
@@ -310,7 +310,7 @@ async fn commit<S: ShopStore>(
         } else {
             state.store.rollback(tx).await?;
         }
-        return Err(keel_messaging::StoreError::OutcomeUnknown(
+        return Err(keel_store::StoreError::OutcomeUnknown(
             "failpoint keel-orders-commit-lost".into(),
         ));
     }

@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use keel_http::jobs::{JobRequested, Jobs};
 use keel_http::problem::Problem;
 use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
-use keel_messaging::envelope::Envelope;
+use keel_store::envelope::Envelope;
 use parking_lot::Mutex;
 use serde::Serialize;
 use utoipa::ToSchema;

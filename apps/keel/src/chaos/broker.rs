@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keel_core::PolicyError;
-use keel_messaging::broker::{
-    Backlog, Broker, BrokerError, Delivery, Message, SubscribeOptions, Subscription,
-};
 use keel_policy::ConfigError;
 use keel_policy::chaos::{ChaosExperiment, FaultInjection};
+use keel_store::broker::{
+    Backlog, Broker, BrokerError, Delivery, Message, SubscribeOptions, Subscription,
+};
 
 /// The experiment every call through [`FaultyBroker`] belongs to.
 const EXPERIMENT: &str = "keel-chaos-broker";

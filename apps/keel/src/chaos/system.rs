@@ -7,9 +7,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_messaging::broker::Broker;
 use keel_sqlite::store::SqliteSynchronous;
 use keel_sqlite::{SqliteBroker, SqliteBrokerOptions, SqliteStore};
+use keel_store::broker::Broker;
 
 use super::broker::{BrokerFaults, FaultyBroker};
 use crate::demo::workload::Accepted;

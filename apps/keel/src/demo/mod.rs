@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use keel_messaging::broker::Broker;
 use keel_sqlite::store::SqliteSynchronous;
 use keel_sqlite::{SqliteBrokerOptions, SqliteStore};
+use keel_store::broker::Broker;
 use keel_webhooks::NewEndpoint;
 use tokio::sync::watch;
 
@@ -107,7 +107,7 @@ async fn webhook_receiver(
 
 /// Whether every order settled: the outbox is drained, and every order has
 /// left `pending` (or its event is a dead letter).
-pub async fn quiescent<S: ShopStore>(store: &S) -> Result<bool, keel_messaging::StoreError> {
+pub async fn quiescent<S: ShopStore>(store: &S) -> Result<bool, keel_store::StoreError> {
     let outbox = store.outbox_stats().await?;
     if outbox.unpublished > 0 {
         return Ok(false);

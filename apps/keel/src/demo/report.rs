@@ -9,8 +9,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use keel_messaging::store::{DeadLetterFilter, SagaStatus};
-use keel_testkit::ledger::Ledger;
+use keel_ledger::Ledger;
+use keel_store::{DeadLetterFilter, SagaStatus};
 use serde::Serialize;
 
 use super::workload::WorkloadResult;
@@ -177,7 +177,7 @@ pub async fn assemble<S: ShopStore>(
     orders_sent: u64,
     elapsed: std::time::Duration,
     settled: bool,
-) -> Result<Report, keel_messaging::StoreError> {
+) -> Result<Report, keel_store::StoreError> {
     let (audit, dead, money, invariants) = check(store, workload).await?;
     let counts = PolicyCounts::now();
     let ms = |q: f64| workload.latency_us.value_at_quantile(q) as f64 / 1000.0;
@@ -218,7 +218,7 @@ pub async fn assemble<S: ShopStore>(
 pub async fn check<S: ShopStore>(
     store: &S,
     workload: &WorkloadResult,
-) -> Result<(Audit, Vec<String>, Money, Invariants), keel_messaging::StoreError> {
+) -> Result<(Audit, Vec<String>, Money, Invariants), keel_store::StoreError> {
     let audit = store.audit().await?;
     check_audit(store, audit, workload).await
 }
@@ -229,7 +229,7 @@ pub async fn check_audit<S: ShopStore>(
     store: &S,
     audit: Audit,
     workload: &WorkloadResult,
-) -> Result<(Audit, Vec<String>, Money, Invariants), keel_messaging::StoreError> {
+) -> Result<(Audit, Vec<String>, Money, Invariants), keel_store::StoreError> {
     let dead = store
         .dead_letter_list(&DeadLetterFilter {
             limit: Some(100_000),
@@ -421,7 +421,7 @@ fn money(audit: &Audit, violations: &mut Vec<String>) -> Money {
 pub async fn unsettled_sagas<S: ShopStore>(
     store: &S,
     audit: &Audit,
-) -> Result<Vec<String>, keel_messaging::StoreError> {
+) -> Result<Vec<String>, keel_store::StoreError> {
     let mut lines = Vec::new();
     for (id, status) in &audit.sagas {
         if matches!(

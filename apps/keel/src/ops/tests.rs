@@ -1,6 +1,6 @@
 use chrono::{TimeZone, Utc};
 use keel_admin::AttemptJson;
-use keel_messaging::store::{DeadLetterStatus, DeliveryStatus, SagaStatus};
+use keel_store::{DeadLetterStatus, DeliveryStatus, SagaStatus};
 
 use super::format::MAX_CELL;
 use super::*;

@@ -21,8 +21,8 @@ use keel_http::access::{AllowedHosts, ApiKeyLayer, FailureThrottle};
 use keel_http::health::{DEFAULT_POOL_EXHAUSTION_GRACE, Health};
 use keel_http::jobs::{JobRequested, Jobs, JobsOptions};
 use keel_messaging::Outbox;
-use keel_messaging::broker::Broker;
 use keel_messaging::consumer::{Consumer, Group};
+use keel_store::broker::Broker;
 use keel_webhooks::WebhookReceiver;
 use keel_webhooks::signing::Secret;
 
@@ -283,7 +283,7 @@ async fn serve_on<S: ShopStore>(
     let worker = Consumer::builder(store.clone(), Arc::clone(&broker))
         .group(
             Group::new(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP).on(
-                <JobRequested as keel_messaging::Event>::TYPE,
+                <JobRequested as keel_store::Event>::TYPE,
                 ReportWorker {
                     jobs: jobs.clone(),
                     reports: reports.clone(),

@@ -24,11 +24,11 @@
 //! databases of their own.
 
 use async_trait::async_trait;
-use keel_messaging::StoreError;
-use keel_messaging::store::Store;
 use keel_sql::Dialect;
 use keel_sqlite::SqliteStore;
 use keel_sqlite::store::SqliteDialect;
+use keel_store::Store;
+use keel_store::StoreError;
 
 use super::model::{Customer, DemoFault, Item, Order, OrderStatus, Product};
 use super::sql::{ShopBackend, ShopTypes, shop_schema};

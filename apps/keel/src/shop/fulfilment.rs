@@ -9,8 +9,8 @@
 use async_trait::async_trait;
 use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
 use keel_messaging::dead_letter::REPLAY_GROUP_HEADER;
-use keel_messaging::envelope::Envelope;
 use keel_messaging::saga::{SagaDefinition, SagaOrchestrator};
+use keel_store::envelope::Envelope;
 
 use super::ShopStore;
 use super::model::{DemoFault, OrderPlaced};

@@ -36,14 +36,14 @@ use axum::Router;
 use keel_http::health::{ConnectionLimits, Drain};
 use keel_http::pagination::{CursorCodec, Pagination};
 use keel_http::tls::TlsListener;
-use keel_messaging::broker::Broker;
 use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
 use keel_messaging::lease::{LeaseGate, LeaseLock};
 use keel_messaging::saga::SagaOrchestrator;
-use keel_messaging::store::{EventLogStore, IdempotencyStore, JobStore, WebhookStore};
 use keel_messaging::{DeadLetters, MessagingStore, Outbox, OutboxRelay};
 use keel_policy::breaker::{BreakerRegistry, CircuitBreakerConfig, SlidingWindow};
 use keel_realtime::EventLog;
+use keel_store::broker::Broker;
+use keel_store::{EventLogStore, IdempotencyStore, JobStore, WebhookStore};
 use keel_webhooks::sealing::SecretSealer;
 use keel_webhooks::ssrf::{IpNetwork, SsrfGuard};
 use keel_webhooks::{DeliveryWorker, Endpoints, WebhookOutbox, WorkerOptions};
@@ -204,7 +204,7 @@ pub fn default_stock() -> Vec<(String, i64)> {
 pub enum StartError {
     /// The store refused a setup step.
     #[error("store: {0}")]
-    Store(#[from] keel_messaging::StoreError),
+    Store(#[from] keel_store::StoreError),
     /// A component's configuration is invalid.
     #[error("configuration: {0}")]
     Config(String),
@@ -367,7 +367,7 @@ impl System {
                 .map_err(config_err)?;
         let consumer = Consumer::builder(store.clone(), Arc::clone(&broker))
             .group(Group::new(fulfilment::TOPIC, fulfilment::GROUP).on(
-                <OrderPlaced as keel_messaging::Event>::TYPE,
+                <OrderPlaced as keel_store::Event>::TYPE,
                 fulfilment::StartFulfilment::new(store.clone(), orchestrator.clone(), saga),
             ))
             .max_in_flight(DELIVERIES_IN_FLIGHT)

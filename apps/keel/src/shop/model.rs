@@ -5,7 +5,7 @@
 //! refuses the same things with the same words: a request can never put a
 //! negative price or a thousand items into the database.
 
-use keel_messaging::envelope::Event;
+use keel_store::envelope::Event;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use utoipa::ToSchema;

@@ -9,11 +9,11 @@
 //! Ids are compared with the `C` collation, so keyset pages sort exactly as
 //! on SQLite.
 
-use keel_messaging::StoreError;
-use keel_messaging::store::Store;
 use keel_postgres::PgStore;
 use keel_postgres::store::PgDialect;
 use keel_sql::Dialect;
+use keel_store::Store;
+use keel_store::StoreError;
 
 use super::sql::{ShopBackend, ShopTypes, shop_schema};
 

@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use keel_messaging::StoreError;
 use keel_messaging::saga::{AfterCommit, SagaHook};
-use keel_messaging::store::{SagaRecord, SagaStatus};
 use keel_realtime::{AppendError, EventLog, StreamId};
+use keel_store::StoreError;
+use keel_store::{SagaRecord, SagaStatus};
 use keel_webhooks::{DeliveryWorker, WebhookError, WebhookEvent, WebhookOutbox};
 
 use super::ShopStore;

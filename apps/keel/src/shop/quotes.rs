@@ -1,4 +1,4 @@
-//! Shipping quotes from several carriers at once: the seed's scatter-gather.
+//! Shipping quotes from several carriers at once: a scatter-gather.
 //!
 //! The order page offers a quote from every carrier shipping works with.
 //! One carrier (`slowboat`) is slow: it answers in 2 s, long after anyone

@@ -13,10 +13,10 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
 use keel_messaging::lease::LeaseGate;
-use keel_messaging::store::delete_in_batches;
 use keel_realtime::EventLog;
+use keel_store::StoreError;
+use keel_store::delete_in_batches;
 use tokio::sync::watch;
 
 use super::ShopStore;

@@ -24,7 +24,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use keel_http::problem::Problem;
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::watch;

@@ -20,12 +20,12 @@ use std::collections::BTreeMap;
 use std::future::Future;
 
 use async_trait::async_trait;
-use keel_messaging::StoreError;
-use keel_messaging::store::{OutboxStore, SagaFilter, SagaStore, Store};
 use keel_sql::backend::{Row, Tx};
 use keel_sql::dialect::Value;
 use keel_sql::filter::Filter;
 use keel_sql::{Dialect, Exec, SqlBackend, SqlRow};
+use keel_store::StoreError;
+use keel_store::{OutboxStore, SagaFilter, SagaStore, Store};
 
 use super::db::{Audit, AuditOrder, Capture, Effect, Reservation, Settled, ShopDb};
 use super::model::{Customer, DemoFault, Item, Order, OrderStatus, Product};

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use keel::shop::{System, SystemConfig, SystemHandle};
-use keel_messaging::broker::Broker;
 use keel_sqlite::{SqliteBroker, SqliteStore};
+use keel_store::broker::Broker;
 
 /// Starts the shop with the default configuration on two files in `dir`.
 pub async fn start_embedded(dir: &std::path::Path) -> SystemHandle<SqliteStore> {

@@ -3,7 +3,7 @@
 Usage: shipping_client.py HOST:PORT PROTO_DIR
 
 Compiles the checked-in proto with grpcio-tools, then calls every method
-the way the seed's Python does (a timeout that becomes grpc-timeout,
+the way ordinary Python clients do (a timeout that becomes grpc-timeout,
 traceparent metadata), and prints one JSON object: what it saw. Exits
 non-zero on the first check that fails, saying which.
 """
@@ -68,7 +68,7 @@ seen["created"] = first.id
 check(first.id == again.id, "a repeated create returns the same shipment")
 check(first.status == pb.Shipment.STATUS_PICKED, "a new shipment is picked")
 
-# Too little time left: the server does not start (the seed's 50 ms).
+# Too little time left: the server does not start (it needs 50 ms).
 try:
     stub.CreateShipment(
         pb.CreateShipmentRequest(order_id="py-2", request_id="py-2:k"), timeout=0.02

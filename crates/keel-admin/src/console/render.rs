@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use keel_messaging::store::{DeadLetterStatus, DeliveryStatus, SagaStatus};
+use keel_store::{DeadLetterStatus, DeliveryStatus, SagaStatus};
 
 use super::html::{action_button, encode_segment, escape};
 use crate::{

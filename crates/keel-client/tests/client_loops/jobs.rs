@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use keel_client::{JobClient, JobError, JobState, PropagatingClient};
-use keel_messaging::store::JobStatus;
+use keel_store::JobStatus;
 
 use super::server::Server;
 use super::{STEP, quick_reconnect};

@@ -22,7 +22,7 @@
 //! ```
 //!
 //! A handler that knows its least useful duration refuses to start
-//! without it, as the seed's `GetShipment` does with 50 ms:
+//! without it; here, a `GetShipment` that needs 50 ms:
 //!
 //! ```
 //! use std::time::Duration;

@@ -16,8 +16,8 @@ use axum::{Json, Router};
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, join_all};
 use keel_core::{Deadline, Name, clock};
-use keel_messaging::Store;
 use keel_policy::ConfigError;
+use keel_store::Store;
 use serde::Serialize;
 
 use super::drain::Drain;
@@ -166,7 +166,7 @@ impl HealthBuilder {
                     store.ready().await?;
                     migrated.store(true, Ordering::Release);
                 }
-                Ok::<_, keel_messaging::StoreError>(())
+                Ok::<_, keel_store::StoreError>(())
             }
         })
         .dependency("store", DEFAULT_CHECK_TIMEOUT, move || {

@@ -25,8 +25,8 @@ pub const DEFAULT_LB_NOTICE: Duration = Duration::from_secs(10);
 
 /// How long in-flight requests and long-lived connections get to finish
 /// once the listener is closed, by default: 30 s. `lb_notice +
-/// drain_timeout` must stay below the orchestrator's grace period (45 s
-/// in the seed's manifest).
+/// drain_timeout` must stay below the orchestrator's grace period (for
+/// example a Kubernetes `terminationGracePeriodSeconds` of 45 s).
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long [`Drain::serve`] waits for aborted connections to wind down

@@ -12,7 +12,7 @@
 //! - **`/readyz`: should this instance get traffic?** It checks only what
 //!   *we* own and what makes us useless if broken: migrations applied at
 //!   start ([`HealthBuilder::store`], via
-//!   [`Store::ready`](keel_messaging::Store::ready) until it first passes),
+//!   [`Store::ready`](keel_store::Store::ready) until it first passes),
 //!   not draining ([`HealthBuilder::drain`]), the connection pool not
 //!   saturated ([`HealthBuilder::pool_saturation`],
 //!   [`HealthBuilder::pool_exhaustion`]), and any

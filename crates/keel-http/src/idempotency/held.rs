@@ -22,8 +22,8 @@ use axum::http::{Response, header};
 use axum::response::IntoResponse;
 use http_body_util::BodyExt;
 use keel_core::BoxError;
-use keel_messaging::StoreError;
-use keel_messaging::store::IdempotencyStore;
+use keel_store::IdempotencyStore;
+use keel_store::StoreError;
 
 use super::service::to_stored;
 use crate::problem::Problem;
@@ -90,7 +90,7 @@ impl Held {
 /// use axum::extract::State;
 /// use axum::response::{IntoResponse, Response};
 /// use keel_http::idempotency::{HeldKey, IdempotencyLayer};
-/// use keel_messaging::store::Store;
+/// use keel_store::Store;
 /// use keel_sqlite::SqliteStore;
 /// use tower::ServiceExt;
 ///

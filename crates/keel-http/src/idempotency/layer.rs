@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use keel_messaging::store::IdempotencyStore;
+use keel_store::IdempotencyStore;
 use tower_layer::Layer;
 
 use super::options::{IdempotencyOptions, InvalidIdempotencyOptions};

@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::clock::{self, Instant};
-use keel_messaging::StoreError;
-use keel_messaging::store::IdempotencyStore;
+use keel_store::IdempotencyStore;
+use keel_store::StoreError;
 
 use super::held::Held;
 use super::service::{after, wall_now};

@@ -115,7 +115,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! [`IdempotencyStore::idempotency_begin`]: keel_messaging::store::IdempotencyStore::idempotency_begin
+//! [`IdempotencyStore::idempotency_begin`]: keel_store::IdempotencyStore::idempotency_begin
 
 mod fingerprint;
 mod held;

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyStore, delete_in_batches};
+use keel_store::StoreError;
+use keel_store::{IdempotencyStore, delete_in_batches};
 use tokio::task::JoinHandle;
 
 use super::service::wall_now;

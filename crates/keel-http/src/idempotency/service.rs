@@ -12,8 +12,8 @@ use axum::response::IntoResponse;
 use chrono::{DateTime, Utc};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use keel_core::BoxError;
-use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
+use keel_store::StoreError;
+use keel_store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
 use tower_service::Service;
 
 use super::fingerprint::fingerprint;

@@ -21,8 +21,9 @@
 use std::time::Duration;
 
 use keel_core::clock;
-use keel_messaging::StoreError;
-use keel_messaging::store::{IdempotencyStore, StoredResponse};
+use keel_policy::retry::{Backoff, Jitter};
+use keel_store::StoreError;
+use keel_store::{IdempotencyStore, StoredResponse};
 
 use super::lease::Lease;
 
@@ -129,9 +130,12 @@ impl<S: IdempotencyStore> Lease<S> {
 
     async fn retry(self, settle: Settle) {
         let give_up_at = clock::now() + SETTLE_RETRY_FOR;
-        let mut wait = FIRST_RETRY;
-        loop {
-            let jittered = wait.mul_f64(0.5 + fastrand::f64() / 2.0);
+        // Equal jitter: settles that failed together spread out, and none
+        // comes straight back to a store that just refused it.
+        let backoff = Backoff::exponential(FIRST_RETRY, 2.0, MAX_RETRY)
+            .and_then(|backoff| backoff.with_jitter(Jitter::Equal))
+            .expect("constant, valid bounds");
+        for jittered in backoff.iter() {
             if clock::now() + jittered >= give_up_at {
                 let err = StoreError::Unavailable("the store stayed down".into());
                 return self.give_up(&settle, &err);
@@ -149,7 +153,6 @@ impl<S: IdempotencyStore> Lease<S> {
                 }
                 Err(err) => return self.give_up(&settle, &err),
             }
-            wait = (wait * 2).min(MAX_RETRY);
         }
     }
 

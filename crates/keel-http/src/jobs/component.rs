@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use keel_messaging::envelope::{Event, EventMeta};
 use keel_messaging::outbox::Outbox;
-use keel_messaging::store::{JobRecord, JobStatus, JobStore, OutboxStore};
+use keel_store::envelope::{Event, EventMeta};
+use keel_store::{JobRecord, JobStatus, JobStore, OutboxStore};
 use serde::{Deserialize, Serialize};
 
 use super::error::JobError;

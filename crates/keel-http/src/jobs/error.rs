@@ -3,9 +3,9 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use keel_core::{Classify, ErrorClass};
-use keel_messaging::StoreError;
 use keel_messaging::outbox::OutboxError;
-use keel_messaging::store::JobStatus;
+use keel_store::JobStatus;
+use keel_store::StoreError;
 
 use crate::problem::Problem;
 

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use chrono::{DateTime, Utc};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use keel_messaging::store::{JobRecord, JobStatus, JobStore, OutboxStore};
+use keel_store::{JobRecord, JobStatus, JobStore, OutboxStore};
 use serde::{Deserialize, Serialize};
 
 use super::component::{Cancelled, Jobs};

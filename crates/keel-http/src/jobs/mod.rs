@@ -3,7 +3,7 @@
 //!
 //! A report that takes two minutes cannot be a request that takes two
 //! minutes: proxies time out, clients retry, and every retry starts the work
-//! again. Instead (seed 000):
+//! again. Instead:
 //!
 //! | request | answer |
 //! |---|---|

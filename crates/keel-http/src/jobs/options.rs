@@ -12,11 +12,11 @@ use sha2::{Digest, Sha256};
 /// status URL answers `410 Gone`.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// The `Retry-After` of `202 Accepted`: 5 seconds (seed 000).
+/// The `Retry-After` of `202 Accepted`: 5 seconds.
 pub const DEFAULT_ACCEPTED_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// The `Retry-After` of a status poll while the job is queued or running:
-/// 10 seconds (seed 000).
+/// 10 seconds.
 pub const DEFAULT_POLL_RETRY_AFTER: Duration = Duration::from_secs(10);
 
 /// The largest `POST` body (the job's JSON parameters): 64 KiB.

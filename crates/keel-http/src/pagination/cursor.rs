@@ -103,8 +103,8 @@ pub struct CursorKeyError {
 ///
 /// The cursor is `base64url(version ‖ JSON position ‖ tag)`, where the tag
 /// signs the version, the list's *scope* and the position. Opaque, so
-/// clients cannot build one and make the index choice a public API (seed
-/// 000); signed, so a changed or truncated cursor is refused with `400`
+/// clients cannot build one and make the index choice a public API;
+/// signed, so a changed or truncated cursor is refused with `400`
 /// instead of reaching SQL; scoped, so a cursor issued for one list is
 /// refused by another. The key can be rotated: cursors signed with a
 /// [previous key](Self::with_previous_key) still verify. Cheap to clone.

@@ -3,8 +3,8 @@
 //!
 //! `OFFSET` pagination makes the database count and throw away every row
 //! before the page, and when a row is inserted while a client pages,
-//! everything shifts by one: the client sees an item twice, or never (seed
-//! 000). A *seek* instead continues after the last row seen: `WHERE
+//! everything shifts by one: the client sees an item twice, or never. A
+//! *seek* instead continues after the last row seen: `WHERE
 //! (created_at, id) < (?, ?) ORDER BY created_at DESC, id DESC LIMIT ?`,
 //! which an index on `(created_at, id)` answers directly, and which is
 //! unaffected by rows inserted before or after the position.

@@ -279,7 +279,7 @@ where
 /// One page of a list: `{"items": [...], "nextCursor": "..." | null}`.
 ///
 /// `nextCursor` is `null` on the last page, *including* a last page that
-/// happens to be full. The seed's `len(rows) == limit` rule hands out a
+/// happens to be full. The common `len(rows) == limit` rule hands out a
 /// cursor on a full last page, which costs the client one more request for
 /// an empty page; fetching `limit + 1` rows
 /// ([`PageRequest::fetch_limit`]) answers "is there more?" for free.

@@ -56,7 +56,7 @@ pub struct InvalidColumn(pub String);
 ///
 /// Never `OFFSET`: an offset makes the database count and discard every row
 /// before the page, and shifts under inserts so a client sees a row twice
-/// or never (seed 000). A seek costs the same on page 1 and page 10,000,
+/// or never. A seek costs the same on page 1 and page 10,000,
 /// and rows inserted meanwhile never shift the rows after the cursor.
 ///
 /// ```

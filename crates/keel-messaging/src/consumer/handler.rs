@@ -24,8 +24,8 @@ pub struct DeliveryInfo {
     /// The message as the broker delivered it (headers included).
     pub message: Message,
     /// How many times it has been delivered to this group, this time
-    /// included. Seed 000: "knowing the attempt number lets you log, alert,
-    /// or degrade on the nth try".
+    /// included. Knowing the attempt number lets you log, alert, or degrade
+    /// on the nth try.
     pub delivery_count: u32,
     /// The id the inbox dedupes on (the `event-id` header).
     pub event_id: String,

@@ -3,7 +3,7 @@
 //!
 //! Delivery is at-least-once, so every handler sees duplicates: after a relay
 //! republish, a lost ack, a rebalance. The runtime makes them harmless the way
-//! seed 000's idempotent consumer does: for each delivery it begins a
+//! an idempotent consumer does: for each delivery it begins a
 //! transaction, records `(event id, group)` in the inbox, runs the handler in
 //! that transaction and commits. "The dedupe row and the effect commit
 //! TOGETHER or not at all." Only then does it ack ("Ack LAST. Acking first

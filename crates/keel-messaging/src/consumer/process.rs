@@ -179,7 +179,7 @@ impl<S: Store + ConsumerStore> Processor<S> {
         };
         let max = self.options.max_deliveries.get();
         if delivery.delivery_count > REPEAT_WARNING {
-            // Seed 000: knowing the attempt number lets you alert on the nth
+            // Knowing the attempt number lets you alert on the nth
             // try instead of discovering the loop from a DLQ alarm.
             tracing::warn!(
                 attempt = delivery.delivery_count,

@@ -1,6 +1,6 @@
 //! The trace a delivery's handler runs in: its own, linked to the
 //! producer's span rather than nested under it, as the messaging semantic
-//! conventions (and the seed: "link, do not nest") ask.
+//! conventions ask.
 
 use std::future::Future;
 

@@ -8,7 +8,8 @@
 //! [`OutboxRelay`] then reads unpublished rows and publishes them to the
 //! broker, at least once.
 //!
-//! Seed 000's "five things people miss", and where each lives in Keel:
+//! Five things outbox implementations often miss, and where each lives in
+//! Keel:
 //!
 //! 1. **`event_id` on the row AND on the message.** [`Outbox::append`] writes
 //!    the envelope id as the row's event id, the message id, and the

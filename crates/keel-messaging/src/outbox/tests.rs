@@ -470,7 +470,7 @@ mod crashes {
     use crate::consumer::testing::MemTx;
     use crate::consumer::{Consumer, Group};
 
-    /// Seed 000's test: the relay crashes after publishing, before marking;
+    /// The classic outbox test: the relay crashes after publishing, before marking;
     /// a restarted relay republishes; the consumer applies once.
     #[tokio::test(start_paused = true)]
     async fn the_outbox_republishes_after_a_relay_crash_and_the_consumer_applies_once() {

@@ -26,7 +26,7 @@
 //!   (a fresh correlation id and message id per attempt), is what the
 //!   responder dedupes on.
 //!
-//! The responder's half, three rules (seed 000):
+//! The responder's half, three rules:
 //!
 //! 1. publish the reply to the request's `reply-to` with its
 //!    `correlation-id` copied over;
@@ -83,16 +83,8 @@ use crate::broker::{BrokerError, Headers};
 pub use requester::{ReplyListener, Requester, RequesterBuilder};
 pub use responder::{Handled, IncomingRequest, RequestHandler, Responder, ResponderBuilder};
 
-/// The header carrying the request id the responder dedupes on; stable
-/// across a caller's retries of one request.
-pub const REQUEST_ID: &str = "request-id";
-
-/// The header saying whether a reply is a result (`ok`) or a refusal
-/// (`error`, with the reason as the payload).
-pub const REPLY_STATUS: &str = "reply-status";
-
-/// The default time a requester waits for a reply (seed 000: 2 s).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+pub use crate::broker::reply::{DEFAULT_TIMEOUT, REPLY_STATUS, REPLY_TOPIC_PREFIX, REQUEST_ID};
+use crate::broker::reply::{STATUS_ERROR, STATUS_OK};
 
 /// How long a responder remembers a reply for repeats of its request.
 pub const DEFAULT_REPLY_TTL: Duration = Duration::from_secs(600);
@@ -104,13 +96,7 @@ pub const DEFAULT_REPLY_CAPACITY: usize = 10_000;
 /// shutdown.
 pub const DEFAULT_REPLY_TOPIC_EXPIRY: Duration = Duration::from_secs(300);
 
-/// The prefix of per-process reply topics.
-pub const REPLY_TOPIC_PREFIX: &str = "_reply.";
-
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
-
-const STATUS_OK: &str = "ok";
-const STATUS_ERROR: &str = "error";
 
 /// A request to send.
 #[derive(Debug, Clone, PartialEq, Eq)]

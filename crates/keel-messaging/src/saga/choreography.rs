@@ -13,8 +13,7 @@
 //!
 //! Choose choreography for two or three stable steps owned by one team;
 //! past that, or when a human may need to intervene, use the
-//! [orchestrator](super::SagaOrchestrator) (seed 000, "Orchestration vs
-//! choreography").
+//! [orchestrator](super::SagaOrchestrator).
 
 use std::fmt;
 use std::future::Future;

@@ -240,8 +240,8 @@ impl<D: SagaData> Step<D> {
 /// A saga: named steps run in order, state persisted after every one.
 /// Cheap to clone.
 ///
-/// The **pivot** is the point of no return (seed 000: scheduling the
-/// shipment). Before it, a step that keeps failing makes the saga undo the
+/// The **pivot** is the point of no return (in an order saga, scheduling
+/// the shipment). Before it, a step that keeps failing makes the saga undo the
 /// completed steps in reverse order; after it, there is no way back, so the
 /// saga retries forward with backoff and is marked stuck for a human if it
 /// keeps failing. The pivot itself has no compensation: once an attempt at

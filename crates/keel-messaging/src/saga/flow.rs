@@ -3,9 +3,10 @@
 //! state, so it shows in the same console view as an orchestrated saga.
 //!
 //! With no coordinator, nobody notices a choreographed flow that stopped
-//! half way: the payment was captured, the stock event never came. Seed
-//! 000 asks for the same safety net either way. A [`Flow`] names the event
-//! types of one flow in order and which of them a participant can undo.
+//! half way: the payment was captured, the stock event never came. Such a
+//! flow needs the same safety net as an orchestrated saga. A [`Flow`]
+//! names the event types of one flow in order and which of them a
+//! participant can undo.
 //! Participants record each step in the transaction that emits it
 //! ([`Flow::reached`], or [`Flow::track`] around a
 //! [`Reaction`](super::choreography::Reaction)): the flow's record is a

@@ -233,7 +233,7 @@ pub(crate) fn plan(
                 done.status = SagaStatus::Completed;
                 return Plan::Save(done);
             }
-            // Seed 000: do not start what cannot finish in the time left.
+            // Do not start what cannot finish in the time left.
             let too_late = now + delta(keel_core::deadline::MIN_TIME_TO_START);
             if shape.deadline_at(record).is_some_and(|at| too_late >= at) {
                 return Plan::Save(expire(record, shape, i, now));

@@ -4,7 +4,7 @@
 //! There is no distributed transaction to roll back, so a saga moves
 //! forward one committed step at a time, and on failure walks back,
 //! compensating (refund, release) the steps already done. This module
-//! gives you what seed 000 says you need "either way":
+//! gives you what a saga needs either way, orchestrated or choreographed:
 //!
 //! - **A state machine persisted after every step.** The orchestrator saves
 //!   the saga ([`SagaStore`](crate::store::SagaStore)) after each call and

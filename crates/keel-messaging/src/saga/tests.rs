@@ -407,7 +407,8 @@ fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
     })
 }
 
-/// Seed 000's saga.
+/// The order saga: capture_payment, reserve_stock, schedule_shipment (the
+/// pivot), send_receipt.
 fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
     seed_saga_with(svc, Duration::from_millis(1), DEFAULT_FORWARD_BUDGET)
 }

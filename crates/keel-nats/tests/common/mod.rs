@@ -10,10 +10,8 @@
 #![allow(dead_code, unreachable_pub)]
 
 use async_trait::async_trait;
-use keel_messaging::broker::{
-    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
-};
 use keel_nats::{NatsBroker, NatsBrokerOptions};
+use keel_store::broker::{Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription};
 use keel_testkit::services::{self, Service};
 
 /// A fresh, unique stream prefix.

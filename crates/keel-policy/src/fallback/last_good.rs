@@ -1,7 +1,7 @@
 //! The last good value, served when the dependency cannot answer, but
 //! never older than an age bound.
 //!
-//! The seed's fallback is "a cached price": the answer the dependency gave
+//! The classic fallback is "a cached price": the answer the dependency gave
 //! last time. Two things make that safe. The age bound: a price from an
 //! hour ago may be fine, one from last month is a bug that looks like an
 //! answer, so past [`LastGoodBuilder::max_age`] the error goes through.

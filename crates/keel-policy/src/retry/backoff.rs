@@ -6,7 +6,7 @@
 //! statelessly ([`Backoff::delay`] for a stored attempt number) or as an
 //! iterator ([`Backoff::iter`]).
 //!
-//! The default is seed 000's: 200 ms doubling up to 10 s with full jitter.
+//! The default: 200 ms doubling up to 10 s with full jitter.
 //! Exponential growth backs off fast enough that a struggling dependency
 //! sees retries thin out; the cap keeps a caller from waiting longer than a
 //! user would; jitter keeps callers that failed together from retrying
@@ -61,7 +61,7 @@ const DEFAULT_FACTOR: f64 = 2.0;
 const DEFAULT_MAX: Duration = Duration::from_secs(10);
 
 impl Default for Backoff {
-    /// 200 ms × 2ⁿ, at most 10 s, full jitter (seed 000).
+    /// 200 ms × 2ⁿ, at most 10 s, full jitter.
     fn default() -> Self {
         Self {
             shape: Shape::Exponential {
@@ -214,11 +214,17 @@ impl Backoff {
 
     /// The next delay for `cursor`, advancing it.
     pub(crate) fn advance(&self, cursor: &mut Cursor) -> Option<Duration> {
-        let nominal = self.nominal_nanos(cursor.retry)?;
+        // Jitter spreads the capped delay: spread over an uncapped one
+        // (100 ms × 2³⁰ say), nearly every draw would clamp to the cap, and
+        // callers that failed together would come back together.
+        let nominal = self
+            .nominal_nanos(cursor.retry)?
+            .min(nanos_f64(self.max_delay()));
         let nanos = match self.jitter {
             Jitter::None => nominal,
             Jitter::Proportional(p) => nominal * (1.0 - p + 2.0 * p * cursor.rand.unit()),
             Jitter::Full => nominal * cursor.rand.unit(),
+            Jitter::Equal => nominal * (0.5 + 0.5 * cursor.rand.unit()),
             Jitter::Decorrelated => self.decorrelated(cursor),
         };
         let delay = self.to_duration(nanos);

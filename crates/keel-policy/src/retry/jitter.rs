@@ -6,6 +6,8 @@
 //! [`Jitter::Full`] spreads them the most (AWS's analysis found it does the
 //! least total work); [`Jitter::Proportional`] keeps each delay near its
 //! nominal value, which is easier to reason about for long schedules;
+//! [`Jitter::Equal`] keeps at least half of every delay, for retries that
+//! must not come straight back (a database conflict, a store briefly down);
 //! [`Jitter::Decorrelated`] grows from the previous actual delay instead of the
 //! attempt number.
 
@@ -25,6 +27,11 @@ pub enum Jitter {
     Proportional(f64),
     /// Uniform in `[0, nominal]` ("full jitter").
     Full,
+    /// Uniform in `[nominal / 2, nominal]` ("equal jitter"): colliding
+    /// callers still spread out, yet each waits at least half the nominal
+    /// delay, so a retry never lands at once on what it collided with
+    /// (database conflicts, a store that is briefly down).
+    Equal,
     /// `min(max, uniform(base, previous × 3))`, where `previous` is the
     /// delay actually used last time ("decorrelated jitter"). Ignores the
     /// growth factor; only for exponential backoff.
@@ -46,7 +53,7 @@ impl Jitter {
                 "jitter",
                 "proportional jitter must be a finite fraction in [0, 1], e.g. 0.25 for ±25%",
             ),
-            Self::None | Self::Full | Self::Decorrelated => Ok(()),
+            Self::None | Self::Full | Self::Equal | Self::Decorrelated => Ok(()),
         }
     }
 }

@@ -48,7 +48,7 @@
 //! `keel_retry_maybe_applied_total{name}`.
 //!
 //! Delays come from a [`Backoff`] (default: 200 ms doubling up to 10 s, full
-//! jitter, as in seed 000).
+//! jitter).
 //!
 //! Observability: a `tracing` debug event and the counter
 //! `keel_retry_attempts_total{name}` for every retry (attempts after the

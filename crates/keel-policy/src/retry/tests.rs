@@ -123,6 +123,7 @@ fn jitter_strategy() -> impl Strategy<Value = Jitter> {
         Just(Jitter::None),
         (0.0..=1.0f64).prop_map(Jitter::Proportional),
         Just(Jitter::Full),
+        Just(Jitter::Equal),
         Just(Jitter::Decorrelated),
     ]
 }
@@ -153,6 +154,10 @@ proptest! {
                     prop_assert!(delay.as_secs_f64() <= high + 1e-9, "{delay:?} above {high}");
                 }
                 Jitter::Full => prop_assert!(delay <= nominal),
+                Jitter::Equal => {
+                    prop_assert!(delay <= nominal);
+                    prop_assert!(delay >= nominal / 2, "{delay:?} below half of {nominal:?}");
+                }
                 Jitter::Decorrelated => {
                     prop_assert!(delay >= base);
                     let high = prev.map_or(base * 3, |p| (p * 3).max(base));
@@ -535,4 +540,25 @@ fn predicate_policies_name_themselves_in_debug_output() {
         text.starts_with("RetryOnResult") && text.contains("errors"),
         "{text}"
     );
+}
+
+#[test]
+fn jitter_spreads_delays_at_the_cap_too() {
+    let max = Duration::from_secs(5);
+    for (jitter, low) in [(Jitter::Full, Duration::ZERO), (Jitter::Equal, max / 2)] {
+        let backoff = exp(MS * 100, 2.0, max, jitter).unwrap();
+        let late: Vec<Duration> = (0..200u64)
+            .map(|seed| backoff.iter_seeded(seed).nth(40).unwrap())
+            .collect();
+        assert!(
+            late.iter().all(|d| (low..=max).contains(d)),
+            "{jitter:?}: {late:?}"
+        );
+        let mean = late.iter().sum::<Duration>() / 200;
+        let middle = (low + max) / 2;
+        assert!(
+            mean > middle - MS * 300 && mean < middle + MS * 300,
+            "{jitter:?} at the cap averages {mean:?}, not about {middle:?}"
+        );
+    }
 }

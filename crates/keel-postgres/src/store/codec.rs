@@ -4,7 +4,7 @@
 //! binary format without parsing them).
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 use serde::Serialize;
 
 /// Now, as stored: truncated to microseconds, PostgreSQL's precision, so a

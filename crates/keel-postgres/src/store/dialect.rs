@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
 use keel_sql::backend::Wake;
 use keel_sql::{Dialect, Field, SqlBackend, SqlRow};
+use keel_store::StoreError;
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
 use sqlx::postgres::{PgArgumentBuffer, PgRow, PgTypeInfo, PgValueFormat, PgValueRef, Postgres};
@@ -235,7 +235,7 @@ impl SqlBackend for PgStore {
     type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
 
     async fn begin_own(&self) -> Result<keel_sql::backend::Tx<Self>, StoreError> {
-        keel_messaging::store::Store::begin(self).await
+        keel_store::Store::begin(self).await
     }
 
     async fn commit_own(&self, tx: keel_sql::backend::Tx<Self>) -> Result<(), StoreError> {
@@ -243,7 +243,7 @@ impl SqlBackend for PgStore {
     }
 
     async fn rollback_own(&self, tx: keel_sql::backend::Tx<Self>) -> Result<(), StoreError> {
-        keel_messaging::store::Store::rollback(self, tx).await
+        keel_store::Store::rollback(self, tx).await
     }
 
     fn writer(&self) -> &sqlx::PgPool {

@@ -15,7 +15,7 @@
 //! `COMMIT` that is an ordinary error (a serialization failure under
 //! `SERIALIZABLE`, a deferred constraint) means it rolled back.
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 use sqlx::error::ErrorKind;
 
 /// SQLSTATE `serialization_failure`.

@@ -8,7 +8,7 @@
 //! with your own SQL, add Keel's rows with the same `&mut tx`, commit once.
 //!
 //! ```no_run
-//! use keel_messaging::store::{OutboxRecord, OutboxStore, Store};
+//! use keel_store::{OutboxRecord, OutboxStore, Store};
 //! use keel_postgres::PgStore;
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -76,9 +76,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keel_messaging::StoreError;
-use keel_messaging::store::Store;
 use keel_sql::dialect::within_answer_bound;
+use keel_store::Store;
+use keel_store::StoreError;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, Postgres};
 

@@ -4,7 +4,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 use sqlx::Connection;
 use sqlx::migrate::MigrateError;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
@@ -27,7 +27,7 @@ pub struct InvalidSchema(pub String);
 /// Options for connecting a [`PgStore`], with documented defaults.
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), keel_messaging::StoreError> {
+/// # async fn demo() -> Result<(), keel_store::StoreError> {
 /// use std::time::Duration;
 /// use keel_postgres::PgStore;
 ///
@@ -106,7 +106,7 @@ impl PgStoreOptions {
 
     /// Whether to create the schema and run the embedded migrations on
     /// connect (default `true`). Without it, run [`PgStore::migrator`]
-    /// yourself; [`ready`](keel_messaging::Store::ready) reports a schema
+    /// yourself; [`ready`](keel_store::Store::ready) reports a schema
     /// that is behind.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;

@@ -35,10 +35,10 @@
 //! lock and never holds many.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::OutboxRecord;
 use keel_sql::dialect::within_answer_bound;
 use keel_sql::outbox::OutboxBackend;
+use keel_store::OutboxRecord;
+use keel_store::StoreError;
 use sqlx::postgres::PgRow;
 
 use super::codec::to_json;

@@ -2,8 +2,6 @@
 //! schema of its own on the one server `scripts/services.sh` runs.
 #![allow(dead_code, unreachable_pub)]
 
-pub mod broker;
-
 use keel_postgres::PgStore;
 use keel_testkit::services::{ServerLock, Service};
 use keel_testkit::store_suite::Fixture;

@@ -16,7 +16,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use keel_messaging::dedup::DedupWindow;
+use keel_store::dedup::DedupWindow;
 use parking_lot::Mutex;
 
 use super::super::stream::StreamId;

@@ -11,7 +11,7 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use keel_core::clock;
-use keel_messaging::store::EventLogStore;
+use keel_store::EventLogStore;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::super::feed::{Fed, Mode, feed};

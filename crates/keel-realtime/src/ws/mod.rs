@@ -54,7 +54,7 @@ use axum::extract::ws::{CloseFrame, Message, WebSocketUpgrade, close_code};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use keel_messaging::store::EventLogStore;
+use keel_store::EventLogStore;
 use serde_json::{Map, Value};
 
 pub(crate) use acks::Acks;

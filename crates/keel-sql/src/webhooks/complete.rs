@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::DeliveryOutcome;
+use keel_store::DeliveryOutcome;
+use keel_store::StoreError;
 use serde::Serialize;
 
 use crate::backend::SqlBackend;
@@ -138,7 +138,7 @@ fn complete_sql<D: Dialect>() -> (String, String) {
     )
 }
 
-/// [`WebhookStore::webhook_complete`](keel_messaging::store::WebhookStore::webhook_complete).
+/// [`WebhookStore::webhook_complete`](keel_store::WebhookStore::webhook_complete).
 pub async fn complete<B: SqlBackend>(
     store: &B,
     worker: &str,

@@ -29,7 +29,7 @@ mod endpoints;
 use std::future::Future;
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 use crate::backend::{Row, SqlBackend};
 
@@ -75,7 +75,7 @@ pub(crate) fn not_found_endpoint(id: &str) -> StoreError {
     StoreError::NotFound(endpoint_name(id))
 }
 
-/// Implements [`WebhookStore`](keel_messaging::store::WebhookStore) for a
+/// Implements [`WebhookStore`](keel_store::WebhookStore) for a
 /// [`WebhookBackend`].
 #[macro_export]
 macro_rules! webhook_store {

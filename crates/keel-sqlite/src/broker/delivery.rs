@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keel_messaging::broker::{BrokerError, DeliveryControl};
+use keel_store::broker::{BrokerError, DeliveryControl};
 use tokio::sync::{mpsc, oneshot};
 
 use super::db::{Db, SettleAction, SettleRequest};

@@ -2,7 +2,7 @@
 
 use std::error::Error as StdError;
 
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 
 /// A database operation of the broker failed; `operation` says which.
 #[derive(Debug, thiserror::Error)]

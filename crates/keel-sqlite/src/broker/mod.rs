@@ -73,7 +73,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use keel_messaging::broker::{Broker, Message, SubscribeOptions};
+//! use keel_store::broker::{Broker, Message, SubscribeOptions};
 //! use keel_sqlite::broker::SqliteBroker;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -113,9 +113,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keel_messaging::broker::{
-    Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription,
-};
+use keel_store::broker::{Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
 
 pub use options::SqliteBrokerOptions;

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 use sqlx::sqlite::{SqlitePool, SqliteSynchronous};
 
 use super::SqliteBroker;

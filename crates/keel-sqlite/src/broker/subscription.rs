@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use keel_core::clock;
 use keel_core::clock::Instant;
-use keel_messaging::broker::{BrokerError, Delivery, SubscribeOptions, Subscription};
+use keel_store::broker::{BrokerError, Delivery, SubscribeOptions, Subscription};
 
 use super::Inner;
 use super::db::{GroupRef, LeaseBatch};

@@ -5,9 +5,7 @@
 use std::time::Duration;
 
 use keel_core::clock;
-use keel_messaging::broker::{
-    Broker, BrokerError, Delivery, Message, SubscribeOptions, Subscription,
-};
+use keel_store::broker::{Broker, BrokerError, Delivery, Message, SubscribeOptions, Subscription};
 use sqlx::Row;
 use tempfile::TempDir;
 

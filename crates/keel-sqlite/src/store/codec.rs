@@ -7,8 +7,8 @@
 //! price is sub-millisecond precision, which no messaging decision needs.
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::broker::Headers;
+use keel_store::StoreError;
+use keel_store::broker::Headers;
 
 use super::error::corrupt;
 

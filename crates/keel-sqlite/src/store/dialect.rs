@@ -4,9 +4,9 @@
 //! waited).
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::AttemptError;
 use keel_sql::{Dialect, Exec, Field, SqlBackend, SqlRow, Value};
+use keel_store::AttemptError;
+use keel_store::StoreError;
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use sqlx::sqlite::{Sqlite, SqliteRow};

@@ -7,7 +7,7 @@
 //! A failed `COMMIT` whose cause is not a lock is
 //! [`StoreError::OutcomeUnknown`]: the caller must read back, not guess.
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 use sqlx::error::ErrorKind;
 
 /// SQLite's primary result codes for "another connection holds the lock".

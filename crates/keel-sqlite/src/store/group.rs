@@ -59,7 +59,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::Poll;
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqliteTransactionManager};
 use sqlx_core::transaction::TransactionManager;

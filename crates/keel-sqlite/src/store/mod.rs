@@ -8,7 +8,7 @@
 //! add Keel's rows with the same `&mut tx`, and commit once.
 //!
 //! ```
-//! use keel_messaging::store::{OutboxRecord, OutboxStore, Store};
+//! use keel_store::{OutboxRecord, OutboxStore, Store};
 //! use keel_sqlite::store::SqliteStore;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -118,8 +118,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use keel_messaging::StoreError;
-use keel_messaging::store::Store;
+use keel_store::Store;
+use keel_store::StoreError;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::query::Query;
 use sqlx::sqlite::{Sqlite, SqliteArguments, SqlitePool, SqliteRow};

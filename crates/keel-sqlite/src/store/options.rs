@@ -5,7 +5,7 @@ use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 use super::SqliteStore;
@@ -15,7 +15,7 @@ use super::gate::CommitGate;
 /// Options for opening a [`SqliteStore`], with documented defaults.
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), keel_messaging::StoreError> {
+/// # async fn demo() -> Result<(), keel_store::StoreError> {
 /// use std::num::NonZeroU32;
 /// use std::time::Duration;
 /// use keel_sqlite::store::SqliteStoreOptions;

@@ -9,9 +9,9 @@
 use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
-use keel_messaging::StoreError;
-use keel_messaging::store::OutboxRecord;
 use keel_sql::outbox::OutboxBackend;
+use keel_store::OutboxRecord;
+use keel_store::StoreError;
 use sqlx::sqlite::SqliteRow;
 
 use super::SqliteStore;

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use keel_core::{Classify, ErrorClass};
-use keel_messaging::StoreError;
-use keel_messaging::store::{FenceStore, OutboxRecord, OutboxStore, Store};
+use keel_store::StoreError;
+use keel_store::{FenceStore, OutboxRecord, OutboxStore, Store};
 use sqlx::Row;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,

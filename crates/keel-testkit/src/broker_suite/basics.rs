@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use keel_core::clock;
-use keel_messaging::broker::{Backlog, Broker, Delivery, Message};
+use keel_store::broker::{Backlog, Broker, Delivery, Message};
 
 use super::support::{
     LONG_LEASE, PATIENCE, SHORT_LEASE, ack_all, collect, ids, message, publish, receive, subscribe,

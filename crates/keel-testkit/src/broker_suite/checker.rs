@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use keel_messaging::broker::Message;
+use keel_store::broker::Message;
 
 /// Watches one consumer group and records every way it breaks the broker
 /// contract.
@@ -16,7 +16,7 @@ use keel_messaging::broker::Message;
 /// is not internally synchronized: share it behind a mutex.
 ///
 /// ```
-/// use keel_messaging::broker::Message;
+/// use keel_store::broker::Message;
 /// use keel_testkit::broker_suite::OrderChecker;
 ///
 /// let mut checker = OrderChecker::new();

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use keel_core::clock;
-use keel_messaging::broker::{Broker, SubscribeOptions, Subscription};
+use keel_store::broker::{Broker, SubscribeOptions, Subscription};
 
 use super::support::{
     LONG_LEASE, PATIENCE, ack_all, collect, message, publish, receive, unique_topic,

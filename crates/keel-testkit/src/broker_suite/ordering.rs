@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::clock;
-use keel_messaging::broker::{Broker, Delivery, Message};
+use keel_store::broker::{Broker, Delivery, Message};
 use tokio::sync::Mutex;
 
 use super::checker::OrderChecker;
@@ -211,7 +211,7 @@ pub async fn many_keys_interleaved_keep_order<B: Broker>(broker: B) {
 /// eight (first deliveries only, so it terminates), acks the rest.
 async fn consume(
     consumer: usize,
-    mut sub: Box<dyn keel_messaging::broker::Subscription>,
+    mut sub: Box<dyn keel_store::broker::Subscription>,
     checker: Arc<Mutex<OrderChecker>>,
     total: usize,
 ) {

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use keel_core::clock;
-use keel_messaging::broker::{Broker, BrokerError};
+use keel_store::broker::{Broker, BrokerError};
 
 use super::support::{
     LONG_LEASE, PATIENCE, SHORT_LEASE, SLOP, collect, drain_for, ids, message, publish, receive,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use keel_core::clock;
-use keel_messaging::broker::{Broker, SubscribeOptions};
 use keel_messaging::reply::{IncomingRequest, Request, Requester, Responder};
+use keel_store::broker::{Broker, SubscribeOptions};
 use tokio::sync::oneshot;
 
 use super::support::{PATIENCE, unique_topic};

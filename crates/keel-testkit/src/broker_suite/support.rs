@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use keel_core::clock::{self, Instant};
-use keel_messaging::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
+use keel_store::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 
 /// A lease short enough to watch expire in a test.
 pub(crate) const SHORT_LEASE: Duration = Duration::from_millis(300);

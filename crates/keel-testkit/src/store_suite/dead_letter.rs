@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, TimeDelta, Utc};
-use keel_messaging::broker::Message;
-use keel_messaging::store::{AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus};
 use keel_messaging::{MessagingStore, StoreError};
+use keel_store::broker::Message;
+use keel_store::{AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus};
 
 use super::now_ms;
 

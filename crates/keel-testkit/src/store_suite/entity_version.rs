@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use keel_messaging::MessagingStore;
-use keel_messaging::envelope::Envelope;
 use keel_messaging::version_guard::{Freshness, VersionGuard, VersionGuardError};
+use keel_store::MessagingStore;
+use keel_store::envelope::Envelope;
 
 async fn advance<S: MessagingStore>(store: &S, scope: &str, entity: &str, version: u64) -> bool {
     let mut tx = store.begin().await.expect("begin");

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use keel_messaging::MessagingStore;
+use keel_store::MessagingStore;
 
 /// Each token is greater than the one before, per resource.
 pub async fn tokens_strictly_increase<S: MessagingStore>(store: &S) {

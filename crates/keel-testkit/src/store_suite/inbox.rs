@@ -1,7 +1,7 @@
 //! The idempotent consumer's inbox: one effect per (event, handler), decided
 //! in the effect's own transaction.
 
-use keel_messaging::MessagingStore;
+use keel_store::MessagingStore;
 
 use super::now_ms;
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use keel_messaging::MessagingStore;
+use keel_store::MessagingStore;
 
 const LONG: Duration = Duration::from_secs(60);
 

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use keel_messaging::broker::Headers;
-use keel_messaging::store::{OutboxRecord, PendingOutbox};
 use keel_messaging::{MessagingStore, StoreError};
+use keel_store::broker::Headers;
+use keel_store::{OutboxRecord, PendingOutbox};
 
 use super::now_ms;
 

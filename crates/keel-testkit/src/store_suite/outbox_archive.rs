@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use keel_messaging::MessagingStore;
+use keel_store::MessagingStore;
 
 use super::now_ms;
 use super::outbox::{append_committed, record};

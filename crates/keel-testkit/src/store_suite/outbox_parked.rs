@@ -2,8 +2,8 @@
 //! key, and an operator replays or discards it; a failed publish releases
 //! its rows and counts the attempt that may end in parking.
 
-use keel_messaging::MessagingStore;
-use keel_messaging::store::ParkedFilter;
+use keel_store::MessagingStore;
+use keel_store::ParkedFilter;
 
 use super::now_ms;
 use super::outbox::{LEASE, append_committed, claim_ids, event_ids, id_of, record, row_ids};
@@ -252,7 +252,7 @@ pub async fn parked_list_filters_by_topic_and_limit<S: MessagingStore>(store: &S
                 .expect("park")
         );
     }
-    let events = |rows: Vec<keel_messaging::store::ParkedOutbox>| {
+    let events = |rows: Vec<keel_store::ParkedOutbox>| {
         rows.into_iter()
             .map(|r| r.record.event_id)
             .collect::<Vec<_>>()

@@ -11,8 +11,8 @@ use keel_core::Classified;
 use keel_messaging::saga::{
     AfterCommit, Backoff, SagaDefinition, SagaHook, SagaOrchestrator, Step, StepContext,
 };
-use keel_messaging::store::{OutboxRecord, SagaFilter, SagaRecord, SagaStatus};
 use keel_messaging::{MessagingStore, StoreError};
+use keel_store::{OutboxRecord, SagaFilter, SagaRecord, SagaStatus};
 
 use super::now_ms;
 

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{DeliveryStatus, WebhookStore};
+use keel_store::StoreError;
+use keel_store::{DeliveryStatus, WebhookStore};
 
 use super::*;
 
@@ -154,7 +154,7 @@ pub async fn claim_bounds_deliveries_in_flight_per_endpoint<S: WebhookStore>(sto
         .webhook_claim_due("w1", t(1), 100, 3, LEASE)
         .await
         .expect("claim");
-    let count = |claimed: &[keel_messaging::store::ClaimedDelivery], ep: &str| {
+    let count = |claimed: &[keel_store::ClaimedDelivery], ep: &str| {
         claimed
             .iter()
             .filter(|c| c.delivery.endpoint_id == ep)

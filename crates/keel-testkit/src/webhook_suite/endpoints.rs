@@ -1,7 +1,7 @@
 //! Endpoints: create, read, update, rotate, disable, enable, delete.
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{DeliveryStatus, WebhookSecret, WebhookStore};
+use keel_store::StoreError;
+use keel_store::{DeliveryStatus, WebhookSecret, WebhookStore};
 
 use super::*;
 
@@ -12,7 +12,7 @@ pub async fn endpoints_round_trip<S: WebhookStore>(store: &S) {
     let mut b = endpoint("ep-b", &[]);
     b.created_at = t(1);
     b.updated_at = t(1);
-    b.format = keel_messaging::store::WebhookFormat::CloudeventsBinary;
+    b.format = keel_store::WebhookFormat::CloudeventsBinary;
     create(store, &a).await;
     create(store, &b).await;
     assert_eq!(

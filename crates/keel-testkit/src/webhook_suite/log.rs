@@ -1,7 +1,7 @@
 //! The delivery log: resend, replay, listing, pruning.
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{DeliveryFilter, DeliveryStatus, WebhookDelivery, WebhookStore};
+use keel_store::StoreError;
+use keel_store::{DeliveryFilter, DeliveryStatus, WebhookDelivery, WebhookStore};
 
 use super::*;
 

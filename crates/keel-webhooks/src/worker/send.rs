@@ -3,9 +3,7 @@
 use std::sync::Arc;
 
 use axum::http::{HeaderMap, header};
-use keel_messaging::store::{
-    ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookStore,
-};
+use keel_store::{ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookStore};
 
 use tracing::Instrument as _;
 

@@ -6,7 +6,7 @@ use async_graphql::{Error, ErrorExtensions, ServerError, Value};
 use keel_core::{Classify, ErrorClass};
 use keel_http::pagination::PageRejection;
 use keel_http::problem::Problem;
-use keel_messaging::StoreError;
+use keel_store::StoreError;
 
 /// `extensions.type` of an error in the query itself (it does not parse,
 /// or breaks a limit).

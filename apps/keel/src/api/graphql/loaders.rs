@@ -1,7 +1,7 @@
 //! The DataLoaders: each batches the keys one request asks for into ONE
 //! query, and they are built PER REQUEST ([`Loaders::for_request`]).
 //!
-//! Why per request (seed 000): a loader caches what it loaded, and a
+//! Why per request: a loader caches what it loaded, and a
 //! process-wide loader would hand one caller's cached rows to the next,
 //! whoever they are: a data leak, and stale reads besides. The only way to
 //! run a query is [`ShopGraphql::execute`](super::ShopGraphql::execute),
@@ -24,8 +24,8 @@ use std::sync::Arc;
 
 use async_graphql::dataloader::{DataLoader, HashMapCache, Loader};
 use async_trait::async_trait;
-use keel_messaging::StoreError;
-use keel_messaging::store::SagaRecord;
+use keel_store::SagaRecord;
+use keel_store::StoreError;
 
 use crate::shop::ShopStore;
 use crate::shop::model::{Customer, Order, Product};
@@ -80,7 +80,7 @@ impl<S: ShopStore> ShopReads for S {
     }
 
     async fn sagas(&self, ids: &[String]) -> Result<Vec<SagaRecord>, StoreError> {
-        keel_messaging::store::SagaStore::saga_get_many(self, ids).await
+        keel_store::SagaStore::saga_get_many(self, ids).await
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use async_graphql::connection::{Connection, Edge};
 use async_graphql::{ComplexObject, Context, Enum, ID, Object, Result, SimpleObject};
 use keel_http::pagination::{Cursor, Pagination, list_scope};
-use keel_messaging::store::SagaRecord;
+use keel_store::SagaRecord;
 
 use super::errors::{page_error, store_error};
 use super::loaders::{Loaders, PageWants, ShopReads};

@@ -8,9 +8,9 @@ use parking_lot::Mutex;
 
 use async_trait::async_trait;
 use keel_http::pagination::{CursorCodec, Pagination};
-use keel_messaging::StoreError;
-use keel_messaging::store::{SagaRecord, SagaStatus, SagaStore, Store};
 use keel_sqlite::SqliteStore;
+use keel_store::StoreError;
+use keel_store::{SagaRecord, SagaStatus, SagaStore, Store};
 use serde_json::{Value, json};
 use tracing_subscriber::layer::SubscriberExt;
 

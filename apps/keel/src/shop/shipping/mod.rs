@@ -1,4 +1,4 @@
-//! Shipping as a gRPC service: the seed's `shipping.v1.Shipping`
+//! Shipping as a gRPC service: `shipping.v1.Shipping`
 //! (`proto/shipping/v1/shipping.proto`, compiled by protox at build time).
 //!
 //! - [`ShippingService`]: the server. `CreateShipment` (the saga's pivot,

@@ -1,4 +1,4 @@
-//! The shipping service over gRPC: the seed's four call shapes and the
+//! The shipping service over gRPC: the four gRPC call shapes and the
 //! create call, behind keel-grpc's deadline and trace layers.
 
 use std::pin::Pin;
@@ -65,9 +65,9 @@ fn required<'a>(value: &'a str, field: &str) -> Result<&'a str, Status> {
 /// hosts): `UNAVAILABLE`, retry in a second, with the same request id; a
 /// lost `COMMIT` is `INTERNAL` (outcome unknown), since the shipment may
 /// have been scheduled.
-fn store_unavailable(err: keel_messaging::StoreError) -> Status {
+fn store_unavailable(err: keel_store::StoreError) -> Status {
     tracing::warn!(error = %err, "shipping's store failed");
-    if matches!(err, keel_messaging::StoreError::OutcomeUnknown(_)) {
+    if matches!(err, keel_store::StoreError::OutcomeUnknown(_)) {
         return Status::internal(
             "shipping's store lost the answer to its commit: the shipment may or may not \
              have been scheduled; retry with the same request_id",

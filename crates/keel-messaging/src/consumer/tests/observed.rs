@@ -101,7 +101,7 @@ fn failing_group(error: fn() -> HandlerError) -> Group<MemTx> {
     })
 }
 
-/// Seed 000: alert on the nth try instead of discovering the loop from a
+/// Alert on the nth try instead of discovering the loop from a
 /// DLQ alarm. Attempts past the third are warned about, with their number.
 #[tokio::test(start_paused = true)]
 async fn attempts_past_the_third_are_warned_about_with_their_number() {

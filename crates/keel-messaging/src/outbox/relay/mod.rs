@@ -24,8 +24,8 @@
 //! of being skipped forever.
 //!
 //! Between rounds the relay sleeps for the poll interval (default 200 ms:
-//! seed 000 says 100-500 ms "is usually fine, and adds that much latency to
-//! every event") or until an [`Outbox`] in this process
+//! 100-500 ms is usually fine, and adds that much latency to every event)
+//! or until an [`Outbox`] in this process
 //! wakes it after a commit, so in-process events leave at once and events
 //! committed by other processes wait at most one interval. A full batch is
 //! followed by the next one immediately.

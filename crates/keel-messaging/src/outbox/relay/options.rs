@@ -17,12 +17,12 @@ use crate::store::OutboxStore;
 
 /// The default wait between polls when there is nothing to publish.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(200);
-/// The default most rows per round (seed 000's `limit 100`).
+/// The default most rows per round.
 pub const DEFAULT_BATCH_SIZE: usize = 100;
 /// The default claim lease: how long other relays leave a claimed batch
 /// alone, and so how soon a crashed relay's batch is republished.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// The default time a published row is kept before pruning (seed 000).
+/// The default time a published row is kept before pruning.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The default time between prune jobs.
 pub const DEFAULT_PRUNE_INTERVAL: Duration = Duration::from_secs(600);

@@ -3,7 +3,7 @@
 //! call is cut to the time left, and when it passes the saga turns back.
 //!
 //! Past the pivot there is no way back, so the deadline no longer applies:
-//! forward recovery goes on with backoff (the seed: "retry forever"), within
+//! forward recovery goes on with backoff ("retry forever"), within
 //! its own budget, and parks only when that budget is spent. Parking there
 //! for the deadline instead left a saga no operator could move: a retry met
 //! the passed deadline again at once (the saga model found it).

@@ -11,7 +11,7 @@ mod compensation;
 
 const GRACE: Duration = Duration::from_secs(1);
 
-/// Seed 000's saga: capture_payment, reserve_stock, schedule_shipment (the
+/// The order saga: capture_payment, reserve_stock, schedule_shipment (the
 /// pivot), send_receipt.
 fn seed_shape() -> Shape {
     let step = |name: &str, compensable| StepShape {
@@ -39,7 +39,7 @@ fn seed_shape() -> Shape {
     }
 }
 
-/// The seed shape's forward budget.
+/// The order saga's forward budget.
 const FORWARD_BUDGET: Duration = Duration::from_secs(30);
 
 fn t0() -> DateTime<Utc> {
@@ -143,7 +143,7 @@ fn the_happy_path_runs_every_step_with_derived_keys_and_bumps_the_version_each_t
     assert_eq!(plan(&record, &shape, t0(), GRACE), Plan::Idle);
 }
 
-/// The seed shape with a whole-saga deadline of 20 s.
+/// The order saga with a whole-saga deadline of 20 s.
 fn shape_with_deadline() -> Shape {
     Shape {
         deadline: Some(Duration::from_secs(20)),

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 
 use super::{Db, WriteTx};
 use crate::broker::clock::millis;

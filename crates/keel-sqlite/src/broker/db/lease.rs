@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
-use keel_messaging::broker::{BrokerError, Headers, Message};
+use keel_store::broker::{BrokerError, Headers, Message};
 use sqlx::Row;
 
 use super::{Db, GroupRef, LeaseBatch, Leased, WriteTx, to_i64};

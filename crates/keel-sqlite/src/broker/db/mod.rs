@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_messaging::broker::{Backlog, BrokerError, Message};
+use keel_store::broker::{Backlog, BrokerError, Message};
 use sqlx::Transaction;
 use sqlx::sqlite::{Sqlite, SqlitePool};
 use tokio::sync::{Mutex, OwnedMutexGuard};

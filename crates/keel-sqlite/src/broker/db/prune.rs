@@ -1,7 +1,7 @@
 //! Retention: delete what every group settled, oldest first, in bounded
 //! batches.
 
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 
 use super::{Db, PruneOutcome, WriteTx};
 use crate::broker::error::db_error;

@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-use keel_messaging::broker::{BrokerError, Message};
+use keel_store::broker::{BrokerError, Message};
 use sqlx::sqlite::Sqlite;
 
 use super::Db;

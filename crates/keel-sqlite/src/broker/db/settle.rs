@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use keel_messaging::broker::BrokerError;
+use keel_store::broker::BrokerError;
 use sqlx::Row;
 use sqlx::sqlite::Sqlite;
 

@@ -7,9 +7,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_messaging::StoreError;
-use keel_messaging::store::{FenceStore, OutboxRecord, OutboxStore, Store};
 use keel_sql::{SqlBackend, Value};
+use keel_store::StoreError;
+use keel_store::{FenceStore, OutboxRecord, OutboxStore, Store};
 use parking_lot::Mutex;
 use tempfile::TempDir;
 use tokio::task::JoinSet;

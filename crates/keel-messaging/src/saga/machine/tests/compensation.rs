@@ -5,7 +5,7 @@
 
 use super::*;
 
-/// The seed saga with a fraud check between the payment and the stock:
+/// The order saga with a fraud check between the payment and the stock:
 /// it reads, so it has nothing to undo.
 fn shape_with_a_read_only_step() -> Shape {
     let mut shape = seed_shape();
