@@ -267,3 +267,46 @@ fn the_shipping_port_off_loopback_needs_a_credential_the_admin_token_serves() {
         "the admin token by default"
     );
 }
+
+#[test]
+fn every_flag_is_a_key_of_the_file_and_config_is_not() {
+    use clap::CommandFactory;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    for arg in Cli::command().get_arguments() {
+        let key = arg.get_id().as_str();
+        let refused = ServeFile::from_toml(&format!("{key} = 1"))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        if key == "config" {
+            assert!(refused.contains("unknown field"), "{refused}");
+        } else {
+            assert!(!refused.contains("unknown field"), "{key}: {refused}");
+        }
+    }
+}
+
+#[test]
+fn a_setting_left_out_keeps_the_files_and_a_list_given_replaces_it() {
+    let file = ServeFile::from_toml(
+        "demo_faults = true\nallowed_hosts = [\"a.example\"]\nmax_connections = 7\n",
+    )
+    .unwrap();
+    let layered = args().over(&file).unwrap();
+    assert!(layered.demo_faults, "a flag not given is not `false`");
+    assert_eq!(layered.allowed_hosts, ["a.example"]);
+    assert_eq!(layered.max_connections, Some(7));
+
+    let mut flags = args();
+    flags.allowed_hosts = vec!["b.example".to_owned()];
+    flags.max_connections = Some(9);
+    let layered = flags.over(&file).unwrap();
+    assert_eq!(layered.allowed_hosts, ["b.example"]);
+    assert_eq!(layered.max_connections, Some(9));
+    assert!(layered.demo_faults);
+}

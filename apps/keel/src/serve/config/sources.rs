@@ -86,15 +86,6 @@ pub(super) fn connection_limits(
     Ok(limits)
 }
 
-/// The flag's values if any were given, else the file's.
-pub(super) fn pick(flags: Vec<String>, file: Option<Vec<String>>) -> Vec<String> {
-    if flags.is_empty() {
-        file.unwrap_or_default()
-    } else {
-        flags
-    }
-}
-
 /// The first line of a secret's file, trimmed.
 fn first_line(setting: &'static str, path: &std::path::Path) -> Result<String, ConfigError> {
     let text =

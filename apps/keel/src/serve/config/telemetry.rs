@@ -13,18 +13,18 @@ impl ServeArgs {
     /// `info`) in `--log-format`, and spans exported to `--otlp-endpoint`
     /// or the standard `OTEL_*` variables' collector, if either names one.
     pub fn telemetry(&self) -> Result<TelemetryBuilder, ConfigError> {
-        let file = self.file()?;
-        let format = match self.log_format.clone().or(file.log_format) {
+        let settings = self.over(&self.file()?)?;
+        let format = match settings.log_format {
             Some(f) => f
                 .parse::<LogFormat>()
                 .map_err(|e| invalid("log-format", e.to_string()))?,
             None => LogFormat::Text,
         };
-        let export = match self.otlp_endpoint.clone().or(file.otlp_endpoint) {
+        let export = match settings.otlp_endpoint {
             Some(url) => Some(OtlpExport::new().endpoint(url)),
             None => OtlpExport::from_env(),
         };
-        let export = match (export, self.otlp_protocol.clone().or(file.otlp_protocol)) {
+        let export = match (export, settings.otlp_protocol) {
             (Some(export), Some(p)) => Some(
                 export.protocol(
                     p.parse::<OtlpProtocol>()
