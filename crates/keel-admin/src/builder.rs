@@ -4,13 +4,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::AdminStore;
 use keel_http::access::{AllowedHosts, FailureThrottle};
 use keel_messaging::dead_letter::DeadLetters;
 use keel_messaging::outbox::Outbox;
 use keel_messaging::saga::SagaOrchestrator;
 use keel_policy::breaker::BreakerRegistry;
-use keel_store::MessagingStore;
-use keel_store::WebhookStore;
 use keel_webhooks::Endpoints;
 use keel_webhooks::ssrf::SsrfGuard;
 
@@ -49,7 +48,7 @@ impl<S> std::fmt::Debug for AdminBuilder<S> {
 
 impl<S> AdminBuilder<S>
 where
-    S: MessagingStore + WebhookStore,
+    S: AdminStore,
 {
     pub(crate) fn new(store: S) -> Self {
         Self {

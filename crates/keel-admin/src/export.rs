@@ -27,8 +27,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use keel_store::MessagingStore;
-use keel_store::{SagaStatus, WebhookStore};
+use crate::AdminStore;
+use keel_store::SagaStatus;
 use parking_lot::Mutex;
 
 use crate::Admin;
@@ -56,7 +56,7 @@ impl<S> std::fmt::Debug for GaugeExport<S> {
     }
 }
 
-impl<S: MessagingStore + WebhookStore> GaugeExport<S> {
+impl<S: AdminStore> GaugeExport<S> {
     pub(crate) fn new(admin: Admin<S>) -> Self {
         Self {
             admin,

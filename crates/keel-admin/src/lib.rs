@@ -99,6 +99,12 @@ struct Inner<S> {
     gauges: Vec<Arc<dyn GaugeSource>>,
 }
 
+/// What the admin API and the console read and repair: every messaging
+/// table and the webhooks'. Implemented for every store that has them.
+pub trait AdminStore: MessagingStore + WebhookStore {}
+
+impl<S: MessagingStore + WebhookStore> AdminStore for S {}
+
 /// The admin operations over a store, and their HTTP API
 /// ([`router`](Self::router)). Cheap to clone. The operations are public
 /// so other front ends (the console) call exactly the same code.
@@ -125,7 +131,7 @@ impl<S> std::fmt::Debug for Admin<S> {
 
 impl<S> Admin<S>
 where
-    S: MessagingStore + WebhookStore,
+    S: AdminStore,
 {
     /// A builder over `store` (see [`AdminBuilder`] for the defaults).
     pub fn builder(store: S) -> AdminBuilder<S> {

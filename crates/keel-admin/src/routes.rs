@@ -1,6 +1,7 @@
 //! The admin API's routes: thin handlers over [`Admin`]'s operations, with
 //! query-string and path errors turned into `400` problems.
 
+use crate::AdminStore;
 use axum::Json;
 use axum::Router;
 use axum::extract::rejection::QueryRejection;
@@ -8,8 +9,6 @@ use axum::extract::{Extension, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use keel_store::MessagingStore;
-use keel_store::WebhookStore;
 use serde::de::DeserializeOwned;
 
 use super::model::Listing;
@@ -23,7 +22,7 @@ type Reply<T> = Result<Json<T>, AdminError>;
 
 impl<S> Admin<S>
 where
-    S: MessagingStore + WebhookStore,
+    S: AdminStore,
 {
     /// The admin API under `/admin/api` (see the [module docs](super)),
     /// behind [`auth_layer`](Self::auth_layer). Merge it into the app's
@@ -83,7 +82,7 @@ const API_CSP: &str = "default-src 'none'; frame-ancestors 'none'";
 /// act without the token in every request (the CLI on a loopback server
 /// without a token). With a token configured it must come as a bearer
 /// token.
-async fn login<S: MessagingStore + WebhookStore>(
+async fn login<S: AdminStore>(
     State(admin): State<Admin<S>>,
     ConnectedIp(ip): ConnectedIp,
     headers: HeaderMap,
@@ -103,7 +102,7 @@ async fn login<S: MessagingStore + WebhookStore>(
 }
 
 /// `POST /admin/api/logout`: ends the request's session.
-async fn logout<S: MessagingStore + WebhookStore>(
+async fn logout<S: AdminStore>(
     State(admin): State<Admin<S>>,
     session: Option<Extension<AdminSession>>,
     headers: HeaderMap,
@@ -135,137 +134,133 @@ fn query<T: DeserializeOwned>(q: Result<Query<T>, QueryRejection>) -> Result<T, 
         .map_err(|e| AdminError::bad_request(format!("bad query string: {}", e.body_text())))
 }
 
-async fn summary<S: MessagingStore + WebhookStore>(
-    State(admin): State<Admin<S>>,
-) -> Reply<SummaryJson> {
+async fn summary<S: AdminStore>(State(admin): State<Admin<S>>) -> Reply<SummaryJson> {
     Ok(Json(admin.summary().await?))
 }
 
-async fn dead_letters<S: MessagingStore + WebhookStore>(
+async fn dead_letters<S: AdminStore>(
     State(admin): State<Admin<S>>,
     q: Result<Query<DeadLetterQuery>, QueryRejection>,
 ) -> Reply<Listing<DeadLetterJson>> {
     Ok(Json(admin.dead_letters(&query(q)?).await?.into()))
 }
 
-async fn replay_matching<S: MessagingStore + WebhookStore>(
+async fn replay_matching<S: AdminStore>(
     State(admin): State<Admin<S>>,
     q: Result<Query<DeadLetterQuery>, QueryRejection>,
 ) -> Reply<ActionJson> {
     Ok(Json(admin.replay_dead_letters(&query(q)?).await?))
 }
 
-async fn dead_letter<S: MessagingStore + WebhookStore>(
+async fn dead_letter<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<DeadLetterJson> {
     Ok(Json(admin.dead_letter(&id).await?))
 }
 
-async fn replay<S: MessagingStore + WebhookStore>(
+async fn replay<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<ActionJson> {
     Ok(Json(admin.replay_dead_letter(&id).await?))
 }
 
-async fn discard<S: MessagingStore + WebhookStore>(
+async fn discard<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<ActionJson> {
     Ok(Json(admin.discard_dead_letter(&id).await?))
 }
 
-async fn parked<S: MessagingStore + WebhookStore>(
+async fn parked<S: AdminStore>(
     State(admin): State<Admin<S>>,
     q: Result<Query<ParkedQuery>, QueryRejection>,
 ) -> Reply<Listing<ParkedJson>> {
     Ok(Json(admin.parked_outbox(&query(q)?).await?.into()))
 }
 
-async fn parked_row<S: MessagingStore + WebhookStore>(
+async fn parked_row<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<ParkedJson> {
     Ok(Json(admin.parked_outbox_row(&id).await?))
 }
 
-async fn replay_parked<S: MessagingStore + WebhookStore>(
+async fn replay_parked<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<ActionJson> {
     Ok(Json(admin.replay_parked(&id).await?))
 }
 
-async fn discard_parked<S: MessagingStore + WebhookStore>(
+async fn discard_parked<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<ActionJson> {
     Ok(Json(admin.discard_parked(&id).await?))
 }
 
-async fn sagas<S: MessagingStore + WebhookStore>(
+async fn sagas<S: AdminStore>(
     State(admin): State<Admin<S>>,
     q: Result<Query<SagaQuery>, QueryRejection>,
 ) -> Reply<Listing<SagaJson>> {
     Ok(Json(admin.sagas(&query(q)?).await?.into()))
 }
 
-async fn saga<S: MessagingStore + WebhookStore>(
+async fn saga<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<SagaJson> {
     Ok(Json(admin.saga(&id).await?))
 }
 
-async fn retry<S: MessagingStore + WebhookStore>(
+async fn retry<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<SagaJson> {
     Ok(Json(admin.retry_saga(&id).await?))
 }
 
-async fn confirm_not_applied<S: MessagingStore + WebhookStore>(
+async fn confirm_not_applied<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<SagaJson> {
     Ok(Json(admin.confirm_not_applied(&id).await?))
 }
 
-async fn cancel<S: MessagingStore + WebhookStore>(
+async fn cancel<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<SagaJson> {
     Ok(Json(admin.cancel_saga(&id).await?))
 }
 
-async fn deliveries<S: MessagingStore + WebhookStore>(
+async fn deliveries<S: AdminStore>(
     State(admin): State<Admin<S>>,
     q: Result<Query<DeliveryQuery>, QueryRejection>,
 ) -> Reply<Listing<DeliveryJson>> {
     Ok(Json(admin.deliveries(&query(q)?, false).await?.into()))
 }
 
-async fn delivery<S: MessagingStore + WebhookStore>(
+async fn delivery<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<DeliveryJson> {
     Ok(Json(admin.delivery(&id).await?))
 }
 
-async fn resend<S: MessagingStore + WebhookStore>(
+async fn resend<S: AdminStore>(
     State(admin): State<Admin<S>>,
     Path(id): Path<String>,
 ) -> Reply<ActionJson> {
     Ok(Json(admin.resend_delivery(&id).await?))
 }
 
-async fn breakers<S: MessagingStore + WebhookStore>(
-    State(admin): State<Admin<S>>,
-) -> Json<Listing<BreakerJson>> {
+async fn breakers<S: AdminStore>(State(admin): State<Admin<S>>) -> Json<Listing<BreakerJson>> {
     Json(admin.breakers().into())
 }
 
-async fn lag<S: MessagingStore + WebhookStore>(State(admin): State<Admin<S>>) -> Reply<LagJson> {
+async fn lag<S: AdminStore>(State(admin): State<Admin<S>>) -> Reply<LagJson> {
     Ok(Json(admin.lag().await?))
 }

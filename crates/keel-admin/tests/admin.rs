@@ -23,8 +23,8 @@ use keel_store::broker::Message;
 use keel_store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, DeliveryAttempt, DeliveryOutcome,
     DeliveryStatus, OutboxStore, SagaStatus, Store, WebhookEndpoint, WebhookMessage, WebhookSecret,
-    WebhookStore,
 };
+use keel_store::{WebhookDeliveryStore, WebhookEndpointStore, WebhookLogStore};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tempfile::TempDir;

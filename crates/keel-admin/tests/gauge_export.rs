@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use keel_admin::{Admin, Gauge};
 use keel_sqlite::store::SqliteStore;
+use keel_store::WebhookEndpointStore;
 use keel_store::broker::Message;
 use keel_store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, WebhookEndpoint, WebhookSecret,
-    WebhookStore,
 };
 use keel_testkit::eventually;
 use keel_testkit::metrics::MetricsRecorder;

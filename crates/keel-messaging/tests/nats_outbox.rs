@@ -15,7 +15,7 @@ use keel_core::clock;
 use keel_messaging::broker::{Broker, BrokerError, SubscribeOptions};
 use keel_messaging::envelope::Envelope;
 use keel_messaging::outbox::{Outbox, OutboxError, OutboxRelay};
-use keel_messaging::store::{OutboxStore, ParkedFilter, Store};
+use keel_messaging::store::{OutboxAdminStore, OutboxStore, ParkedFilter, Store};
 use keel_sqlite::SqliteStore;
 
 const TOPIC: &str = "orders";

@@ -13,7 +13,7 @@ use keel_messaging::broker::{
 use keel_messaging::consumer::{Consumer, Group};
 use keel_messaging::envelope::{Envelope, Event, EventMeta};
 use keel_messaging::outbox::{Outbox, OutboxError, OutboxRelay, RelayError};
-use keel_messaging::store::{OutboxStore, Store};
+use keel_messaging::store::{OutboxAdminStore, OutboxStore, Store};
 use keel_sqlite::broker::{SqliteBroker, SqliteBrokerOptions};
 use keel_sqlite::store::SqliteStore;
 use keel_testkit::eventually;

@@ -257,7 +257,7 @@ DELETE FROM keel_outbox
     .await
 }
 
-/// [`OutboxStore::outbox_archived`](keel_store::OutboxStore::outbox_archived).
+/// [`OutboxAdminStore::outbox_archived`](keel_store::OutboxAdminStore::outbox_archived).
 pub async fn archived<B: SqlBackend>(
     store: &B,
     after: i64,
@@ -297,7 +297,7 @@ pub async fn stats<B: SqlBackend>(store: &B) -> Result<OutboxStats, StoreError> 
     })
 }
 
-/// [`OutboxStore::outbox_published`](keel_store::OutboxStore::outbox_published).
+/// [`OutboxAdminStore::outbox_published`](keel_store::OutboxAdminStore::outbox_published).
 pub async fn published<B: SqlBackend>(
     store: &B,
     after: i64,
@@ -315,7 +315,7 @@ pub async fn park<B: SqlBackend>(store: &B, id: i64, error: &str) -> Result<bool
     Ok(write(store, "outbox_park", PARK_SQL, &params).await? > 0)
 }
 
-/// [`OutboxStore::outbox_parked`](keel_store::OutboxStore::outbox_parked).
+/// [`OutboxAdminStore::outbox_parked`](keel_store::OutboxAdminStore::outbox_parked).
 pub async fn parked<B: SqlBackend>(
     store: &B,
     filter: &ParkedFilter,
@@ -328,7 +328,7 @@ pub async fn parked<B: SqlBackend>(
     rows.iter().map(parked_from_row::<B::Dialect>).collect()
 }
 
-/// [`OutboxStore::outbox_parked_get`](keel_store::OutboxStore::outbox_parked_get).
+/// [`OutboxAdminStore::outbox_parked_get`](keel_store::OutboxAdminStore::outbox_parked_get).
 pub async fn parked_get<B: SqlBackend>(
     store: &B,
     id: i64,
@@ -349,12 +349,12 @@ fn parked_sql(conditions: &Filter<'_>, limit: &str) -> String {
     )
 }
 
-/// [`OutboxStore::outbox_unpark`](keel_store::OutboxStore::outbox_unpark).
+/// [`OutboxAdminStore::outbox_unpark`](keel_store::OutboxAdminStore::outbox_unpark).
 pub async fn unpark<B: SqlBackend>(store: &B, id: i64) -> Result<bool, StoreError> {
     Ok(write(store, "outbox_unpark", UNPARK_SQL, &[id.into()]).await? > 0)
 }
 
-/// [`OutboxStore::outbox_discard`](keel_store::OutboxStore::outbox_discard).
+/// [`OutboxAdminStore::outbox_discard`](keel_store::OutboxAdminStore::outbox_discard).
 pub async fn discard<B: SqlBackend>(store: &B, id: i64) -> Result<bool, StoreError> {
     Ok(write(store, "outbox_discard", DISCARD_SQL, &[id.into()]).await? > 0)
 }
@@ -388,7 +388,8 @@ fn parked_from_row<D: Dialect>(row: &D::Row) -> Result<ParkedOutbox, StoreError>
     })
 }
 
-/// Implements [`OutboxStore`](keel_store::OutboxStore) for an
+/// Implements [`OutboxStore`](keel_store::OutboxStore) and
+/// [`OutboxAdminStore`](keel_store::OutboxAdminStore) for an
 /// [`OutboxBackend`].
 #[macro_export]
 macro_rules! outbox_store {
@@ -402,7 +403,6 @@ macro_rules! outbox_store {
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
                 $crate::outbox::append(self, tx, records).await
             }
-
             async fn outbox_claim(
                 &self,
                 relay: &str,
@@ -414,14 +414,12 @@ macro_rules! outbox_store {
             > {
                 $crate::outbox::claim(self, relay, limit, lease).await
             }
-
             async fn outbox_mark_published(
                 &self,
                 ids: &[i64],
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
                 $crate::outbox::mark_published(self, ids).await
             }
-
             async fn outbox_release(
                 &self,
                 relay: &str,
@@ -429,7 +427,6 @@ macro_rules! outbox_store {
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
                 $crate::outbox::release(self, relay, ids).await
             }
-
             async fn outbox_prune(
                 &self,
                 before: $crate::__private::DateTime<$crate::__private::Utc>,
@@ -437,7 +434,40 @@ macro_rules! outbox_store {
             ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
                 $crate::outbox::prune(self, before, batch).await
             }
+            async fn outbox_archive(
+                &self,
+                before: $crate::__private::DateTime<$crate::__private::Utc>,
+                batch: usize,
+            ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
+                $crate::outbox::archive(self, before, batch).await
+            }
+            async fn outbox_stats(
+                &self,
+            ) -> ::std::result::Result<
+                $crate::__private::store::OutboxStats,
+                $crate::__private::StoreError,
+            > {
+                $crate::outbox::stats(self).await
+            }
+            async fn outbox_release_failed(
+                &self,
+                relay: &str,
+                ids: &[i64],
+                error: &str,
+            ) -> ::std::result::Result<(), $crate::__private::StoreError> {
+                $crate::outbox::release_failed(self, relay, ids, error).await
+            }
+            async fn outbox_park(
+                &self,
+                id: i64,
+                error: &str,
+            ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
+                $crate::outbox::park(self, id, error).await
+            }
+        }
 
+        #[$crate::__private::async_trait]
+        impl $crate::__private::store::OutboxAdminStore for $store {
             async fn outbox_published(
                 &self,
                 after: i64,
@@ -448,15 +478,6 @@ macro_rules! outbox_store {
             > {
                 $crate::outbox::published(self, after, limit).await
             }
-
-            async fn outbox_archive(
-                &self,
-                before: $crate::__private::DateTime<$crate::__private::Utc>,
-                batch: usize,
-            ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
-                $crate::outbox::archive(self, before, batch).await
-            }
-
             async fn outbox_archived(
                 &self,
                 after: i64,
@@ -467,33 +488,6 @@ macro_rules! outbox_store {
             > {
                 $crate::outbox::archived(self, after, limit).await
             }
-
-            async fn outbox_stats(
-                &self,
-            ) -> ::std::result::Result<
-                $crate::__private::store::OutboxStats,
-                $crate::__private::StoreError,
-            > {
-                $crate::outbox::stats(self).await
-            }
-
-            async fn outbox_release_failed(
-                &self,
-                relay: &str,
-                ids: &[i64],
-                error: &str,
-            ) -> ::std::result::Result<(), $crate::__private::StoreError> {
-                $crate::outbox::release_failed(self, relay, ids, error).await
-            }
-
-            async fn outbox_park(
-                &self,
-                id: i64,
-                error: &str,
-            ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
-                $crate::outbox::park(self, id, error).await
-            }
-
             async fn outbox_parked(
                 &self,
                 filter: &$crate::__private::store::ParkedFilter,
@@ -503,7 +497,6 @@ macro_rules! outbox_store {
             > {
                 $crate::outbox::parked(self, filter).await
             }
-
             async fn outbox_parked_get(
                 &self,
                 id: i64,
@@ -513,14 +506,12 @@ macro_rules! outbox_store {
             > {
                 $crate::outbox::parked_get(self, id).await
             }
-
             async fn outbox_unpark(
                 &self,
                 id: i64,
             ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
                 $crate::outbox::unpark(self, id).await
             }
-
             async fn outbox_discard(
                 &self,
                 id: i64,

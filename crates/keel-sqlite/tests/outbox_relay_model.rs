@@ -52,7 +52,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use keel_sqlite::store::SqliteStore;
 use keel_store::broker::Headers;
-use keel_store::{OutboxRecord, OutboxStore, ParkedFilter, Store, StoreError};
+use keel_store::{OutboxAdminStore, OutboxRecord, OutboxStore, ParkedFilter, Store, StoreError};
 use proptest::prelude::*;
 
 const KEYS: [&str; 3] = ["order-1", "order-2", "order-3"];

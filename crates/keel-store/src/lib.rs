@@ -24,7 +24,7 @@
 //!
 //! | feature | trait | used by |
 //! |---|---|---|
-//! | `outbox` | [`OutboxStore`] | the relay, and operators |
+//! | `outbox` | [`OutboxStore`], [`OutboxAdminStore`] | the relay; operators |
 //! | `inbox` | [`InboxStore`] | idempotent consumers |
 //! | `dead-letter` | [`DeadLetterStore`] | consumers, and operators |
 //! | `saga` | [`SagaStore`] | the saga orchestrator |
@@ -175,6 +175,7 @@ pub trait Store: Clone + Send + Sync + 'static {
 #[cfg(feature = "messaging")]
 pub trait MessagingStore:
     OutboxStore
+    + OutboxAdminStore
     + InboxStore
     + DeadLetterStore
     + SagaStore
@@ -187,6 +188,7 @@ pub trait MessagingStore:
 #[cfg(feature = "messaging")]
 impl<S> MessagingStore for S where
     S: OutboxStore
+        + OutboxAdminStore
         + InboxStore
         + DeadLetterStore
         + SagaStore

@@ -82,8 +82,8 @@ pub struct OutboxStats {
 /// An outbox row the broker refused for good (`BrokerError::Invalid`),
 /// parked by the relay: it is not published, and neither is any later row
 /// of its partition key, until an operator replays it
-/// ([`OutboxStore::outbox_unpark`]) or discards it
-/// ([`OutboxStore::outbox_discard`]). Rows of other keys flow on.
+/// ([`OutboxAdminStore::outbox_unpark`]) or discards it
+/// ([`OutboxAdminStore::outbox_discard`]). Rows of other keys flow on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParkedOutbox {
     /// The row id.
@@ -115,7 +115,9 @@ fn parking_unsupported(what: &str) -> StoreError {
     StoreError::Other(format!("this store does not support {what} (parked outbox rows)").into())
 }
 
-/// The transactional outbox table.
+/// The transactional outbox table, as the application (appending in its
+/// transaction) and the relay (claiming, publishing, parking, pruning,
+/// reporting its lag) use it.
 #[async_trait]
 pub trait OutboxStore: Store {
     /// Adds events inside the caller's business transaction.
@@ -125,7 +127,6 @@ pub trait OutboxStore: Store {
         tx: &mut Self::Tx,
         records: &[OutboxRecord],
     ) -> Result<(), StoreError>;
-
     /// Claims up to `limit` unpublished rows, lowest id first, for `lease`:
     /// other relays skip them until the lease ends. A row whose partition key
     /// has an earlier unpublished row claimed by another relay is not
@@ -141,19 +142,15 @@ pub trait OutboxStore: Store {
         limit: usize,
         lease: Duration,
     ) -> Result<Vec<PendingOutbox>, StoreError>;
-
     /// Marks rows published (after the broker accepted them).
     async fn outbox_mark_published(&self, ids: &[i64]) -> Result<(), StoreError>;
-
     /// Gives rows `relay` claimed back without publishing them. A row whose
     /// claim is no longer `relay`'s (its lease ran out and another relay
     /// claimed it) is left alone: a relay slower than its lease must not
     /// free its successor's claim.
     async fn outbox_release(&self, relay: &str, ids: &[i64]) -> Result<(), StoreError>;
-
     /// Deletes up to `batch` rows published before `before`; returns how many.
     async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
-
     /// Moves up to `batch` rows published before `before` to the archive
     /// (one transaction: a row is in the outbox or the archive, never in
     /// neither); returns how many left the outbox. The default refuses: a
@@ -163,30 +160,8 @@ pub trait OutboxStore: Store {
         let _ = (before, batch);
         Err(StoreError::other("this store cannot archive outbox rows"))
     }
-
-    /// Up to `limit` archived rows with ids above `after`, lowest id
-    /// first (page on with the last id seen).
-    async fn outbox_archived(
-        &self,
-        after: i64,
-        limit: usize,
-    ) -> Result<Vec<PublishedOutbox>, StoreError> {
-        let _ = (after, limit);
-        Ok(Vec::new())
-    }
-
     /// Unpublished count and relay lag, and the parked count.
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError>;
-
-    /// Up to `limit` published rows with ids above `after`, lowest id
-    /// first: the publication record, for an audit that checks every
-    /// committed event left (page on with the last id seen).
-    async fn outbox_published(
-        &self,
-        after: i64,
-        limit: usize,
-    ) -> Result<Vec<PublishedOutbox>, StoreError>;
-
     /// Gives rows `relay` claimed back after a failed publish that may
     /// succeed later (the broker was unreachable, the outcome is unknown):
     /// each row's attempt count goes up by one and `error` is kept as its
@@ -202,7 +177,6 @@ pub trait OutboxStore: Store {
         let _ = error;
         self.outbox_release(relay, ids).await
     }
-
     /// Parks an unpublished row the broker refused for good: it is
     /// released, its attempt count goes up by one, `error` is kept, and it
     /// is never claimed again, nor is any later row of its partition key,
@@ -212,19 +186,42 @@ pub trait OutboxStore: Store {
         let _ = (id, error);
         Err(parking_unsupported("parking"))
     }
+}
 
+/// The outbox table as an operator reads and repairs it: the publication
+/// record and the archive, and parked rows to list, replay or discard.
+/// Apart from [`OutboxStore`] so neither the application nor the relay
+/// needs it, and a backend can offer them before it.
+#[async_trait]
+pub trait OutboxAdminStore: Store {
+    /// Up to `limit` archived rows with ids above `after`, lowest id
+    /// first (page on with the last id seen).
+    async fn outbox_archived(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<PublishedOutbox>, StoreError> {
+        let _ = (after, limit);
+        Ok(Vec::new())
+    }
+    /// Up to `limit` published rows with ids above `after`, lowest id
+    /// first: the publication record, for an audit that checks every
+    /// committed event left (page on with the last id seen).
+    async fn outbox_published(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<PublishedOutbox>, StoreError>;
     /// Parked rows, lowest id first.
     async fn outbox_parked(&self, filter: &ParkedFilter) -> Result<Vec<ParkedOutbox>, StoreError> {
         let _ = filter;
         Err(parking_unsupported("listing"))
     }
-
     /// One parked row.
     async fn outbox_parked_get(&self, id: i64) -> Result<Option<ParkedOutbox>, StoreError> {
         let _ = id;
         Err(parking_unsupported("reading"))
     }
-
     /// Replays a parked row: it is claimable again with no attempts and no
     /// error, and, keeping its id, it is still published before the later
     /// rows of its key. `false` if the row is not parked.
@@ -232,7 +229,6 @@ pub trait OutboxStore: Store {
         let _ = id;
         Err(parking_unsupported("replaying"))
     }
-
     /// Deletes a parked row for good, which frees the later rows of its
     /// key. `false` if the row is not parked.
     async fn outbox_discard(&self, id: i64) -> Result<bool, StoreError> {

@@ -272,7 +272,7 @@ impl DeliveryAttempt {
 }
 
 /// The result of one attempt, to be recorded by
-/// [`WebhookStore::webhook_complete`].
+/// [`WebhookDeliveryStore::webhook_complete`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeliveryOutcome {
     /// The attempt, for the log; `attempt.attempt` becomes the delivery's
@@ -303,33 +303,21 @@ pub struct DeliveryFilter {
     pub limit: Option<usize>,
 }
 
-/// Webhook endpoints, their queued deliveries and the delivery log.
-///
-/// Deliveries are *queued*, never sent inline: [`webhook_enqueue`] writes
-/// one row per subscribed endpoint inside the caller's transaction (the one
-/// that writes the business change, or an outbox consumer's), and workers
-/// lease due rows with [`webhook_claim_due`], send them, and record each
-/// attempt with [`webhook_complete`].
+/// Webhook endpoints, as the management API creates, changes and
+/// removes them (and the worker disables one that keeps failing).
 ///
 /// A `pending` delivery always belongs to an enabled endpoint: disabling an
 /// endpoint turns its pending deliveries `disabled`, enqueueing for a
 /// disabled endpoint creates `disabled` rows, and a resend or replay for a
 /// disabled endpoint is refused. A replay after re-enabling recovers them.
-///
-/// [`webhook_enqueue`]: WebhookStore::webhook_enqueue
-/// [`webhook_claim_due`]: WebhookStore::webhook_claim_due
-/// [`webhook_complete`]: WebhookStore::webhook_complete
 #[async_trait]
-pub trait WebhookStore: Store {
+pub trait WebhookEndpointStore: Store {
     /// Creates an endpoint. [`StoreError::Conflict`] if the id exists.
     async fn webhook_endpoint_create(&self, endpoint: &WebhookEndpoint) -> Result<(), StoreError>;
-
     /// One endpoint.
     async fn webhook_endpoint_get(&self, id: &str) -> Result<Option<WebhookEndpoint>, StoreError>;
-
     /// Every endpoint, oldest first.
     async fn webhook_endpoint_list(&self) -> Result<Vec<WebhookEndpoint>, StoreError>;
-
     /// Saves an endpoint's URL, description and event types (not its
     /// secrets or state), setting `updated_at` to `now`.
     /// [`StoreError::NotFound`] if there is no such endpoint.
@@ -338,7 +326,6 @@ pub trait WebhookStore: Store {
         endpoint: &WebhookEndpoint,
         now: DateTime<Utc>,
     ) -> Result<(), StoreError>;
-
     /// Rotates an endpoint's secret in one atomic step: `secret` becomes the
     /// newest; the newest of the current secrets keeps signing until
     /// `previous_expires_at` (or its own earlier expiry); every other secret
@@ -350,7 +337,6 @@ pub trait WebhookStore: Store {
         secret: &WebhookSecret,
         previous_expires_at: DateTime<Utc>,
     ) -> Result<WebhookEndpoint, StoreError>;
-
     /// Disables an endpoint with a reason, and turns its pending deliveries
     /// `disabled` (releasing their leases), atomically. `false` if it was
     /// already disabled (nothing changes). [`StoreError::NotFound`] if there
@@ -361,7 +347,6 @@ pub trait WebhookStore: Store {
         reason: &str,
         at: DateTime<Utc>,
     ) -> Result<bool, StoreError>;
-
     /// Enables an endpoint again, clearing its disabled reason and its
     /// failure window. Its `disabled` deliveries stay so until a replay.
     /// `false` if it was enabled. [`StoreError::NotFound`] if there is no
@@ -371,11 +356,24 @@ pub trait WebhookStore: Store {
         id: &str,
         at: DateTime<Utc>,
     ) -> Result<bool, StoreError>;
-
     /// Deletes an endpoint with its deliveries and their attempts. `false`
     /// if there was no such endpoint.
     async fn webhook_endpoint_delete(&self, id: &str) -> Result<bool, StoreError>;
+}
 
+/// Queued deliveries, as the sender and the workers use them.
+///
+/// Deliveries are *queued*, never sent inline: [`webhook_enqueue`] writes
+/// one row per subscribed endpoint inside the caller's transaction (the one
+/// that writes the business change, or an outbox consumer's), and workers
+/// lease due rows with [`webhook_claim_due`], send them, and record each
+/// attempt with [`webhook_complete`].
+///
+/// [`webhook_enqueue`]: WebhookDeliveryStore::webhook_enqueue
+/// [`webhook_claim_due`]: WebhookDeliveryStore::webhook_claim_due
+/// [`webhook_complete`]: WebhookDeliveryStore::webhook_complete
+#[async_trait]
+pub trait WebhookDeliveryStore: Store {
     /// Queues `messages` inside the caller's transaction: for each message,
     /// one delivery per endpoint that [subscribes](WebhookEndpoint::subscribes_to)
     /// to its type, due at `now`, `pending` for an enabled endpoint and
@@ -388,7 +386,6 @@ pub trait WebhookStore: Store {
         messages: &[WebhookMessage],
         now: DateTime<Utc>,
     ) -> Result<u64, StoreError>;
-
     /// Leases up to `limit` due deliveries (pending, `next_attempt_at <=
     /// now`, not leased or with an expired lease) to `worker` until `now +
     /// lease`, oldest due first, with their endpoints. No endpoint ever has
@@ -403,7 +400,6 @@ pub trait WebhookStore: Store {
         per_endpoint: usize,
         lease: Duration,
     ) -> Result<Vec<ClaimedDelivery>, StoreError>;
-
     /// Records attempts in one transaction: each attempt is added to the
     /// delivery log; its delivery takes the outcome's status, attempt count
     /// and next attempt time and loses its lease, but only while `worker`
@@ -417,19 +413,31 @@ pub trait WebhookStore: Store {
         worker: &str,
         outcomes: &[DeliveryOutcome],
     ) -> Result<u64, StoreError>;
+    /// The endpoint's failure window: since when every attempt to it has
+    /// failed (`None` while its last attempt succeeded or it had none).
+    /// [`StoreError::NotFound`] if there is no such endpoint.
+    async fn webhook_failing_since(
+        &self,
+        endpoint_id: &str,
+    ) -> Result<Option<DateTime<Utc>>, StoreError>;
+    /// Deletes up to `batch` finished (succeeded, failed or disabled)
+    /// deliveries last changed before `before`, with their attempts;
+    /// returns how many deliveries.
+    async fn webhook_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
+}
 
+/// The delivery log, as an operator reads it and sends deliveries again.
+#[async_trait]
+pub trait WebhookLogStore: Store {
     /// One delivery.
     async fn webhook_delivery_get(&self, id: i64) -> Result<Option<WebhookDelivery>, StoreError>;
-
     /// Deliveries matching `filter`, newest (highest id) first.
     async fn webhook_delivery_list(
         &self,
         filter: &DeliveryFilter,
     ) -> Result<Vec<WebhookDelivery>, StoreError>;
-
     /// The attempts of a delivery, oldest first.
     async fn webhook_attempts(&self, delivery_id: i64) -> Result<Vec<DeliveryAttempt>, StoreError>;
-
     /// Queues one delivery again (manual resend): pending, no attempts, due
     /// at `now`. `false` if it is being attempted right now (live lease) or
     /// its endpoint is disabled. [`StoreError::NotFound`] if there is no
@@ -439,7 +447,6 @@ pub trait WebhookStore: Store {
         delivery_id: i64,
         now: DateTime<Utc>,
     ) -> Result<bool, StoreError>;
-
     /// Queues again (like a resend) every delivery of `endpoint_id` queued
     /// in `[from, to)` that failed or was disabled, and also those that
     /// succeeded if `include_succeeded`. Pending ones are left alone.
@@ -453,17 +460,10 @@ pub trait WebhookStore: Store {
         include_succeeded: bool,
         now: DateTime<Utc>,
     ) -> Result<u64, StoreError>;
-
-    /// The endpoint's failure window: since when every attempt to it has
-    /// failed (`None` while its last attempt succeeded or it had none).
-    /// [`StoreError::NotFound`] if there is no such endpoint.
-    async fn webhook_failing_since(
-        &self,
-        endpoint_id: &str,
-    ) -> Result<Option<DateTime<Utc>>, StoreError>;
-
-    /// Deletes up to `batch` finished (succeeded, failed or disabled)
-    /// deliveries last changed before `before`, with their attempts;
-    /// returns how many deliveries.
-    async fn webhook_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError>;
 }
+
+/// Every webhook capability in one bound: endpoints, deliveries and the
+/// log. Code that needs only one of them asks for that one.
+pub trait WebhookStore: WebhookEndpointStore + WebhookDeliveryStore + WebhookLogStore {}
+
+impl<S> WebhookStore for S where S: WebhookEndpointStore + WebhookDeliveryStore + WebhookLogStore {}

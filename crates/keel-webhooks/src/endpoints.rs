@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use keel_store::StoreError;
-use keel_store::{WebhookEndpoint, WebhookFormat, WebhookSecret, WebhookStore};
+use keel_store::{WebhookEndpoint, WebhookEndpointStore, WebhookFormat, WebhookSecret};
 
 use super::WallClock;
 use super::error::WebhookError;
@@ -114,7 +114,7 @@ pub struct Endpoints<S> {
     pub(super) clock: WallClock,
 }
 
-impl<S: WebhookStore> Endpoints<S> {
+impl<S: WebhookEndpointStore> Endpoints<S> {
     /// Manages the endpoints in `store`, checking URLs with `guard`.
     pub fn new(store: S, guard: SsrfGuard) -> Self {
         Self {

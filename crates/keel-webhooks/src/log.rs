@@ -9,12 +9,14 @@
 
 use chrono::{DateTime, Utc};
 use keel_store::StoreError;
-use keel_store::{DeliveryAttempt, DeliveryFilter, WebhookDelivery, WebhookStore};
+use keel_store::{
+    DeliveryAttempt, DeliveryFilter, WebhookDelivery, WebhookEndpointStore, WebhookLogStore,
+};
 
 use super::endpoints::{Endpoints, not_found};
 use super::error::WebhookError;
 
-impl<S: WebhookStore> Endpoints<S> {
+impl<S: WebhookLogStore + WebhookEndpointStore> Endpoints<S> {
     /// Deliveries matching `filter`, newest first (the per-endpoint log:
     /// set `filter.endpoint_id`).
     pub async fn deliveries(

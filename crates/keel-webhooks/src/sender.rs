@@ -31,7 +31,7 @@ use bytes::Bytes;
 use chrono::{DateTime, SecondsFormat, Utc};
 use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
 use keel_store::envelope::Envelope;
-use keel_store::{WebhookMessage, WebhookStore};
+use keel_store::{WebhookDeliveryStore, WebhookMessage};
 use serde::Serialize;
 
 use super::WallClock;
@@ -240,7 +240,7 @@ pub struct WebhookOutbox<S> {
     clock: WallClock,
 }
 
-impl<S: WebhookStore> WebhookOutbox<S> {
+impl<S: WebhookDeliveryStore> WebhookOutbox<S> {
     /// Queues into `store`, refusing payloads over [`DEFAULT_MAX_PAYLOAD`].
     pub fn new(store: S) -> Self {
         Self {
@@ -314,7 +314,7 @@ pub struct WebhookFanout<S> {
     outbox: WebhookOutbox<S>,
 }
 
-impl<S: WebhookStore> WebhookFanout<S> {
+impl<S: WebhookDeliveryStore> WebhookFanout<S> {
     /// A handler queueing through `outbox`.
     pub fn new(outbox: WebhookOutbox<S>) -> Self {
         Self { outbox }
@@ -324,7 +324,7 @@ impl<S: WebhookStore> WebhookFanout<S> {
 #[async_trait]
 impl<S> Handler<S::Tx> for WebhookFanout<S>
 where
-    S: WebhookStore,
+    S: WebhookDeliveryStore,
 {
     async fn handle(
         &self,

@@ -32,7 +32,9 @@ use std::time::Duration;
 
 use axum::http::HeaderValue;
 use chrono::{DateTime, Utc};
-use keel_store::{ClaimedDelivery, DeliveryOutcome, DeliveryStatus, WebhookStore};
+use keel_store::{
+    ClaimedDelivery, DeliveryOutcome, DeliveryStatus, WebhookDeliveryStore, WebhookEndpointStore,
+};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -129,7 +131,7 @@ struct Finished {
     exhausted: bool,
 }
 
-impl<S: WebhookStore> DeliveryWorker<S> {
+impl<S: WebhookDeliveryStore + WebhookEndpointStore> DeliveryWorker<S> {
     /// A worker sending the deliveries queued in `store`. Refuses invalid
     /// options.
     pub fn new(store: S, options: WorkerOptions) -> Result<Self, WebhookError> {
@@ -322,7 +324,7 @@ impl<S: WebhookStore> DeliveryWorker<S> {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> tokio::task::JoinHandle<BatchReport>
     where
-        S: WebhookStore,
+        S: WebhookDeliveryStore + WebhookEndpointStore,
     {
         let worker = self.clone();
         tokio::spawn(async move { worker.run(shutdown).await })

@@ -19,13 +19,14 @@ use hmac::{Hmac, Mac};
 use keel_policy::retry::Backoff;
 use keel_sqlite::SqliteStore;
 use keel_store::Store;
+use keel_store::{WebhookDeliveryStore, WebhookEndpointStore};
 use keel_testkit::metrics::MetricsRecorder;
 use keel_webhooks::signing::{Secret, SignatureScheme, Verifier, VerifyError};
 use keel_webhooks::ssrf::SsrfGuard;
 use keel_webhooks::{
     DEFAULT_SCHEDULE, DeliveryFilter, DeliveryStatus, DeliveryWorker, DisableReason, Endpoints,
     NewEndpoint, WallClock, WebhookDelivery, WebhookEndpoint, WebhookError, WebhookEvent,
-    WebhookOutbox, WebhookReceiver, WebhookStore, WorkerOptions,
+    WebhookOutbox, WebhookReceiver, WorkerOptions,
 };
 use parking_lot::Mutex;
 use sha2::Sha256;

@@ -25,7 +25,7 @@ use keel_sql::dialect::Value;
 use keel_sql::filter::Filter;
 use keel_sql::{Dialect, Exec, SqlBackend, SqlRow};
 use keel_store::StoreError;
-use keel_store::{OutboxStore, SagaFilter, SagaStore, Store};
+use keel_store::{OutboxAdminStore, OutboxStore, SagaFilter, SagaStore, Store};
 
 use super::db::{Audit, AuditOrder, Capture, Effect, Reservation, Settled, ShopDb};
 use super::model::{Customer, DemoFault, Item, Order, OrderStatus, Product};
@@ -91,7 +91,9 @@ pub fn shop_schema(types: &ShopTypes) -> String {
 }
 
 /// What a backend adds to the shop's SQL.
-pub trait ShopBackend: SqlBackend + Store<Tx = Tx<Self>> + OutboxStore + SagaStore + Clone {
+pub trait ShopBackend:
+    SqlBackend + Store<Tx = Tx<Self>> + OutboxStore + OutboxAdminStore + SagaStore + Clone
+{
     /// How it spells the shop's column types.
     const TYPES: ShopTypes;
 

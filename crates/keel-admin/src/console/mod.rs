@@ -50,6 +50,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use crate::AdminStore;
 use axum::Router;
 use axum::extract::rejection::FormRejection;
 use axum::extract::{Extension, Form, Path, State};
@@ -58,8 +59,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{MethodRouter, get, post};
 use futures_util::Stream;
-use keel_store::MessagingStore;
-use keel_store::{SagaStatus, WebhookStore};
+use keel_store::SagaStatus;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -111,7 +111,7 @@ impl<S> std::fmt::Debug for Console<S> {
 
 impl<S> Console<S>
 where
-    S: MessagingStore + WebhookStore,
+    S: AdminStore,
 {
     /// The console over `admin`, behind its token.
     pub fn new(admin: Admin<S>) -> Self {
@@ -303,7 +303,7 @@ fn with_csrf(html: &str, session: Option<&AdminSession>) -> String {
     }
 }
 
-async fn console_page<S: MessagingStore + WebhookStore>(
+async fn console_page<S: AdminStore>(
     State(console): State<Console<S>>,
     session: Option<Extension<AdminSession>>,
 ) -> Html<String> {
@@ -327,7 +327,7 @@ async fn console_page<S: MessagingStore + WebhookStore>(
 /// The live stream: a `sections` event with `{id: {hash, html}}` for every
 /// section whose HTML changed since the last event on this connection (all
 /// of them first; the page skips those it already shows).
-async fn events<S: MessagingStore + WebhookStore>(
+async fn events<S: AdminStore>(
     State(console): State<Console<S>>,
     session: Option<Extension<AdminSession>>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
@@ -367,7 +367,7 @@ async fn events<S: MessagingStore + WebhookStore>(
 }
 
 /// `303` back to the console, whose next view says what happened.
-fn back<S: MessagingStore + WebhookStore>(
+fn back<S: AdminStore>(
     console: &Console<S>,
     session: Option<Extension<AdminSession>>,
     result: Result<String, AdminError>,
@@ -409,7 +409,7 @@ fn capitalize(word: &str) -> String {
 /// button is one of these, so each ends the same way.
 fn button<S>(op: fn(Admin<S>, String) -> Outcome) -> MethodRouter<Console<S>>
 where
-    S: MessagingStore + WebhookStore,
+    S: AdminStore,
 {
     post(
         move |State(console): State<Console<S>>,
@@ -424,7 +424,7 @@ where
 /// What a button's operation answers: the notice's text, or the error.
 type Outcome = Pin<Box<dyn Future<Output = Result<String, AdminError>> + Send>>;
 
-async fn login_page<S: MessagingStore + WebhookStore>(
+async fn login_page<S: AdminStore>(
     State(console): State<Console<S>>,
     headers: HeaderMap,
 ) -> Response {
@@ -435,10 +435,7 @@ async fn login_page<S: MessagingStore + WebhookStore>(
     Html(page::login(&console.title, None)).into_response()
 }
 
-fn start_session<S: MessagingStore + WebhookStore>(
-    console: &Console<S>,
-    headers: &HeaderMap,
-) -> Response {
+fn start_session<S: AdminStore>(console: &Console<S>, headers: &HeaderMap) -> Response {
     let mut response = Redirect::to("/console").into_response();
     console
         .admin
@@ -452,7 +449,7 @@ struct LoginForm {
     token: String,
 }
 
-async fn login_submit<S: MessagingStore + WebhookStore>(
+async fn login_submit<S: AdminStore>(
     State(console): State<Console<S>>,
     ConnectedIp(ip): ConnectedIp,
     headers: HeaderMap,
@@ -479,7 +476,7 @@ async fn login_submit<S: MessagingStore + WebhookStore>(
     start_session(&console, &headers)
 }
 
-async fn logout<S: MessagingStore + WebhookStore>(
+async fn logout<S: AdminStore>(
     State(console): State<Console<S>>,
     session: Option<Extension<AdminSession>>,
     headers: HeaderMap,

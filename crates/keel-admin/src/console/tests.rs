@@ -379,7 +379,7 @@ async fn without_a_token_a_session_is_opened_but_nothing_changes_without_it() {
 /// and its Replay button unparks it (same origin only).
 #[tokio::test]
 async fn a_parked_outbox_row_is_shown_and_replayed_from_the_console() {
-    use keel_store::{OutboxRecord, OutboxStore, Store};
+    use keel_store::{OutboxAdminStore, OutboxRecord, OutboxStore, Store};
     let (_dir, store, app, admin) = app(AdminToken::new(TOKEN).unwrap()).await;
     let (cookie, csrf) = session(&admin);
     let message = Message::new("evt-poison", "orders", "bad\nkey", "{}");

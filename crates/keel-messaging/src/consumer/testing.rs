@@ -13,8 +13,8 @@ use parking_lot::Mutex;
 
 use crate::store::{
     AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus, DeadLetterStore, InboxStore,
-    OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox, PendingOutbox,
-    PublishedOutbox, Store, StoreError,
+    OutboxAdminStore, OutboxRecord, OutboxStats, OutboxStore, ParkedFilter, ParkedOutbox,
+    PendingOutbox, PublishedOutbox, Store, StoreError,
 };
 
 mod broker;
@@ -250,7 +250,6 @@ impl OutboxStore for MemStore {
         tx.outbox.extend_from_slice(records);
         Ok(())
     }
-
     async fn outbox_claim(
         &self,
         relay: &str,
@@ -284,7 +283,6 @@ impl OutboxStore for MemStore {
         }
         Ok(out)
     }
-
     async fn outbox_mark_published(&self, ids: &[i64]) -> Result<(), StoreError> {
         let mut s = self.state.lock();
         for row in s.outbox.iter_mut().filter(|r| ids.contains(&r.id)) {
@@ -293,7 +291,6 @@ impl OutboxStore for MemStore {
         }
         Ok(())
     }
-
     async fn outbox_release(&self, relay: &str, ids: &[i64]) -> Result<(), StoreError> {
         let mut s = self.state.lock();
         for row in s.outbox.iter_mut().filter(|r| claimed_by(r, relay, ids)) {
@@ -301,7 +298,6 @@ impl OutboxStore for MemStore {
         }
         Ok(())
     }
-
     async fn outbox_prune(&self, before: DateTime<Utc>, batch: usize) -> Result<u64, StoreError> {
         let mut s = self.state.lock();
         s.prune_calls += 1;
@@ -315,7 +311,6 @@ impl OutboxStore for MemStore {
         s.outbox.retain(|r| !doomed.contains(&r.id));
         Ok(doomed.len() as u64)
     }
-
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
         let s = self.state.lock();
         let pending: Vec<_> = s
@@ -331,7 +326,39 @@ impl OutboxStore for MemStore {
             parked: s.outbox.iter().filter(|r| r.parked_at.is_some()).count() as u64,
         })
     }
+    async fn outbox_release_failed(
+        &self,
+        relay: &str,
+        ids: &[i64],
+        error: &str,
+    ) -> Result<(), StoreError> {
+        let mut s = self.state.lock();
+        for row in s.outbox.iter_mut().filter(|r| claimed_by(r, relay, ids)) {
+            row.claim = None;
+            row.attempts += 1;
+            row.last_error = Some(error.to_owned());
+        }
+        Ok(())
+    }
+    async fn outbox_park(&self, id: i64, error: &str) -> Result<bool, StoreError> {
+        let mut s = self.state.lock();
+        let Some(row) = s
+            .outbox
+            .iter_mut()
+            .find(|r| r.id == id && r.published_at.is_none() && r.parked_at.is_none())
+        else {
+            return Ok(false);
+        };
+        row.claim = None;
+        row.attempts += 1;
+        row.last_error = Some(error.to_owned());
+        row.parked_at = Some(keel_core::clock::utc_now());
+        Ok(true)
+    }
+}
 
+#[async_trait]
+impl OutboxAdminStore for MemStore {
     async fn outbox_published(
         &self,
         after: i64,
@@ -354,38 +381,6 @@ impl OutboxStore for MemStore {
         published.truncate(limit);
         Ok(published)
     }
-
-    async fn outbox_release_failed(
-        &self,
-        relay: &str,
-        ids: &[i64],
-        error: &str,
-    ) -> Result<(), StoreError> {
-        let mut s = self.state.lock();
-        for row in s.outbox.iter_mut().filter(|r| claimed_by(r, relay, ids)) {
-            row.claim = None;
-            row.attempts += 1;
-            row.last_error = Some(error.to_owned());
-        }
-        Ok(())
-    }
-
-    async fn outbox_park(&self, id: i64, error: &str) -> Result<bool, StoreError> {
-        let mut s = self.state.lock();
-        let Some(row) = s
-            .outbox
-            .iter_mut()
-            .find(|r| r.id == id && r.published_at.is_none() && r.parked_at.is_none())
-        else {
-            return Ok(false);
-        };
-        row.claim = None;
-        row.attempts += 1;
-        row.last_error = Some(error.to_owned());
-        row.parked_at = Some(keel_core::clock::utc_now());
-        Ok(true)
-    }
-
     async fn outbox_parked(&self, filter: &ParkedFilter) -> Result<Vec<ParkedOutbox>, StoreError> {
         let s = self.state.lock();
         Ok(s.outbox
@@ -396,7 +391,6 @@ impl OutboxStore for MemStore {
             .map(|r| r.parked(&s.outbox))
             .collect())
     }
-
     async fn outbox_parked_get(&self, id: i64) -> Result<Option<ParkedOutbox>, StoreError> {
         let s = self.state.lock();
         Ok(s.outbox
@@ -404,7 +398,6 @@ impl OutboxStore for MemStore {
             .find(|r| r.id == id && r.parked_at.is_some() && r.published_at.is_none())
             .map(|r| r.parked(&s.outbox)))
     }
-
     async fn outbox_unpark(&self, id: i64) -> Result<bool, StoreError> {
         let mut s = self.state.lock();
         let Some(row) = s
@@ -419,7 +412,6 @@ impl OutboxStore for MemStore {
         row.last_error = None;
         Ok(true)
     }
-
     async fn outbox_discard(&self, id: i64) -> Result<bool, StoreError> {
         let mut s = self.state.lock();
         let before = s.outbox.len();

@@ -9,7 +9,7 @@ use keel_core::{TraceParent, clock};
 use super::*;
 use crate::broker::header;
 use crate::consumer::testing::{MemBroker, MemStore};
-use crate::store::Store;
+use crate::store::{OutboxAdminStore, Store};
 
 const TOPIC: &str = "orders";
 

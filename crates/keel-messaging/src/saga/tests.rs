@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 use crate::store::{
-    OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, PublishedOutbox, SagaFilter, SagaRecord,
-    SagaStatus, SagaStore, Store, StoreError,
+    OutboxAdminStore, OutboxRecord, OutboxStats, OutboxStore, PendingOutbox, PublishedOutbox,
+    SagaFilter, SagaRecord, SagaStatus, SagaStore, Store, StoreError,
 };
 
 // ------------------------------------------------------------------ store --
@@ -206,7 +206,6 @@ impl OutboxStore for MemStore {
         tx.outbox.extend_from_slice(records);
         Ok(())
     }
-
     async fn outbox_claim(
         &self,
         _relay: &str,
@@ -215,23 +214,22 @@ impl OutboxStore for MemStore {
     ) -> Result<Vec<PendingOutbox>, StoreError> {
         Err(unsupported())
     }
-
     async fn outbox_mark_published(&self, _ids: &[i64]) -> Result<(), StoreError> {
         Err(unsupported())
     }
-
     async fn outbox_release(&self, _relay: &str, _ids: &[i64]) -> Result<(), StoreError> {
         Err(unsupported())
     }
-
     async fn outbox_prune(&self, _before: DateTime<Utc>, _batch: usize) -> Result<u64, StoreError> {
         Err(unsupported())
     }
-
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
         Err(unsupported())
     }
+}
 
+#[async_trait]
+impl OutboxAdminStore for MemStore {
     async fn outbox_published(
         &self,
         _after: i64,

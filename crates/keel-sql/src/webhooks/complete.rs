@@ -138,7 +138,7 @@ fn complete_sql<D: Dialect>() -> (String, String) {
     )
 }
 
-/// [`WebhookStore::webhook_complete`](keel_store::WebhookStore::webhook_complete).
+/// [`WebhookDeliveryStore::webhook_complete`](keel_store::WebhookDeliveryStore::webhook_complete).
 pub async fn complete<B: SqlBackend>(
     store: &B,
     worker: &str,

@@ -45,10 +45,10 @@ SELECT delivery_id, attempt, at, url, request_headers, response_status, response
        latency_us, error
   FROM keel_webhook_attempts WHERE delivery_id = $1 ORDER BY id";
 
-/// The default page of [`WebhookStore::webhook_delivery_list`](keel_store::WebhookStore::webhook_delivery_list).
+/// The default page of [`WebhookLogStore::webhook_delivery_list`](keel_store::WebhookLogStore::webhook_delivery_list).
 const DEFAULT_LIST_LIMIT: usize = 100;
 
-/// [`WebhookStore::webhook_enqueue`](keel_store::WebhookStore::webhook_enqueue):
+/// [`WebhookDeliveryStore::webhook_enqueue`](keel_store::WebhookDeliveryStore::webhook_enqueue):
 /// one delivery per subscribed endpoint and message, `disabled` for a
 /// disabled endpoint (so a replay after enabling it finds it), none twice
 /// for one endpoint and event; returns how many are pending.
@@ -129,7 +129,7 @@ async fn enqueue_chunk<B: SqlBackend>(
     Ok(pending)
 }
 
-/// [`WebhookStore::webhook_claim_due`](keel_store::WebhookStore::webhook_claim_due).
+/// [`WebhookDeliveryStore::webhook_claim_due`](keel_store::WebhookDeliveryStore::webhook_claim_due).
 pub async fn claim_due<B: WebhookBackend>(
     store: &B,
     worker: &str,
@@ -192,7 +192,7 @@ pub async fn claim_due<B: WebhookBackend>(
         .collect()
 }
 
-/// [`WebhookStore::webhook_delivery_get`](keel_store::WebhookStore::webhook_delivery_get).
+/// [`WebhookLogStore::webhook_delivery_get`](keel_store::WebhookLogStore::webhook_delivery_get).
 pub async fn delivery_get<B: SqlBackend>(
     store: &B,
     id: i64,
@@ -204,7 +204,7 @@ pub async fn delivery_get<B: SqlBackend>(
         .transpose()
 }
 
-/// [`WebhookStore::webhook_delivery_list`](keel_store::WebhookStore::webhook_delivery_list):
+/// [`WebhookLogStore::webhook_delivery_list`](keel_store::WebhookLogStore::webhook_delivery_list):
 /// newest first, paged by id.
 pub async fn delivery_list<B: SqlBackend>(
     store: &B,
@@ -231,7 +231,7 @@ pub async fn delivery_list<B: SqlBackend>(
     rows.iter().map(delivery_from_row::<B::Dialect>).collect()
 }
 
-/// [`WebhookStore::webhook_attempts`](keel_store::WebhookStore::webhook_attempts).
+/// [`WebhookLogStore::webhook_attempts`](keel_store::WebhookLogStore::webhook_attempts).
 pub async fn attempts<B: SqlBackend>(
     store: &B,
     delivery_id: i64,
@@ -240,7 +240,7 @@ pub async fn attempts<B: SqlBackend>(
     rows.iter().map(attempt_from_row::<B::Dialect>).collect()
 }
 
-/// [`WebhookStore::webhook_resend`](keel_store::WebhookStore::webhook_resend).
+/// [`WebhookLogStore::webhook_resend`](keel_store::WebhookLogStore::webhook_resend).
 pub async fn resend<B: SqlBackend>(
     store: &B,
     delivery_id: i64,
@@ -257,7 +257,7 @@ pub async fn resend<B: SqlBackend>(
     .await
 }
 
-/// [`WebhookStore::webhook_replay`](keel_store::WebhookStore::webhook_replay):
+/// [`WebhookLogStore::webhook_replay`](keel_store::WebhookLogStore::webhook_replay):
 /// refused while the endpoint is disabled, which the transaction holds
 /// still while it requeues.
 pub async fn replay<B: SqlBackend>(
@@ -300,7 +300,7 @@ pub async fn replay<B: SqlBackend>(
     .await
 }
 
-/// [`WebhookStore::webhook_failing_since`](keel_store::WebhookStore::webhook_failing_since).
+/// [`WebhookDeliveryStore::webhook_failing_since`](keel_store::WebhookDeliveryStore::webhook_failing_since).
 pub async fn failing_since<B: SqlBackend>(
     store: &B,
     endpoint_id: &str,
@@ -312,7 +312,7 @@ pub async fn failing_since<B: SqlBackend>(
     }
 }
 
-/// [`WebhookStore::webhook_prune`](keel_store::WebhookStore::webhook_prune):
+/// [`WebhookDeliveryStore::webhook_prune`](keel_store::WebhookDeliveryStore::webhook_prune):
 /// a bounded batch of finished deliveries with their attempts, in one
 /// transaction (the attempts first, in the foreign key's order).
 pub async fn prune<B: SqlBackend>(

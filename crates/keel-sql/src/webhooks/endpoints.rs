@@ -78,7 +78,7 @@ fn secrets_from_json<D: Dialect>(json: &str) -> Result<Vec<WebhookSecret>, Store
         .collect()
 }
 
-/// [`WebhookStore::webhook_endpoint_create`](keel_store::WebhookStore::webhook_endpoint_create).
+/// [`WebhookEndpointStore::webhook_endpoint_create`](keel_store::WebhookEndpointStore::webhook_endpoint_create).
 pub async fn endpoint_create<B: SqlBackend>(
     store: &B,
     endpoint: &WebhookEndpoint,
@@ -111,7 +111,7 @@ pub async fn endpoint_create<B: SqlBackend>(
     Ok(())
 }
 
-/// [`WebhookStore::webhook_endpoint_get`](keel_store::WebhookStore::webhook_endpoint_get).
+/// [`WebhookEndpointStore::webhook_endpoint_get`](keel_store::WebhookEndpointStore::webhook_endpoint_get).
 pub async fn endpoint_get<B: SqlBackend>(
     store: &B,
     id: &str,
@@ -123,7 +123,7 @@ pub async fn endpoint_get<B: SqlBackend>(
         .transpose()
 }
 
-/// [`WebhookStore::webhook_endpoint_list`](keel_store::WebhookStore::webhook_endpoint_list).
+/// [`WebhookEndpointStore::webhook_endpoint_list`](keel_store::WebhookEndpointStore::webhook_endpoint_list).
 pub async fn endpoint_list<B: SqlBackend>(store: &B) -> Result<Vec<WebhookEndpoint>, StoreError> {
     let rows = store.read_all(&all_endpoints_sql(), &[]).await?;
     rows.iter().map(endpoint_from_row::<B::Dialect>).collect()
@@ -133,7 +133,7 @@ pub(super) fn all_endpoints_sql() -> String {
     format!("SELECT {ENDPOINT_COLUMNS} FROM keel_webhook_endpoints ORDER BY created_at, id")
 }
 
-/// [`WebhookStore::webhook_endpoint_update`](keel_store::WebhookStore::webhook_endpoint_update).
+/// [`WebhookEndpointStore::webhook_endpoint_update`](keel_store::WebhookEndpointStore::webhook_endpoint_update).
 pub async fn endpoint_update<B: SqlBackend>(
     store: &B,
     endpoint: &WebhookEndpoint,
@@ -161,7 +161,7 @@ pub async fn endpoint_update<B: SqlBackend>(
     Ok(())
 }
 
-/// [`WebhookStore::webhook_endpoint_rotate_secret`](keel_store::WebhookStore::webhook_endpoint_rotate_secret):
+/// [`WebhookEndpointStore::webhook_endpoint_rotate_secret`](keel_store::WebhookEndpointStore::webhook_endpoint_rotate_secret):
 /// keeps only the newest current secret, for the grace period, next to the
 /// new one.
 pub async fn endpoint_rotate_secret<B: SqlBackend>(
@@ -206,7 +206,7 @@ pub async fn endpoint_rotate_secret<B: SqlBackend>(
     .await
 }
 
-/// [`WebhookStore::webhook_endpoint_disable`](keel_store::WebhookStore::webhook_endpoint_disable):
+/// [`WebhookEndpointStore::webhook_endpoint_disable`](keel_store::WebhookEndpointStore::webhook_endpoint_disable):
 /// the endpoint and its pending deliveries, in one transaction.
 pub async fn endpoint_disable<B: SqlBackend>(
     store: &B,
@@ -235,7 +235,7 @@ pub async fn endpoint_disable<B: SqlBackend>(
     .await
 }
 
-/// [`WebhookStore::webhook_endpoint_enable`](keel_store::WebhookStore::webhook_endpoint_enable).
+/// [`WebhookEndpointStore::webhook_endpoint_enable`](keel_store::WebhookEndpointStore::webhook_endpoint_enable).
 pub async fn endpoint_enable<B: SqlBackend>(
     store: &B,
     id: &str,
@@ -249,7 +249,7 @@ pub async fn endpoint_enable<B: SqlBackend>(
     refused_or_missing::<B::Dialect>(on, ENDPOINTS, id.into(), || endpoint_name(id)).await
 }
 
-/// [`WebhookStore::webhook_endpoint_delete`](keel_store::WebhookStore::webhook_endpoint_delete):
+/// [`WebhookEndpointStore::webhook_endpoint_delete`](keel_store::WebhookEndpointStore::webhook_endpoint_delete):
 /// the attempts, the deliveries and the endpoint, in one transaction.
 pub async fn endpoint_delete<B: SqlBackend>(store: &B, id: &str) -> Result<bool, StoreError> {
     const DELETES: [&str; 3] = [

@@ -75,20 +75,19 @@ pub(crate) fn not_found_endpoint(id: &str) -> StoreError {
     StoreError::NotFound(endpoint_name(id))
 }
 
-/// Implements [`WebhookStore`](keel_store::WebhookStore) for a
-/// [`WebhookBackend`].
+/// Implements the three webhook stores (and so
+/// [`WebhookStore`](keel_store::WebhookStore)) for a [`WebhookBackend`].
 #[macro_export]
 macro_rules! webhook_store {
     ($store:ty) => {
         #[$crate::__private::async_trait]
-        impl $crate::__private::store::WebhookStore for $store {
+        impl $crate::__private::store::WebhookEndpointStore for $store {
             async fn webhook_endpoint_create(
                 &self,
                 endpoint: &$crate::__private::store::WebhookEndpoint,
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
                 $crate::webhooks::endpoint_create(self, endpoint).await
             }
-
             async fn webhook_endpoint_get(
                 &self,
                 id: &str,
@@ -98,7 +97,6 @@ macro_rules! webhook_store {
             > {
                 $crate::webhooks::endpoint_get(self, id).await
             }
-
             async fn webhook_endpoint_list(
                 &self,
             ) -> ::std::result::Result<
@@ -107,7 +105,6 @@ macro_rules! webhook_store {
             > {
                 $crate::webhooks::endpoint_list(self).await
             }
-
             async fn webhook_endpoint_update(
                 &self,
                 endpoint: &$crate::__private::store::WebhookEndpoint,
@@ -115,7 +112,6 @@ macro_rules! webhook_store {
             ) -> ::std::result::Result<(), $crate::__private::StoreError> {
                 $crate::webhooks::endpoint_update(self, endpoint, now).await
             }
-
             async fn webhook_endpoint_rotate_secret(
                 &self,
                 id: &str,
@@ -128,7 +124,6 @@ macro_rules! webhook_store {
                 $crate::webhooks::endpoint_rotate_secret(self, id, secret, previous_expires_at)
                     .await
             }
-
             async fn webhook_endpoint_disable(
                 &self,
                 id: &str,
@@ -137,7 +132,6 @@ macro_rules! webhook_store {
             ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
                 $crate::webhooks::endpoint_disable(self, id, reason, at).await
             }
-
             async fn webhook_endpoint_enable(
                 &self,
                 id: &str,
@@ -145,14 +139,16 @@ macro_rules! webhook_store {
             ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
                 $crate::webhooks::endpoint_enable(self, id, at).await
             }
-
             async fn webhook_endpoint_delete(
                 &self,
                 id: &str,
             ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
                 $crate::webhooks::endpoint_delete(self, id).await
             }
+        }
 
+        #[$crate::__private::async_trait]
+        impl $crate::__private::store::WebhookDeliveryStore for $store {
             async fn webhook_enqueue(
                 &self,
                 tx: &mut <Self as $crate::__private::store::Store>::Tx,
@@ -161,7 +157,6 @@ macro_rules! webhook_store {
             ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
                 $crate::webhooks::enqueue(self, tx, messages, now).await
             }
-
             async fn webhook_claim_due(
                 &self,
                 worker: &str,
@@ -175,7 +170,6 @@ macro_rules! webhook_store {
             > {
                 $crate::webhooks::claim_due(self, worker, now, limit, per_endpoint, lease).await
             }
-
             async fn webhook_complete(
                 &self,
                 worker: &str,
@@ -183,56 +177,6 @@ macro_rules! webhook_store {
             ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
                 $crate::webhooks::complete(self, worker, outcomes).await
             }
-
-            async fn webhook_delivery_get(
-                &self,
-                id: i64,
-            ) -> ::std::result::Result<
-                ::std::option::Option<$crate::__private::store::WebhookDelivery>,
-                $crate::__private::StoreError,
-            > {
-                $crate::webhooks::delivery_get(self, id).await
-            }
-
-            async fn webhook_delivery_list(
-                &self,
-                filter: &$crate::__private::store::DeliveryFilter,
-            ) -> ::std::result::Result<
-                ::std::vec::Vec<$crate::__private::store::WebhookDelivery>,
-                $crate::__private::StoreError,
-            > {
-                $crate::webhooks::delivery_list(self, filter).await
-            }
-
-            async fn webhook_attempts(
-                &self,
-                delivery_id: i64,
-            ) -> ::std::result::Result<
-                ::std::vec::Vec<$crate::__private::store::DeliveryAttempt>,
-                $crate::__private::StoreError,
-            > {
-                $crate::webhooks::attempts(self, delivery_id).await
-            }
-
-            async fn webhook_resend(
-                &self,
-                delivery_id: i64,
-                now: $crate::__private::DateTime<$crate::__private::Utc>,
-            ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
-                $crate::webhooks::resend(self, delivery_id, now).await
-            }
-
-            async fn webhook_replay(
-                &self,
-                endpoint_id: &str,
-                from: $crate::__private::DateTime<$crate::__private::Utc>,
-                to: $crate::__private::DateTime<$crate::__private::Utc>,
-                include_succeeded: bool,
-                now: $crate::__private::DateTime<$crate::__private::Utc>,
-            ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
-                $crate::webhooks::replay(self, endpoint_id, from, to, include_succeeded, now).await
-            }
-
             async fn webhook_failing_since(
                 &self,
                 endpoint_id: &str,
@@ -242,13 +186,60 @@ macro_rules! webhook_store {
             > {
                 $crate::webhooks::failing_since(self, endpoint_id).await
             }
-
             async fn webhook_prune(
                 &self,
                 before: $crate::__private::DateTime<$crate::__private::Utc>,
                 batch: usize,
             ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
                 $crate::webhooks::prune(self, before, batch).await
+            }
+        }
+
+        #[$crate::__private::async_trait]
+        impl $crate::__private::store::WebhookLogStore for $store {
+            async fn webhook_delivery_get(
+                &self,
+                id: i64,
+            ) -> ::std::result::Result<
+                ::std::option::Option<$crate::__private::store::WebhookDelivery>,
+                $crate::__private::StoreError,
+            > {
+                $crate::webhooks::delivery_get(self, id).await
+            }
+            async fn webhook_delivery_list(
+                &self,
+                filter: &$crate::__private::store::DeliveryFilter,
+            ) -> ::std::result::Result<
+                ::std::vec::Vec<$crate::__private::store::WebhookDelivery>,
+                $crate::__private::StoreError,
+            > {
+                $crate::webhooks::delivery_list(self, filter).await
+            }
+            async fn webhook_attempts(
+                &self,
+                delivery_id: i64,
+            ) -> ::std::result::Result<
+                ::std::vec::Vec<$crate::__private::store::DeliveryAttempt>,
+                $crate::__private::StoreError,
+            > {
+                $crate::webhooks::attempts(self, delivery_id).await
+            }
+            async fn webhook_resend(
+                &self,
+                delivery_id: i64,
+                now: $crate::__private::DateTime<$crate::__private::Utc>,
+            ) -> ::std::result::Result<bool, $crate::__private::StoreError> {
+                $crate::webhooks::resend(self, delivery_id, now).await
+            }
+            async fn webhook_replay(
+                &self,
+                endpoint_id: &str,
+                from: $crate::__private::DateTime<$crate::__private::Utc>,
+                to: $crate::__private::DateTime<$crate::__private::Utc>,
+                include_succeeded: bool,
+                now: $crate::__private::DateTime<$crate::__private::Utc>,
+            ) -> ::std::result::Result<u64, $crate::__private::StoreError> {
+                $crate::webhooks::replay(self, endpoint_id, from, to, include_succeeded, now).await
             }
         }
     };

@@ -3,7 +3,10 @@
 use std::sync::Arc;
 
 use axum::http::{HeaderMap, header};
-use keel_store::{ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookStore};
+use keel_store::{
+    ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookDeliveryStore,
+    WebhookEndpointStore,
+};
 
 use tracing::Instrument as _;
 
@@ -15,7 +18,7 @@ use super::{Finished, Inner};
 
 /// Signs, sends and judges one delivery, in a span of its own: a child of
 /// the trace the delivery was queued in.
-pub(super) async fn attempt_one<S: WebhookStore>(
+pub(super) async fn attempt_one<S: WebhookDeliveryStore + WebhookEndpointStore>(
     inner: Arc<Inner<S>>,
     claimed: ClaimedDelivery,
 ) -> Finished {
@@ -55,7 +58,10 @@ fn delivery_span(claimed: &ClaimedDelivery) -> tracing::Span {
     span
 }
 
-async fn attempt<S: WebhookStore>(inner: Arc<Inner<S>>, claimed: ClaimedDelivery) -> Finished {
+async fn attempt<S: WebhookDeliveryStore + WebhookEndpointStore>(
+    inner: Arc<Inner<S>>,
+    claimed: ClaimedDelivery,
+) -> Finished {
     let ClaimedDelivery { delivery, endpoint } = claimed;
     let opts = &inner.options;
     let started = opts.clock.now();

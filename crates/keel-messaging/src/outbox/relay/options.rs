@@ -163,7 +163,8 @@ impl<S: OutboxStore, B: Broker + ?Sized> RelayBuilder<S, B> {
     /// Archives published rows past their retention
     /// ([`OutboxStore::outbox_archive`]) instead of deleting them: the
     /// outbox stays small and an audit can still ask, a year later,
-    /// whether an event went out ([`OutboxStore::outbox_archived`]).
+    /// whether an event went out
+    /// ([`OutboxAdminStore::outbox_archived`](crate::store::OutboxAdminStore::outbox_archived)).
     pub fn archive(mut self, archive: bool) -> Self {
         self.options.archive = archive;
         self
