@@ -10,7 +10,9 @@ use keel_messaging::dead_letter::DeadLetters;
 use keel_messaging::outbox::Outbox;
 use keel_messaging::saga::SagaOrchestrator;
 use keel_policy::breaker::BreakerRegistry;
+#[cfg(feature = "webhooks")]
 use keel_webhooks::Endpoints;
+#[cfg(feature = "webhooks")]
 use keel_webhooks::ssrf::SsrfGuard;
 
 use crate::{
@@ -141,6 +143,7 @@ where
             inner: Arc::new(Inner {
                 dead_letters: DeadLetters::with_outbox(outbox.clone()),
                 outbox,
+                #[cfg(feature = "webhooks")]
                 endpoints: Endpoints::new(self.store.clone(), SsrfGuard::default()),
                 store: self.store,
                 access: AdminAccess::with(self.token, self.hosts, self.session_ttl, self.throttle)

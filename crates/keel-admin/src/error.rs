@@ -8,6 +8,7 @@ use keel_messaging::saga::SagaError;
 use keel_store::StoreError;
 
 use keel_http::problem::Problem;
+#[cfg(feature = "webhooks")]
 use keel_webhooks::WebhookError;
 
 /// An admin operation failed. Every variant maps to one status (see
@@ -131,6 +132,7 @@ impl From<SagaError> for AdminError {
     }
 }
 
+#[cfg(feature = "webhooks")]
 impl From<WebhookError> for AdminError {
     fn from(err: WebhookError) -> Self {
         match err {

@@ -84,6 +84,7 @@ impl<S: AdminStore> GaugeExport<S> {
         self.dead_letters().await;
         self.sagas().await;
         self.lag().await;
+        #[cfg(feature = "webhooks")]
         self.webhook_endpoints().await;
     }
 
@@ -132,6 +133,7 @@ impl<S: AdminStore> GaugeExport<S> {
         *seen = now;
     }
 
+    #[cfg(feature = "webhooks")]
     async fn webhook_endpoints(&self) {
         let endpoints = match self.admin.store().webhook_endpoint_list().await {
             Ok(endpoints) => endpoints,

@@ -9,6 +9,11 @@
 //! finished saga, a malformed filter, a missing token) comes
 //! back as problem+json with the status that says what happened.
 //!
+//! Each capability is a section of the router: the messaging tables' always,
+//! the webhook deliveries' with the `webhooks` feature, which is also what
+//! makes keel-webhooks a dependency and [`AdminStore`] ask for the
+//! webhook tables. A service without webhooks builds neither.
+//!
 //! ```text
 //! POST   /admin/api/session                      a session and its CSRF token
 //! DELETE /admin/api/session                      ends it
@@ -26,7 +31,7 @@
 //! GET  /admin/api/sagas/{id}
 //! POST /admin/api/sagas/{id}/retry                 a stuck saga, now
 //! POST /admin/api/sagas/{id}/cancel                before its pivot
-//! GET  /admin/api/webhook-deliveries?endpoint=&status=&event=&before=&limit=
+//! GET  /admin/api/webhook-deliveries?endpoint=&status=&event=&before=&limit=  (feature `webhooks`)
 //! GET  /admin/api/webhook-deliveries/{id}          with the attempt log
 //! POST /admin/api/webhook-deliveries/{id}/resend
 //! GET  /admin/api/breakers
@@ -58,6 +63,8 @@ mod session;
 
 #[cfg(feature = "console")]
 pub mod console;
+#[cfg(feature = "webhooks")]
+mod webhooks;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -68,8 +75,11 @@ use keel_messaging::outbox::Outbox;
 use keel_messaging::saga::{SagaOrchestrator, SagaView};
 use keel_policy::breaker::{BreakerRegistry, State};
 use keel_store::MessagingStore;
-use keel_store::{SagaRecord, WebhookStore};
+use keel_store::SagaRecord;
+#[cfg(feature = "webhooks")]
+use keel_store::WebhookStore;
 
+#[cfg(feature = "webhooks")]
 use keel_webhooks::Endpoints;
 
 pub use access::{AdminAccess, AdminAuth, AdminAuthLayer, CSRF_FIELD, CSRF_HEADER, SESSION_COOKIE};
@@ -79,10 +89,14 @@ pub use error::AdminError;
 pub use export::{DEFAULT_EXPORT_INTERVAL, GaugeExport};
 pub use gauges::{BrokerLag, FnGauges, Gauge, GaugeSource};
 pub use model::{
-    ActionJson, AttemptJson, BreakerJson, DeadLetterJson, DeliveryAttemptJson, DeliveryJson,
-    LagJson, Listing, OutboxLagJson, PAYLOAD_PREVIEW, ParkedJson, SagaJson, SummaryJson,
+    ActionJson, AttemptJson, BreakerJson, DeadLetterJson, LagJson, Listing, OutboxLagJson,
+    PAYLOAD_PREVIEW, ParkedJson, SagaJson, SummaryJson,
 };
-pub use query::{DEFAULT_LIMIT, DeadLetterQuery, DeliveryQuery, MAX_LIMIT, ParkedQuery, SagaQuery};
+#[cfg(feature = "webhooks")]
+pub use model::{DeliveryAttemptJson, DeliveryJson};
+#[cfg(feature = "webhooks")]
+pub use query::DeliveryQuery;
+pub use query::{DEFAULT_LIMIT, DeadLetterQuery, MAX_LIMIT, ParkedQuery, SagaQuery};
 pub use session::{AdminSession, DEFAULT_SESSION_TTL, Notice, Sessions};
 
 /// The path prefix of every admin API route.
@@ -93,6 +107,7 @@ struct Inner<S> {
     access: AdminAccess,
     dead_letters: DeadLetters<S>,
     outbox: Outbox<S>,
+    #[cfg(feature = "webhooks")]
     endpoints: Endpoints<S>,
     sagas: Option<SagaOrchestrator<S>>,
     breakers: Option<BreakerRegistry>,
@@ -101,9 +116,19 @@ struct Inner<S> {
 
 /// What the admin API and the console read and repair: every messaging
 /// table and the webhooks'. Implemented for every store that has them.
+#[cfg(feature = "webhooks")]
 pub trait AdminStore: MessagingStore + WebhookStore {}
 
+#[cfg(feature = "webhooks")]
 impl<S: MessagingStore + WebhookStore> AdminStore for S {}
+
+/// What the admin API and the console read and repair: every messaging
+/// table. Implemented for every store that has them.
+#[cfg(not(feature = "webhooks"))]
+pub trait AdminStore: MessagingStore {}
+
+#[cfg(not(feature = "webhooks"))]
+impl<S: MessagingStore> AdminStore for S {}
 
 /// The admin operations over a store, and their HTTP API
 /// ([`router`](Self::router)). Cheap to clone. The operations are public
@@ -337,42 +362,6 @@ where
             .collect())
     }
 
-    /// Webhook deliveries matching `query`, newest first; with
-    /// `with_attempts`, each with its attempt log.
-    pub async fn deliveries(
-        &self,
-        query: &DeliveryQuery,
-        with_attempts: bool,
-    ) -> Result<Vec<DeliveryJson>, AdminError> {
-        let filter = query.filter()?;
-        let deliveries = self.inner.endpoints.deliveries(&filter).await?;
-        let mut out = Vec::with_capacity(deliveries.len());
-        for delivery in &deliveries {
-            let mut json = DeliveryJson::from(delivery);
-            if with_attempts {
-                json.attempt_log = self.attempt_log(delivery.id).await?;
-            }
-            out.push(json);
-        }
-        Ok(out)
-    }
-
-    /// One delivery with its attempt log; `id` is the delivery's number.
-    pub async fn delivery(&self, id: &str) -> Result<DeliveryJson, AdminError> {
-        let id = delivery_id(id)?;
-        let delivery = self.inner.endpoints.delivery(id).await?;
-        let mut json = DeliveryJson::from(&delivery);
-        json.attempt_log = self.attempt_log(id).await?;
-        Ok(json)
-    }
-
-    /// Queues a delivery again from a fresh retry schedule.
-    pub async fn resend_delivery(&self, id: &str) -> Result<ActionJson, AdminError> {
-        let number = delivery_id(id)?;
-        self.inner.endpoints.resend(number).await?;
-        Ok(action("resent", id, 1))
-    }
-
     /// Every circuit breaker made so far (empty without a registry).
     pub fn breakers(&self) -> Vec<BreakerJson> {
         self.inner
@@ -443,14 +432,9 @@ where
             Err(_) => bare_view(record, now).into(),
         }
     }
-
-    async fn attempt_log(&self, id: i64) -> Result<Vec<DeliveryAttemptJson>, AdminError> {
-        let attempts = self.inner.endpoints.attempts(id).await?;
-        Ok(attempts.iter().map(DeliveryAttemptJson::from).collect())
-    }
 }
 
-fn action(action: &str, id: &str, affected: u64) -> ActionJson {
+pub(crate) fn action(action: &str, id: &str, affected: u64) -> ActionJson {
     ActionJson {
         action: action.to_owned(),
         id: id.to_owned(),
@@ -470,14 +454,6 @@ fn not_parked(id: i64) -> AdminError {
     AdminError::NotFound(format!(
         "no parked outbox row with id {id} (it may have been replayed, discarded or published)"
     ))
-}
-
-fn delivery_id(id: &str) -> Result<i64, AdminError> {
-    id.parse().map_err(|_| {
-        AdminError::bad_request(format!(
-            "`{id}` is not a delivery id: delivery ids are whole numbers"
-        ))
-    })
 }
 
 fn bare_view(record: SagaRecord, now: chrono::DateTime<Utc>) -> SagaView {

@@ -12,9 +12,10 @@ use chrono::{DateTime, Utc};
 use keel_messaging::saga::SagaView;
 use keel_policy::breaker::BreakerSnapshot;
 use keel_store::{
-    AttemptError, DeadLetter, DeadLetterStatus, DeliveryAttempt, DeliveryStatus, OutboxStats,
-    ParkedOutbox, SagaStatus, WebhookDelivery,
+    AttemptError, DeadLetter, DeadLetterStatus, OutboxStats, ParkedOutbox, SagaStatus,
 };
+#[cfg(feature = "webhooks")]
+use keel_store::{DeliveryAttempt, DeliveryStatus, WebhookDelivery};
 use serde::{Deserialize, Serialize};
 
 use super::gauges::Gauge;
@@ -194,6 +195,7 @@ impl From<SagaView> for SagaJson {
     }
 }
 
+#[cfg(feature = "webhooks")]
 /// One attempt at a webhook delivery.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeliveryAttemptJson {
@@ -213,6 +215,7 @@ pub struct DeliveryAttemptJson {
     pub error: Option<String>,
 }
 
+#[cfg(feature = "webhooks")]
 impl From<&DeliveryAttempt> for DeliveryAttemptJson {
     fn from(a: &DeliveryAttempt) -> Self {
         Self {
@@ -227,6 +230,7 @@ impl From<&DeliveryAttempt> for DeliveryAttemptJson {
     }
 }
 
+#[cfg(feature = "webhooks")]
 /// A webhook delivery as the admin API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeliveryJson {
@@ -254,6 +258,7 @@ pub struct DeliveryJson {
     pub attempt_log: Vec<DeliveryAttemptJson>,
 }
 
+#[cfg(feature = "webhooks")]
 impl From<&WebhookDelivery> for DeliveryJson {
     fn from(d: &WebhookDelivery) -> Self {
         Self {

@@ -3,10 +3,9 @@
 //! names the valid values, never an empty list that looks like good news.
 
 use chrono::TimeDelta;
-use keel_store::{
-    DeadLetterFilter, DeadLetterStatus, DeliveryFilter, DeliveryStatus, ParkedFilter, SagaFilter,
-    SagaStatus,
-};
+use keel_store::{DeadLetterFilter, DeadLetterStatus, ParkedFilter, SagaFilter, SagaStatus};
+#[cfg(feature = "webhooks")]
+use keel_store::{DeliveryFilter, DeliveryStatus};
 use serde::{Deserialize, Serialize};
 
 use super::AdminError;
@@ -142,6 +141,7 @@ impl SagaQuery {
     }
 }
 
+#[cfg(feature = "webhooks")]
 /// `GET /admin/api/webhook-deliveries` filters.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -158,6 +158,7 @@ pub struct DeliveryQuery {
     pub limit: Option<String>,
 }
 
+#[cfg(feature = "webhooks")]
 impl DeliveryQuery {
     /// The store filter, or a `400` saying what is wrong.
     pub fn filter(&self) -> Result<DeliveryFilter, AdminError> {
@@ -237,11 +238,14 @@ mod tests {
             ..Default::default()
         };
         assert!(q.filter().unwrap_err().to_string().contains("stuck"));
-        let q = DeliveryQuery {
-            before: Some("x".into()),
-            ..Default::default()
-        };
-        assert!(matches!(q.filter(), Err(AdminError::BadRequest(_))));
+        #[cfg(feature = "webhooks")]
+        {
+            let q = DeliveryQuery {
+                before: Some("x".into()),
+                ..Default::default()
+            };
+            assert!(matches!(q.filter(), Err(AdminError::BadRequest(_))));
+        }
         assert_eq!(
             SagaQuery::status(SagaStatus::Stuck)
                 .filter()

@@ -14,11 +14,10 @@ use serde::de::DeserializeOwned;
 use super::model::Listing;
 use super::{
     ActionJson, Admin, AdminError, AdminSession, BreakerJson, DeadLetterJson, DeadLetterQuery,
-    DeliveryJson, DeliveryQuery, LagJson, ParkedJson, ParkedQuery, SagaJson, SagaQuery,
-    SummaryJson,
+    LagJson, ParkedJson, ParkedQuery, SagaJson, SagaQuery, SummaryJson,
 };
 
-type Reply<T> = Result<Json<T>, AdminError>;
+pub(crate) type Reply<T> = Result<Json<T>, AdminError>;
 
 impl<S> Admin<S>
 where
@@ -32,7 +31,7 @@ where
             .route("/admin/api/login", post(login::<S>))
             .route_layer(self.access().login_layer(API_CSP))
             .with_state(self.clone());
-        Router::new()
+        let routes = Router::new()
             .route("/admin/api/logout", post(logout::<S>))
             .route("/admin/api/summary", get(summary::<S>))
             .route("/admin/api/dead-letters", get(dead_letters::<S>))
@@ -61,14 +60,11 @@ where
                 "/admin/api/sagas/{id}/confirm-not-applied",
                 post(confirm_not_applied::<S>),
             )
-            .route("/admin/api/webhook-deliveries", get(deliveries::<S>))
-            .route("/admin/api/webhook-deliveries/{id}", get(delivery::<S>))
-            .route(
-                "/admin/api/webhook-deliveries/{id}/resend",
-                post(resend::<S>),
-            )
             .route("/admin/api/breakers", get(breakers::<S>))
-            .route("/admin/api/lag", get(lag::<S>))
+            .route("/admin/api/lag", get(lag::<S>));
+        #[cfg(feature = "webhooks")]
+        let routes = crate::webhooks::routes(routes);
+        routes
             .route_layer(self.auth_layer())
             .with_state(self.clone())
             .merge(login)
@@ -129,7 +125,9 @@ impl<St: Sync> axum::extract::FromRequestParts<St> for ConnectedIp {
     }
 }
 
-fn query<T: DeserializeOwned>(q: Result<Query<T>, QueryRejection>) -> Result<T, AdminError> {
+pub(crate) fn query<T: DeserializeOwned>(
+    q: Result<Query<T>, QueryRejection>,
+) -> Result<T, AdminError> {
     q.map(|Query(q)| q)
         .map_err(|e| AdminError::bad_request(format!("bad query string: {}", e.body_text())))
 }
@@ -234,27 +232,6 @@ async fn cancel<S: AdminStore>(
     Path(id): Path<String>,
 ) -> Reply<SagaJson> {
     Ok(Json(admin.cancel_saga(&id).await?))
-}
-
-async fn deliveries<S: AdminStore>(
-    State(admin): State<Admin<S>>,
-    q: Result<Query<DeliveryQuery>, QueryRejection>,
-) -> Reply<Listing<DeliveryJson>> {
-    Ok(Json(admin.deliveries(&query(q)?, false).await?.into()))
-}
-
-async fn delivery<S: AdminStore>(
-    State(admin): State<Admin<S>>,
-    Path(id): Path<String>,
-) -> Reply<DeliveryJson> {
-    Ok(Json(admin.delivery(&id).await?))
-}
-
-async fn resend<S: AdminStore>(
-    State(admin): State<Admin<S>>,
-    Path(id): Path<String>,
-) -> Reply<ActionJson> {
-    Ok(Json(admin.resend_delivery(&id).await?))
 }
 
 async fn breakers<S: AdminStore>(State(admin): State<Admin<S>>) -> Json<Listing<BreakerJson>> {

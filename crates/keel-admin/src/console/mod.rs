@@ -63,13 +63,15 @@ use keel_store::SagaStatus;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+#[cfg(feature = "webhooks")]
+use crate::DeliveryQuery;
 use crate::routes::ConnectedIp;
 
 pub use html::escape;
 
 use crate::{
-    ActionJson, Admin, AdminError, AdminSession, CSRF_FIELD, DeadLetterQuery, DeliveryQuery,
-    Notice, ParkedQuery, SagaQuery,
+    ActionJson, Admin, AdminError, AdminSession, CSRF_FIELD, DeadLetterQuery, Notice, ParkedQuery,
+    SagaQuery,
 };
 
 /// How often the live stream looks for changes by default: every second.
@@ -208,15 +210,17 @@ where
                     })
                 }),
             )
-            .route(
-                "/console/webhook-deliveries/{id}/resend",
-                button(|admin, id| {
-                    Box::pin(async move {
-                        Ok(done(&admin.resend_delivery(&id).await?, "webhook delivery"))
-                    })
-                }),
-            )
-            .route("/console/logout", post(logout::<S>))
+            .route("/console/logout", post(logout::<S>));
+        #[cfg(feature = "webhooks")]
+        let protected = protected.route(
+            "/console/webhook-deliveries/{id}/resend",
+            button(|admin, id| {
+                Box::pin(
+                    async move { Ok(done(&admin.resend_delivery(&id).await?, "webhook delivery")) },
+                )
+            }),
+        );
+        let protected = protected
             .route_layer(access.page_layer("/console/login", csp))
             .with_state(self.clone());
         let open = Router::new()
@@ -252,17 +256,33 @@ where
         let parked = render::or_error(admin.parked_outbox(&parked).await, |p| {
             render::parked_outbox(&p)
         });
-        let deliveries = DeliveryQuery {
+        #[cfg(feature = "webhooks")]
+        let deliveries = self.deliveries(rows).await;
+        let breakers = render::breakers(&admin.breakers());
+        let lag = render::or_error(admin.lag().await, |l| render::lag(&l));
+        let html = [
+            summary,
+            sagas,
+            letters,
+            parked,
+            #[cfg(feature = "webhooks")]
+            deliveries,
+            breakers,
+            lag,
+        ];
+        render::SECTIONS.into_iter().zip(html).collect()
+    }
+
+    /// The newest webhook deliveries with their attempt logs.
+    #[cfg(feature = "webhooks")]
+    async fn deliveries(&self, rows: String) -> String {
+        let query = DeliveryQuery {
             limit: Some(rows),
             ..DeliveryQuery::default()
         };
-        let deliveries = render::or_error(admin.deliveries(&deliveries, true).await, |d| {
+        render::or_error(self.admin.deliveries(&query, true).await, |d| {
             render::deliveries(&d)
-        });
-        let breakers = render::breakers(&admin.breakers());
-        let lag = render::or_error(admin.lag().await, |l| render::lag(&l));
-        let html = [summary, sagas, letters, parked, deliveries, breakers, lag];
-        render::SECTIONS.into_iter().zip(html).collect()
+        })
     }
 
     /// Stuck sagas first, then compensating, then running.

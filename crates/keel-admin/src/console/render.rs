@@ -9,21 +9,36 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use keel_store::{DeadLetterStatus, DeliveryStatus, SagaStatus};
+#[cfg(feature = "webhooks")]
+use keel_store::DeliveryStatus;
+use keel_store::{DeadLetterStatus, SagaStatus};
 
 use super::html::{action_button, encode_segment, escape};
-use crate::{
-    AdminError, BreakerJson, DeadLetterJson, DeliveryJson, LagJson, ParkedJson, SagaJson,
-    SummaryJson,
-};
+#[cfg(feature = "webhooks")]
+use crate::DeliveryJson;
+use crate::{AdminError, BreakerJson, DeadLetterJson, LagJson, ParkedJson, SagaJson, SummaryJson};
 
-/// The section ids, in page order.
+/// The section ids, in page order (webhook deliveries with the
+/// `webhooks` feature).
+#[cfg(feature = "webhooks")]
 pub(crate) const SECTIONS: [&str; 7] = [
     "summary",
     "sagas",
     "dead-letters",
     "parked-outbox",
     "webhook-deliveries",
+    "breakers",
+    "lag",
+];
+
+/// The section ids, in page order (webhook deliveries with the
+/// `webhooks` feature).
+#[cfg(not(feature = "webhooks"))]
+pub(crate) const SECTIONS: [&str; 6] = [
+    "summary",
+    "sagas",
+    "dead-letters",
+    "parked-outbox",
     "breakers",
     "lag",
 ];
@@ -288,6 +303,7 @@ pub(crate) fn parked_outbox(rows: &[ParkedJson]) -> String {
     out
 }
 
+#[cfg(feature = "webhooks")]
 pub(crate) fn deliveries(deliveries: &[DeliveryJson]) -> String {
     if deliveries.is_empty() {
         return "<p class=\"empty\">No webhook deliveries yet.</p>".to_owned();
