@@ -119,6 +119,24 @@ pub async fn enqueue<S: WebhookStore>(
     queued
 }
 
+/// Delivery `id`, which must exist.
+async fn delivery<S: WebhookStore>(store: &S, id: i64) -> WebhookDelivery {
+    store
+        .webhook_delivery_get(id)
+        .await
+        .expect("webhook_delivery_get")
+        .expect("the delivery exists")
+}
+
+/// Endpoint `id`, which must exist.
+async fn endpoint_named<S: WebhookStore>(store: &S, id: &str) -> WebhookEndpoint {
+    store
+        .webhook_endpoint_get(id)
+        .await
+        .expect("webhook_endpoint_get")
+        .expect("the endpoint exists")
+}
+
 async fn deliveries<S: WebhookStore>(store: &S, endpoint_id: &str) -> Vec<WebhookDelivery> {
     let mut list = store
         .webhook_delivery_list(&DeliveryFilter {

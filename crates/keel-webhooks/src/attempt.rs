@@ -63,6 +63,13 @@ enum HopError {
     CrossOrigin(String),
 }
 
+/// The final (not followed) response of an attempt.
+struct Answer {
+    status: StatusCode,
+    retry_after: Option<Duration>,
+    body: String,
+}
+
 /// POSTs `body` with `headers` to `url`, following up to
 /// `limits.max_redirects` redirects, each hop checked by `guard` before it
 /// is requested (and its name resolved through the guard by the client).
@@ -80,94 +87,137 @@ pub(crate) async fn post(
         Ok(url) => url,
         Err(err) => return AttemptResult::failed(url, format!("invalid URL: {err}")),
     };
-    let hops = async {
-        for hop in 0..=limits.max_redirects {
-            guard.check_url(&current).map_err(HopError::Refused)?;
-            if guard.denies_sockets()
-                && let Some(host) = current.host_str()
-                && !host.starts_with('[')
-                && host.parse::<std::net::IpAddr>().is_err()
-            {
-                let port = current.port_or_known_default().unwrap_or(0);
-                guard.resolve(host, port).await.map_err(HopError::Refused)?;
-            }
-            let response = client
-                .post(current.clone())
-                .headers(headers.clone())
-                .body(body.clone())
-                .send()
-                .await
-                .map_err(HopError::Http)?;
-            let status = response.status();
-            if is_followed_redirect(status)
-                && let Some(location) = response
-                    .headers()
-                    .get(header::LOCATION)
-                    .and_then(|v| v.to_str().ok())
-            {
-                if hop == limits.max_redirects {
-                    return Err(HopError::TooManyRedirects(limits.max_redirects));
-                }
-                let next = current
-                    .join(location)
-                    .map_err(|e| HopError::BadLocation(format!("{location:?}: {e}")))?;
-                if next.origin() != current.origin() {
-                    return Err(HopError::CrossOrigin(next.origin().ascii_serialization()));
-                }
-                current = next;
-                tracing::debug!(to = %current, status = status.as_u16(), "following webhook redirect");
-                continue;
-            }
-            let retry_after = response
-                .headers()
-                .get(header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| parse_retry_after(v, now_unix_ms));
-            let body = read_capped(response, limits.max_response_body).await;
-            return Ok((status, retry_after, body));
-        }
-        Err(HopError::TooManyRedirects(limits.max_redirects))
-    };
+    let hops = follow_redirects(
+        client,
+        guard,
+        &mut current,
+        headers,
+        &body,
+        limits,
+        now_unix_ms,
+    );
     let result = tokio::time::timeout(limits.timeout, hops).await;
     let latency = clock::now().saturating_duration_since(started);
+    // `current` is where the hops got to, also when they failed or timed out.
     let mut out = AttemptResult::failed(current.as_str(), String::new());
     out.latency = latency;
     match result {
-        Ok(Ok((status, retry_after, body))) => {
-            out.status = Some(status.as_u16());
-            out.retry_after = retry_after;
-            out.body = Some(body);
+        Ok(Ok(answer)) => {
+            out.status = Some(answer.status.as_u16());
+            out.retry_after = answer.retry_after;
+            out.body = Some(answer.body);
             out.error = None;
         }
-        Ok(Err(HopError::Refused(err))) => {
-            out.refused = true;
-            out.error = Some(format!("refused by the SSRF guard: {err}"));
-        }
-        Ok(Err(HopError::Http(err))) => {
-            if let Some(ssrf) = keel_core::error::find_cause::<SsrfError>(&err) {
-                out.refused = true;
-                out.error = Some(format!("refused by the SSRF guard: {ssrf}"));
-            } else {
-                out.error = Some(keel_core::error::report(&err));
-            }
-        }
-        Ok(Err(HopError::TooManyRedirects(limit))) => {
-            out.error = Some(format!("more than {limit} redirects"));
-        }
-        Ok(Err(HopError::CrossOrigin(to))) => {
-            out.error = Some(format!(
-                "redirect to another origin ({to}) not followed: the signed request goes only to \
-                 the endpoint's own origin; update the endpoint's URL instead"
-            ));
-        }
-        Ok(Err(HopError::BadLocation(detail))) => {
-            out.error = Some(format!("redirect to an invalid location {detail}"));
+        Ok(Err(err)) => {
+            let (refused, error) = describe_hop_error(err);
+            out.refused = refused;
+            out.error = Some(error);
         }
         Err(_) => {
             out.error = Some(format!("timed out after {:?}", limits.timeout));
         }
     }
     out
+}
+
+/// Requests `current`, following redirects hop by hop; `current` is left at
+/// the last URL requested (or refused).
+async fn follow_redirects(
+    client: &reqwest::Client,
+    guard: &SsrfGuard,
+    current: &mut Url,
+    headers: &HeaderMap,
+    body: &Bytes,
+    limits: Limits,
+    now_unix_ms: i64,
+) -> Result<Answer, HopError> {
+    for hop in 0..=limits.max_redirects {
+        check_hop(guard, current).await?;
+        let response = client
+            .post(current.clone())
+            .headers(headers.clone())
+            .body(body.clone())
+            .send()
+            .await
+            .map_err(HopError::Http)?;
+        let status = response.status();
+        if is_followed_redirect(status)
+            && let Some(location) = response
+                .headers()
+                .get(header::LOCATION)
+                .and_then(|v| v.to_str().ok())
+        {
+            if hop == limits.max_redirects {
+                return Err(HopError::TooManyRedirects(limits.max_redirects));
+            }
+            *current = redirect_target(current, location)?;
+            tracing::debug!(to = %current, status = status.as_u16(), "following webhook redirect");
+            continue;
+        }
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| parse_retry_after(v, now_unix_ms));
+        let body = read_capped(response, limits.max_response_body).await;
+        return Ok(Answer {
+            status,
+            retry_after,
+            body,
+        });
+    }
+    Err(HopError::TooManyRedirects(limits.max_redirects))
+}
+
+/// Refuses a hop the SSRF guard denies. Denied sockets pair an address with
+/// a port, so while there are any, a host name is resolved and checked with
+/// the hop's port before the request is sent.
+async fn check_hop(guard: &SsrfGuard, url: &Url) -> Result<(), HopError> {
+    guard.check_url(url).map_err(HopError::Refused)?;
+    if guard.denies_sockets()
+        && let Some(host) = url.host_str()
+        && !host.starts_with('[')
+        && host.parse::<std::net::IpAddr>().is_err()
+    {
+        let port = url.port_or_known_default().unwrap_or(0);
+        guard.resolve(host, port).await.map_err(HopError::Refused)?;
+    }
+    Ok(())
+}
+
+/// Where a redirect from `current` to `location` goes, if it stays within
+/// `current`'s origin.
+fn redirect_target(current: &Url, location: &str) -> Result<Url, HopError> {
+    let next = current
+        .join(location)
+        .map_err(|e| HopError::BadLocation(format!("{location:?}: {e}")))?;
+    if next.origin() != current.origin() {
+        return Err(HopError::CrossOrigin(next.origin().ascii_serialization()));
+    }
+    Ok(next)
+}
+
+/// Whether the SSRF guard refused the hop, and the error for the delivery
+/// log.
+fn describe_hop_error(err: HopError) -> (bool, String) {
+    match err {
+        HopError::Refused(err) => (true, format!("refused by the SSRF guard: {err}")),
+        HopError::Http(err) => match keel_core::error::find_cause::<SsrfError>(&err) {
+            Some(ssrf) => (true, format!("refused by the SSRF guard: {ssrf}")),
+            None => (false, keel_core::error::report(&err)),
+        },
+        HopError::TooManyRedirects(limit) => (false, format!("more than {limit} redirects")),
+        HopError::CrossOrigin(to) => (
+            false,
+            format!(
+                "redirect to another origin ({to}) not followed: the signed request goes only to \
+                 the endpoint's own origin; update the endpoint's URL instead"
+            ),
+        ),
+        HopError::BadLocation(detail) => {
+            (false, format!("redirect to an invalid location {detail}"))
+        }
+    }
 }
 
 /// The redirects a webhook follows, within the endpoint's own origin only

@@ -351,17 +351,46 @@ impl<S: WebhookDeliveryStore + WebhookEndpointStore> DeliveryWorker<S> {
             attempted: finished.len(),
             ..BatchReport::default()
         };
-        if finished.is_empty() {
+        if finished.is_empty() || !self.complete(&finished).await {
             return report;
         }
-        let inner = &self.inner;
-        let opts = &inner.options;
+        let opts = &self.inner.options;
+        let Triage {
+            mut to_disable,
+            failing,
+            healthy,
+        } = triage(&finished, opts.disable_when_exhausted, &mut report);
+        let now = opts.clock.now();
+        self.check_failure_windows(failing, &healthy, &mut to_disable, now)
+            .await;
+        let mut done: HashSet<&str> = HashSet::new();
+        for (f, reason) in to_disable {
+            if !done.insert(&f.endpoint_id) {
+                continue;
+            }
+            if let Some(event) = self.disable(f, reason, now).await {
+                report.disabled.push(event);
+            }
+        }
+        report
+    }
+
+    /// Stores the outcomes in one transaction, retrying a few times; false
+    /// if they could not be stored (their leases then run out and the
+    /// deliveries are sent again, so no endpoint decision is made on them).
+    async fn complete(&self, finished: &[Finished]) -> bool {
+        let opts = &self.inner.options;
         let outcomes: Vec<DeliveryOutcome> = finished.iter().map(|f| f.outcome.clone()).collect();
         let mut tries = 0;
         loop {
             tries += 1;
-            match inner.store.webhook_complete(&opts.name, &outcomes).await {
-                Ok(_) => break,
+            match self
+                .inner
+                .store
+                .webhook_complete(&opts.name, &outcomes)
+                .await
+            {
+                Ok(_) => return true,
                 Err(err) if tries < COMPLETE_ATTEMPTS => {
                     tracing::debug!(error = %err, tries, "recording webhook attempts failed, retrying");
                     tokio::time::sleep(Duration::from_millis(50 * u64::from(tries))).await;
@@ -373,67 +402,30 @@ impl<S: WebhookDeliveryStore + WebhookEndpointStore> DeliveryWorker<S> {
                         attempts = outcomes.len(),
                         "could not record webhook attempts; they will be sent again after their leases"
                     );
-                    return report;
+                    return false;
                 }
             }
         }
+    }
 
-        let mut to_disable: Vec<(&Finished, DisableReason)> = Vec::new();
-        let mut failing: HashMap<&str, &Finished> = HashMap::new();
-        let mut healthy: HashSet<&str> = HashSet::new();
-        for f in &finished {
-            let outcome = match f.outcome.status {
-                DeliveryStatus::Succeeded => "succeeded",
-                DeliveryStatus::Pending => "retrying",
-                DeliveryStatus::Failed => "failed",
-                DeliveryStatus::Disabled => "gone",
-            };
-            metrics::counter!("keel_webhook_attempts_total", "outcome" => outcome).increment(1);
-            metrics::histogram!("keel_webhook_attempt_duration_seconds")
-                .record(f.outcome.attempt.latency.as_secs_f64());
-            match f.outcome.status {
-                DeliveryStatus::Succeeded => {
-                    report.succeeded += 1;
-                    healthy.insert(&f.endpoint_id);
-                }
-                DeliveryStatus::Pending => {
-                    report.retrying += 1;
-                    failing.entry(&f.endpoint_id).or_insert(f);
-                }
-                DeliveryStatus::Failed => {
-                    report.failed += 1;
-                    tracing::warn!(
-                        delivery = f.outcome.attempt.delivery_id,
-                        endpoint = %f.endpoint_id,
-                        error = ?f.outcome.attempt.error,
-                        status = ?f.outcome.attempt.response_status,
-                        "webhook delivery failed for good"
-                    );
-                    if f.exhausted && opts.disable_when_exhausted {
-                        to_disable.push((
-                            f,
-                            DisableReason::ScheduleExhausted {
-                                delivery_id: f.outcome.attempt.delivery_id,
-                            },
-                        ));
-                    }
-                    failing.entry(&f.endpoint_id).or_insert(f);
-                }
-                DeliveryStatus::Disabled => {
-                    report.failed += 1;
-                    to_disable.push((f, DisableReason::Gone));
-                }
-            }
-        }
-        // The failure window of endpoints that failed in this batch.
-        let now = opts.clock.now();
+    /// Adds to `to_disable` the endpoints in `failing` whose failure window
+    /// has passed; endpoints that also succeeded in this batch, or are being
+    /// disabled already, are not looked up.
+    async fn check_failure_windows<'a>(
+        &self,
+        failing: HashMap<&'a str, &'a Finished>,
+        healthy: &HashSet<&'a str>,
+        to_disable: &mut Vec<(&'a Finished, DisableReason)>,
+        now: DateTime<Utc>,
+    ) {
+        let opts = &self.inner.options;
         for (endpoint, f) in failing {
             if healthy.contains(endpoint)
                 || to_disable.iter().any(|(d, _)| d.endpoint_id == endpoint)
             {
                 continue;
             }
-            match inner.store.webhook_failing_since(endpoint).await {
+            match self.inner.store.webhook_failing_since(endpoint).await {
                 Ok(Some(since)) if window_passed(since, now, opts.failure_window) => {
                     to_disable.push((
                         f,
@@ -449,16 +441,6 @@ impl<S: WebhookDeliveryStore + WebhookEndpointStore> DeliveryWorker<S> {
                 }
             }
         }
-        let mut done: HashSet<&str> = HashSet::new();
-        for (f, reason) in to_disable {
-            if !done.insert(&f.endpoint_id) {
-                continue;
-            }
-            if let Some(event) = self.disable(f, reason, now).await {
-                report.disabled.push(event);
-            }
-        }
-        report
     }
 
     async fn disable(
@@ -500,6 +482,78 @@ impl<S: WebhookDeliveryStore + WebhookEndpointStore> DeliveryWorker<S> {
             }
         }
     }
+}
+
+/// What a batch's outcomes say about their endpoints.
+#[derive(Default)]
+struct Triage<'a> {
+    /// Endpoints to disable and why, in the order decided (an endpoint may
+    /// appear more than once; its first reason is used).
+    to_disable: Vec<(&'a Finished, DisableReason)>,
+    /// Endpoints with a retrying or failed delivery, each with the first.
+    failing: HashMap<&'a str, &'a Finished>,
+    /// Endpoints with a successful attempt.
+    healthy: HashSet<&'a str>,
+}
+
+/// Counts every outcome into `report` and its metrics, warns of deliveries
+/// failed for good, and sorts their endpoints by what the outcomes say.
+fn triage<'a>(
+    finished: &'a [Finished],
+    disable_when_exhausted: bool,
+    report: &mut BatchReport,
+) -> Triage<'a> {
+    let mut triage = Triage::default();
+    for f in finished {
+        count_attempt(&f.outcome);
+        match f.outcome.status {
+            DeliveryStatus::Succeeded => {
+                report.succeeded += 1;
+                triage.healthy.insert(&f.endpoint_id);
+            }
+            DeliveryStatus::Pending => {
+                report.retrying += 1;
+                triage.failing.entry(&f.endpoint_id).or_insert(f);
+            }
+            DeliveryStatus::Failed => {
+                report.failed += 1;
+                tracing::warn!(
+                    delivery = f.outcome.attempt.delivery_id,
+                    endpoint = %f.endpoint_id,
+                    error = ?f.outcome.attempt.error,
+                    status = ?f.outcome.attempt.response_status,
+                    "webhook delivery failed for good"
+                );
+                if f.exhausted && disable_when_exhausted {
+                    triage.to_disable.push((
+                        f,
+                        DisableReason::ScheduleExhausted {
+                            delivery_id: f.outcome.attempt.delivery_id,
+                        },
+                    ));
+                }
+                triage.failing.entry(&f.endpoint_id).or_insert(f);
+            }
+            DeliveryStatus::Disabled => {
+                report.failed += 1;
+                triage.to_disable.push((f, DisableReason::Gone));
+            }
+        }
+    }
+    triage
+}
+
+/// The attempt metrics: one count by outcome, and the latency.
+fn count_attempt(outcome: &DeliveryOutcome) {
+    let label = match outcome.status {
+        DeliveryStatus::Succeeded => "succeeded",
+        DeliveryStatus::Pending => "retrying",
+        DeliveryStatus::Failed => "failed",
+        DeliveryStatus::Disabled => "gone",
+    };
+    metrics::counter!("keel_webhook_attempts_total", "outcome" => label).increment(1);
+    metrics::histogram!("keel_webhook_attempt_duration_seconds")
+        .record(outcome.attempt.latency.as_secs_f64());
 }
 
 fn window_passed(since: DateTime<Utc>, now: DateTime<Utc>, window: Duration) -> bool {

@@ -8,7 +8,32 @@ use super::report::Report;
 impl Report {
     /// The summary table.
     pub fn table(&self) -> String {
-        let rows: Vec<(&str, String)> = vec![
+        let rows = self.counts();
+        let checks = self.checks();
+        let width = rows
+            .iter()
+            .chain(&checks)
+            .map(|(k, _)| k.chars().count())
+            .max()
+            .unwrap_or(0);
+        let mut out = String::new();
+        let line = "─".repeat(width + 24);
+        let _ = writeln!(out, "{line}");
+        for (k, v) in &rows {
+            let _ = writeln!(out, "{k:<width$}  {v}");
+        }
+        let _ = writeln!(out, "{line}");
+        for (k, v) in &checks {
+            let _ = writeln!(out, "{k:<width$}  {v}");
+        }
+        let _ = writeln!(out, "{line}");
+        self.write_verdict(&mut out);
+        out
+    }
+
+    /// What happened, one row a count.
+    fn counts(&self) -> Vec<(&'static str, String)> {
+        vec![
             ("orders sent", self.orders_sent.to_string()),
             ("orders accepted", self.orders_accepted.to_string()),
             ("orders rejected (4xx)", self.orders_rejected.to_string()),
@@ -90,9 +115,13 @@ impl Report {
                 "completed orders total",
                 format!("{} cents", self.money.completed_orders_cents),
             ),
-        ];
+        ]
+    }
+
+    /// Each invariant's verdict, one row each.
+    fn checks(&self) -> Vec<(&'static str, String)> {
         let verdict = |ok: bool| if ok { "ok" } else { "VIOLATED" };
-        let checks: Vec<(&str, String)> = vec![
+        vec![
             (
                 "lost = 0",
                 format!(
@@ -125,24 +154,12 @@ impl Report {
                 "every accepted order settled",
                 verdict(self.quiescent).to_owned(),
             ),
-        ];
-        let width = rows
-            .iter()
-            .chain(&checks)
-            .map(|(k, _)| k.chars().count())
-            .max()
-            .unwrap_or(0);
-        let mut out = String::new();
-        let line = "─".repeat(width + 24);
-        let _ = writeln!(out, "{line}");
-        for (k, v) in &rows {
-            let _ = writeln!(out, "{k:<width$}  {v}");
-        }
-        let _ = writeln!(out, "{line}");
-        for (k, v) in &checks {
-            let _ = writeln!(out, "{k:<width$}  {v}");
-        }
-        let _ = writeln!(out, "{line}");
+        ]
+    }
+
+    /// The verdict line, then what was violated and which sagas did not
+    /// settle.
+    fn write_verdict(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "verdict: {}",
@@ -158,6 +175,5 @@ impl Report {
         for saga in &self.unsettled_sagas {
             let _ = writeln!(out, "  - {saga}");
         }
-        out
     }
 }

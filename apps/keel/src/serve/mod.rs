@@ -66,13 +66,11 @@ pub fn admin_routes<S: ShopStore>(
     (admin, router)
 }
 
-/// The routes `keel serve` adds to the public API: reports and jobs,
-/// webhooks, health, metrics, OpenAPI, admin and console.
-pub fn serve_routes<S: ShopStore>(
+/// The webhook management API (behind the tenants' API keys) and the
+/// inbound webhook receiver.
+fn webhook_routes<S: ShopStore>(
     c: &Components<S>,
     config: &ServeConfig,
-    reports: Reports,
-    jobs: &Jobs<S>,
 ) -> Result<Router, StartError> {
     let secret = match &config.inbound_webhook_secret {
         Some(s) => Secret::parse(s),
@@ -89,7 +87,7 @@ pub fn serve_routes<S: ShopStore>(
     // route lacks answers 405 with `Allow`, not 401.
     let management = ApiKeyLayer::new(config.api_keys.clone(), FailureThrottle::default());
     let managed = |route: MethodRouter<WebhookApi<S>>| route.route_layer(management.clone());
-    let webhook_routes = Router::new()
+    Ok(Router::new()
         .route(
             "/webhook-endpoints",
             managed(post(webhooks::create_endpoint::<S>).get(webhooks::list_endpoints::<S>)),
@@ -107,7 +105,12 @@ pub fn serve_routes<S: ShopStore>(
             managed(post(webhooks::resend::<S>)),
         )
         .route("/webhooks/inbound/{source}", post(webhooks::inbound::<S>))
-        .with_state(webhook_api);
+        .with_state(webhook_api))
+}
+
+/// The probes and the deep check: the drain, the store and its pool, and
+/// each dependency answering within a second.
+fn health<S: ShopStore>(c: &Components<S>) -> Result<Health, StartError> {
     let http = reqwest::Client::new();
     let pool = c.store.clone();
     let mut health = Health::builder()
@@ -129,9 +132,21 @@ pub fn serve_routes<S: ShopStore>(
             async move { request.send().await.map(drop) }
         });
     }
-    let health = health
+    health
         .build()
-        .map_err(|e| StartError::Config(e.to_string()))?;
+        .map_err(|e| StartError::Config(e.to_string()))
+}
+
+/// The routes `keel serve` adds to the public API: reports and jobs,
+/// webhooks, health, metrics, OpenAPI, admin and console.
+pub fn serve_routes<S: ShopStore>(
+    c: &Components<S>,
+    config: &ServeConfig,
+    reports: Reports,
+    jobs: &Jobs<S>,
+) -> Result<Router, StartError> {
+    let webhook_routes = webhook_routes(c, config)?;
+    let health = health(c)?;
     let token = AdminToken::require_for(config.listen, config.admin_token.clone())
         .map_err(|e| StartError::Config(e.to_string()))?;
     let (admin, admin_routes) =

@@ -18,6 +18,7 @@ pub mod fulfilment;
 pub mod model;
 #[cfg(feature = "postgres")]
 pub mod pg;
+mod pipeline;
 pub mod projection;
 pub mod quotes;
 pub mod retention;
@@ -27,7 +28,7 @@ pub mod shipping;
 pub mod sql;
 
 use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -35,24 +36,20 @@ use std::time::Duration;
 use axum::Router;
 use keel_http::health::{ConnectionLimits, Drain};
 use keel_http::pagination::{CursorCodec, Pagination};
-use keel_http::tls::TlsListener;
-use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
-use keel_messaging::lease::{LeaseGate, LeaseLock};
 use keel_messaging::saga::SagaOrchestrator;
-use keel_messaging::{DeadLetters, MessagingStore, Outbox, OutboxRelay};
+use keel_messaging::{DeadLetters, MessagingStore, Outbox};
 use keel_policy::breaker::{BreakerRegistry, CircuitBreakerConfig, SlidingWindow};
 use keel_realtime::EventLog;
 use keel_store::broker::Broker;
 use keel_store::{EventLogStore, IdempotencyStore, JobStore, WebhookStore};
 use keel_webhooks::sealing::SecretSealer;
-use keel_webhooks::ssrf::{IpNetwork, SsrfGuard};
-use keel_webhooks::{DeliveryWorker, Endpoints, WebhookOutbox, WorkerOptions};
+use keel_webhooks::{DeliveryWorker, Endpoints};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::api::{self, AppState};
+use crate::api::AppState;
 use db::ShopDb;
-use model::OrderPlaced;
+use pipeline::{fan_out, own_origins, spawn_retention};
 use saga::{Dependencies, DependencyTuning};
 use services::PaymentsFaults;
 
@@ -136,6 +133,13 @@ pub struct SystemConfig {
     pub retention: retention::Retention,
     /// How long an Idempotency-Key is remembered (default 24 hours).
     pub idempotency_ttl: Duration,
+}
+
+impl SystemConfig {
+    /// `https` when the server terminates TLS itself, else `http`.
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() { "https" } else { "http" }
+    }
 }
 
 impl Default for SystemConfig {
@@ -289,22 +293,10 @@ impl System {
         config: SystemConfig,
         extra: impl FnOnce(&Components<S>) -> Result<Router, StartError>,
     ) -> Result<SystemHandle<S>, StartError> {
-        store.migrate_shop().await?;
-        let dependencies_store = match own {
-            Some(own) => {
-                own.migrate_shop().await?;
-                own
-            }
-            None => store.clone(),
-        };
-        dependencies_store.seed_stock(&config.stock).await?;
+        let dependencies_store = pipeline::migrate(&store, own, &config).await?;
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
-        let scheme = if config.tls.is_some() {
-            "https"
-        } else {
-            "http"
-        };
+        let scheme = config.scheme();
         let (stop, stopped) = watch::channel(false);
         // The dependencies stop on a signal of their own, sent only once
         // the orchestrator has stopped: its calls in flight (and their
@@ -313,17 +305,14 @@ impl System {
         let (stop_dependencies, dependencies_stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
 
-        let urls =
-            services::start_dependencies(dependencies_store.clone(), &config, dependencies_stopped)
-                .await?;
         let breakers = BreakerRegistry::new(config.breaker.clone()).map_err(config_err)?;
-        let dependencies = Dependencies::new(
-            urls,
+        let dependencies = pipeline::dependencies(
+            &dependencies_store,
+            &config,
             &breakers,
-            &config.tuning,
-            config.shipping_grpc_token.as_deref(),
+            dependencies_stopped,
         )
-        .map_err(config_err)?;
+        .await?;
         // Webhooks may never be aimed at any of this process's listeners.
         let own: Vec<SocketAddr> = std::iter::once(addr)
             .chain(dependencies.urls().sockets())
@@ -333,60 +322,20 @@ impl System {
             projection::OrderSettlement::new(store.clone(), log.clone(), webhooks, worker.clone());
         let settled = settlement.counter();
         let saga = saga::definition(&dependencies).map_err(config_err)?;
-        let orchestrator = SagaOrchestrator::builder(store.clone())
-            .saga(&saga)
-            .hook(settlement)
-            .poll_interval(config.poll_interval)
-            .concurrency(SAGAS_AT_ONCE)
-            .build()
-            .map_err(config_err)?;
+        let orchestrator = pipeline::orchestrator(&store, &saga, settlement, &config)?;
 
         // The broker's rules at append: an event it could never take is
         // refused in the request, not parked by the relay later.
         let outbox = Outbox::new(store.clone()).with_broker(Arc::clone(&broker));
-        // Every process relays; one at a time prunes (processes sharing a
-        // PostgreSQL database would otherwise all delete the same rows).
-        let prune_lease = LeaseLock::new(
-            store.clone(),
-            "outbox-prune",
-            config.relay_name.clone(),
-            3 * config.retention.interval,
-        );
-        let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker))
-            .name(config.relay_name.clone())
-            .retention(config.retention.outbox)
-            .prune_interval(config.retention.interval)
-            .prune_under(LeaseGate::new(prune_lease))
-            .poll_interval(config.poll_interval)
-            .batch_size(NonZeroUsize::new(200).unwrap_or(NonZeroUsize::MIN))
-            .build()
-            .map_err(config_err)?;
-        let backoff =
-            Backoff::exponential(Duration::from_millis(50), 2.0, Duration::from_millis(500))
-                .and_then(|b| b.with_jitter(Jitter::Full))
-                .map_err(config_err)?;
-        let consumer = Consumer::builder(store.clone(), Arc::clone(&broker))
-            .group(Group::new(fulfilment::TOPIC, fulfilment::GROUP).on(
-                <OrderPlaced as keel_store::Event>::TYPE,
-                fulfilment::StartFulfilment::new(store.clone(), orchestrator.clone(), saga),
-            ))
-            .max_in_flight(DELIVERIES_IN_FLIGHT)
-            .max_deliveries(
-                NonZeroU32::new(config.max_deliveries.max(1)).unwrap_or(NonZeroU32::MIN),
-            )
-            .inbox_retention(Some(config.retention.inbox))
-            .inbox_prune_interval(config.retention.interval)
-            .receive_wait(Duration::from_millis(200))
-            .drain_timeout(Duration::from_secs(5))
-            .backoff(backoff)
-            .build()
-            .map_err(config_err)?;
-
-        let drain = Drain::builder()
-            .lb_notice(config.lb_notice)
-            .drain_timeout(config.drain_timeout)
-            .build()
-            .map_err(config_err)?;
+        let fulfilment =
+            fulfilment::StartFulfilment::new(store.clone(), orchestrator.clone(), saga);
+        let workers = pipeline::Workers {
+            relay: pipeline::relay(&store, &outbox, &broker, &config)?,
+            consumer: pipeline::consumer(&store, &broker, fulfilment, &config)?,
+            orchestrator: orchestrator.clone(),
+            webhooks: worker.clone(),
+        };
+        let drain = pipeline::drain(&config)?;
         let codec = CursorCodec::new(config.cursor_key.clone()).map_err(config_err)?;
         let state = AppState {
             store: store.clone(),
@@ -409,61 +358,11 @@ impl System {
             dependency_urls: dependencies.urls().clone(),
             broker: Arc::clone(&broker),
         };
-        let limits = api::EdgeLimits {
-            idempotency_ttl: config.idempotency_ttl,
-            streams_per_client: config.streams_per_client,
-            ws_origins: own_origins(scheme, addr)
-                .into_iter()
-                .chain(config.ws_origins.iter().cloned())
-                .collect(),
-        };
-        let router = api::public_router(state, drain.signal(), &limits)
-            .map_err(config_err)?
-            .merge(extra(&components)?)
-            .layer(keel_http::request_metrics::RequestMetricsLayer::new());
-        let router = if config.tls.is_some() {
-            router.layer(axum::middleware::map_response(strict_transport_security))
-        } else {
-            router
-        };
-
-        let wait = |rx: &watch::Receiver<bool>| {
-            let mut rx = rx.clone();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }
-        };
-        let on_stop = wait(&stopped);
-        tasks.spawn(async move { relay.run(on_stop).await });
-        let on_stop = wait(&stopped);
-        tasks.spawn(async move {
-            let report = consumer.run(on_stop).await;
-            tracing::info!(?report, "consumer stopped");
-        });
-        let on_stop = wait(&stopped);
-        let orch = orchestrator.clone();
-        tasks.spawn(async move { orch.run(on_stop).await });
-        let on_stop = wait(&stopped);
-        let webhook_worker = worker.clone();
-        tasks.spawn(async move {
-            worker.run(on_stop).await;
-        });
+        let origins = own_origins(scheme, addr);
+        let router = pipeline::router(state, &drain, &config, &origins, extra(&components)?)?;
+        workers.spawn(&mut tasks, &stopped);
         spawn_retention(&mut tasks, &store, &log, &config, stopped.clone());
-        let server_drain = drain.clone();
-        let limits = config.connection_limits.clone();
-        let tls = config.tls.clone();
-        tasks.spawn(async move {
-            let served = match tls {
-                Some(tls) => {
-                    let listener = TlsListener::new(listener, tls);
-                    server_drain.serve_with(listener, router, limits).await
-                }
-                None => server_drain.serve_with(listener, router, limits).await,
-            };
-            if let Err(err) = served {
-                tracing::error!(error = %err, "public server failed");
-            }
-        });
+        pipeline::spawn_server(&mut tasks, listener, router, &drain, &config);
 
         Ok(SystemHandle {
             base_url: format!("{scheme}://{addr}"),
@@ -476,7 +375,7 @@ impl System {
             dead_letters: components.dead_letters,
             breakers,
             endpoints,
-            webhook_worker,
+            webhook_worker: worker,
             dependencies,
             drain,
             settled,
@@ -485,99 +384,6 @@ impl System {
             tasks,
         })
     }
-}
-
-/// HSTS on every answer of a server that terminates TLS itself: a browser
-/// that reached it over HTTPS never tries plain HTTP on it for a year (no
-/// `includeSubDomains`: other hosts under the name are not ours to bind).
-async fn strict_transport_security(
-    mut response: axum::response::Response,
-) -> axum::response::Response {
-    response.headers_mut().insert(
-        axum::http::header::STRICT_TRANSPORT_SECURITY,
-        axum::http::HeaderValue::from_static("max-age=31536000"),
-    );
-    response
-}
-
-/// Starts the pruners ([`retention::run`]) under a lease, so that of the
-/// processes sharing a database one at a time prunes.
-fn spawn_retention<S: ShopStore>(
-    tasks: &mut JoinSet<()>,
-    store: &S,
-    log: &EventLog<S>,
-    config: &SystemConfig,
-    stop: watch::Receiver<bool>,
-) {
-    let lease = LeaseLock::new(
-        store.clone(),
-        "retention",
-        config.relay_name.clone(),
-        3 * config.retention.interval,
-    );
-    tasks.spawn(retention::run(
-        store.clone(),
-        log.clone(),
-        config.retention.clone(),
-        LeaseGate::new(lease),
-        stop,
-    ));
-}
-
-/// The origins of the server's own pages: `http://ADDR`, and on loopback
-/// `http://localhost:PORT` too.
-/// Where settled orders fan out to: the event log, the webhook outbox,
-/// the endpoints it sends to, and the worker that delivers.
-#[allow(clippy::type_complexity)]
-fn fan_out<S: ShopStore>(
-    store: &S,
-    own: &[SocketAddr],
-    config: &SystemConfig,
-) -> Result<
-    (
-        EventLog<S>,
-        WebhookOutbox<S>,
-        Endpoints<S>,
-        DeliveryWorker<S>,
-    ),
-    StartError,
-> {
-    let mut guard = own
-        .iter()
-        .fold(SsrfGuard::new(), |guard, addr| guard.deny(*addr));
-    if config.allow_loopback_webhooks {
-        tracing::warn!("webhook endpoints on loopback are allowed (demo/serve configuration)");
-        for net in [
-            IpNetwork::new([127, 0, 0, 0].into(), 8),
-            IpNetwork::new(std::net::Ipv6Addr::LOCALHOST.into(), 128),
-        ] {
-            guard = guard.allow(net.map_err(config_err)?);
-        }
-    }
-    let endpoints = Endpoints::new(store.clone(), guard.clone()).sealer(config.secrets.clone());
-    let worker = DeliveryWorker::new(
-        store.clone(),
-        WorkerOptions::new()
-            .guard(guard)
-            .sealer(config.secrets.clone())
-            .poll_interval(Duration::from_millis(100))
-            .timeout(Duration::from_secs(5)),
-    )
-    .map_err(config_err)?;
-    Ok((
-        EventLog::new(store.clone()),
-        WebhookOutbox::new(store.clone()),
-        endpoints,
-        worker,
-    ))
-}
-
-fn own_origins(scheme: &str, addr: SocketAddr) -> Vec<String> {
-    let mut origins = vec![format!("{scheme}://{addr}")];
-    if addr.ip().is_loopback() {
-        origins.push(format!("{scheme}://localhost:{}", addr.port()));
-    }
-    origins
 }
 
 /// The pieces extra routes (admin, console, jobs, webhooks) are built from.

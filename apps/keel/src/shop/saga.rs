@@ -273,6 +273,32 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
             saga: SAGA.to_owned(),
             problems: e.to_string(),
         })?;
+    let timeout = Duration::from_secs(5);
+    SagaDefinition::builder(SAGA)
+        .step(
+            capture_payment(deps)
+                .timeout(timeout)
+                .max_attempts(MAX_ATTEMPTS),
+        )
+        .step(
+            reserve_stock(deps)
+                .timeout(timeout)
+                .max_attempts(MAX_ATTEMPTS),
+        )
+        .pivot(
+            schedule_shipment(deps)
+                .timeout(timeout)
+                .max_attempts(MAX_ATTEMPTS),
+        )
+        .step(send_receipt(deps).timeout(timeout))
+        .backoff(backoff)
+        .stuck_after(STUCK_AFTER)
+        .build()
+}
+
+/// Captures the payment; refunds it to compensate (a demo fault keeps
+/// the refund failing until an operator retries the saga).
+fn capture_payment(deps: &Dependencies) -> Step<FulfilmentData> {
     let d = deps.clone();
     let capture = Step::new("capture_payment", move |ctx: Ctx| {
         let d = d.clone();
@@ -290,7 +316,7 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
         }
     });
     let d = deps.clone();
-    let capture = capture.compensate_with(move |ctx: Ctx| {
+    capture.compensate_with(move |ctx: Ctx| {
         let d = d.clone();
         async move {
             let data = ctx.data();
@@ -314,7 +340,11 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
             )
             .await
         }
-    });
+    })
+}
+
+/// Reserves the items; releases them to compensate.
+fn reserve_stock(deps: &Dependencies) -> Step<FulfilmentData> {
     let d = deps.clone();
     let reserve = Step::new("reserve_stock", move |ctx: Ctx| {
         let d = d.clone();
@@ -334,7 +364,7 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
         }
     });
     let d = deps.clone();
-    let reserve = reserve.compensate_with(move |ctx: Ctx| {
+    reserve.compensate_with(move |ctx: Ctx| {
         let d = d.clone();
         async move {
             let body =
@@ -347,9 +377,14 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
             )
             .await
         }
-    });
+    })
+}
+
+/// Creates the shipment over gRPC: the pivot, past which the saga only
+/// goes forward.
+fn schedule_shipment(deps: &Dependencies) -> Step<FulfilmentData> {
     let d = deps.clone();
-    let ship = Step::new("schedule_shipment", move |ctx: Ctx| {
+    Step::new("schedule_shipment", move |ctx: Ctx| {
         let d = d.clone();
         async move {
             d.shipping
@@ -359,9 +394,13 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
                 )
                 .await
         }
-    });
+    })
+}
+
+/// Sends the receipt.
+fn send_receipt(deps: &Dependencies) -> Step<FulfilmentData> {
     let d = deps.clone();
-    let receipt = Step::new("send_receipt", move |ctx: Ctx| {
+    Step::new("send_receipt", move |ctx: Ctx| {
         let d = d.clone();
         async move {
             let body = serde_json::json!({"orderId": ctx.data().order_id});
@@ -373,14 +412,5 @@ pub fn definition(deps: &Dependencies) -> Result<SagaDefinition<FulfilmentData>,
             )
             .await
         }
-    });
-    let timeout = Duration::from_secs(5);
-    SagaDefinition::builder(SAGA)
-        .step(capture.timeout(timeout).max_attempts(MAX_ATTEMPTS))
-        .step(reserve.timeout(timeout).max_attempts(MAX_ATTEMPTS))
-        .pivot(ship.timeout(timeout).max_attempts(MAX_ATTEMPTS))
-        .step(receipt.timeout(timeout))
-        .backoff(backoff)
-        .stuck_after(STUCK_AFTER)
-        .build()
+    })
 }

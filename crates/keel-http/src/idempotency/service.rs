@@ -146,7 +146,7 @@ where
     if !options.methods.contains(request.method()) {
         return inner.call(request).await.map(|r| r.map(Body::new));
     }
-    let (mut parts, body) = request.into_parts();
+    let (parts, body) = request.into_parts();
     let key = match parse_key(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if !options.required => {
@@ -162,8 +162,35 @@ where
         Ok(body) => body,
         Err(rejection) => return Ok(rejection.into_response()),
     };
-    let principal = (options.principal)(&parts);
-    let fingerprint = fingerprint(&parts, &options.fingerprint_headers, &body);
+    let claimed = match claim_key(&store, &options, &parts, key, &body).await {
+        Ok(claimed) => claimed,
+        Err(answer) => return Ok(answer),
+    };
+    run_holding(inner, store, options, parts, body, claimed).await
+}
+
+/// A key this request claimed: the caller's, and the claim's owner id.
+struct Claimed {
+    principal: String,
+    key: String,
+    owner: String,
+    /// When the claim was asked for (its lock runs from then).
+    asked: keel_core::clock::Instant,
+}
+
+/// Claims `key` for this request, or the answer that ends it here: the
+/// stored response replayed, `409` while another request holds the key,
+/// `422` for a key reused with a different request, or the store's
+/// failure.
+async fn claim_key<S: IdempotencyStore>(
+    store: &S,
+    options: &IdempotencyOptions,
+    parts: &Parts,
+    key: String,
+    body: &Bytes,
+) -> Result<Claimed, Response<Body>> {
+    let principal = (options.principal)(parts);
+    let fingerprint = fingerprint(parts, &options.fingerprint_headers, body);
     let now = wall_now();
     let owner = keel_core::id::new_id().to_string();
     let asked = keel_core::clock::now();
@@ -176,25 +203,51 @@ where
         expires_at: after(now, options.ttl),
     };
     match store.idempotency_begin(&claim).await {
-        Ok(IdempotencyBegin::Started) => {}
+        Ok(IdempotencyBegin::Started) => Ok(Claimed {
+            principal,
+            key,
+            owner,
+            asked,
+        }),
         Ok(IdempotencyBegin::Completed(stored)) => {
             metrics::counter!("keel_idempotency_replayed_total").increment(1);
             tracing::debug!(%principal, %key, status = stored.status, "idempotent response replayed");
-            return Ok(replay(stored));
+            Err(replay(stored))
         }
-        Ok(IdempotencyBegin::InFlight) => {
-            return Ok(IdempotencyRejection::InFlight {
-                retry_after: options.in_flight_retry_after,
-            }
-            .into_response());
+        Ok(IdempotencyBegin::InFlight) => Err(IdempotencyRejection::InFlight {
+            retry_after: options.in_flight_retry_after,
         }
+        .into_response()),
         Ok(IdempotencyBegin::Mismatch) => {
             tracing::info!(%principal, %key, "idempotency key reused for a different request");
-            return Ok(IdempotencyRejection::KeyReused.into_response());
+            Err(IdempotencyRejection::KeyReused.into_response())
         }
-        Err(err) => return Ok(store_failure(&err)),
+        Err(err) => Err(store_failure(&err)),
     }
+}
 
+/// Runs the request under the claimed key, then completes the key with
+/// the answer, or releases it.
+async fn run_holding<I, S, ResBody>(
+    mut inner: I,
+    store: S,
+    options: Arc<IdempotencyOptions>,
+    mut parts: Parts,
+    body: Bytes,
+    claimed: Claimed,
+) -> Result<Response<Body>, I::Error>
+where
+    I: Service<Request<Body>, Response = Response<ResBody>>,
+    S: IdempotencyStore,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Claimed {
+        principal,
+        key,
+        owner,
+        asked,
+    } = claimed;
     // From here the key is ours: whatever happens, it is completed or
     // released. The guard releases it if this future is dropped (the client
     // disconnected) or the handler panics, and renews its lock meanwhile.

@@ -303,23 +303,10 @@ pub(crate) fn decide(
     outcome: Outcome,
     now: DateTime<Utc>,
 ) -> SagaRecord {
-    let claimed = &claim.record;
-    let call = claim.call;
-    let mut next = bump(claimed, now);
+    let mut next = bump(&claim.record, now);
     next.next_attempt_at = now;
-    let attempts = claimed.attempts;
-    match (call, outcome) {
-        (Call::Action(i), Outcome::Done(data)) => {
-            next.data = data;
-            next.step = index_u32(i + 1);
-            next.attempts = 0;
-            next.last_error = None;
-            next.outcome_unknown = false;
-            next.first_attempt_at = None;
-            if i + 1 >= shape.len() {
-                next.status = SagaStatus::Completed;
-            }
-        }
+    match (claim.call, outcome) {
+        (Call::Action(i), Outcome::Done(data)) => action_done(&mut next, shape, i, data),
         (
             Call::Action(i),
             Outcome::Failed {
@@ -327,54 +314,9 @@ pub(crate) fn decide(
                 error,
                 retry_after,
             },
-        ) => {
-            // The call never left: not an attempt, and nothing new may
-            // have happened.
-            note_error(
-                &mut next,
-                format!(
-                    "step `{}` refused before it was sent (not counted as an attempt): {error}",
-                    shape.steps[i].name
-                ),
-            );
-            next.attempts = attempts.saturating_sub(1);
-            next.outcome_unknown = claim.unknown_before;
-            let wait = shape.refusal_wait(retry_after);
-            if shape.forward_only(i, claim.unknown_before) {
-                retry_forward(&mut next, shape, wait, now);
-            } else {
-                next.next_attempt_at = now + delta(wait);
-            }
-        }
+        ) => action_refused(&mut next, claim, shape, i, &error, retry_after, now),
         (Call::Action(i), Outcome::Failed { class, error, .. }) => {
-            let unknown = claim.unknown_before || class == ErrorClass::OutcomeUnknown;
-            let maybe = if unknown && !claim.unknown_before {
-                " (it may have taken effect)"
-            } else if unknown {
-                " (an earlier attempt may have taken effect)"
-            } else {
-                ""
-            };
-            note_error(
-                &mut next,
-                format!(
-                    "step `{}` attempt {attempts}{maybe}: {error}",
-                    shape.steps[i].name
-                ),
-            );
-            next.outcome_unknown = unknown;
-            if shape.forward_only(i, unknown) {
-                // No way back: retry forward with the same key until the
-                // budget is spent, then a human must look.
-                retry_forward(&mut next, shape, shape.delay(attempts), now);
-            } else if worth_retrying(class) && attempts < shape.attempt_limit(call) {
-                next.next_attempt_at = now + delta(shape.delay(attempts));
-            } else {
-                // Undo everything done, and this step too if any attempt
-                // at it may have taken effect.
-                let upper = if unknown { i + 1 } else { i };
-                enter_compensation(&mut next, shape, upper);
-            }
+            action_failed(&mut next, claim, shape, i, class, &error, now);
         }
         (Call::Compensation(j), Outcome::Done(data)) => {
             next.data = data;
@@ -388,25 +330,12 @@ pub(crate) fn decide(
                 retry_after,
             },
         ) => {
-            let refused = class == ErrorClass::Rejected;
-            let what = if refused {
-                "refused before it was sent (not counted as an attempt)".to_owned()
-            } else {
-                format!("attempt {attempts}")
+            let failure = Failure {
+                class,
+                error: &error,
+                retry_after,
             };
-            note_error(
-                &mut next,
-                format!("compensation of `{}` {what}: {error}", shape.steps[j].name),
-            );
-            if refused {
-                next.attempts = attempts.saturating_sub(1);
-                next.next_attempt_at = now + delta(shape.refusal_wait(retry_after));
-            } else if worth_retrying(class) && attempts < shape.attempt_limit(call) {
-                next.next_attempt_at = now + delta(shape.delay(attempts));
-            } else {
-                park(&mut next, now);
-                next.step = index_u32(j);
-            }
+            compensation_failed(&mut next, claim, shape, j, failure, now);
         }
     }
     if next.status == SagaStatus::Running
@@ -416,6 +345,131 @@ pub(crate) fn decide(
         next.next_attempt_at = next.next_attempt_at.min(at);
     }
     next
+}
+
+/// Step `i` succeeded: on to the next one with a clean slate, or done.
+fn action_done(next: &mut SagaRecord, shape: &Shape, i: usize, data: Value) {
+    next.data = data;
+    next.step = index_u32(i + 1);
+    next.attempts = 0;
+    next.last_error = None;
+    next.outcome_unknown = false;
+    next.first_attempt_at = None;
+    if i + 1 >= shape.len() {
+        next.status = SagaStatus::Completed;
+    }
+}
+
+/// A policy refused step `i`'s call before it was sent.
+fn action_refused(
+    next: &mut SagaRecord,
+    claim: &Claim,
+    shape: &Shape,
+    i: usize,
+    error: &str,
+    retry_after: Option<Duration>,
+    now: DateTime<Utc>,
+) {
+    // The call never left: not an attempt, and nothing new may have
+    // happened.
+    note_error(
+        next,
+        format!(
+            "step `{}` refused before it was sent (not counted as an attempt): {error}",
+            shape.steps[i].name
+        ),
+    );
+    next.attempts = claim.record.attempts.saturating_sub(1);
+    next.outcome_unknown = claim.unknown_before;
+    let wait = shape.refusal_wait(retry_after);
+    if shape.forward_only(i, claim.unknown_before) {
+        retry_forward(next, shape, wait, now);
+    } else {
+        next.next_attempt_at = now + delta(wait);
+    }
+}
+
+/// Step `i`'s call failed (or may have taken effect): retry it, retry it
+/// forward past the pivot, or compensate.
+fn action_failed(
+    next: &mut SagaRecord,
+    claim: &Claim,
+    shape: &Shape,
+    i: usize,
+    class: ErrorClass,
+    error: &str,
+    now: DateTime<Utc>,
+) {
+    let attempts = claim.record.attempts;
+    let unknown = claim.unknown_before || class == ErrorClass::OutcomeUnknown;
+    let maybe = if unknown && !claim.unknown_before {
+        " (it may have taken effect)"
+    } else if unknown {
+        " (an earlier attempt may have taken effect)"
+    } else {
+        ""
+    };
+    note_error(
+        next,
+        format!(
+            "step `{}` attempt {attempts}{maybe}: {error}",
+            shape.steps[i].name
+        ),
+    );
+    next.outcome_unknown = unknown;
+    if shape.forward_only(i, unknown) {
+        // No way back: retry forward with the same key until the
+        // budget is spent, then a human must look.
+        retry_forward(next, shape, shape.delay(attempts), now);
+    } else if worth_retrying(class) && attempts < shape.attempt_limit(claim.call) {
+        next.next_attempt_at = now + delta(shape.delay(attempts));
+    } else {
+        // Undo everything done, and this step too if any attempt
+        // at it may have taken effect.
+        let upper = if unknown { i + 1 } else { i };
+        enter_compensation(next, shape, upper);
+    }
+}
+
+/// How a call failed.
+struct Failure<'a> {
+    class: ErrorClass,
+    error: &'a str,
+    retry_after: Option<Duration>,
+}
+
+/// Step `j`'s compensation failed: retry it, or park the saga for a human.
+fn compensation_failed(
+    next: &mut SagaRecord,
+    claim: &Claim,
+    shape: &Shape,
+    j: usize,
+    failure: Failure<'_>,
+    now: DateTime<Utc>,
+) {
+    let attempts = claim.record.attempts;
+    let refused = failure.class == ErrorClass::Rejected;
+    let what = if refused {
+        "refused before it was sent (not counted as an attempt)".to_owned()
+    } else {
+        format!("attempt {attempts}")
+    };
+    note_error(
+        next,
+        format!(
+            "compensation of `{}` {what}: {}",
+            shape.steps[j].name, failure.error
+        ),
+    );
+    if refused {
+        next.attempts = attempts.saturating_sub(1);
+        next.next_attempt_at = now + delta(shape.refusal_wait(failure.retry_after));
+    } else if worth_retrying(failure.class) && attempts < shape.attempt_limit(claim.call) {
+        next.next_attempt_at = now + delta(shape.delay(attempts));
+    } else {
+        park(next, now);
+        next.step = index_u32(j);
+    }
 }
 
 /// Forward recovery: the next attempt after `wait`, or stuck if it would

@@ -1,5 +1,5 @@
 //! Orchestrator behaviour over an in-memory store: the same scenarios run
-//! against SQLite in keel-sqlite's `tests/saga.rs`.
+//! against SQLite in this crate's `tests/saga.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -68,8 +68,11 @@ use tokio::sync::{Mutex, OwnedMutexGuard, oneshot};
 use super::error::{db_error, is_busy, is_sql_error};
 use super::gate::{CommitGate, ShutGate};
 
+mod statements;
 #[cfg(test)]
 mod tests;
+
+use statements::{OPEN_SAVEPOINT, RELEASE_SAVEPOINT, UNDO_SAVEPOINT, commit_batch, savepoint};
 
 /// Savepoints released before a batch commits regardless of who is queued:
 /// bounds the latency the first caller of a long queue pays.
@@ -468,64 +471,6 @@ enum CommitFailure {
     RolledBack(sqlx::Error),
     /// The commit record may or may not have reached the disk.
     Unknown(sqlx::Error),
-}
-
-/// The batch's `COMMIT`, or the failure armed at the failpoint
-/// `keel-sqlite-group-commit` in its place: `return(full)` is a disk that
-/// filled at the commit (SQLite rolls the transaction back), `return(ioerr)`
-/// an fsync that failed (the batch is rolled back, and its callers are told
-/// the outcome is unknown, the worst a failed fsync can mean for them).
-async fn commit_batch(conn: &mut SqliteConnection) -> Result<(), CommitFailure> {
-    if let Some(failure) = injected_commit_fault() {
-        let _ = SqliteTransactionManager::rollback(conn).await;
-        return Err(failure);
-    }
-    match SqliteTransactionManager::commit(conn).await {
-        Ok(()) => Ok(()),
-        Err(err) if is_busy(&err) => Err(CommitFailure::RolledBack(err)),
-        Err(err) => Err(CommitFailure::Unknown(err)),
-    }
-}
-
-/// The commit failure armed at `keel-sqlite-group-commit`, if any.
-fn injected_commit_fault() -> Option<CommitFailure> {
-    fail::fail_point!("keel-sqlite-group-commit", |arg| {
-        let injected = |why: &str| sqlx::Error::Io(std::io::Error::other(why.to_owned()));
-        Some(if arg.as_deref() == Some("full") {
-            CommitFailure::RolledBack(injected(
-                "injected: database or disk is full (SQLITE_FULL) at COMMIT",
-            ))
-        } else {
-            CommitFailure::Unknown(injected(
-                "injected: disk I/O error (SQLITE_IOERR_FSYNC) at COMMIT",
-            ))
-        })
-    });
-    None
-}
-
-/// A logical transaction's savepoint: opened, released, and undone (rolled
-/// back, then released, in one round trip).
-///
-/// These are plain statements, not sqlx's nested transactions: sqlx answers
-/// each `BEGIN`, `COMMIT` and `ROLLBACK` of its transaction manager with a
-/// rendezvous, its connection's thread waiting until the caller's task has
-/// taken the answer, which costs two more wake-ups per command while the
-/// writer is held. A plain statement also says plainly when SQLite has ended
-/// the batch's transaction by itself (an `OR ROLLBACK` conflict in the
-/// savepoint, an I/O error): releasing or rolling back to a savepoint that
-/// went with it fails ("no such savepoint"), where sqlx's rollback would
-/// answer success. A savepoint is only ever opened in a transaction known to
-/// be open (the batch's `BEGIN IMMEDIATE`, or a turn that ended with a
-/// release, an undo, a check, or a single statement that succeeded, which
-/// cannot have ended it), so it never starts one of its own.
-const OPEN_SAVEPOINT: &str = "SAVEPOINT keel_write";
-const RELEASE_SAVEPOINT: &str = "RELEASE keel_write";
-const UNDO_SAVEPOINT: &str = "ROLLBACK TO keel_write; RELEASE keel_write";
-
-async fn savepoint(batch: &mut Batch, statement: &'static str) -> Result<(), sqlx::Error> {
-    sqlx::query(statement).execute(&mut *batch.conn).await?;
-    Ok(())
 }
 
 /// Why a rollback could not vouch for what its transaction read.

@@ -229,11 +229,7 @@ pub async fn complete_records_attempts_and_failure_window<S: WebhookStore>(store
         .await
         .expect("complete");
     assert_eq!(applied, 2);
-    let first = store
-        .webhook_delivery_get(d1)
-        .await
-        .expect("get")
-        .expect("delivery");
+    let first = delivery(store, d1).await;
     assert_eq!(
         (first.status, first.attempts, first.next_attempt_at),
         (DeliveryStatus::Pending, 1, t(7))
@@ -264,17 +260,9 @@ pub async fn complete_records_attempts_and_failure_window<S: WebhookStore>(store
         )
         .await
         .expect("complete");
-    let first = store
-        .webhook_delivery_get(d1)
-        .await
-        .expect("get")
-        .expect("delivery");
+    let first = delivery(store, d1).await;
     assert_eq!((first.status, first.attempts), (DeliveryStatus::Failed, 2));
-    let second = store
-        .webhook_delivery_get(d2)
-        .await
-        .expect("get")
-        .expect("delivery");
+    let second = delivery(store, d2).await;
     assert_eq!(
         (second.status, second.attempts),
         (DeliveryStatus::Succeeded, 2)
@@ -292,11 +280,7 @@ pub async fn complete_records_attempts_and_failure_window<S: WebhookStore>(store
         None,
         "a success ends it"
     );
-    let ep = store
-        .webhook_endpoint_get("ep")
-        .await
-        .expect("get")
-        .expect("endpoint");
+    let ep = endpoint_named(store, "ep").await;
     assert_eq!(ep.last_success_at, Some(t(12)));
     assert!(
         store
@@ -391,11 +375,7 @@ pub async fn completion_without_the_lease_changes_nothing<S: WebhookStore>(store
         .await
         .expect("complete");
     assert_eq!(applied, 0);
-    let d = store
-        .webhook_delivery_get(id)
-        .await
-        .expect("get")
-        .expect("delivery");
+    let d = delivery(store, id).await;
     assert_eq!(
         (d.status, d.leased_by.as_deref()),
         (DeliveryStatus::Pending, Some("w2"))
@@ -427,10 +407,6 @@ pub async fn completion_without_the_lease_changes_nothing<S: WebhookStore>(store
         .await
         .expect("complete");
     assert_eq!(applied, 0);
-    let d = store
-        .webhook_delivery_get(id)
-        .await
-        .expect("get")
-        .expect("delivery");
+    let d = delivery(store, id).await;
     assert_eq!(d.status, DeliveryStatus::Disabled);
 }

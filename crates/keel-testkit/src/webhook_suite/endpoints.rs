@@ -40,11 +40,7 @@ pub async fn endpoints_round_trip<S: WebhookStore>(store: &S) {
         .webhook_endpoint_update(&changed, t(5))
         .await
         .expect("update");
-    let stored = store
-        .webhook_endpoint_get("ep-a")
-        .await
-        .expect("get")
-        .expect("endpoint");
+    let stored = endpoint_named(store, "ep-a").await;
     assert_eq!(stored.url, changed.url);
     assert_eq!(stored.description, "moved");
     assert_eq!(stored.event_types, vec!["invoice.paid".to_owned()]);
@@ -149,11 +145,7 @@ pub async fn disable_and_enable<S: WebhookStore>(store: &S) {
             .await
             .expect("disable")
     );
-    let ep = store
-        .webhook_endpoint_get("ep")
-        .await
-        .expect("get")
-        .expect("endpoint");
+    let ep = endpoint_named(store, "ep").await;
     assert!(!ep.enabled);
     assert_eq!(ep.disabled_reason.as_deref(), Some("410 Gone"));
     assert_eq!(ep.disabled_at, Some(t(5)));
@@ -181,11 +173,7 @@ pub async fn disable_and_enable<S: WebhookStore>(store: &S) {
             .await
             .expect("enable")
     );
-    let ep = store
-        .webhook_endpoint_get("ep")
-        .await
-        .expect("get")
-        .expect("endpoint");
+    let ep = endpoint_named(store, "ep").await;
     assert!(ep.enabled);
     assert_eq!(
         (ep.disabled_reason, ep.disabled_at, ep.failing_since),

@@ -36,11 +36,7 @@ pub async fn resend_requeues_one_delivery<S: WebhookStore>(store: &S) {
         .expect("complete");
 
     assert!(store.webhook_resend(id, t(100)).await.expect("resend"));
-    let d = store
-        .webhook_delivery_get(id)
-        .await
-        .expect("get")
-        .expect("delivery");
+    let d = delivery(store, id).await;
     assert_eq!(
         (d.status, d.attempts, d.next_attempt_at),
         (DeliveryStatus::Pending, 0, t(100))
@@ -103,25 +99,12 @@ pub async fn replay_requeues_a_time_range<S: WebhookStore>(store: &S) {
         .iter()
         .filter(|c| c.delivery.endpoint_id == "ep" && c.delivery.event_id != "evt-4")
         .map(|c| {
-            if c.delivery.event_id == "evt-3" {
-                outcome(
-                    c.delivery.id,
-                    1,
-                    t(51),
-                    Some(200),
-                    DeliveryStatus::Succeeded,
-                    None,
-                )
+            let (code, status) = if c.delivery.event_id == "evt-3" {
+                (200, DeliveryStatus::Succeeded)
             } else {
-                outcome(
-                    c.delivery.id,
-                    1,
-                    t(51),
-                    Some(500),
-                    DeliveryStatus::Failed,
-                    None,
-                )
-            }
+                (500, DeliveryStatus::Failed)
+            };
+            outcome(c.delivery.id, 1, t(51), Some(code), status, None)
         })
         .collect();
     store

@@ -3,16 +3,18 @@
 use std::sync::Arc;
 
 use axum::http::{HeaderMap, header};
+use chrono::{DateTime, Utc};
 use keel_store::{
-    ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookDeliveryStore,
-    WebhookEndpointStore,
+    ClaimedDelivery, DeliveryAttempt, DeliveryOutcome, DeliveryStatus, WebhookDelivery,
+    WebhookDeliveryStore, WebhookEndpoint, WebhookEndpointStore,
 };
 
 use tracing::Instrument as _;
 
 use crate::attempt::{self, AttemptResult};
+use crate::options::WorkerOptions;
 use crate::signing::{Secret, signature_headers};
-use crate::wire;
+use crate::wire::{self, Wire};
 
 use super::{Finished, Inner};
 
@@ -69,97 +71,22 @@ async fn attempt<S: WebhookDeliveryStore + WebhookEndpointStore>(
 
     let mut headers = HeaderMap::with_capacity(12);
     headers.insert(header::USER_AGENT, inner.user_agent.clone());
-    let mut permanent = false;
-    let rendered = if delivery.payload.len() > opts.max_payload {
-        Err(format!(
-            "payload is {} bytes; the limit is {}",
-            delivery.payload.len(),
-            opts.max_payload
-        ))
-    } else {
-        wire::render(endpoint.format, &delivery.payload).map_err(|e| e.to_string())
-    };
-    let result = match rendered {
-        Err(why) => {
-            permanent = true;
-            AttemptResult::failed(&endpoint.url, why)
-        }
-        Ok(wire) => {
-            headers.extend(wire.headers.into_iter().map(|(k, v)| (Some(k), v)));
-            let secrets: Vec<Secret> = endpoint
-                .active_secrets(started)
-                .filter_map(|s| match opts.sealer.open(&s.secret) {
-                    Ok(secret) => Secret::parse(&secret).ok(),
-                    Err(err) => {
-                        tracing::error!(endpoint = %endpoint.id, error = %err, "cannot open an endpoint secret");
-                        None
-                    }
-                })
-                .collect();
-            match signature_headers(
-                &opts.scheme,
-                &secrets,
-                &delivery.event_id,
-                started.timestamp(),
-                &wire.body,
-            ) {
-                Ok(signature) => {
-                    headers.extend(signature.into_iter().map(|(k, v)| (Some(k), v)));
-                    attempt::post(
-                        &inner.client,
-                        &opts.guard,
-                        &endpoint.url,
-                        &headers,
-                        wire.body,
-                        inner.limits,
-                        opts.clock.unix_millis(),
-                    )
-                    .await
-                }
-                Err(err) => AttemptResult::failed(&endpoint.url, err.to_string()),
-            }
-        }
+    // A payload too large or unrenderable fails alike on every try, so it
+    // is not retried.
+    let (result, permanent) = match render_payload(opts, &delivery, &endpoint) {
+        Err(why) => (AttemptResult::failed(&endpoint.url, why), true),
+        Ok(wire) => (
+            sign_and_post(&inner, &delivery, &endpoint, started, &mut headers, wire).await,
+            false,
+        ),
     };
 
     let finished_at = opts.clock.now();
-    let success = result.status.is_some_and(|s| (200..300).contains(&s));
-    let gone = result.status == Some(410);
-    let mut exhausted = false;
-    let (status, next_attempt_at) = if success {
-        (DeliveryStatus::Succeeded, None)
-    } else if gone {
-        (DeliveryStatus::Disabled, None)
-    } else if permanent {
-        (DeliveryStatus::Failed, None)
-    } else {
-        match opts.backoff.delay(number - 1) {
-            Some(delay) => {
-                let asked = result
-                    .retry_after
-                    .map(|r| r.min(opts.max_retry_after))
-                    .unwrap_or_default();
-                let wait = delay.max(asked);
-                let wait = chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
-                (DeliveryStatus::Pending, Some(finished_at + wait))
-            }
-            None => {
-                exhausted = true;
-                (DeliveryStatus::Failed, None)
-            }
-        }
-    };
+    let verdict = judge(opts, &result, permanent, number, finished_at);
     if result.refused {
         tracing::warn!(endpoint = %endpoint.id, error = ?result.error, "webhook attempt refused by the SSRF guard");
     }
-    let request_headers = headers
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_owned(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            )
-        })
-        .collect();
+    let request_headers = logged_headers(&headers);
     Finished {
         outcome: DeliveryOutcome {
             attempt: DeliveryAttempt {
@@ -173,11 +100,153 @@ async fn attempt<S: WebhookDeliveryStore + WebhookEndpointStore>(
                 latency: result.latency,
                 error: result.error,
             },
-            status,
-            next_attempt_at,
+            status: verdict.status,
+            next_attempt_at: verdict.next_attempt_at,
         },
         endpoint_id: endpoint.id,
         url: endpoint.url,
-        exhausted,
+        exhausted: verdict.exhausted,
     }
+}
+
+/// The delivery's payload in its endpoint's format, or why it cannot be
+/// sent at all.
+fn render_payload(
+    opts: &WorkerOptions,
+    delivery: &WebhookDelivery,
+    endpoint: &WebhookEndpoint,
+) -> Result<Wire, String> {
+    if delivery.payload.len() > opts.max_payload {
+        Err(format!(
+            "payload is {} bytes; the limit is {}",
+            delivery.payload.len(),
+            opts.max_payload
+        ))
+    } else {
+        wire::render(endpoint.format, &delivery.payload).map_err(|e| e.to_string())
+    }
+}
+
+/// Adds the wire and signature headers to `headers` and POSTs the body;
+/// `headers` is left holding what was (or would have been) sent, for the
+/// delivery log.
+async fn sign_and_post<S>(
+    inner: &Inner<S>,
+    delivery: &WebhookDelivery,
+    endpoint: &WebhookEndpoint,
+    started: DateTime<Utc>,
+    headers: &mut HeaderMap,
+    wire: Wire,
+) -> AttemptResult {
+    let opts = &inner.options;
+    headers.extend(wire.headers.into_iter().map(|(k, v)| (Some(k), v)));
+    let secrets = open_secrets(opts, endpoint, started);
+    match signature_headers(
+        &opts.scheme,
+        &secrets,
+        &delivery.event_id,
+        started.timestamp(),
+        &wire.body,
+    ) {
+        Ok(signature) => {
+            headers.extend(signature.into_iter().map(|(k, v)| (Some(k), v)));
+            attempt::post(
+                &inner.client,
+                &opts.guard,
+                &endpoint.url,
+                headers,
+                wire.body,
+                inner.limits,
+                opts.clock.unix_millis(),
+            )
+            .await
+        }
+        Err(err) => AttemptResult::failed(&endpoint.url, err.to_string()),
+    }
+}
+
+/// The endpoint's secrets active at `at`, unsealed. A secret that cannot
+/// be opened is logged and skipped, so the others still sign.
+fn open_secrets(
+    opts: &WorkerOptions,
+    endpoint: &WebhookEndpoint,
+    at: DateTime<Utc>,
+) -> Vec<Secret> {
+    endpoint
+        .active_secrets(at)
+        .filter_map(|s| match opts.sealer.open(&s.secret) {
+            Ok(secret) => Secret::parse(&secret).ok(),
+            Err(err) => {
+                tracing::error!(endpoint = %endpoint.id, error = %err, "cannot open an endpoint secret");
+                None
+            }
+        })
+        .collect()
+}
+
+/// Where a delivery goes after one attempt.
+struct Verdict {
+    status: DeliveryStatus,
+    next_attempt_at: Option<DateTime<Utc>>,
+    /// Failed because the retry schedule is used up.
+    exhausted: bool,
+}
+
+/// Judges attempt `number`'s `result`: succeeded, gone, failed for good, or
+/// pending until the later of the backoff delay and the (bounded)
+/// `Retry-After`.
+fn judge(
+    opts: &WorkerOptions,
+    result: &AttemptResult,
+    permanent: bool,
+    number: u32,
+    finished_at: DateTime<Utc>,
+) -> Verdict {
+    let settled = |status| Verdict {
+        status,
+        next_attempt_at: None,
+        exhausted: false,
+    };
+    if result.status.is_some_and(|s| (200..300).contains(&s)) {
+        return settled(DeliveryStatus::Succeeded);
+    }
+    if result.status == Some(410) {
+        return settled(DeliveryStatus::Disabled);
+    }
+    if permanent {
+        return settled(DeliveryStatus::Failed);
+    }
+    match opts.backoff.delay(number - 1) {
+        Some(delay) => {
+            let asked = result
+                .retry_after
+                .map(|r| r.min(opts.max_retry_after))
+                .unwrap_or_default();
+            let wait = delay.max(asked);
+            let wait = chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
+            Verdict {
+                status: DeliveryStatus::Pending,
+                next_attempt_at: Some(finished_at + wait),
+                exhausted: false,
+            }
+        }
+        None => Verdict {
+            status: DeliveryStatus::Failed,
+            next_attempt_at: None,
+            exhausted: true,
+        },
+    }
+}
+
+/// The request headers as the delivery log stores them.
+fn logged_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
 }
