@@ -34,7 +34,7 @@
 //! | `idempotency` | [`IdempotencyStore`] | the HTTP edge's idempotency keys |
 //! | `jobs` | [`JobStore`] | the HTTP edge's async jobs |
 //! | `event-log` | [`EventLogStore`] | realtime streams' replay |
-//! | `webhooks` | [`WebhookStore`] | webhook delivery |
+//! | `webhooks` | [`WebhookEndpointStore`], [`WebhookDeliveryStore`], [`WebhookLogStore`] ([`WebhookStore`], their sum) | management; the sender and workers; the delivery log |
 //!
 //! `messaging` turns on the first seven, which [`MessagingStore`] bounds
 //! together. `keel-testkit` holds the conformance suite that defines what
