@@ -15,6 +15,16 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
+/// The latencies rendered as histograms: the edge's requests, and every
+/// outgoing call by dependency (HTTP attempts and calls) and by gRPC method,
+/// the figures a timeout is sized from.
+const LATENCY_HISTOGRAMS: &[&str] = &[
+    "keel_http_request_duration_seconds",
+    "keel_client_attempt_duration_seconds",
+    "keel_client_call_duration_seconds",
+    "keel_grpc_client_duration_seconds",
+];
+
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
 /// Installs the Prometheus recorder once per process and returns its
@@ -22,14 +32,13 @@ static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 pub fn install() -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
-            PrometheusBuilder::new()
-                .set_buckets_for_metric(
-                    Matcher::Full("keel_http_request_duration_seconds".to_owned()),
-                    LATENCY_BUCKETS,
-                )
-                .ok()?
-                .install_recorder()
-                .ok()
+            let mut builder = PrometheusBuilder::new();
+            for metric in LATENCY_HISTOGRAMS {
+                builder = builder
+                    .set_buckets_for_metric(Matcher::Full((*metric).to_owned()), LATENCY_BUCKETS)
+                    .ok()?;
+            }
+            builder.install_recorder().ok()
         })
         .clone()
 }

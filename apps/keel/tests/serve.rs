@@ -541,6 +541,11 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
         ),
         "a latency histogram by route"
     );
+    assert!(
+        text.contains("keel_client_call_duration_seconds_bucket{dependency=\"payments\"")
+            && text.contains("keel_client_attempt_duration_seconds_bucket{dependency=\"payments\""),
+        "latency histograms for each outgoing call and attempt, by dependency"
+    );
     let named = alert_rule_metrics();
     assert!(named.len() >= 7, "the rules' metrics: {named:?}");
     for name in named {
@@ -576,6 +581,14 @@ async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() 
         status_of(&http, &s, dl_id).await == "completed"
     })
     .await;
+    // Its saga shipped over gRPC.
+    let text = metrics_text(&http, &s).await;
+    assert!(
+        text.contains(
+            "keel_grpc_client_duration_seconds_bucket{method=\"/shipping.v1.Shipping/CreateShipment\""
+        ),
+        "a latency histogram for the gRPC dependency, by method"
+    );
     eventually("the retried saga to compensate", || async {
         status_of(&http, &s, st_id).await == "compensated"
     })

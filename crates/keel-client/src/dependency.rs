@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::Name;
+use keel_core::{Name, clock};
 use keel_policy::ConfigError;
 use keel_policy::breaker::{BreakerRegistry, CircuitBreaker, CircuitBreakerConfig};
 use keel_policy::bulkhead::{Bulkhead, BulkheadConfig};
@@ -255,21 +255,76 @@ impl Dependency {
 
     /// Sends the request `build` makes, through the policies. `build` runs
     /// once per attempt, so each retry sends a fresh request.
+    ///
+    /// Each attempt's time to the response's headers is recorded in
+    /// `keel_client_attempt_duration_seconds` and the whole call's, retries
+    /// and waits included, in `keel_client_call_duration_seconds`, both by
+    /// `dependency` and `outcome`: the p99 of an attempt is what its timeout
+    /// should be sized from, and the call's is what the caller's deadline
+    /// must cover.
     pub async fn send<F>(&self, build: F) -> Result<reqwest::Response, HttpCallError>
     where
         F: Fn(&reqwest::Client) -> reqwest::RequestBuilder,
     {
         let inner = &*self.inner;
+        let started = clock::now();
         let result = inner
             .pipeline
-            .call(|| inner.client.send(build(&inner.client.inner())))
+            .call(|| {
+                let attempt = inner.client.send(build(&inner.client.inner()));
+                let name = inner.name;
+                async move {
+                    let attempt_started = clock::now();
+                    let answered = attempt.await;
+                    // A status the client turned into an error (a 503, say)
+                    // is still an answer: it counts by its class.
+                    let outcome = match &answered {
+                        Ok(response) => status_class(response.status()),
+                        Err(err) => err.status().map_or("error", status_class),
+                    };
+                    record(
+                        "keel_client_attempt_duration_seconds",
+                        &name,
+                        outcome,
+                        attempt_started,
+                    );
+                    answered
+                }
+            })
             .instrument(tracing::debug_span!("dependency", name = %inner.name))
             .await
             .map_err(HttpCallError::from);
+        let outcome = if result.is_ok() { "ok" } else { "error" };
+        record(
+            "keel_client_call_duration_seconds",
+            &inner.name,
+            outcome,
+            started,
+        );
         if let Err(err) = &result {
             tracing::debug!(dependency = %inner.name, error = %err, "dependency call failed");
         }
         result
+    }
+}
+
+/// Records the time since `started` in histogram `metric`.
+fn record(metric: &'static str, dependency: &Name, outcome: &'static str, started: clock::Instant) {
+    let seconds = clock::now()
+        .saturating_duration_since(started)
+        .as_secs_f64();
+    metrics::histogram!(metric, "dependency" => dependency.to_string(), "outcome" => outcome)
+        .record(seconds);
+}
+
+/// `2xx`, `3xx`, `4xx` or `5xx`: few enough values for a label.
+fn status_class(status: reqwest::StatusCode) -> &'static str {
+    match status.as_u16() {
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
     }
 }
 

@@ -707,3 +707,47 @@ async fn a_dependency_sends_the_attempt_deadline_downstream() {
     assert!(deadline <= clock::unix_millis() + 700, "{deadline}");
     assert!(deadline >= before + 600, "{deadline}");
 }
+
+#[tokio::test]
+async fn every_attempt_and_every_call_lands_in_its_dependencys_latency_histogram() {
+    let recorder = keel_testkit::metrics::MetricsRecorder::global();
+    let downstream = Downstream::default();
+    let down = serve(downstream.router()).await;
+    let config = DependencyConfig {
+        retry: quick_retries(2, None),
+        ..DependencyConfig::default()
+    };
+    let pricing = client()
+        .dependency("pricing")
+        .config(config)
+        .build()
+        .unwrap();
+
+    let err = pricing
+        .send(|http| http.get(format!("http://{down}/busy")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), Some(StatusCode::TOO_MANY_REQUESTS));
+    assert_eq!(downstream.hits(), 2, "429 without Retry-After: tried again");
+    pricing
+        .send(|http| http.get(format!("http://{down}/echo")))
+        .await
+        .unwrap();
+
+    let attempts = |outcome: &str| {
+        recorder.samples(&format!(
+            "keel_client_attempt_duration_seconds,dependency=pricing,outcome={outcome}"
+        ))
+    };
+    let calls = |outcome: &str| {
+        recorder.samples(&format!(
+            "keel_client_call_duration_seconds,dependency=pricing,outcome={outcome}"
+        ))
+    };
+    assert_eq!(attempts("4xx").len(), 2, "both attempts of the failed call");
+    assert_eq!(attempts("2xx").len(), 1);
+    assert_eq!(calls("error").len(), 1, "one call, however many attempts");
+    assert_eq!(calls("ok").len(), 1);
+    // The call's time covers its attempts and the wait between them.
+    assert!(calls("error")[0] >= attempts("4xx").iter().sum::<f64>());
+}

@@ -163,7 +163,9 @@ where
         {
             request.headers_mut().insert(TRACESTATE_HEADER, value);
         }
+        let method = request.uri().path().to_owned();
         let call = self.inner.call(request);
+        let started = keel_core::clock::now();
         let answer = async move {
             let answered = match deadline {
                 None => call.await,
@@ -177,15 +179,38 @@ where
                     }
                 },
             };
-            match answered {
+            let answered = match answered {
                 Ok(response) => {
                     Ok(response.map(|body| Body::new(Ending::new(body, deadline, None))))
                 }
                 Err(err) => Err(as_status(err.into())),
-            }
+            };
+            record_latency(method, &answered, started);
+            answered
         };
         Box::pin(answer.instrument(client_span))
     }
+}
+
+/// Records the time to the response's headers in
+/// `keel_grpc_client_duration_seconds` by `method` (the path the generated
+/// client sends, so bounded by the proto) and `outcome`: `answered`, or the
+/// status code a failure became. A status in the trailers comes after this
+/// time and is not known here.
+fn record_latency(
+    method: String,
+    answered: &Result<Response<Body>, Status>,
+    started: keel_core::clock::Instant,
+) {
+    let outcome = match answered {
+        Ok(_) => "answered".to_owned(),
+        Err(status) => format!("{:?}", status.code()),
+    };
+    let seconds = keel_core::clock::now()
+        .saturating_duration_since(started)
+        .as_secs_f64();
+    metrics::histogram!("keel_grpc_client_duration_seconds", "method" => method, "outcome" => outcome)
+        .record(seconds);
 }
 
 /// Writes `grpc-timeout` for the time left (or keeps a shorter one tonic
@@ -271,5 +296,37 @@ mod tests {
         assert!(crate::status::retry_pushback(&status).is_some());
         let cause = keel_core::error::find_cause::<keel_core::Rejected>(&status);
         assert!(cause.is_some(), "the refusal stays findable");
+    }
+
+    #[tokio::test]
+    async fn every_call_lands_in_the_latency_histogram_by_method_and_outcome() {
+        let recorder = keel_testkit::metrics::MetricsRecorder::global();
+        let call = |path: &str| {
+            Request::builder()
+                .uri(path)
+                .body(Body::empty())
+                .expect("a valid request")
+        };
+        let answers = tower::service_fn(|_: Request<Body>| async {
+            Ok::<_, Status>(Response::new(Body::empty()))
+        });
+        let mut answering = PropagationLayer::new().layer(answers);
+        answering.call(call("/shop.v1.Shipping/Get")).await.unwrap();
+        let refuses = tower::service_fn(|_: Request<Body>| async {
+            Err::<Response<Body>, _>(Status::unavailable("down"))
+        });
+        let mut refusing = PropagationLayer::new().layer(refuses);
+        refusing
+            .call(call("/shop.v1.Shipping/Get"))
+            .await
+            .unwrap_err();
+
+        let key = |outcome: &str| {
+            format!(
+                "keel_grpc_client_duration_seconds,method=/shop.v1.Shipping/Get,outcome={outcome}"
+            )
+        };
+        assert_eq!(recorder.samples(&key("answered")).len(), 1);
+        assert_eq!(recorder.samples(&key("Unavailable")).len(), 1);
     }
 }

@@ -1,5 +1,5 @@
-//! A metrics recorder for assertions: every counter and gauge a test's code
-//! emits, readable by name and labels.
+//! A metrics recorder for assertions: every counter, gauge and histogram
+//! sample a test's code emits, readable by name and labels.
 //!
 //! A key is the metric's name followed by `,label=value` for each label in
 //! the order the code emits them: `keel_fallback_total,fallback=pricing,reason=rejected`.
@@ -15,11 +15,22 @@ use std::sync::{Arc, OnceLock};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use parking_lot::{Mutex, MutexGuard};
 
-/// Counters and gauges by key; histograms are ignored. Cheap to clone:
-/// clones share the values.
+/// Counters and gauges by key, and every histogram sample. Cheap to
+/// clone: clones share the values.
 #[derive(Debug, Clone, Default)]
 pub struct MetricsRecorder {
     cells: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+    histograms: Arc<Mutex<HashMap<String, Arc<Samples>>>>,
+}
+
+/// A histogram's samples, in the order they were recorded.
+#[derive(Debug, Default)]
+struct Samples(Mutex<Vec<f64>>);
+
+impl metrics::HistogramFn for Samples {
+    fn record(&self, value: f64) {
+        self.0.lock().push(value);
+    }
 }
 
 impl MetricsRecorder {
@@ -74,17 +85,30 @@ impl MetricsRecorder {
         f64::from_bits(self.counter(key))
     }
 
+    /// Every sample recorded under histogram `key`, in order.
+    pub fn samples(&self, key: &str) -> Vec<f64> {
+        self.histograms
+            .lock()
+            .get(key)
+            .map_or_else(Vec::new, |samples| samples.0.lock().clone())
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<AtomicU64>>> {
         self.cells.lock()
     }
 
     fn cell(&self, key: &Key) -> Arc<AtomicU64> {
-        let mut name = key.name().to_owned();
-        for label in key.labels() {
-            name.push_str(&format!(",{}={}", label.key(), label.value()));
-        }
-        self.lock().entry(name).or_default().clone()
+        self.lock().entry(key_name(key)).or_default().clone()
     }
+}
+
+/// `name,label=value,...` in the order the code emits the labels.
+fn key_name(key: &Key) -> String {
+    let mut name = key.name().to_owned();
+    for label in key.labels() {
+        name.push_str(&format!(",{}={}", label.key(), label.value()));
+    }
+    name
 }
 
 impl Recorder for MetricsRecorder {
@@ -100,8 +124,14 @@ impl Recorder for MetricsRecorder {
         Gauge::from_arc(self.cell(key))
     }
 
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        let samples = self
+            .histograms
+            .lock()
+            .entry(key_name(key))
+            .or_default()
+            .clone();
+        Histogram::from_arc(samples)
     }
 }
 
@@ -116,7 +146,13 @@ mod tests {
             metrics::counter!("calls_total", "dependency" => "pricing").increment(2);
             metrics::counter!("calls_total", "dependency" => "pricing").increment(1);
             metrics::gauge!("limit").set(12.5);
+            metrics::histogram!("latency_seconds", "dependency" => "pricing").record(0.25);
         });
+        assert_eq!(
+            recorder.samples("latency_seconds,dependency=pricing"),
+            [0.25]
+        );
+        assert!(recorder.samples("latency_seconds").is_empty());
         assert_eq!(recorder.counter("calls_total,dependency=pricing"), 3);
         assert_eq!(recorder.counter("calls_total,dependency=other"), 0);
         assert_eq!(recorder.gauge("limit"), 12.5);
