@@ -270,7 +270,7 @@ where
             breakers,
             lag,
         ];
-        render::SECTIONS.into_iter().zip(html).collect()
+        render::SECTIONS.iter().copied().zip(html).collect()
     }
 
     /// The newest webhook deliveries with their attempt logs.

@@ -20,25 +20,13 @@ use crate::{AdminError, BreakerJson, DeadLetterJson, LagJson, ParkedJson, SagaJs
 
 /// The section ids, in page order (webhook deliveries with the
 /// `webhooks` feature).
-#[cfg(feature = "webhooks")]
-pub(crate) const SECTIONS: [&str; 7] = [
+pub(crate) const SECTIONS: &[&str] = &[
     "summary",
     "sagas",
     "dead-letters",
     "parked-outbox",
+    #[cfg(feature = "webhooks")]
     "webhook-deliveries",
-    "breakers",
-    "lag",
-];
-
-/// The section ids, in page order (webhook deliveries with the
-/// `webhooks` feature).
-#[cfg(not(feature = "webhooks"))]
-pub(crate) const SECTIONS: [&str; 6] = [
-    "summary",
-    "sagas",
-    "dead-letters",
-    "parked-outbox",
     "breakers",
     "lag",
 ];

@@ -305,37 +305,33 @@ pub(crate) fn decide(
 ) -> SagaRecord {
     let mut next = bump(&claim.record, now);
     next.next_attempt_at = now;
-    match (claim.call, outcome) {
-        (Call::Action(i), Outcome::Done(data)) => action_done(&mut next, shape, i, data),
-        (
-            Call::Action(i),
-            Outcome::Failed {
-                class: ErrorClass::Rejected,
-                error,
-                retry_after,
-            },
-        ) => action_refused(&mut next, claim, shape, i, &error, retry_after, now),
-        (Call::Action(i), Outcome::Failed { class, error, .. }) => {
-            action_failed(&mut next, claim, shape, i, class, &error, now);
-        }
-        (Call::Compensation(j), Outcome::Done(data)) => {
-            next.data = data;
-            enter_compensation(&mut next, shape, j);
-        }
-        (
-            Call::Compensation(j),
-            Outcome::Failed {
-                class,
-                error,
-                retry_after,
-            },
-        ) => {
+    match outcome {
+        Outcome::Done(data) => match claim.call {
+            Call::Action(i) => action_done(&mut next, shape, i, data),
+            Call::Compensation(j) => {
+                next.data = data;
+                enter_compensation(&mut next, shape, j);
+            }
+        },
+        Outcome::Failed {
+            class,
+            error,
+            retry_after,
+        } => {
             let failure = Failure {
                 class,
                 error: &error,
                 retry_after,
             };
-            compensation_failed(&mut next, claim, shape, j, failure, now);
+            match claim.call {
+                Call::Action(i) if class == ErrorClass::Rejected => {
+                    action_refused(&mut next, claim, shape, i, &failure, now);
+                }
+                Call::Action(i) => action_failed(&mut next, claim, shape, i, &failure, now),
+                Call::Compensation(j) => {
+                    compensation_failed(&mut next, claim, shape, j, &failure, now);
+                }
+            }
         }
     }
     if next.status == SagaStatus::Running
@@ -366,8 +362,7 @@ fn action_refused(
     claim: &Claim,
     shape: &Shape,
     i: usize,
-    error: &str,
-    retry_after: Option<Duration>,
+    failure: &Failure<'_>,
     now: DateTime<Utc>,
 ) {
     // The call never left: not an attempt, and nothing new may have
@@ -375,13 +370,13 @@ fn action_refused(
     note_error(
         next,
         format!(
-            "step `{}` refused before it was sent (not counted as an attempt): {error}",
-            shape.steps[i].name
+            "step `{}` refused before it was sent (not counted as an attempt): {}",
+            shape.steps[i].name, failure.error
         ),
     );
     next.attempts = claim.record.attempts.saturating_sub(1);
     next.outcome_unknown = claim.unknown_before;
-    let wait = shape.refusal_wait(retry_after);
+    let wait = shape.refusal_wait(failure.retry_after);
     if shape.forward_only(i, claim.unknown_before) {
         retry_forward(next, shape, wait, now);
     } else {
@@ -396,10 +391,10 @@ fn action_failed(
     claim: &Claim,
     shape: &Shape,
     i: usize,
-    class: ErrorClass,
-    error: &str,
+    failure: &Failure<'_>,
     now: DateTime<Utc>,
 ) {
+    let Failure { class, error, .. } = *failure;
     let attempts = claim.record.attempts;
     let unknown = claim.unknown_before || class == ErrorClass::OutcomeUnknown;
     let maybe = if unknown && !claim.unknown_before {
@@ -432,6 +427,7 @@ fn action_failed(
 }
 
 /// How a call failed.
+#[derive(Clone, Copy)]
 struct Failure<'a> {
     class: ErrorClass,
     error: &'a str,
@@ -444,7 +440,7 @@ fn compensation_failed(
     claim: &Claim,
     shape: &Shape,
     j: usize,
-    failure: Failure<'_>,
+    failure: &Failure<'_>,
     now: DateTime<Utc>,
 ) {
     let attempts = claim.record.attempts;
