@@ -16,7 +16,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use keel_core::{BoxError, Deadline};
-use keel_http::health::{Drain, Phase};
+use keel_lifecycle::{Drain, Phase};
 use tokio::time::Sleep;
 use tonic::Status;
 

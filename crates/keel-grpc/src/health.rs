@@ -3,7 +3,7 @@
 //!
 //! ```
 //! use keel_grpc::health::GrpcHealth;
-//! use keel_http::health::{Drain, Health};
+//! use keel_lifecycle::{Drain, Health};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -17,7 +17,7 @@
 
 use std::time::Duration;
 
-use keel_http::health::{Health, Phase};
+use keel_lifecycle::{Health, Phase};
 use tokio::task::JoinHandle;
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::{Health as HealthApi, HealthServer};

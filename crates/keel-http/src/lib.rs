@@ -31,7 +31,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod access;
 pub mod problem;
-pub mod slots;
+pub use keel_lifecycle::slots;
 
 #[cfg(feature = "chaos")]
 pub mod experiment;

@@ -14,7 +14,9 @@ use axum::http::{Request, StatusCode, header};
 use axum::response::Response;
 use axum::routing::get;
 use keel_core::clock;
-use keel_http::health::{Drain, DrainReport, Health, Phase, PingStatus, PoolUsage};
+use keel_http::health::{
+    Drain, DrainReport, DrainServe, Health, HealthRoutes, Phase, PingStatus, PoolUsage,
+};
 use keel_http::problem::PROBLEM_JSON;
 use keel_sqlite::SqliteStore;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

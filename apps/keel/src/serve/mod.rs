@@ -18,7 +18,7 @@ use axum::routing::{MethodRouter, delete, get, post};
 use keel_admin::console::Console;
 use keel_admin::{Admin, AdminToken, BrokerLag};
 use keel_http::access::{AllowedHosts, ApiKeyLayer, FailureThrottle};
-use keel_http::health::{DEFAULT_POOL_EXHAUSTION_GRACE, Health};
+use keel_http::health::{DEFAULT_POOL_EXHAUSTION_GRACE, Health, HealthRoutes};
 use keel_http::jobs::{JobRequested, Jobs, JobsOptions};
 use keel_messaging::Outbox;
 use keel_messaging::consumer::{Consumer, Group};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use keel_http::health::Drain;
+use keel_http::health::{Drain, DrainServe};
 use keel_http::tls::TlsListener;
 use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
 use keel_messaging::lease::{LeaseGate, LeaseLock};

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response};
 use keel_core::deadline::{GRPC_TIMEOUT_HEADER, grpc_timeout};
 use keel_core::{BoxError, Deadline};
-use keel_http::health::Drain;
+use keel_lifecycle::Drain;
 use keel_policy::ConfigError;
 use tonic::Status;
 use tonic::body::Body;

@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use keel_http::health::{ConnectionLimits, ConnectionSlot, ConnectionSlots};
+use keel_lifecycle::{ConnectionLimits, ConnectionSlot, ConnectionSlots};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, Sleep};

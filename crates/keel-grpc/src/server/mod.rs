@@ -8,7 +8,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use keel_grpc::server::{DeadlineLayer, TraceContextLayer};
-//! use keel_http::health::Drain;
+//! use keel_lifecycle::Drain;
 //!
 //! # async fn run(drain: Drain) -> Result<(), Box<dyn std::error::Error>> {
 //! let (_reporter, health) = tonic_health::server::health_reporter();

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use keel_grpc::health::GrpcHealth;
-use keel_http::health::{Drain, Health};
+use keel_lifecycle::{Drain, Health};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Endpoint;

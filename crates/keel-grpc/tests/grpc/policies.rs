@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use keel_grpc::client::PropagationLayer;
 use keel_grpc::replay::{ChannelBodyLayer, ReplayBodyLayer};
-use keel_http::health::Drain;
+use keel_lifecycle::Drain;
 use keel_policy::breaker::CircuitBreaker;
 use keel_policy::bulkhead::{Bulkhead, BulkheadLayer};
 use keel_policy::hedge::{Hedge, HedgeDelay};

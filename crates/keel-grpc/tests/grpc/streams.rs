@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use keel_grpc::client::PropagationLayer;
-use keel_http::health::Drain;
+use keel_lifecycle::Drain;
 use tonic::Code;
 use tonic_health::pb::health_client::HealthClient;
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use keel_core::{Deadline, TraceParent};
 use keel_grpc::server::{DeadlineLayer, TraceContextLayer, require_remaining};
-use keel_http::health::Drain;
+use keel_lifecycle::Drain;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;

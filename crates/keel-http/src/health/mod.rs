@@ -56,12 +56,17 @@
 //!    whatever is still open is aborted, so the process exits before the
 //!    orchestrator's SIGKILL.
 //!
-//! [`Drain::serve`] runs an axum server through all of this.
+//! [`DrainServe::serve`] runs an axum server through all of this.
+//!
+//! The drain, readiness and the connection limits are keel-lifecycle's,
+//! re-exported here; this module adds what is axum's: the routes
+//! ([`HealthRoutes`]) and the server ([`DrainServe`]). keel-grpc answers
+//! from the same [`Health`] and [`Drain`] without building this edge.
 //!
 //! ```no_run
 //! use std::time::Duration;
 //! use axum::{Router, routing::get};
-//! use keel_http::health::{Drain, Health};
+//! use keel_http::health::{Drain, DrainServe, Health, HealthRoutes};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let drain = Drain::builder().lb_notice(Duration::from_secs(10)).build()?;
@@ -76,21 +81,19 @@
 //! # Ok(()) }
 //! ```
 
-mod component;
-mod drain;
 mod listener;
+mod routes;
+mod serve;
 mod server;
 
-pub use component::{
-    DEFAULT_CHECK_TIMEOUT, DEFAULT_MAX_POOL_WAITERS, DEFAULT_POOL_EXHAUSTION_GRACE, DeepReport,
-    DependencyStatus, Health, HealthBuilder, NotReady, PingStatus, PoolUsage,
+pub use keel_lifecycle::{
+    ConnectionCounts, ConnectionLimits, ConnectionSlot, ConnectionSlots, DEFAULT_BODY_READ_TIMEOUT,
+    DEFAULT_CHECK_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_LB_NOTICE, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, DEFAULT_MAX_POOL_WAITERS, DEFAULT_POOL_EXHAUSTION_GRACE,
+    DeepReport, DependencyStatus, Drain, DrainBuilder, DrainReport, DrainStream, Health,
+    HealthBuilder, NotReady, Phase, PingStatus, PoolUsage,
 };
-pub use drain::{
-    DEFAULT_DRAIN_TIMEOUT, DEFAULT_LB_NOTICE, Drain, DrainBuilder, DrainReport, Phase,
-};
-pub use listener::{DrainListener, DrainStream};
-pub use server::{
-    ConnectionLimits, ConnectionSlot, ConnectionSlots, DEFAULT_BODY_READ_TIMEOUT,
-    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
-};
+pub use listener::DrainListener;
+pub use routes::HealthRoutes;
+pub use serve::DrainServe;

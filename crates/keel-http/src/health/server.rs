@@ -1,4 +1,4 @@
-//! The HTTP server [`Drain::serve`] runs: hyper with every connection
+//! The HTTP server [`DrainServe::serve`](super::DrainServe::serve) runs: hyper with every connection
 //! bounded in time and in number.
 //!
 //! A server with no limits is held open by anyone: a request head sent a
@@ -46,29 +46,12 @@ use axum::response::IntoResponse;
 use hyper::body::{Body as _, Incoming};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use keel_core::clock::{self, Instant};
-use keel_policy::ConfigError;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tower::ServiceExt;
 
-use super::drain::Drain;
+use keel_lifecycle::{ConnectionLimits, ConnectionSlot, ConnectionSlots, Drain};
+
 use crate::problem::Problem;
-pub use crate::slots::{ConnectionSlot, ConnectionSlots};
-
-/// The default header read timeout: 10 s.
-pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The default idle timeout: 60 s, above a long poll's 25 s wait and an
-/// SSE stream's 15 s keep-alive.
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The default cap on open connections: 1,024.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
-
-/// The default share of the connections one client address may hold: 256.
-pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: usize = 256;
-
-/// The default body read timeout: 10 s.
-pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Over-the-cap answers one address gets at once.
 const OVERFLOW_ANSWERS_PER_ADDRESS: usize = 4;
@@ -79,124 +62,12 @@ const OVERFLOW_ANSWERS: usize = 64;
 /// How long an over-the-cap connection gets to send its request head.
 const OVERFLOW_HEADER_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Limits on every connection [`Drain::serve_with`] accepts; see the
-/// module docs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConnectionLimits {
-    header_read_timeout: Duration,
-    body_read_timeout: Duration,
-    idle_timeout: Duration,
-    max_connections: usize,
-    max_connections_per_address: usize,
-}
-
-impl Default for ConnectionLimits {
-    fn default() -> Self {
-        Self {
-            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
-            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
-            idle_timeout: DEFAULT_IDLE_TIMEOUT,
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            max_connections_per_address: DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
-        }
-    }
-}
-
-impl ConnectionLimits {
-    /// The defaults: [`DEFAULT_HEADER_READ_TIMEOUT`],
-    /// [`DEFAULT_BODY_READ_TIMEOUT`], [`DEFAULT_IDLE_TIMEOUT`],
-    /// [`DEFAULT_MAX_CONNECTIONS`], [`DEFAULT_MAX_CONNECTIONS_PER_ADDRESS`].
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// How long a request's body may take to arrive whole, from its head.
-    pub fn body_read_timeout(mut self, timeout: Duration) -> Self {
-        self.body_read_timeout = timeout;
-        self
-    }
-
-    /// How many of the connections one client address may hold (capped at
-    /// `max_connections`).
-    pub fn max_connections_per_address(mut self, max: usize) -> Self {
-        self.max_connections_per_address = max;
-        self
-    }
-
-    /// The share of one client address.
-    pub fn per_address(&self) -> usize {
-        self.max_connections_per_address.min(self.max_connections)
-    }
-
-    /// How long a request head may take to arrive.
-    pub fn header_read_timeout(mut self, timeout: Duration) -> Self {
-        self.header_read_timeout = timeout;
-        self
-    }
-
-    /// How long a connection may stay silent.
-    pub fn idle_timeout(mut self, timeout: Duration) -> Self {
-        self.idle_timeout = timeout;
-        self
-    }
-
-    /// How many connections may be open at once.
-    pub fn max_connections(mut self, max: usize) -> Self {
-        self.max_connections = max;
-        self
-    }
-
-    /// The idle timeout.
-    pub fn idle(&self) -> Duration {
-        self.idle_timeout
-    }
-
-    /// Checks that no limit is zero.
-    pub fn validate(self) -> Result<Self, ConfigError> {
-        if self.header_read_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "header_read_timeout",
-                "must be more than zero",
-            ));
-        }
-        if self.idle_timeout.is_zero() {
-            return Err(ConfigError::new("idle_timeout", "must be more than zero"));
-        }
-        if self.max_connections == 0 {
-            return Err(ConfigError::new("max_connections", "must be at least 1"));
-        }
-        if self.body_read_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "body_read_timeout",
-                "must be more than zero",
-            ));
-        }
-        if self.max_connections_per_address == 0 {
-            return Err(ConfigError::new(
-                "max_connections_per_address",
-                "must be at least 1",
-            ));
-        }
-        Ok(self)
-    }
-
-    pub(super) fn slots(&self) -> (ConnectionSlots, ConnectionSlots) {
-        (
-            self.connection_slots(),
-            ConnectionSlots::new(OVERFLOW_ANSWERS, OVERFLOW_ANSWERS_PER_ADDRESS),
-        )
-    }
-
-    /// Slots for `max_connections` connections, each address's share of
-    /// them as `max_connections_per_address` says.
-    pub fn connection_slots(&self) -> ConnectionSlots {
-        ConnectionSlots::new(self.max_connections, self.per_address())
-    }
-
-    /// The header read timeout.
-    pub fn header_read(&self) -> Duration {
-        self.header_read_timeout
-    }
+/// The slots for connections, and the few over the cap answered `503`.
+pub(super) fn slots(limits: &ConnectionLimits) -> (ConnectionSlots, ConnectionSlots) {
+    (
+        limits.connection_slots(),
+        ConnectionSlots::new(OVERFLOW_ANSWERS, OVERFLOW_ANSWERS_PER_ADDRESS),
+    )
 }
 
 /// Serves one accepted connection until it ends, is idle too long, or the
@@ -216,14 +87,14 @@ pub(super) async fn serve_connection<Io>(
         io,
         activity: activity.clone(),
     });
-    let body_read_timeout = limits.body_read_timeout;
+    let body_read_timeout = limits.body_read();
     let service = hyper::service::service_fn(move |request: Request<Incoming>| {
         serve_request(router.clone(), request, peer, body_read_timeout)
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout);
+        .header_read_timeout(limits.header_read());
     let connection = builder.serve_connection(io, service).with_upgrades();
     let mut connection = std::pin::pin!(connection);
     let mut closing = std::pin::pin!(drain.closing());
@@ -241,7 +112,7 @@ pub(super) async fn serve_connection<Io>(
                 asked_to_close = true;
                 connection.as_mut().graceful_shutdown();
             }
-            () = activity.silent_for(limits.idle_timeout) => {
+            () = activity.silent_for(limits.idle()) => {
                 idle_periods += 1;
                 if idle_periods > 1 {
                     metrics::counter!("keel_http_idle_connections_closed_total").increment(1);
@@ -464,18 +335,6 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn no_limit_may_be_zero() {
-        assert!(ConnectionLimits::new().validate().is_ok());
-        for limits in [
-            ConnectionLimits::new().header_read_timeout(Duration::ZERO),
-            ConnectionLimits::new().idle_timeout(Duration::ZERO),
-            ConnectionLimits::new().max_connections(0),
-        ] {
-            assert!(limits.validate().is_err());
-        }
-    }
 
     #[tokio::test(start_paused = true)]
     async fn silence_is_measured_from_the_last_byte() {

@@ -1,4 +1,22 @@
-//! [`Health`]: `/livez`, `/readyz` and `/debug/deep`.
+//! [`Health`]: is this instance alive, should it get traffic, and how are
+//! its dependencies.
+//!
+//! - **Liveness** is not asked here: if a server's handler runs, the
+//!   process is alive, and it must **never touch a dependency** (a liveness
+//!   probe that checks the database restarts the whole fleet when the
+//!   database blips).
+//! - **Readiness** ([`Health::readiness`]) checks only what *this
+//!   instance* owns and is useless without: migrations applied at start
+//!   ([`HealthBuilder::store`]), not draining ([`HealthBuilder::drain`]),
+//!   its connection pool not saturated or exhausted, and any
+//!   [`ready_check`](HealthBuilder::ready_check) you add. It never reads
+//!   the shared database on a probe: every instance shares it, so a
+//!   database blip would make them all unready at once. Each check has a
+//!   time limit (default 1 s): a probe with no timeout is not a probe.
+//! - **The deep report** ([`Health::deep`]) pings every
+//!   [`dependency`](HealthBuilder::dependency) concurrently, each within
+//!   its own timeout, for humans and dashboards. **Never wire it to a
+//!   probe**: a dependency blip must never restart or eject the fleet.
 
 use std::collections::HashSet;
 use std::fmt::Display;
@@ -8,11 +26,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{MethodRouter, get};
-use axum::{Json, Router};
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, join_all};
 use keel_core::{Deadline, Name, clock};
@@ -20,8 +33,7 @@ use keel_policy::ConfigError;
 use keel_store::Store;
 use serde::Serialize;
 
-use super::drain::Drain;
-use crate::problem::Problem;
+use crate::drain::Drain;
 
 /// The time limit of each readiness check by default: 1 s, below a probe's
 /// usual 2 s `timeoutSeconds`.
@@ -114,7 +126,7 @@ pub struct PoolUsage {
     pub waiters: usize,
 }
 
-/// Builds a [`Health`]; see the [module docs](super).
+/// Builds a [`Health`]; see the [module docs](crate::health).
 #[derive(Debug, Default)]
 #[must_use]
 pub struct HealthBuilder {
@@ -132,8 +144,9 @@ impl HealthBuilder {
     }
 
     /// Adds a readiness check named `name`: something this instance owns
-    /// and is useless without. Its error becomes the `503`'s reason. Never
-    /// check a dependency here; that is what `/debug/deep` is for.
+    /// and is useless without. Its error becomes the reason readiness
+    /// fails. Never check a dependency here; that is what
+    /// [`dependency`](Self::dependency) is for.
     pub fn ready_check<F, Fut, E>(mut self, name: &str, check: F) -> Self
     where
         F: Fn() -> Fut + Send + Sync + 'static,
@@ -150,10 +163,10 @@ impl HealthBuilder {
 
     /// Readiness requires the store's schema to have been migrated, checked
     /// with [`Store::ready`] until it first passes and never again: the
-    /// database is shared by every instance, so pinging it from `/readyz`
-    /// would make a database blip take every instance out of the load
-    /// balancer at once, the cascade readiness exists to prevent. The
-    /// store is pinged from `/debug/deep` instead, as the dependency
+    /// database is shared by every instance, so pinging it on every
+    /// readiness probe would make a database blip take every instance out
+    /// of the load balancer at once, the cascade readiness exists to
+    /// prevent. The store is pinged by the deep report instead, as the dependency
     /// `store` (within [`DEFAULT_CHECK_TIMEOUT`]).
     pub fn store<S: Store>(self, store: S) -> Self {
         let migrated = Arc::new(AtomicBool::new(false));
@@ -225,10 +238,10 @@ impl HealthBuilder {
         self
     }
 
-    /// Adds a dependency to ping from `/debug/deep`, within `timeout`. The
-    /// ping runs under a [`Deadline`] of `timeout`, so a
-    /// [`PropagatingClient`](crate::propagation) call inside it carries it.
-    /// Dependencies are never checked by `/livez` or `/readyz`.
+    /// Adds a dependency to ping from the deep report, within `timeout`.
+    /// The ping runs under a [`Deadline`] of `timeout`, so a call that
+    /// propagates deadlines (keel-client's) carries it. Dependencies are
+    /// never checked by readiness.
     pub fn dependency<F, Fut, E>(mut self, name: &str, timeout: Duration, ping: F) -> Self
     where
         F: Fn() -> Fut + Send + Sync + 'static,
@@ -284,23 +297,26 @@ impl HealthBuilder {
     }
 }
 
-/// The health endpoints of one service instance; see the
-/// [module docs](super). Cheap to clone.
+/// The health of one service instance, which every server it runs
+/// answers from (keel-http's `/readyz`, keel-grpc's `grpc.health.v1`);
+/// see the [module docs](crate::health). Cheap to clone.
 ///
 /// ```
-/// use axum::{body::Body, http::{Request, StatusCode}};
-/// use keel_http::health::{Drain, Health};
-/// use tower::ServiceExt;
+/// use std::time::Duration;
+/// use keel_lifecycle::{Drain, Health};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let drain = Drain::builder().lb_notice(std::time::Duration::ZERO).build().unwrap();
-/// let health = Health::builder().drain(&drain).build().unwrap();
-/// let app = health.router();
-/// let readyz = || Request::get("/readyz").body(Body::empty()).unwrap();
-/// assert_eq!(app.clone().oneshot(readyz()).await.unwrap().status(), StatusCode::OK);
+/// let drain = Drain::builder().lb_notice(Duration::ZERO).build().unwrap();
+/// let health = Health::builder()
+///     .drain(&drain)
+///     .dependency("payments", Duration::from_millis(200), || async { Ok::<_, String>(()) })
+///     .build()
+///     .unwrap();
+/// assert!(health.readiness().await.is_ok());
+/// assert!(health.deep().await.ok);
 /// drain.trigger();
-/// assert_eq!(app.oneshot(readyz()).await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+/// assert_eq!(health.readiness().await.unwrap_err().reasons, ["draining"]);
 /// # }
 /// ```
 #[derive(Debug, Clone)]
@@ -353,7 +369,8 @@ pub struct DependencyStatus {
     pub error: Option<String>,
 }
 
-/// The body of `/debug/deep`.
+/// The deep report: every dependency's answer (keel-http serves it as
+/// `/debug/deep`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DeepReport {
     /// Whether every dependency answered in time.
@@ -366,39 +383,6 @@ impl Health {
     /// Starts building the component.
     pub fn builder() -> HealthBuilder {
         HealthBuilder::default()
-    }
-
-    /// The routes `/livez`, `/readyz` and `/debug/deep`, to merge into the
-    /// service's router (outside shedding and authentication).
-    ///
-    /// Point the liveness probe at `/livez` and the readiness (and startup)
-    /// probes at `/readyz`. **Never point a probe at `/debug/deep`**: it
-    /// pings dependencies, and a dependency blip must never restart or
-    /// eject the fleet.
-    pub fn router(&self) -> Router {
-        self.probes_router().merge(self.deep_router())
-    }
-
-    /// `/livez` and `/readyz` only: what load balancers and orchestrators
-    /// must reach without credentials.
-    pub fn probes_router(&self) -> Router {
-        Router::new()
-            .route("/livez", get(livez))
-            .route("/readyz", get(readyz))
-            .with_state(self.clone())
-    }
-
-    /// `/debug/deep` only: it names every dependency and its latency, so
-    /// it belongs behind the same authentication as metrics.
-    pub fn deep_router(&self) -> Router {
-        Router::new().route("/debug/deep", self.deep_route())
-    }
-
-    /// The `/debug/deep` handler alone, to mount at a path of your own or
-    /// behind a layer of its own (`route_layer` on it leaves other methods
-    /// their `405`).
-    pub fn deep_route<S: Clone + Send + Sync + 'static>(&self) -> MethodRouter<S> {
-        get(deep).with_state(self.clone())
     }
 
     /// The drain this component's readiness follows, if one was given.
@@ -505,36 +489,6 @@ async fn run(
         tracing::debug!(check = %check.name, %error, "health check failed");
     }
     (outcome, started.elapsed())
-}
-
-fn no_store(mut response: Response) -> Response {
-    response
-        .headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    response
-}
-
-/// Deliberately trivial: if this runs, the process is alive. NEVER touch a
-/// dependency here.
-async fn livez() -> Response {
-    no_store(Json(serde_json::json!({ "ok": true })).into_response())
-}
-
-async fn readyz(State(health): State<Health>) -> Response {
-    no_store(match health.readiness().await {
-        Ok(()) => Json(serde_json::json!({ "ok": true })).into_response(),
-        Err(not_ready) => {
-            tracing::debug!(reason = %not_ready, "readiness check failed: 503");
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, not_ready.to_string())
-                .typed("not_ready")
-                .into_response()
-        }
-    })
-}
-
-/// For humans and dashboards; NOT wired to any probe.
-async fn deep(State(health): State<Health>) -> Response {
-    no_store(Json(health.deep().await).into_response())
 }
 
 #[cfg(test)]

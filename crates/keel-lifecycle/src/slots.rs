@@ -1,7 +1,6 @@
 //! Connection slots with a share per client address, for any server that
-//! must not let one client take what every other needs: keel-http's own
-//! ([`Drain::serve_with`](crate::health::Drain::serve_with)), its TLS
-//! handshakes, and a gRPC server's connections (keel-grpc).
+//! must not let one client take what every other needs: keel-http's
+//! connections and TLS handshakes, and keel-grpc's connections.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -10,9 +9,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// A pool of connection slots with a share per client address: what
-/// [`Drain::serve_with`](crate::health::Drain::serve_with) takes one of per connection, for any other server
-/// (a gRPC one) to bound its connections the same way. The map holds only
+/// A pool of connection slots with a share per client address: a server
+/// takes one per connection it accepts, and refuses the connection when
+/// there is none (see [`ConnectionLimits`](crate::ConnectionLimits)). The map holds only
 /// addresses with a connection open, so it is never larger than the pool.
 #[derive(Debug)]
 pub struct ConnectionSlots {

@@ -1,22 +1,31 @@
 //! [`Drain`]: graceful shutdown in the order that loses no request.
+//!
+//! On SIGTERM (or ctrl-c, or [`Drain::trigger`]) the drain moves through
+//! its [`Phase`]s, each later than the last:
+//!
+//! 1. **readiness fails first** ([`Health::readiness`](crate::Health::readiness)
+//!    answers `draining`) while the server keeps serving everything;
+//! 2. it waits [`lb_notice`](DrainBuilder::lb_notice) (default 10 s) for
+//!    load balancers to notice and stop sending traffic;
+//! 3. the server **stops accepting** connections and lets in-flight
+//!    requests finish, and [`Drain::signal`] fires, which SSE, WebSocket,
+//!    long-poll and gRPC streaming handlers watch to end their streams;
+//! 4. after [`drain_timeout`](DrainBuilder::drain_timeout) (default 30 s)
+//!    every [`DrainStream`](crate::DrainStream) still open fails its next
+//!    read or write, so the process exits before the orchestrator's
+//!    SIGKILL.
 
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::Router;
-use axum::serve::Listener;
 use keel_core::clock::{self, Instant};
 use keel_policy::ConfigError;
 use parking_lot::Mutex;
 use tokio::sync::watch;
-use tokio::task::{JoinHandle, JoinSet};
-
-use super::listener::DrainListener;
-use super::server::{ConnectionLimits, answer_overloaded, serve_connection};
+use tokio::task::JoinHandle;
 
 /// How long to keep serving, with readiness failing, before closing the
 /// listener, by default: 10 s, a readiness probe's `periodSeconds: 5` ×
@@ -28,10 +37,6 @@ pub const DEFAULT_LB_NOTICE: Duration = Duration::from_secs(10);
 /// drain_timeout` must stay below the orchestrator's grace period (for
 /// example a Kubernetes `terminationGracePeriodSeconds` of 45 s).
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// How long [`Drain::serve`] waits for aborted connections to wind down
-/// before returning anyway.
-const ABORT_GRACE: Duration = Duration::from_secs(1);
 
 /// Where a [`Drain`] is; phases only move forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -101,7 +106,7 @@ impl DrainBuilder {
 ///
 /// ```
 /// use std::time::Duration;
-/// use keel_http::health::{Drain, Phase};
+/// use keel_lifecycle::{Drain, Phase};
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() {
@@ -121,7 +126,7 @@ pub struct Drain {
 }
 
 #[derive(Debug)]
-pub(super) struct Inner {
+pub(crate) struct Inner {
     lb_notice: Duration,
     drain_timeout: Duration,
     phase: watch::Sender<Phase>,
@@ -130,7 +135,7 @@ pub(super) struct Inner {
     closing_at: Mutex<Option<Instant>>,
 }
 
-/// How a [`Drain::serve`] ended.
+/// How a server's drain ended ([`Drain::report`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DrainReport {
     /// Whether the drain timeout passed with connections still open, which
@@ -225,7 +230,7 @@ impl Drain {
     /// `true` once they should end, when the listener closes. Handlers
     /// select on `changed()` next to their own work and close cleanly
     /// (a last SSE event, WebSocket close 1001, a `204` long-poll answer);
-    /// axum's graceful shutdown waits for them, it does not close them.
+    /// a graceful shutdown waits for them, it does not close them.
     pub fn signal(&self) -> watch::Receiver<bool> {
         self.inner.close.subscribe()
     }
@@ -237,15 +242,15 @@ impl Drain {
         let _ = phases.wait_for(|current| *current >= phase).await;
     }
 
-    /// A future that resolves when the listener should close, for servers
-    /// not run by [`serve`](Self::serve): pass it to
-    /// `axum::serve(..).with_graceful_shutdown(..)`.
+    /// A future that resolves when the listener should close: pass it to
+    /// a server's graceful shutdown (`axum::serve(..).with_graceful_shutdown`,
+    /// tonic's `serve_with_incoming_shutdown`).
     pub fn closing(&self) -> impl Future<Output = ()> + Send + 'static {
         let drain = self.clone();
         async move { drain.wait_for(Phase::Closing).await }
     }
 
-    /// Connections open now through [`DrainListener`]s of this drain.
+    /// Connections open now through [`DrainStream`](crate::DrainStream)s of this drain.
     pub fn open_connections(&self) -> usize {
         self.inner.open.load(Ordering::Relaxed)
     }
@@ -274,90 +279,16 @@ impl Drain {
         }))
     }
 
-    /// Serves `router` on `listener` until the drain completes: new
-    /// connections are accepted until the listener closes (after
-    /// `lb_notice`), in-flight requests finish, and whatever is still open
-    /// `drain_timeout` later is aborted. Returns once every connection is
-    /// gone (or a second after aborting them).
-    ///
-    /// Listener errors never end the server (axum retries accepts).
-    pub async fn serve<L>(&self, listener: L, router: Router) -> io::Result<DrainReport>
-    where
-        L: Listener<Addr = SocketAddr>,
-        L::Io: Unpin,
-    {
-        self.serve_with(listener, router, ConnectionLimits::default())
-            .await
-    }
-
-    /// [`serve`](Self::serve) with these [`ConnectionLimits`] (header read
-    /// and idle timeouts, a connection cap).
-    pub async fn serve_with<L>(
-        &self,
-        listener: L,
-        router: Router,
-        limits: ConnectionLimits,
-    ) -> io::Result<DrainReport>
-    where
-        L: Listener<Addr = SocketAddr>,
-        L::Io: Unpin,
-    {
-        let limits = limits
-            .validate()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        let mut listener = DrainListener::new(listener, self);
-        let counts = listener.counts();
-        let (slots, overflow) = limits.slots();
-        let mut connections = JoinSet::new();
-        let mut closing = std::pin::pin!(self.closing());
-        loop {
-            let (io, peer) = tokio::select! {
-                biased;
-                () = &mut closing => break,
-                accepted = listener.accept() => accepted,
-            };
-            while connections.try_join_next().is_some() {}
-            if let Some(slot) = slots.try_take(peer.ip()) {
-                let connection =
-                    serve_connection(io, peer, router.clone(), limits.clone(), self.clone(), slot);
-                connections.spawn(connection);
-            } else {
-                metrics::counter!("keel_http_connections_refused_total").increment(1);
-                tracing::warn!(%peer, "connection cap or the address's share reached: answering 503");
-                if let Some(slot) = overflow.try_take(peer.ip()) {
-                    connections.spawn(answer_overloaded(io, slot));
-                }
-            }
-        }
-        // Closing the listener stops new connections at the kernel.
-        drop(listener);
-        let all_closed = async { while connections.join_next().await.is_some() {} };
-        let mut all_closed = std::pin::pin!(all_closed);
-        tokio::select! {
-            () = &mut all_closed => {}
-            () = self.wait_for(Phase::Aborting) => {
-                // Every connection still open fails its next read or write now.
-                if tokio::time::timeout(ABORT_GRACE, &mut all_closed).await.is_err() {
-                    tracing::warn!(
-                        "aborted connections did not close within {ABORT_GRACE:?}; returning anyway"
-                    );
-                }
-            }
-        }
-        // Counted by the connections themselves: the server may finish
-        // because they were aborted.
-        let aborted = counts.aborted.load(Ordering::Relaxed);
-        Ok(self.report(aborted > 0, aborted))
-    }
-
-    pub(super) fn inner(&self) -> &Arc<Inner> {
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
     }
 
-    fn report(&self, forced: bool, aborted_connections: usize) -> DrainReport {
+    /// How the drain went for a server that saw `aborted_connections` of
+    /// its connections aborted: servers return this when they end.
+    pub fn report(&self, aborted_connections: usize) -> DrainReport {
         let closing_at = *self.inner.closing_at.lock();
         DrainReport {
-            forced,
+            forced: aborted_connections > 0,
             aborted_connections,
             drain_time: closing_at.map_or(Duration::ZERO, |at| {
                 clock::now().saturating_duration_since(at)
@@ -406,11 +337,11 @@ impl Drain {
 }
 
 impl Inner {
-    pub(super) fn phase(&self) -> &watch::Sender<Phase> {
+    pub(crate) fn phase(&self) -> &watch::Sender<Phase> {
         &self.phase
     }
 
-    pub(super) fn open(&self) -> &AtomicUsize {
+    pub(crate) fn open(&self) -> &AtomicUsize {
         &self.open
     }
 }
