@@ -34,7 +34,7 @@ use std::any::Any;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
-use keel_store::MessagingStore;
+use keel_store::Store;
 
 pub mod dead_letter;
 pub mod entity_version;
@@ -62,7 +62,7 @@ impl<S: fmt::Debug> fmt::Debug for Fixture<S> {
     }
 }
 
-impl<S: MessagingStore> Fixture<S> {
+impl<S: Store> Fixture<S> {
     /// A fixture of `store` alone.
     pub fn new(store: S) -> Self {
         Self {
@@ -84,7 +84,7 @@ impl<S: MessagingStore> Fixture<S> {
     }
 }
 
-impl<S: MessagingStore> From<S> for Fixture<S> {
+impl<S: Store> From<S> for Fixture<S> {
     fn from(store: S) -> Self {
         Self::new(store)
     }
@@ -102,104 +102,136 @@ pub fn at_ms(ms: i64) -> DateTime<Utc> {
 
 /// Expands into one `#[tokio::test]` per Store behaviour, each run against
 /// the store made by `$make` (an async expression yielding a store or a
-/// [`Fixture`]). The tests are named `store_conformance::<area>::<behaviour>`.
+/// [`Fixture`]). The tests are named `store_conformance::<table>::<behaviour>`.
 /// See the [module docs](crate::store_suite).
+///
+/// With only `$make`, every table's behaviours run (the store is a
+/// [`MessagingStore`](keel_store::MessagingStore)); after a `;`, only the tables named (`outbox`,
+/// `outbox_parked`, `outbox_archive`, `inbox`, `dead_letter`, `saga`,
+/// `fence`, `lease`, `entity_version`), for a backend that implements
+/// just those tables' traits.
 #[macro_export]
 macro_rules! store_conformance_tests {
     ($make:expr) => {
-        $crate::__store_conformance_tests! {
-            $make;
-            outbox {
-                committed_append_is_claimable,
-                rolled_back_append_is_never_claimable,
-                claims_in_id_order,
-                lease_excludes_other_relays,
-                relay_reclaims_its_own_lease,
-                expired_lease_is_claimable_again,
-                a_stale_release_leaves_the_new_claim,
-                per_key_order_holds_across_relays,
-                published_rows_are_not_claimed_and_leave_stats,
-                stats_report_relay_lag,
-                prune_deletes_in_bounded_batches,
-                duplicate_event_id_is_a_conflict,
-                late_commit_of_lower_id_is_not_skipped,
-                published_rows_are_listed_in_id_order,
-            }
-            outbox_parked {
-                parked_row_holds_back_only_its_key,
-                unparked_row_is_claimed_first_in_its_key,
-                discarded_row_frees_its_key,
-                parked_list_filters_by_topic_and_limit,
-                failed_release_counts_attempts,
-            }
-            outbox_archive {
-                archive_moves_published_rows_in_bounded_batches,
-            }
-            inbox {
-                records_once_per_event_and_handler,
-                two_handlers_each_process_the_same_event,
-                rolled_back_record_can_be_recorded_again,
-                prune_deletes_in_bounded_batches,
-            }
-            dead_letter {
-                put_then_get_round_trips,
-                list_filters_and_orders_oldest_first,
-                settles_only_once,
-                settle_rolls_back_with_its_transaction,
-                counts_pending_by_error_kind,
-                failure_history_is_per_group_and_message,
-            }
-            saga {
-                get_many_returns_the_existing_ones,
-                insert_is_idempotent,
-                rolled_back_insert_leaves_nothing,
-                save_is_optimistic_on_version,
-                due_returns_unfinished_due_sagas_oldest_first,
-                list_filters_by_status_and_age,
-                counts_by_status,
-                unknown_outcome_and_first_attempt_round_trip,
-                an_unknown_outcome_survives_an_orchestrator_restart,
-                save_in_lands_with_its_transaction,
-                a_hook_writes_with_the_status_change,
-            }
-            fence {
-                tokens_strictly_increase,
-                tokens_stay_distinct_and_ordered_under_concurrency,
-            }
-            lease {
-                a_lease_is_one_holders_until_it_runs_out,
-                release_ends_a_lease_and_tokens_keep_growing,
-                racing_holders_get_one_lease,
-            }
-            entity_version {
-                only_a_newer_version_advances,
-                a_rolled_back_advance_leaves_nothing,
-                racing_advances_serialize,
-                the_guard_drops_events_that_arrive_late,
-            }
+        $crate::store_conformance_tests!(
+            $make; outbox, outbox_parked, outbox_archive, inbox, dead_letter, saga, fence, lease, entity_version
+        );
+    };
+    ($make:expr; $($table:ident),+ $(,)?) => {
+        mod store_conformance {
+            #[allow(unused_imports)]
+            use super::*;
+            $( $crate::__store_table_tests!($table, $make); )+
         }
     };
 }
 
-/// The expansion of [`store_conformance_tests!`]; not for direct use.
+/// One table's behaviours, for [`store_conformance_tests!`]; not for
+/// direct use.
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __store_conformance_tests {
-    ($make:expr; $($module:ident { $($test:ident),* $(,)? })*) => {
-        mod store_conformance {
+macro_rules! __store_table_tests {
+    (outbox, $make:expr) => {
+        $crate::__store_tests!(outbox, $make;
+            committed_append_is_claimable,
+            rolled_back_append_is_never_claimable,
+            claims_in_id_order,
+            lease_excludes_other_relays,
+            relay_reclaims_its_own_lease,
+            expired_lease_is_claimable_again,
+            a_stale_release_leaves_the_new_claim,
+            per_key_order_holds_across_relays,
+            published_rows_are_not_claimed_and_leave_stats,
+            stats_report_relay_lag,
+            prune_deletes_in_bounded_batches,
+            duplicate_event_id_is_a_conflict,
+            late_commit_of_lower_id_is_not_skipped,
+            published_rows_are_listed_in_id_order,
+        );
+    };
+    (outbox_parked, $make:expr) => {
+        $crate::__store_tests!(outbox_parked, $make;
+            parked_row_holds_back_only_its_key,
+            unparked_row_is_claimed_first_in_its_key,
+            discarded_row_frees_its_key,
+            parked_list_filters_by_topic_and_limit,
+            failed_release_counts_attempts,
+        );
+    };
+    (outbox_archive, $make:expr) => {
+        $crate::__store_tests!(outbox_archive, $make;
+            archive_moves_published_rows_in_bounded_batches,
+        );
+    };
+    (inbox, $make:expr) => {
+        $crate::__store_tests!(inbox, $make;
+            records_once_per_event_and_handler,
+            two_handlers_each_process_the_same_event,
+            rolled_back_record_can_be_recorded_again,
+            prune_deletes_in_bounded_batches,
+        );
+    };
+    (dead_letter, $make:expr) => {
+        $crate::__store_tests!(dead_letter, $make;
+            put_then_get_round_trips,
+            list_filters_and_orders_oldest_first,
+            settles_only_once,
+            settle_rolls_back_with_its_transaction,
+            counts_pending_by_error_kind,
+            failure_history_is_per_group_and_message,
+        );
+    };
+    (saga, $make:expr) => {
+        $crate::__store_tests!(saga, $make;
+            get_many_returns_the_existing_ones,
+            insert_is_idempotent,
+            rolled_back_insert_leaves_nothing,
+            save_is_optimistic_on_version,
+            due_returns_unfinished_due_sagas_oldest_first,
+            list_filters_by_status_and_age,
+            counts_by_status,
+            unknown_outcome_and_first_attempt_round_trip,
+            an_unknown_outcome_survives_an_orchestrator_restart,
+            save_in_lands_with_its_transaction,
+            a_hook_writes_with_the_status_change,
+        );
+    };
+    (fence, $make:expr) => {
+        $crate::__store_tests!(fence, $make;
+            tokens_strictly_increase,
+            tokens_stay_distinct_and_ordered_under_concurrency,
+        );
+    };
+    (lease, $make:expr) => {
+        $crate::__store_tests!(lease, $make;
+            a_lease_is_one_holders_until_it_runs_out,
+            release_ends_a_lease_and_tokens_keep_growing,
+            racing_holders_get_one_lease,
+        );
+    };
+    (entity_version, $make:expr) => {
+        $crate::__store_tests!(entity_version, $make;
+            only_a_newer_version_advances,
+            a_rolled_back_advance_leaves_nothing,
+            racing_advances_serialize,
+            the_guard_drops_events_that_arrive_late,
+        );
+    };
+}
+
+/// The tests of one table; not for direct use.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __store_tests {
+    ($module:ident, $make:expr; $($test:ident),* $(,)?) => {
+        mod $module {
             #[allow(unused_imports)]
             use super::*;
             $(
-                mod $module {
-                    #[allow(unused_imports)]
-                    use super::*;
-                    $(
-                        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                        async fn $test() {
-                            let fixture = $crate::store_suite::Fixture::from($make.await);
-                            $crate::store_suite::$module::$test(fixture.store()).await;
-                        }
-                    )*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let fixture = $crate::store_suite::Fixture::from($make.await);
+                    $crate::store_suite::$module::$test(fixture.store()).await;
                 }
             )*
         }

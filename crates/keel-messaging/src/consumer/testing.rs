@@ -1,6 +1,8 @@
-//! In-memory Store and Broker for this crate's unit tests (the real backends
-//! live in keel-sqlite, whose integration tests run the same scenarios).
-//! Time is tokio's, so tests can pause it.
+//! In-memory Store and Broker for this crate's unit tests, checked by the
+//! same conformance suites as the real backends (below, and in
+//! `broker.rs`); the runtime's integration tests in `tests/` run the same
+//! scenarios on SQLite, PostgreSQL and NATS. Time is tokio's, so tests can
+//! pause it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -189,6 +191,10 @@ impl Store for MemStore {
         if tx.inbox.iter().any(|k| s.inbox.contains_key(k)) {
             return Err(StoreError::Conflict("inbox row exists".into()));
         }
+        let appended = |r: &OutboxRecord| s.outbox.iter().any(|o| o.record.event_id == r.event_id);
+        if tx.outbox.iter().any(appended) {
+            return Err(StoreError::Conflict("outbox event id exists".into()));
+        }
         for (id, _) in &tx.settle {
             let pending = s
                 .letters
@@ -247,7 +253,20 @@ impl OutboxStore for MemStore {
         tx: &mut MemTx,
         records: &[OutboxRecord],
     ) -> Result<(), StoreError> {
-        tx.outbox.extend_from_slice(records);
+        let s = self.state.lock();
+        for record in records {
+            let taken = |id: &str| {
+                s.outbox.iter().any(|r| r.record.event_id == id)
+                    || tx.outbox.iter().any(|r| r.event_id == id)
+            };
+            if taken(&record.event_id) {
+                return Err(StoreError::Conflict(format!(
+                    "event {} is in the outbox",
+                    record.event_id
+                )));
+            }
+            tx.outbox.push(record.clone());
+        }
         Ok(())
     }
     async fn outbox_claim(
@@ -469,8 +488,10 @@ impl DeadLetterStore for MemStore {
         filter: &DeadLetterFilter,
     ) -> Result<Vec<DeadLetter>, StoreError> {
         let s = self.state.lock();
-        Ok(s.letters
-            .iter()
+        let mut oldest_first: Vec<&DeadLetter> = s.letters.iter().collect();
+        oldest_first.sort_by(|a, b| (a.dead_at, &a.id).cmp(&(b.dead_at, &b.id)));
+        Ok(oldest_first
+            .into_iter()
             .filter(|l| filter.topic.as_ref().is_none_or(|t| &l.message.topic == t))
             .filter(|l| {
                 filter
@@ -564,3 +585,12 @@ impl DeadLetterStore for MemStore {
         Ok(())
     }
 }
+
+// The in-memory store is a backend like any other: the tables it has pass
+// the same conformance suite as SQLite and PostgreSQL, so a unit test that
+// passes on it says something about the real ones. (It keeps no archive:
+// `outbox_archive` refuses, as the contract allows.)
+keel_testkit::store_conformance_tests!(
+    async { MemStore::default() };
+    outbox, outbox_parked, inbox, dead_letter
+);

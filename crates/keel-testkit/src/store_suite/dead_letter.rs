@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, TimeDelta, Utc};
-use keel_messaging::{MessagingStore, StoreError};
 use keel_store::broker::Message;
 use keel_store::{AttemptError, DeadLetter, DeadLetterFilter, DeadLetterStatus};
+use keel_store::{DeadLetterStore, StoreError};
 
 use super::now_ms;
 
@@ -37,7 +37,7 @@ fn ids(letters: &[DeadLetter]) -> Vec<&str> {
     letters.iter().map(|l| l.id.as_str()).collect()
 }
 
-async fn settle_committed<S: MessagingStore>(store: &S, id: &str, to: DeadLetterStatus) -> bool {
+async fn settle_committed<S: DeadLetterStore>(store: &S, id: &str, to: DeadLetterStatus) -> bool {
     let mut tx = store.begin().await.expect("begin");
     let settled = store
         .dead_letter_settle(&mut tx, id, to)
@@ -50,7 +50,7 @@ async fn settle_committed<S: MessagingStore>(store: &S, id: &str, to: DeadLetter
 /// A dead letter comes back exactly as stored (message, headers, payload,
 /// group, kind, full error history); an unknown id is `None`; an id is
 /// unique.
-pub async fn put_then_get_round_trips<S: MessagingStore>(store: &S) {
+pub async fn put_then_get_round_trips<S: DeadLetterStore>(store: &S) {
     let stored = letter("dl-1", "orders", "poison", now_ms());
     store.dead_letter_put(&stored).await.expect("put");
     let loaded = store.dead_letter_get("dl-1").await.expect("get");
@@ -66,7 +66,7 @@ pub async fn put_then_get_round_trips<S: MessagingStore>(store: &S) {
 
 /// Listing is oldest first and filters by topic, error kind and status,
 /// each alone or together, with a limit.
-pub async fn list_filters_and_orders_oldest_first<S: MessagingStore>(store: &S) {
+pub async fn list_filters_and_orders_oldest_first<S: DeadLetterStore>(store: &S) {
     let t0 = now_ms() - TimeDelta::hours(1);
     // Stored out of time order on purpose.
     let letters = [
@@ -130,7 +130,7 @@ pub async fn list_filters_and_orders_oldest_first<S: MessagingStore>(store: &S) 
 
 /// Settling (replay or discard) happens once: the second attempt, whatever
 /// its target status, is refused, so a letter cannot be replayed twice.
-pub async fn settles_only_once<S: MessagingStore>(store: &S) {
+pub async fn settles_only_once<S: DeadLetterStore>(store: &S) {
     store
         .dead_letter_put(&letter("dl-1", "orders", "poison", now_ms()))
         .await
@@ -156,7 +156,7 @@ pub async fn settles_only_once<S: MessagingStore>(store: &S) {
 
 /// The status change commits with the caller's transaction (e.g. with the
 /// replay's outbox row) or not at all.
-pub async fn settle_rolls_back_with_its_transaction<S: MessagingStore>(store: &S) {
+pub async fn settle_rolls_back_with_its_transaction<S: DeadLetterStore>(store: &S) {
     store
         .dead_letter_put(&letter("dl-1", "orders", "poison", now_ms()))
         .await
@@ -180,7 +180,7 @@ pub async fn settle_rolls_back_with_its_transaction<S: MessagingStore>(store: &S
 }
 
 /// Counts are of pending letters, by error kind.
-pub async fn counts_pending_by_error_kind<S: MessagingStore>(store: &S) {
+pub async fn counts_pending_by_error_kind<S: DeadLetterStore>(store: &S) {
     let t = now_ms();
     for (id, kind) in [
         ("dl-1", "poison"),
@@ -208,7 +208,7 @@ pub async fn counts_pending_by_error_kind<S: MessagingStore>(store: &S) {
 
 /// Failed attempts are remembered per (group, message), oldest first, and
 /// cleared independently.
-pub async fn failure_history_is_per_group_and_message<S: MessagingStore>(store: &S) {
+pub async fn failure_history_is_per_group_and_message<S: DeadLetterStore>(store: &S) {
     let t = now_ms();
     let attempt = |n: u32| AttemptError {
         attempt: n,

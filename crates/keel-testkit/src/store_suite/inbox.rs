@@ -1,13 +1,13 @@
 //! The idempotent consumer's inbox: one effect per (event, handler), decided
 //! in the effect's own transaction.
 
-use keel_store::MessagingStore;
+use keel_store::InboxStore;
 
 use super::now_ms;
 
 /// Records `event_id` for `handler` in a transaction of its own and commits
 /// it; returns whether it was new.
-async fn record_committed<S: MessagingStore>(store: &S, event_id: &str, handler: &str) -> bool {
+async fn record_committed<S: InboxStore>(store: &S, event_id: &str, handler: &str) -> bool {
     let mut tx = store.begin().await.expect("begin");
     let fresh = store
         .inbox_record(&mut tx, event_id, handler)
@@ -19,7 +19,7 @@ async fn record_committed<S: MessagingStore>(store: &S, event_id: &str, handler:
 
 /// The first record of an event by a handler is new; every later one, in
 /// the same transaction or another, is a duplicate.
-pub async fn records_once_per_event_and_handler<S: MessagingStore>(store: &S) {
+pub async fn records_once_per_event_and_handler<S: InboxStore>(store: &S) {
     let mut tx = store.begin().await.expect("begin");
     assert!(
         store
@@ -50,7 +50,7 @@ pub async fn records_once_per_event_and_handler<S: MessagingStore>(store: &S) {
 }
 
 /// Two handlers of the same event each process it once.
-pub async fn two_handlers_each_process_the_same_event<S: MessagingStore>(store: &S) {
+pub async fn two_handlers_each_process_the_same_event<S: InboxStore>(store: &S) {
     assert!(record_committed(store, "e-1", "billing").await);
     assert!(record_committed(store, "e-1", "shipping").await);
     assert!(!record_committed(store, "e-1", "billing").await);
@@ -59,7 +59,7 @@ pub async fn two_handlers_each_process_the_same_event<S: MessagingStore>(store: 
 
 /// An inbox row rolls back with its transaction: the effect did not happen,
 /// so the redelivery must be processed.
-pub async fn rolled_back_record_can_be_recorded_again<S: MessagingStore>(store: &S) {
+pub async fn rolled_back_record_can_be_recorded_again<S: InboxStore>(store: &S) {
     let mut tx = store.begin().await.expect("begin");
     assert!(
         store
@@ -88,7 +88,7 @@ pub async fn rolled_back_record_can_be_recorded_again<S: MessagingStore>(store: 
 /// Prune deletes at most `batch` rows older than `before` per call; a
 /// pruned event is new again (which is why the window must outlast
 /// redelivery).
-pub async fn prune_deletes_in_bounded_batches<S: MessagingStore>(store: &S) {
+pub async fn prune_deletes_in_bounded_batches<S: InboxStore>(store: &S) {
     for i in 0..5 {
         assert!(record_committed(store, &format!("e-{i}"), "billing").await);
     }

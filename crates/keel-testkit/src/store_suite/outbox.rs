@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use keel_messaging::{MessagingStore, StoreError};
 use keel_store::broker::Headers;
+use keel_store::{OutboxAdminStore, OutboxStore, StoreError};
 use keel_store::{OutboxRecord, PendingOutbox};
 
 use super::now_ms;
@@ -31,7 +31,10 @@ pub fn record(event_id: &str, key: &str) -> OutboxRecord {
 }
 
 /// Appends `records` in one transaction and commits it.
-pub async fn append_committed<S: MessagingStore>(store: &S, records: &[OutboxRecord]) {
+pub async fn append_committed<S: OutboxStore + OutboxAdminStore>(
+    store: &S,
+    records: &[OutboxRecord],
+) {
     let mut tx = store.begin().await.expect("begin");
     store
         .outbox_append(&mut tx, records)
@@ -50,7 +53,7 @@ pub(super) fn row_ids(claimed: &[PendingOutbox]) -> Vec<i64> {
 
 /// An event appended in a committed transaction is claimed, exactly as
 /// written (id, topic, key, headers, payload) and with its creation time.
-pub async fn committed_append_is_claimable<S: MessagingStore>(store: &S) {
+pub async fn committed_append_is_claimable<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let before = now_ms() - chrono::TimeDelta::seconds(1);
     let event = record("e-1", "A-1");
     append_committed(store, std::slice::from_ref(&event)).await;
@@ -71,7 +74,7 @@ pub async fn committed_append_is_claimable<S: MessagingStore>(store: &S) {
 
 /// An event whose transaction rolled back, explicitly or by being dropped,
 /// is never claimed and leaves no trace (its event id is free again).
-pub async fn rolled_back_append_is_never_claimable<S: MessagingStore>(store: &S) {
+pub async fn rolled_back_append_is_never_claimable<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let mut tx = store.begin().await.expect("begin");
     store
         .outbox_append(&mut tx, &[record("e-rolled-back", "A-1")])
@@ -107,7 +110,7 @@ pub async fn rolled_back_append_is_never_claimable<S: MessagingStore>(store: &S)
 /// Rows are claimed lowest id first, ids follow commit order and the order
 /// of records within one append, and `limit` takes a prefix. (Every event
 /// has its own key here, so per-key order does not hold any row back.)
-pub async fn claims_in_id_order<S: MessagingStore>(store: &S) {
+pub async fn claims_in_id_order<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let mut expected = Vec::new();
     for i in 0..5 {
         let id = format!("e-{i}");
@@ -141,7 +144,7 @@ pub async fn claims_in_id_order<S: MessagingStore>(store: &S) {
 }
 
 /// Rows leased by one relay are skipped by the others until released.
-pub async fn lease_excludes_other_relays<S: MessagingStore>(store: &S) {
+pub async fn lease_excludes_other_relays<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(store, &[record("e-1", "A-1"), record("e-2", "A-2")]).await;
     let a = store
         .outbox_claim("relay-a", 10, LEASE)
@@ -168,7 +171,7 @@ pub async fn lease_excludes_other_relays<S: MessagingStore>(store: &S) {
 
 /// A relay claiming again gets its own leased rows back (a restarted relay
 /// with the same name resumes at once instead of waiting out its lease).
-pub async fn relay_reclaims_its_own_lease<S: MessagingStore>(store: &S) {
+pub async fn relay_reclaims_its_own_lease<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(store, &[record("e-1", "A-1"), record("e-2", "A-1")]).await;
     let first = store
         .outbox_claim("relay-a", 10, LEASE)
@@ -184,7 +187,7 @@ pub async fn relay_reclaims_its_own_lease<S: MessagingStore>(store: &S) {
 /// A relay slower than its lease gives back only what it still holds: a
 /// row another relay claimed since stays that relay's, whether the slow one
 /// releases it or counts a failed publish on it.
-pub async fn a_stale_release_leaves_the_new_claim<S: MessagingStore>(store: &S) {
+pub async fn a_stale_release_leaves_the_new_claim<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(store, &[record("e-1", "A-1")]).await;
     let short = Duration::from_millis(300);
     let a = store
@@ -226,7 +229,7 @@ pub async fn a_stale_release_leaves_the_new_claim<S: MessagingStore>(store: &S) 
 
 /// A lease runs out: a relay that died holding rows does not hold them
 /// forever.
-pub async fn expired_lease_is_claimable_again<S: MessagingStore>(store: &S) {
+pub async fn expired_lease_is_claimable_again<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(store, &[record("e-1", "A-1")]).await;
     let short = Duration::from_millis(300);
     let a = store
@@ -251,7 +254,7 @@ pub async fn expired_lease_is_claimable_again<S: MessagingStore>(store: &S) {
 /// With two relays, a row is not handed out while an earlier unpublished
 /// row of its partition key is leased by the other relay; other keys are
 /// not held up.
-pub async fn per_key_order_holds_across_relays<S: MessagingStore>(store: &S) {
+pub async fn per_key_order_holds_across_relays<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(
         store,
         &[
@@ -294,7 +297,9 @@ pub async fn per_key_order_holds_across_relays<S: MessagingStore>(store: &S) {
 
 /// Published rows are never claimed again and no longer count as
 /// unpublished; marking twice is harmless.
-pub async fn published_rows_are_not_claimed_and_leave_stats<S: MessagingStore>(store: &S) {
+pub async fn published_rows_are_not_claimed_and_leave_stats<S: OutboxStore + OutboxAdminStore>(
+    store: &S,
+) {
     append_committed(
         store,
         &[
@@ -344,7 +349,7 @@ pub async fn published_rows_are_not_claimed_and_leave_stats<S: MessagingStore>(s
 
 /// The oldest unpublished row's age is the relay lag, and it grows while
 /// nothing is published.
-pub async fn stats_report_relay_lag<S: MessagingStore>(store: &S) {
+pub async fn stats_report_relay_lag<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let empty = store.outbox_stats().await.expect("stats");
     assert_eq!(empty.unpublished, 0);
     assert_eq!(empty.oldest_unpublished_age, None);
@@ -363,7 +368,7 @@ pub async fn stats_report_relay_lag<S: MessagingStore>(store: &S) {
 
 /// Prune deletes at most `batch` published rows older than `before` per
 /// call, never an unpublished one.
-pub async fn prune_deletes_in_bounded_batches<S: MessagingStore>(store: &S) {
+pub async fn prune_deletes_in_bounded_batches<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let records: Vec<_> = (0..10)
         .map(|i| record(&format!("e-{i}"), &format!("K-{i}")))
         .collect();
@@ -403,7 +408,7 @@ pub async fn prune_deletes_in_bounded_batches<S: MessagingStore>(store: &S) {
 }
 
 /// An event id is unique in the outbox: appending it twice is a conflict.
-pub async fn duplicate_event_id_is_a_conflict<S: MessagingStore>(store: &S) {
+pub async fn duplicate_event_id_is_a_conflict<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(store, &[record("e-1", "A-1")]).await;
     let mut tx = store.begin().await.expect("begin");
     let err = store
@@ -421,7 +426,7 @@ pub async fn duplicate_event_id_is_a_conflict<S: MessagingStore>(store: &S) {
 /// Backends that serialize write transactions (SQLite) cannot produce this
 /// interleaving; for them the test checks that the second writer waits (or
 /// reports the store busy) and that nothing is lost either way.
-pub async fn late_commit_of_lower_id_is_not_skipped<S: MessagingStore>(store: &S) {
+pub async fn late_commit_of_lower_id_is_not_skipped<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let mut slow = store.begin().await.expect("begin");
     store
         .outbox_append(&mut slow, &[record("e-slow", "A-1")])
@@ -466,7 +471,10 @@ pub async fn late_commit_of_lower_id_is_not_skipped<S: MessagingStore>(store: &S
 }
 
 /// Claims everything for `relay` and returns the row id of each event id.
-pub(super) async fn claim_ids<S: MessagingStore>(store: &S, relay: &str) -> Vec<(String, i64)> {
+pub(super) async fn claim_ids<S: OutboxStore + OutboxAdminStore>(
+    store: &S,
+    relay: &str,
+) -> Vec<(String, i64)> {
     store
         .outbox_claim(relay, 100, LEASE)
         .await
@@ -486,7 +494,7 @@ pub(super) fn id_of(claimed: &[(String, i64)], event_id: &str) -> i64 {
 
 /// The publication record lists published rows only, lowest id first,
 /// paged by the last id seen; a pruned row leaves it.
-pub async fn published_rows_are_listed_in_id_order<S: MessagingStore>(store: &S) {
+pub async fn published_rows_are_listed_in_id_order<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(
         store,
         &[

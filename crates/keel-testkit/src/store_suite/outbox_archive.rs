@@ -4,14 +4,16 @@
 
 use std::time::Duration;
 
-use keel_store::MessagingStore;
+use keel_store::{OutboxAdminStore, OutboxStore};
 
 use super::now_ms;
 use super::outbox::{append_committed, record};
 
 /// Published rows before the cut-off move in bounded batches; unpublished
 /// and later rows stay; each archived row is listed once, by id.
-pub async fn archive_moves_published_rows_in_bounded_batches<S: MessagingStore>(store: &S) {
+pub async fn archive_moves_published_rows_in_bounded_batches<S: OutboxStore + OutboxAdminStore>(
+    store: &S,
+) {
     let records: Vec<_> = (0..6)
         .map(|i| record(&format!("e-{i}"), &format!("K-{i}")))
         .collect();

@@ -2,15 +2,15 @@
 //! key, and an operator replays or discards it; a failed publish releases
 //! its rows and counts the attempt that may end in parking.
 
-use keel_store::MessagingStore;
 use keel_store::ParkedFilter;
+use keel_store::{OutboxAdminStore, OutboxStore};
 
 use super::now_ms;
 use super::outbox::{LEASE, append_committed, claim_ids, event_ids, id_of, record, row_ids};
 
 /// Parks `k1-first` of `k1-first, k1-second, k2-first` (K-1, K-1, K-2) and
 /// releases the others; returns the parked row's id.
-async fn park_first_of_k1<S: MessagingStore>(store: &S) -> i64 {
+async fn park_first_of_k1<S: OutboxStore + OutboxAdminStore>(store: &S) -> i64 {
     append_committed(
         store,
         &[
@@ -46,7 +46,7 @@ async fn park_first_of_k1<S: MessagingStore>(store: &S) -> i64 {
 /// other keys are claimed as usual. It is listed with its error, its
 /// attempts and the rows waiting behind it, and counted apart from the
 /// unpublished rows.
-pub async fn parked_row_holds_back_only_its_key<S: MessagingStore>(store: &S) {
+pub async fn parked_row_holds_back_only_its_key<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let before = now_ms() - chrono::TimeDelta::seconds(1);
     let parked = park_first_of_k1(store).await;
 
@@ -99,7 +99,9 @@ pub async fn parked_row_holds_back_only_its_key<S: MessagingStore>(store: &S) {
 /// Replaying (unparking) a parked row makes it claimable again with no
 /// attempts, and, keeping its id, it comes before the rows of its key that
 /// waited behind it.
-pub async fn unparked_row_is_claimed_first_in_its_key<S: MessagingStore>(store: &S) {
+pub async fn unparked_row_is_claimed_first_in_its_key<S: OutboxStore + OutboxAdminStore>(
+    store: &S,
+) {
     let parked = park_first_of_k1(store).await;
     assert!(store.outbox_unpark(parked).await.expect("unpark"));
     assert!(
@@ -129,7 +131,7 @@ pub async fn unparked_row_is_claimed_first_in_its_key<S: MessagingStore>(store: 
 
 /// Discarding a parked row deletes it and frees the later rows of its key;
 /// a row that is not parked cannot be discarded.
-pub async fn discarded_row_frees_its_key<S: MessagingStore>(store: &S) {
+pub async fn discarded_row_frees_its_key<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let parked = park_first_of_k1(store).await;
     let claimed = claim_ids(store, "relay-b").await;
     let k2 = id_of(&claimed, "k2-first");
@@ -170,7 +172,7 @@ pub async fn discarded_row_frees_its_key<S: MessagingStore>(store: &S) {
 /// A failed publish that may pass releases the rows at once (another
 /// relay can take them) and counts an attempt on each, with the error;
 /// the count comes back with the next claim.
-pub async fn failed_release_counts_attempts<S: MessagingStore>(store: &S) {
+pub async fn failed_release_counts_attempts<S: OutboxStore + OutboxAdminStore>(store: &S) {
     append_committed(store, &[record("e-1", "A-1"), record("e-2", "A-2")]).await;
     for attempt in 1..=2u32 {
         let claimed = store
@@ -221,7 +223,7 @@ pub async fn failed_release_counts_attempts<S: MessagingStore>(store: &S) {
 
 /// The parked list is lowest id first and honours its topic filter and
 /// limit; a published row is never parked.
-pub async fn parked_list_filters_by_topic_and_limit<S: MessagingStore>(store: &S) {
+pub async fn parked_list_filters_by_topic_and_limit<S: OutboxStore + OutboxAdminStore>(store: &S) {
     let mut payments = record("p-1", "P-1");
     payments.topic = "payments".to_owned();
     append_committed(

@@ -10,7 +10,8 @@ use keel_core::clock::{self, Instant};
 use parking_lot::Mutex;
 
 use crate::broker::{
-    Broker, BrokerError, Delivery, DeliveryControl, Message, SubscribeOptions, Subscription,
+    Backlog, Broker, BrokerError, Delivery, DeliveryControl, Message, SubscribeOptions,
+    Subscription,
 };
 
 #[derive(Debug, Clone)]
@@ -21,11 +22,31 @@ struct Entry {
     done: bool,
 }
 
+/// A consumer group: its lease, where it is in the topic's log, and (for
+/// an expiring group) when a member last read.
+#[derive(Debug)]
+struct Group {
+    lease: Duration,
+    entries: Vec<Entry>,
+    expire_after_idle: Option<Duration>,
+    last_read: Instant,
+}
+
+impl Group {
+    fn idle_too_long(&self, now: Instant) -> bool {
+        self.expire_after_idle
+            .is_some_and(|idle| now.saturating_duration_since(self.last_read) >= idle)
+    }
+}
+
 #[derive(Debug, Default)]
 struct BrokerState {
     logs: HashMap<String, Vec<Message>>,
     seen: HashSet<(String, String)>,
-    groups: HashMap<(String, String), (Duration, Vec<Entry>)>,
+    groups: HashMap<(String, String), Group>,
+    /// Topics first made by an expiring group's subscription: they go when
+    /// their last group goes.
+    expiring_topics: HashSet<String>,
     publish_calls: HashMap<String, u32>,
     batches: u32,
     next_token: u64,
@@ -59,8 +80,8 @@ impl MemBroker {
     /// Every lease held now is lost, as if it had expired unnoticed: its
     /// holder's next ack, nack or extension fails with `LeaseLost`.
     pub(crate) fn lose_leases(&self) {
-        for (_, entries) in self.state.lock().groups.values_mut() {
-            for entry in entries {
+        for group in self.state.lock().groups.values_mut() {
+            for entry in &mut group.entries {
                 entry.lease = None;
             }
         }
@@ -122,7 +143,7 @@ impl MemBroker {
             .lock()
             .groups
             .get(&(topic.to_owned(), group.to_owned()))
-            .map(|(_, e)| e.iter().map(|e| e.count).collect())
+            .map(|g| g.entries.iter().map(|e| e.count).collect())
             .unwrap_or_default()
     }
 
@@ -132,7 +153,7 @@ impl MemBroker {
         let len = s.logs.get(topic).map_or(0, Vec::len);
         s.groups
             .get(&(topic.to_owned(), group.to_owned()))
-            .is_some_and(|(_, e)| e.len() == len && e.iter().all(|e| e.done))
+            .is_some_and(|g| g.entries.len() == len && g.entries.iter().all(|e| e.done))
     }
 }
 
@@ -175,16 +196,85 @@ impl Broker for MemBroker {
         &self,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>, BrokerError> {
-        self.state
-            .lock()
-            .groups
+        let mut s = self.state.lock();
+        let new_topic = !s.logs.contains_key(&options.topic)
+            && !s.groups.keys().any(|(topic, _)| *topic == options.topic);
+        if new_topic && options.expire_after_idle.is_some() {
+            s.expiring_topics.insert(options.topic.clone());
+        }
+        s.groups
             .entry((options.topic.clone(), options.group.clone()))
-            .or_insert_with(|| (options.lease, Vec::new()));
+            .or_insert_with(|| Group {
+                lease: options.lease,
+                entries: Vec::new(),
+                expire_after_idle: options.expire_after_idle,
+                last_read: clock::now(),
+            });
+        drop(s);
         Ok(Box::new(MemSubscription {
             state: Arc::clone(&self.state),
             topic: options.topic,
             group: options.group,
         }))
+    }
+
+    async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
+        let s = self.state.lock();
+        let Some(group) = s.groups.get(&(topic.to_owned(), group.to_owned())) else {
+            return Ok(None);
+        };
+        let now = clock::now();
+        let logged = s.logs.get(topic).map_or(0, Vec::len);
+        let undelivered = logged.saturating_sub(group.entries.len()) as u64;
+        let unfinished = group.entries.iter().filter(|e| !e.done);
+        let in_flight = unfinished
+            .clone()
+            .filter(|e| e.lease.is_some_and(|(_, until)| until > now))
+            .count() as u64;
+        let waiting = unfinished.count() as u64 - in_flight + undelivered;
+        Ok(Some(Backlog { waiting, in_flight }))
+    }
+
+    async fn remove_group(&self, topic: &str, group: &str) -> Result<(), BrokerError> {
+        let mut s = self.state.lock();
+        s.groups.remove(&(topic.to_owned(), group.to_owned()));
+        s.drop_topic_if_abandoned(topic);
+        Ok(())
+    }
+
+    async fn sweep_expired(&self) -> Result<u64, BrokerError> {
+        let now = clock::now();
+        let mut s = self.state.lock();
+        let idle: Vec<(String, String)> = s
+            .groups
+            .iter()
+            .filter(|(_, group)| group.idle_too_long(now))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in &idle {
+            s.groups.remove(key);
+        }
+        let topics: Vec<String> = s.expiring_topics.iter().cloned().collect();
+        let dropped = topics
+            .iter()
+            .filter(|topic| s.drop_topic_if_abandoned(topic))
+            .count();
+        Ok((idle.len() + dropped) as u64)
+    }
+}
+
+impl BrokerState {
+    /// Deletes `topic` with its messages if an expiring group made it and
+    /// no group is left; whether it did.
+    fn drop_topic_if_abandoned(&mut self, topic: &str) -> bool {
+        let abandoned =
+            self.expiring_topics.contains(topic) && !self.groups.keys().any(|(t, _)| t == topic);
+        if abandoned {
+            self.expiring_topics.remove(topic);
+            self.logs.remove(topic);
+            self.seen.retain(|(t, _)| t != topic);
+        }
+        abandoned
     }
 }
 
@@ -200,10 +290,11 @@ impl MemSubscription {
         let mut s = self.state.lock();
         let log = s.logs.get(&self.topic).cloned().unwrap_or_default();
         let mut token = s.next_token;
-        let Some((lease, entries)) = s.groups.get_mut(&(self.topic.clone(), self.group.clone()))
-        else {
+        let Some(group) = s.groups.get_mut(&(self.topic.clone(), self.group.clone())) else {
             return Vec::new();
         };
+        group.last_read = now;
+        let (lease, entries) = (group.lease, &mut group.entries);
         while entries.len() < log.len() {
             entries.push(Entry {
                 visible_at: now,
@@ -221,7 +312,7 @@ impl MemSubscription {
             let free = entry.lease.is_none_or(|(_, until)| until <= now);
             if out.len() < max && free && entry.visible_at <= now {
                 token += 1;
-                entry.lease = Some((token, now + *lease));
+                entry.lease = Some((token, now + lease));
                 entry.count += 1;
                 let control = MemControl {
                     state: Arc::clone(&self.state),
@@ -261,12 +352,16 @@ struct MemControl {
 impl MemControl {
     fn with_entry(&self, f: impl FnOnce(&mut Entry, Duration, Instant)) -> Result<(), BrokerError> {
         let mut s = self.state.lock();
-        let (lease, entries) = s.groups.get_mut(&self.key).ok_or(BrokerError::LeaseLost)?;
-        let entry = &mut entries[self.index];
+        let group = s.groups.get_mut(&self.key).ok_or(BrokerError::LeaseLost)?;
+        let lease = group.lease;
+        let entry = group
+            .entries
+            .get_mut(self.index)
+            .ok_or(BrokerError::LeaseLost)?;
         if entry.done || entry.lease.map(|(t, _)| t) != Some(self.token) {
             return Err(BrokerError::LeaseLost);
         }
-        f(entry, *lease, clock::now());
+        f(entry, lease, clock::now());
         Ok(())
     }
 }
@@ -298,3 +393,6 @@ impl DeliveryControl for MemControl {
         self.with_entry(|e, _, _| e.done = true)
     }
 }
+
+// Checked by the same suite as the SQLite and NATS brokers.
+keel_testkit::broker_conformance_tests!(async { MemBroker::default() });
