@@ -27,6 +27,11 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// The saga fixture is shared with the integration tests, which name this
+// crate by its name.
+#[cfg(test)]
+extern crate self as keel_messaging;
+
 pub use keel_store::{broker, dedup, envelope};
 /// The storage contracts (`keel-store`), under the path users know.
 pub mod store {

@@ -11,164 +11,25 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use keel_core::{BoxError, Classified};
+use keel_core::BoxError;
 use keel_messaging::envelope::{Envelope, Event, EventMeta};
 use keel_messaging::outbox::Outbox;
+use keel_messaging::saga::DEFAULT_FORWARD_BUDGET;
 use keel_messaging::saga::choreography::{Next, reaction};
 use keel_messaging::saga::flow::{FLOW_EXPIRED, Flow, FlowError, FlowWatch};
-use keel_messaging::saga::{Backoff, DEFAULT_FORWARD_BUDGET, Jitter};
 use keel_messaging::saga::{SagaDefinition, SagaError, SagaOrchestrator, Step, StepContext};
 use keel_messaging::store::{
     OutboxStore, SagaFilter, SagaRecord, SagaStatus, SagaStore, Store, StoreError,
 };
 use keel_sqlite::store::SqliteStore;
-use serde::{Deserialize, Serialize};
+use parking_lot::Mutex;
 use tempfile::TempDir;
 
 type Tx = <SqliteStore as Store>::Tx;
 
-/// A lock for test bookkeeping (std's Mutex is banned; parking_lot is not
-/// a dependency here).
-#[derive(Default)]
-struct Mutex<T>(std::sync::RwLock<T>);
-
-impl<T> Mutex<T> {
-    fn new(value: T) -> Self {
-        Self(std::sync::RwLock::new(value))
-    }
-
-    fn lock(&self) -> std::sync::RwLockWriteGuard<'_, T> {
-        self.0
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-// ------------------------------------------------------------- services --
-
-#[derive(Debug, Clone, Copy)]
-enum Behaviour {
-    /// Fails (retryable) this many more times, then works.
-    FailTimes(u32),
-    /// Refuses for good.
-    Refuse,
-    /// Never answers.
-    Hang,
-}
-
-/// Downstream services that dedupe on the idempotency key (as a payment
-/// API does), with a ledger of calls and of effects.
-#[derive(Default)]
-struct Services {
-    behaviour: Mutex<HashMap<String, Behaviour>>,
-    calls: Mutex<Vec<String>>,
-    effects: Mutex<Vec<String>>,
-}
-
-impl Services {
-    fn set(&self, step: &str, b: Behaviour) {
-        self.behaviour.lock().insert(step.to_owned(), b);
-    }
-
-    fn clear(&self, step: &str) {
-        self.behaviour.lock().remove(step);
-    }
-
-    async fn call(&self, step: &str, key: &str) -> Result<(), BoxError> {
-        self.calls.lock().push(key.to_owned());
-        let behaviour = self.behaviour.lock().get(step).copied();
-        match behaviour {
-            Some(Behaviour::Hang) => std::future::pending().await,
-            Some(Behaviour::Refuse) => return Err(format!("{step} refused").into()),
-            Some(Behaviour::FailTimes(n)) if n > 0 => {
-                self.set(step, Behaviour::FailTimes(n - 1));
-                return Err(Classified::retryable(format!("{step} unavailable")).into());
-            }
-            _ => {}
-        }
-        let mut effects = self.effects.lock();
-        if !effects.iter().any(|k| k == key) {
-            effects.push(key.to_owned());
-        }
-        Ok(())
-    }
-
-    fn calls_of(&self, key: &str) -> usize {
-        self.calls.lock().iter().filter(|k| *k == key).count()
-    }
-
-    fn effects(&self) -> Vec<String> {
-        self.effects.lock().clone()
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Order {
-    order_id: String,
-    total_minor: i64,
-    payment_id: Option<String>,
-}
-
-fn step(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
-    let svc = svc.clone();
-    Step::new(name, move |ctx: StepContext<Order>| {
-        let svc = svc.clone();
-        async move {
-            svc.call(name, ctx.idempotency_key()).await?;
-            if name == "capture_payment" {
-                ctx.update(|o| o.payment_id = Some(format!("pay-{}", o.order_id)));
-            }
-            Ok::<_, BoxError>(())
-        }
-    })
-    .timeout(Duration::from_millis(300))
-    .max_attempts(2)
-}
-
-fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
-    let undo = svc.clone();
-    step(svc, name).compensate_with(move |ctx: StepContext<Order>| {
-        let svc = undo.clone();
-        async move {
-            if name == "capture_payment" && ctx.data().payment_id.is_none() {
-                return Err("refund without the payment id".into());
-            }
-            svc.call(&format!("undo_{name}"), ctx.idempotency_key())
-                .await
-        }
-    })
-}
-
-/// The order saga: capture_payment, reserve_stock, schedule_shipment (the
-/// pivot), send_receipt.
-fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
-    seed_saga_with(svc, Duration::from_millis(2), DEFAULT_FORWARD_BUDGET)
-}
-
-/// The order saga with this first backoff, retrying forward (after the pivot, or
-/// at a pivot that may have happened) for `forward_budget`.
-fn seed_saga_with(
-    svc: &Arc<Services>,
-    first_backoff: Duration,
-    forward_budget: Duration,
-) -> SagaDefinition<Order> {
-    SagaDefinition::builder("order_fulfilment")
-        .step(compensable(svc, "capture_payment"))
-        .step(compensable(svc, "reserve_stock"))
-        .pivot(step(svc, "schedule_shipment"))
-        .step(step(svc, "send_receipt"))
-        .backoff(
-            Backoff::exponential(first_backoff, 2.0, first_backoff * 5)
-                .unwrap()
-                .with_jitter(Jitter::None)
-                .unwrap(),
-        )
-        .stuck_after(3)
-        .forward_budget(forward_budget)
-        .build()
-        .unwrap()
-}
+#[path = "support/saga_fixture.rs"]
+mod fixture;
+use fixture::*;
 
 const ALL_STEPS: [&str; 4] = [
     "capture_payment",
@@ -182,10 +43,6 @@ const COMPENSATED: [&str; 4] = [
     "undo:reserve_stock",
     "undo:capture_payment",
 ];
-
-fn keys(id: &str, names: &[&str]) -> Vec<String> {
-    names.iter().map(|n| format!("{id}:{n}")).collect()
-}
 
 // ---------------------------------------------------------------- world --
 
@@ -229,14 +86,6 @@ async fn world_over<S: SagaStore>(dir: Arc<TempDir>, sqlite: SqliteStore, store:
         svc,
         def,
         orch,
-    }
-}
-
-fn order(id: &str) -> Order {
-    Order {
-        order_id: id.to_owned(),
-        total_minor: 8210,
-        payment_id: None,
     }
 }
 
@@ -766,30 +615,6 @@ async fn two_orchestrators_on_one_store_run_each_step_once() {
 }
 
 // -------------------------------------------------------- choreography --
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct OrderPlaced {
-    order_id: String,
-}
-impl Event for OrderPlaced {
-    const TYPE: &'static str = "shop.order.placed.v1";
-    fn subject(&self) -> String {
-        self.order_id.clone()
-    }
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct StockReserved {
-    order_id: String,
-}
-impl Event for StockReserved {
-    const TYPE: &'static str = "shop.stock.reserved.v1";
-    fn subject(&self) -> String {
-        self.order_id.clone()
-    }
-}
 
 #[tokio::test]
 async fn a_reaction_commits_its_effect_and_the_next_event_together() {

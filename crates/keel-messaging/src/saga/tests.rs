@@ -1,5 +1,7 @@
-//! Orchestrator behaviour over an in-memory store: the same scenarios run
-//! against SQLite in this crate's `tests/saga.rs`.
+//! Orchestrator behaviour over an in-memory store with paused time: the
+//! scenarios that need a clock or a scripted reply. Crashes at every save
+//! and a process killed mid-step run on SQLite, in this crate's
+//! `tests/saga.rs`, over the same fixture.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -7,10 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use keel_core::{BoxError, Classified};
-use keel_policy::retry::{Backoff, Jitter};
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 
 use super::*;
 use crate::store::{
@@ -27,9 +26,6 @@ struct State {
     saves: usize,
     /// The status of every save that landed, in order.
     saved_statuses: Vec<SagaStatus>,
-    /// Fail save number N (1-based): before applying it (a crash before the
-    /// write) or after (a crash after the write, before we heard back).
-    crash_at_save: Option<(usize, bool)>,
 }
 
 #[derive(Clone, Default)]
@@ -44,10 +40,6 @@ struct MemTx {
 }
 
 impl MemStore {
-    fn crash_at_save(&self, n: usize, applied: bool) {
-        self.state.lock().crash_at_save = Some((n, applied));
-    }
-
     fn saves(&self) -> usize {
         self.state.lock().saves
     }
@@ -113,15 +105,6 @@ impl SagaStore for MemStore {
     async fn saga_save(&self, saga: &SagaRecord) -> Result<bool, StoreError> {
         let mut state = self.state.lock();
         state.saves += 1;
-        let crash = match state.crash_at_save {
-            Some((n, applied)) if n == state.saves => Some(applied),
-            _ => None,
-        };
-        if crash == Some(false) {
-            return Err(StoreError::Unavailable(
-                "simulated crash before the save".into(),
-            ));
-        }
         let Some(stored) = state.sagas.get_mut(&saga.id) else {
             return Ok(false);
         };
@@ -130,11 +113,6 @@ impl SagaStore for MemStore {
         }
         *stored = saga.clone();
         state.saved_statuses.push(saga.status);
-        if crash == Some(true) {
-            return Err(StoreError::OutcomeUnknown(
-                "simulated crash after the save".into(),
-            ));
-        }
         Ok(true)
     }
 
@@ -239,199 +217,11 @@ impl OutboxAdminStore for MemStore {
     }
 }
 
-// --------------------------------------------------------------- services --
+#[path = "../../tests/support/saga_fixture.rs"]
+mod fixture;
+use fixture::*;
 
-/// What a fake service does when called for a step.
-#[derive(Debug, Clone, Copy)]
-enum Behaviour {
-    /// Fails this many more times (retryable), then works.
-    FailTimes(u32),
-    /// Refuses for good.
-    Refuse,
-    /// Never answers.
-    Hang,
-}
-
-/// One scripted answer of a fake service, taken before its behaviour.
-#[derive(Debug, Clone, Copy)]
-enum Reply {
-    /// Does the work, then the reply is lost: the caller times out.
-    ApplyThenHang,
-    /// The request is held up on its way (nothing done yet): the caller
-    /// times out.
-    Lost,
-    /// `503`: nothing done this time.
-    Unavailable,
-    /// `4xx`: nothing done, and it will not be.
-    Permanent,
-    /// The caller's breaker is open: the call never left.
-    BreakerOpen { retry_after: Duration },
-}
-
-/// Fake downstream services that dedupe on the idempotency key, refuse an
-/// action whose key a compensation tombstoned, and keep a ledger of what
-/// they were asked and what they did.
-#[derive(Default)]
-struct Services {
-    behaviour: Mutex<HashMap<String, Behaviour>>,
-    scripts: Mutex<HashMap<String, std::collections::VecDeque<Reply>>>,
-    tombstones: Mutex<std::collections::HashSet<String>>,
-    calls: Mutex<Vec<String>>,
-    effects: Mutex<Vec<String>>,
-}
-
-impl Services {
-    /// The next answers for `step`, in order; then its behaviour applies.
-    fn script(&self, step: &str, replies: &[Reply]) {
-        self.scripts
-            .lock()
-            .insert(step.to_owned(), replies.iter().copied().collect());
-    }
-
-    /// A compensation: leaves a tombstone under `action_key` (whether or
-    /// not the action happened), then undoes under `key`.
-    async fn undo(&self, step: &str, key: &str, action_key: String) -> Result<(), BoxError> {
-        self.tombstones.lock().insert(action_key);
-        self.call(step, key).await
-    }
-
-    fn set(&self, step: &str, b: Behaviour) {
-        self.behaviour.lock().insert(step.to_owned(), b);
-    }
-
-    fn clear(&self, step: &str) {
-        self.behaviour.lock().remove(step);
-    }
-
-    async fn call(&self, step: &str, key: &str) -> Result<(), BoxError> {
-        self.calls.lock().push(key.to_owned());
-        if self.tombstones.lock().contains(key) {
-            return Err(Classified::permanent(format!("{key} was undone: refused")).into());
-        }
-        let reply = self
-            .scripts
-            .lock()
-            .get_mut(step)
-            .and_then(|s| s.pop_front());
-        match reply {
-            Some(Reply::ApplyThenHang) => {
-                self.apply(key);
-                std::future::pending::<()>().await;
-            }
-            Some(Reply::Lost) => std::future::pending::<()>().await,
-            Some(Reply::Unavailable) => {
-                return Err(Classified::retryable(format!("{step}: 503")).into());
-            }
-            Some(Reply::Permanent) => {
-                return Err(Classified::permanent(format!("{step}: 422")).into());
-            }
-            Some(Reply::BreakerOpen { retry_after }) => {
-                return Err(keel_core::Rejected::circuit_open(step, retry_after).into());
-            }
-            None => {}
-        }
-        let behaviour = self.behaviour.lock().get(step).copied();
-        match behaviour {
-            Some(Behaviour::Hang) => std::future::pending().await,
-            Some(Behaviour::Refuse) => return Err(format!("{step} refused").into()),
-            Some(Behaviour::FailTimes(n)) if n > 0 => {
-                self.set(step, Behaviour::FailTimes(n - 1));
-                return Err(Classified::retryable(format!("{step} unavailable")).into());
-            }
-            _ => {}
-        }
-        self.apply(key);
-        Ok(())
-    }
-
-    fn apply(&self, key: &str) {
-        let mut effects = self.effects.lock();
-        if !effects.iter().any(|k| k == key) {
-            effects.push(key.to_owned());
-        }
-    }
-
-    fn calls(&self) -> Vec<String> {
-        self.calls.lock().clone()
-    }
-
-    fn effects(&self) -> Vec<String> {
-        self.effects.lock().clone()
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Order {
-    id: String,
-    payment_id: Option<String>,
-}
-
-fn step(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
-    let action = svc.clone();
-    Step::new(name, move |ctx: StepContext<Order>| {
-        let svc = action.clone();
-        async move {
-            svc.call(name, ctx.idempotency_key()).await?;
-            if name == "capture_payment" {
-                ctx.update(|o| o.payment_id = Some(format!("pay-{}", o.id)));
-            }
-            Ok::<_, BoxError>(())
-        }
-    })
-    .timeout(Duration::from_millis(200))
-    .max_attempts(2)
-}
-
-fn compensable(svc: &Arc<Services>, name: &'static str) -> Step<Order> {
-    let undo = svc.clone();
-    step(svc, name).compensate_with(move |ctx: StepContext<Order>| {
-        let svc = undo.clone();
-        async move {
-            if name == "capture_payment" && ctx.data().payment_id.is_none() {
-                // A capture that never reported recorded nothing in the
-                // data: the refund goes by the capture's key.
-                assert_eq!(
-                    ctx.action_key(),
-                    format!("{}:capture_payment", ctx.saga_id())
-                );
-            }
-            svc.undo(
-                &format!("undo_{name}"),
-                ctx.idempotency_key(),
-                ctx.action_key(),
-            )
-            .await
-        }
-    })
-}
-
-/// The order saga: capture_payment, reserve_stock, schedule_shipment (the
-/// pivot), send_receipt.
-fn seed_saga(svc: &Arc<Services>) -> SagaDefinition<Order> {
-    seed_saga_with(svc, Duration::from_millis(1), DEFAULT_FORWARD_BUDGET)
-}
-
-fn seed_saga_with(
-    svc: &Arc<Services>,
-    first_backoff: Duration,
-    forward_budget: Duration,
-) -> SagaDefinition<Order> {
-    SagaDefinition::builder("order_fulfilment")
-        .step(compensable(svc, "capture_payment"))
-        .step(compensable(svc, "reserve_stock"))
-        .pivot(step(svc, "schedule_shipment"))
-        .step(step(svc, "send_receipt"))
-        .backoff(
-            Backoff::exponential(first_backoff, 2.0, first_backoff * 4)
-                .unwrap()
-                .with_jitter(Jitter::None)
-                .unwrap(),
-        )
-        .stuck_after(3)
-        .forward_budget(forward_budget)
-        .build()
-        .unwrap()
-}
+// ------------------------------------------------------------------ world --
 
 struct World {
     store: MemStore,
@@ -465,10 +255,7 @@ fn orchestrator(store: &MemStore, def: &SagaDefinition<Order>) -> SagaOrchestrat
 impl World {
     async fn start(&self, id: &str) {
         let mut tx = self.store.begin().await.unwrap();
-        let order = Order {
-            id: id.to_owned(),
-            payment_id: None,
-        };
+        let order = order(id);
         assert!(
             self.orch
                 .start(&mut tx, &self.def, id, &order)
@@ -511,10 +298,6 @@ impl World {
         }
         panic!("saga {id} did not settle");
     }
-}
-
-fn keys(id: &str, names: &[&str]) -> Vec<String> {
-    names.iter().map(|n| format!("{id}:{n}")).collect()
 }
 
 #[tokio::test]
@@ -674,7 +457,8 @@ async fn a_step_that_times_out_counts_as_failed_and_may_have_happened_so_is_undo
     w.start("A-5").await;
     let done = w.settle("A-5").await;
     assert_eq!(done.status, SagaStatus::Compensated);
-    assert!(done.last_error.unwrap().contains("timed out after 200ms"));
+    let timed_out = format!("timed out after {}ms", STEP_TIMEOUT.as_millis());
+    assert!(done.last_error.unwrap().contains(&timed_out));
     let effects = w.svc.effects();
     assert!(
         effects.contains(&"A-5:undo:reserve_stock".to_owned()),
@@ -923,10 +707,7 @@ async fn unknown_kinds_and_ids_are_clear_errors() {
         .build()
         .unwrap();
     let mut tx = w.store.begin().await.unwrap();
-    let order = Order {
-        id: "x".into(),
-        payment_id: None,
-    };
+    let order = order("x");
     let err = w
         .orch
         .start(&mut tx, &other, "x", &order)
@@ -951,184 +732,6 @@ async fn unknown_kinds_and_ids_are_clear_errors() {
 /// before the orchestrator hears back), then resume with a fresh
 /// orchestrator: the saga ends in the same state, every effect happened
 /// exactly once, and a repeated call reused its key.
-#[tokio::test]
-async fn a_crash_at_any_save_resumes_where_it_stopped() {
-    for failing in [false, true] {
-        // Where the pivot refuses, a crash that leaves its attempt claimed
-        // but unanswered means the shipment may exist: the saga can only go
-        // forward, and with no budget for that it is stuck at once.
-        let world = || {
-            let w = world();
-            if !failing {
-                return w;
-            }
-            w.svc.set("schedule_shipment", Behaviour::Refuse);
-            let def = seed_saga_with(&w.svc, Duration::from_millis(1), Duration::ZERO);
-            World {
-                orch: orchestrator(&w.store, &def),
-                def,
-                ..w
-            }
-        };
-        let total = {
-            let w = world();
-            w.start("probe").await;
-            w.settle("probe").await;
-            w.store.saves()
-        };
-        let mut pivot_maybe_sent = 0;
-        for crash_at in 1..=total {
-            for applied in [false, true] {
-                let w = world();
-                w.start("A-7").await;
-                w.store.crash_at_save(crash_at, applied);
-                let crashed = loop {
-                    match w.orch.drive("A-7").await {
-                        Err(e) => break e,
-                        Ok(r) if r.status.is_terminal() => panic!("no crash at save {crash_at}"),
-                        Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
-                    }
-                };
-                assert!(matches!(crashed, SagaError::Store(_)), "{crashed}");
-                // A new process, after the lease of the crashed one ends.
-                let orch = orchestrator(&w.store, &w.def);
-                w.store.expire_waits();
-                let w = World { orch, ..w };
-                let done = w.settle("A-7").await;
-                let context = format!("failing={failing} crash_at={crash_at} applied={applied}");
-                let expected = if failing && done.status == SagaStatus::Stuck {
-                    pivot_maybe_sent += 1;
-                    assert_eq!(done.step, 2, "{context}");
-                    assert!(done.outcome_unknown, "{context}");
-                    (SagaStatus::Stuck, vec!["capture_payment", "reserve_stock"])
-                } else if failing {
-                    (
-                        SagaStatus::Compensated,
-                        vec![
-                            "capture_payment",
-                            "reserve_stock",
-                            "undo:reserve_stock",
-                            "undo:capture_payment",
-                        ],
-                    )
-                } else {
-                    (
-                        SagaStatus::Completed,
-                        vec![
-                            "capture_payment",
-                            "reserve_stock",
-                            "schedule_shipment",
-                            "send_receipt",
-                        ],
-                    )
-                };
-                assert_eq!(done.status, expected.0, "{context}");
-                assert_eq!(w.svc.effects(), keys("A-7", &expected.1), "{context}");
-                let calls = w.svc.calls();
-                for key in w.svc.effects() {
-                    let n = calls.iter().filter(|k| **k == key).count();
-                    assert!(n <= 2, "{key} called {n} times; {context}");
-                }
-            }
-        }
-        // The pivot's claim written and the process gone, or its outcome
-        // not written: the two crashes after which it may have been sent.
-        assert_eq!(pivot_maybe_sent, if failing { 2 } else { 0 });
-    }
-}
-
-#[tokio::test]
-async fn dropping_the_orchestrator_mid_step_resumes_the_step_with_the_same_key() {
-    let w = world();
-    // The shipment service does its work, then the process dies before the
-    // orchestrator hears back.
-    let gate = Arc::new(tokio::sync::Notify::new());
-    let svc = w.svc.clone();
-    let entered = gate.clone();
-    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let def = SagaDefinition::<Order>::builder("order_fulfilment")
-        .step(compensable(&svc, "capture_payment"))
-        .step(compensable(&svc, "reserve_stock"))
-        .pivot(
-            Step::new("schedule_shipment", move |ctx: StepContext<Order>| {
-                let svc = svc.clone();
-                let entered = entered.clone();
-                let first = first.clone();
-                async move {
-                    svc.call("schedule_shipment", ctx.idempotency_key()).await?;
-                    if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                        entered.notify_one();
-                        std::future::pending::<()>().await;
-                    }
-                    Ok::<_, BoxError>(())
-                }
-            })
-            .timeout(Duration::from_secs(5)),
-        )
-        .step(step(&w.svc, "send_receipt"))
-        .build()
-        .unwrap();
-    let orch = orchestrator(&w.store, &def);
-    let w = World { def, orch, ..w };
-    w.start("A-8").await;
-    let running = tokio::spawn({
-        let orch = w.orch.clone();
-        async move { orch.run(std::future::pending()).await }
-    });
-    gate.notified().await;
-    running.abort(); // the process dies mid-step
-    let _ = running.await;
-    let record = w.orch.get("A-8").await.unwrap().unwrap();
-    assert_eq!(
-        (record.status, record.step, record.attempts),
-        (SagaStatus::Running, 2, 1)
-    );
-    assert!(
-        record.next_attempt_at > keel_core::clock::utc_now(),
-        "still leased to the dead process"
-    );
-
-    let restarted = orchestrator(&w.store, &w.def);
-    w.store.expire_waits(); // its lease runs out
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let runner = tokio::spawn({
-        let orch = restarted.clone();
-        async move {
-            orch.run(async move {
-                let _ = stopped.await;
-            })
-            .await;
-        }
-    });
-    let done = loop {
-        let r = restarted.get("A-8").await.unwrap().unwrap();
-        if r.status.is_terminal() {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
-    stop.send(()).unwrap();
-    runner.await.unwrap();
-    assert_eq!(done.status, SagaStatus::Completed);
-    let calls = w.svc.calls();
-    assert_eq!(
-        calls
-            .iter()
-            .filter(|k| *k == "A-8:schedule_shipment")
-            .count(),
-        2,
-        "re-run with the same key: {calls:?}"
-    );
-    assert_eq!(
-        w.svc
-            .effects()
-            .iter()
-            .filter(|k| *k == "A-8:schedule_shipment")
-            .count(),
-        1
-    );
-}
-
 #[cfg(feature = "failpoints")]
 #[tokio::test]
 async fn failpoints_between_call_and_save_resume_without_double_effects() {
@@ -1171,33 +774,9 @@ async fn failpoints_between_call_and_save_resume_without_double_effects() {
 
 mod choreography_tests {
     use super::*;
-    use crate::envelope::{Envelope, Event, EventMeta};
+    use crate::envelope::{Envelope, EventMeta};
     use crate::outbox::Outbox;
     use crate::saga::choreography::{CAUSATION_ID, CORRELATION_ID, Next, reaction};
-
-    #[derive(Debug, Serialize, Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct OrderPlaced {
-        order_id: String,
-    }
-    impl Event for OrderPlaced {
-        const TYPE: &'static str = "shop.order.placed.v1";
-        fn subject(&self) -> String {
-            self.order_id.clone()
-        }
-    }
-
-    #[derive(Debug, Serialize, Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct StockReserved {
-        order_id: String,
-    }
-    impl Event for StockReserved {
-        const TYPE: &'static str = "shop.stock.reserved.v1";
-        fn subject(&self) -> String {
-            self.order_id.clone()
-        }
-    }
 
     #[tokio::test]
     async fn a_reaction_emits_the_next_event_in_the_same_transaction_with_a_derived_id() {
