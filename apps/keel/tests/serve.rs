@@ -752,6 +752,32 @@ fn bad_configuration_is_refused_before_starting() {
     let file = dir.path().join("keel.toml");
     std::fs::write(&file, "listen = \"127.0.0.1:0\"\nunknown_setting = 1\n").unwrap();
     assert!(refused(&["--config", file.to_str().unwrap()]).contains("unknown"));
+    assert!(refused(&["--leases", "zookeeper://x"]).contains("leases"));
+}
+
+/// `--leases redis://...`: pruning and retention take their leases on
+/// Redis, which the deep check then pings.
+#[tokio::test]
+async fn leases_on_redis_are_pinged_by_the_deep_check() {
+    let Some(redis) = keel_testkit::services::redis_url() else {
+        return;
+    };
+    let _shared =
+        keel_testkit::services::ServerLock::shared(keel_testkit::services::Service::Redis);
+    let s = serve(&["--leases", &redis]);
+    let deep: Value = reqwest::get(format!("{}/debug/deep", s.url))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let pinged = deep["dependencies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "redis")
+        .unwrap_or_else(|| panic!("redis is a dependency: {deep}"));
+    assert_eq!(pinged["status"], "ok", "{deep}");
 }
 
 #[tokio::test]

@@ -5,7 +5,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use super::{Store, StoreError};
+#[cfg(doc)]
+use super::Store;
+use super::StoreError;
 
 /// A lease as granted: its token and when the store considers it over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,8 +20,14 @@ pub struct LeaseGrant {
 }
 
 /// The lease table: per name, the holder, its token and the lease's end.
+///
+/// Not a [`Store`] bound: a lease is taken and given back on its own, never
+/// inside the caller's transaction, so a coordination server with no
+/// transactions (Redis, etcd) is a lease store too. What a database adds
+/// is durability: its tokens survive any restart, where a server that
+/// restarts empty keeps them growing only by the means its backend states.
 #[async_trait]
-pub trait LeaseStore: Store {
+pub trait LeaseStore: Clone + Send + Sync + 'static {
     /// Takes the lease `name` for `holder` until `ttl` from now if it is
     /// free or expired (a new token, above every earlier one), or extends
     /// it if `holder` holds it (the same token). `None` if another holder's

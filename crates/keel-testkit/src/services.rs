@@ -1,7 +1,8 @@
-//! The servers that scale-out tests run against: PostgreSQL and NATS.
+//! The servers that scale-out tests run against: PostgreSQL, NATS and
+//! Redis.
 //!
 //! `scripts/services.sh run CMD` (which the README's test command uses)
-//! starts both on free loopback ports and exports their URLs. A test asks for
+//! starts them on free loopback ports and exports their URLs. A test asks for
 //! a URL here rather than reading the environment itself so that the rule is
 //! the same everywhere: on a developer's machine without the servers the test
 //! is skipped with a message, and in CI (`CI` set) it fails loudly, because a
@@ -21,6 +22,8 @@ use std::process::Command;
 pub const POSTGRES_URL: &str = "KEEL_TEST_POSTGRES_URL";
 /// The environment variable holding the NATS URL.
 pub const NATS_URL: &str = "KEEL_TEST_NATS_URL";
+/// The environment variable holding the Redis URL.
+pub const REDIS_URL: &str = "KEEL_TEST_REDIS_URL";
 /// The environment variable holding the path of `scripts/services.sh`.
 pub const SERVICES: &str = "KEEL_TEST_SERVICES";
 
@@ -31,6 +34,8 @@ pub enum Service {
     Postgres,
     /// nats-server with JetStream.
     Nats,
+    /// redis-server, without persistence.
+    Redis,
 }
 
 impl Service {
@@ -38,6 +43,7 @@ impl Service {
         match self {
             Self::Postgres => "postgres",
             Self::Nats => "nats",
+            Self::Redis => "redis",
         }
     }
 
@@ -45,6 +51,7 @@ impl Service {
         match self {
             Self::Postgres => POSTGRES_URL,
             Self::Nats => NATS_URL,
+            Self::Redis => REDIS_URL,
         }
     }
 }
@@ -59,6 +66,12 @@ pub fn postgres_url() -> Option<String> {
 /// skipped. Panics in CI when the server is missing.
 pub fn nats_url() -> Option<String> {
     url(Service::Nats)
+}
+
+/// The Redis URL, or `None` (after printing why) when the test should be
+/// skipped. Panics in CI when the server is missing.
+pub fn redis_url() -> Option<String> {
+    url(Service::Redis)
 }
 
 /// A loopback port free right now, for a server a test starts itself (the
@@ -185,8 +198,8 @@ pub fn restart(service: Service) -> Result<(), ServiceError> {
 }
 
 /// Kills `service` the way a crash would (PostgreSQL: an immediate
-/// shutdown, recovered from its WAL at start; nats-server: `SIGKILL`) and
-/// starts it again.
+/// shutdown, recovered from its WAL at start; nats-server and
+/// redis-server: `SIGKILL`, Redis losing every key) and starts it again.
 pub fn crash(service: Service) -> Result<(), ServiceError> {
     control("crash", service)
 }

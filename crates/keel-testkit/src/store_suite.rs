@@ -34,7 +34,6 @@ use std::any::Any;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
-use keel_store::Store;
 
 pub mod dead_letter;
 pub mod entity_version;
@@ -62,7 +61,7 @@ impl<S: fmt::Debug> fmt::Debug for Fixture<S> {
     }
 }
 
-impl<S: Store> Fixture<S> {
+impl<S> Fixture<S> {
     /// A fixture of `store` alone.
     pub fn new(store: S) -> Self {
         Self {
@@ -84,7 +83,9 @@ impl<S: Store> Fixture<S> {
     }
 }
 
-impl<S: Store> From<S> for Fixture<S> {
+// Every store is `Clone` and a fixture is not, which is what lets
+// `Fixture::from` take a store or a ready fixture alike.
+impl<S: Clone> From<S> for Fixture<S> {
     fn from(store: S) -> Self {
         Self::new(store)
     }

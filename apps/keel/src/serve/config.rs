@@ -28,7 +28,7 @@ pub use telemetry::SERVICE_NAME;
 
 use sources::{ConnectionSettings, api_keys, connection_limits, secret};
 
-pub use crate::backend::{BrokerKind, Database};
+pub use crate::backend::{BrokerKind, Database, LeaseBackend};
 
 /// The shortest shipping gRPC token taken, as for the admin token.
 const MIN_GRPC_TOKEN_CHARS: usize = 16;
@@ -46,6 +46,8 @@ pub struct ServeConfig {
     pub database: Database,
     /// The broker.
     pub broker: BrokerKind,
+    /// Where leases are taken.
+    pub leases: LeaseBackend,
     /// The PostgreSQL schema.
     pub pg_schema: String,
     /// The NATS stream prefix.
@@ -104,6 +106,7 @@ impl std::fmt::Debug for ServeConfig {
             .field("shipping_grpc_listen", &self.shipping_grpc_listen)
             .field("database", &self.database)
             .field("broker", &self.broker)
+            .field("leases", &self.leases)
             .field("admin_token", &set(&self.admin_token))
             .field("shipping_grpc_token", &set(&self.shipping_grpc_token))
             .field("allowed_hosts", &self.allowed_hosts.describe())
@@ -222,6 +225,7 @@ impl ServeArgs {
         )?;
         let database = parse_database(self.database_url.as_deref().unwrap_or("sqlite:keel.db"))?;
         let broker = parse_broker(self.broker.as_deref().unwrap_or("embedded"), &database)?;
+        let leases = backend::parse_leases(self.leases.as_deref().unwrap_or("store"))?;
         let nats_replicas = usize::from(self.nats_replicas.unwrap_or(1));
         if !(1..=5).contains(&nats_replicas) {
             return Err(invalid("nats-replicas", "must be 1 to 5".to_owned()));
@@ -258,6 +262,7 @@ impl ServeArgs {
             shipping_grpc_token,
             database,
             broker,
+            leases,
             pg_schema: (self.pg_schema.clone())
                 .unwrap_or_else(|| backend::DEFAULT_PG_SCHEMA.to_owned()),
             stream_prefix: (self.stream_prefix.clone())

@@ -30,6 +30,7 @@ use crate::api::openapi;
 use crate::api::reports::{ReportWorker, Reports};
 use crate::api::webhooks::{self, WebhookApi};
 use crate::backend::{self, Backend, OnStore};
+use crate::shop::leases::Leases;
 use crate::shop::{Components, ShopStore, StartError, System, SystemConfig, fulfilment};
 
 pub use config::*;
@@ -119,6 +120,7 @@ fn health<S: ShopStore>(c: &Components<S>) -> Result<Health, StartError> {
         .pool_exhaustion("db_pool", DEFAULT_POOL_EXHAUSTION_GRACE, move || {
             pool.connections_free()
         });
+    health = c.leases.ping_from(health);
     let urls = &c.dependency_urls;
     for (name, url) in [
         ("payments", urls.payments.clone()),
@@ -287,6 +289,7 @@ async fn serve_on<S: ShopStore>(
         } else {
             format!("shop-relay-{}", keel_core::id::new_id().simple())
         },
+        leases: Leases::open(&config.leases).map_err(anyhow::Error::msg)?,
         ..SystemConfig::default()
     };
     let reports = Reports::default();

@@ -15,6 +15,7 @@
 mod behaviours;
 pub mod db;
 pub mod fulfilment;
+pub mod leases;
 pub mod model;
 #[cfg(feature = "postgres")]
 pub mod pg;
@@ -133,6 +134,9 @@ pub struct SystemConfig {
     pub retention: retention::Retention,
     /// How long an Idempotency-Key is remembered (default 24 hours).
     pub idempotency_ttl: Duration,
+    /// Where the pruning and retention leases are taken (default: the
+    /// database).
+    pub leases: leases::Leases,
 }
 
 impl SystemConfig {
@@ -175,6 +179,7 @@ impl Default for SystemConfig {
             courier_pace: shipping::CourierPace::default(),
             retention: retention::Retention::default(),
             idempotency_ttl: keel_http::idempotency::DEFAULT_TTL,
+            leases: leases::Leases::default(),
         }
     }
 }
@@ -357,6 +362,7 @@ impl System {
             drain: drain.clone(),
             dependency_urls: dependencies.urls().clone(),
             broker: Arc::clone(&broker),
+            leases: config.leases.clone(),
         };
         let origins = own_origins(scheme, addr);
         let router = pipeline::router(state, &drain, &config, &origins, extra(&components)?)?;
@@ -404,6 +410,8 @@ pub struct Components<S: ShopStore> {
     pub dependency_urls: services::DependencyUrls,
     /// The broker (consumer lag for the admin API).
     pub broker: Arc<dyn Broker>,
+    /// The lease backend (for `/debug/deep`).
+    pub leases: leases::Leases,
 }
 
 impl<S: ShopStore> SystemHandle<S> {

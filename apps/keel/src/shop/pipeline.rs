@@ -11,7 +11,6 @@ use axum::Router;
 use keel_http::health::{Drain, DrainServe};
 use keel_http::tls::TlsListener;
 use keel_messaging::consumer::{Backoff, Consumer, Group, Jitter};
-use keel_messaging::lease::{LeaseGate, LeaseLock};
 use keel_messaging::saga::{SagaDefinition, SagaOrchestrator};
 use keel_messaging::{Outbox, OutboxRelay};
 use keel_policy::breaker::BreakerRegistry;
@@ -105,17 +104,17 @@ pub(super) fn relay<S: ShopStore>(
     broker: &Arc<dyn Broker>,
     config: &SystemConfig,
 ) -> Result<OutboxRelay<S, dyn Broker>, StartError> {
-    let prune_lease = LeaseLock::new(
-        store.clone(),
+    let prune_gate = config.leases.gate(
+        store,
         "outbox-prune",
-        config.relay_name.clone(),
+        &config.relay_name,
         3 * config.retention.interval,
     );
     OutboxRelay::builder(outbox, Arc::clone(broker))
         .name(config.relay_name.clone())
         .retention(config.retention.outbox)
         .prune_interval(config.retention.interval)
-        .prune_under(LeaseGate::new(prune_lease))
+        .prune_under(prune_gate)
         .poll_interval(config.poll_interval)
         .batch_size(NonZeroUsize::new(200).unwrap_or(NonZeroUsize::MIN))
         .build()
@@ -262,17 +261,17 @@ pub(super) fn spawn_retention<S: ShopStore>(
     config: &SystemConfig,
     stop: watch::Receiver<bool>,
 ) {
-    let lease = LeaseLock::new(
-        store.clone(),
+    let gate = config.leases.gate(
+        store,
         "retention",
-        config.relay_name.clone(),
+        &config.relay_name,
         3 * config.retention.interval,
     );
     tasks.spawn(retention::run(
         store.clone(),
         log.clone(),
         config.retention.clone(),
-        LeaseGate::new(lease),
+        gate,
         stop,
     ));
 }

@@ -3,13 +3,13 @@
 
 use std::time::Duration;
 
-use keel_store::MessagingStore;
+use keel_store::LeaseStore;
 
 const LONG: Duration = Duration::from_secs(60);
 
 /// A running lease is its holder's alone; the holder extends it under the
 /// same token; once it runs out another holder takes it with a higher one.
-pub async fn a_lease_is_one_holders_until_it_runs_out<S: MessagingStore>(store: &S) {
+pub async fn a_lease_is_one_holders_until_it_runs_out<S: LeaseStore>(store: &S) {
     let first = store
         .lease_acquire("report", "pod-a", Duration::from_millis(300))
         .await
@@ -57,7 +57,7 @@ pub async fn a_lease_is_one_holders_until_it_runs_out<S: MessagingStore>(store: 
 
 /// Releasing ends the lease at once, only for its holder and token, and
 /// the next holder's token is still higher.
-pub async fn release_ends_a_lease_and_tokens_keep_growing<S: MessagingStore>(store: &S) {
+pub async fn release_ends_a_lease_and_tokens_keep_growing<S: LeaseStore>(store: &S) {
     let a = store
         .lease_acquire("prune", "pod-a", LONG)
         .await
@@ -105,7 +105,7 @@ pub async fn release_ends_a_lease_and_tokens_keep_growing<S: MessagingStore>(sto
 }
 
 /// Holders racing for a free lease: exactly one gets it.
-pub async fn racing_holders_get_one_lease<S: MessagingStore>(store: &S) {
+pub async fn racing_holders_get_one_lease<S: LeaseStore>(store: &S) {
     let attempts = (0..8).map(|i| {
         let store = store.clone();
         tokio::spawn(async move {

@@ -46,6 +46,13 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_BROKER")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub broker: Option<String>,
+    /// Where the leases that pick one process to prune and run retention
+    /// are taken: `store` (the database) or `redis://...` with the `redis`
+    /// feature [default: store]. A Redis lease is a lease, not a lock:
+    /// those jobs are safe to run twice.
+    #[arg(long, env = "KEEL_LEASES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leases: Option<String>,
     /// PostgreSQL: the schema holding every table [default: keel].
     /// Processes sharing the work must use the same one.
     #[arg(long, env = "KEEL_PG_SCHEMA")]
