@@ -158,3 +158,61 @@ async fn a_missing_object_is_a_clear_error() {
     // Deleting what is already gone is fine.
     claims.delete(&claim).await.unwrap();
 }
+
+/// The sweeper once deleted claimed objects by age alone, so a dead letter
+/// older than the lifetime could no longer be replayed: its payload was
+/// gone. A pending dead letter now holds its object through any sweep;
+/// once it is settled, the object goes at the next one.
+#[tokio::test]
+async fn a_sweep_keeps_what_a_pending_dead_letter_claims_until_it_is_settled() {
+    use keel_messaging::dead_letter::DeadLetters;
+    use keel_messaging::store::{DeadLetter, DeadLetterStatus, DeadLetterStore};
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("app.db")).await.unwrap();
+    let dead_letters = DeadLetters::new(store.clone());
+    let claims = ClaimCheck::local(dir.path().join("claims"))
+        .unwrap()
+        .keeping(std::sync::Arc::new(dead_letters.clone()));
+
+    let env = Envelope::from_event("/services/docs", &big_document(), EventMeta::new(1)).unwrap();
+    let bytes = claims.encode(env.clone()).await.unwrap();
+    let claim: Claim = Envelope::from_json(&bytes).unwrap().data_as().unwrap();
+    let message = keel_messaging::broker::Message::new(&env.id, "docs", "doc-40mb", bytes);
+    store
+        .dead_letter_put(&DeadLetter {
+            id: "dl-1".into(),
+            message,
+            group: "indexer".into(),
+            error_kind: "poison".into(),
+            attempts: Vec::new(),
+            dead_at: keel_core::clock::utc_now(),
+            status: DeadLetterStatus::Pending,
+        })
+        .await
+        .unwrap();
+    let orphan = claims
+        .put(bytes::Bytes::from_static(b"claimed by nobody"))
+        .await
+        .unwrap();
+
+    // Every object is past its lifetime.
+    let cut_off = keel_core::clock::utc_now() + chrono::Duration::hours(1);
+    assert_eq!(claims.sweep(cut_off).await.unwrap(), 1, "only the orphan");
+    assert!(matches!(
+        claims.fetch(&orphan).await,
+        Err(ClaimCheckError::Missing { .. })
+    ));
+    assert_eq!(
+        claims.fetch(&claim).await.unwrap().len() as u64,
+        claim.size_bytes,
+        "the dead letter can still be replayed"
+    );
+
+    dead_letters.discard("dl-1").await.unwrap();
+    assert_eq!(claims.sweep(cut_off).await.unwrap(), 1, "settled: freed");
+    assert!(matches!(
+        claims.fetch(&claim).await,
+        Err(ClaimCheckError::Missing { .. })
+    ));
+}

@@ -18,7 +18,10 @@
 //! dead letters. [`ClaimCheck::sweep`] (or [`ClaimCheck::run_sweeper`]) deletes
 //! objects not written for longer than that lifetime: a put of the same
 //! bytes rewrites the object, so an object still being claimed by new
-//! messages stays young.
+//! messages stays young. Age alone is not enough for a dead letter, which
+//! may wait for a replay far longer than any lifetime: register its
+//! holders with [`ClaimCheck::keeping`] (`DeadLetters` is one), and the
+//! sweep keeps every object a pending dead letter claims.
 //!
 //! For envelopes, [`ClaimCheck::check_in`] swaps oversized `data` for a
 //! claim (and sets the CloudEvents `dataref` extension to its location);
@@ -57,6 +60,10 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::envelope::{DEFAULT_MAX_SIZE, Envelope, EnvelopeError};
+
+mod holders;
+
+pub use holders::{ClaimHolder, MAX_PENDING_SCAN};
 
 /// The CloudEvents extension attribute that marks an envelope whose `data`
 /// is a [`Claim`]: the location of the real payload (the CloudEvents
@@ -153,12 +160,25 @@ impl Classify for ClaimCheckError {
 
 /// Puts payloads in an object store and fetches them back, verified.
 /// Cheap to clone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClaimCheck {
     store: Arc<dyn ObjectStore>,
     base: String,
     prefix: ObjectPath,
     inline_limit: usize,
+    holders: Vec<Arc<dyn ClaimHolder>>,
+}
+
+impl std::fmt::Debug for ClaimCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimCheck")
+            .field("store", &self.store)
+            .field("base", &self.base)
+            .field("prefix", &self.prefix)
+            .field("inline_limit", &self.inline_limit)
+            .field("holders", &self.holders.len())
+            .finish()
+    }
 }
 
 impl ClaimCheck {
@@ -171,6 +191,7 @@ impl ClaimCheck {
             base: base.into().trim_end_matches('/').to_owned(),
             prefix: ObjectPath::from(DEFAULT_PREFIX),
             inline_limit: DEFAULT_MAX_SIZE,
+            holders: Vec::new(),
         }
     }
 
@@ -201,6 +222,14 @@ impl ClaimCheck {
     /// 256 KiB).
     pub fn with_inline_limit(mut self, limit: usize) -> Self {
         self.inline_limit = limit;
+        self
+    }
+
+    /// Never sweeps an object `holder` still claims (default: no holder,
+    /// so age alone decides). Give it the service's `DeadLetters`, so a
+    /// dead letter waiting for a replay keeps its payload.
+    pub fn keeping(mut self, holder: Arc<dyn ClaimHolder>) -> Self {
+        self.holders.push(holder);
         self
     }
 
@@ -259,14 +288,23 @@ impl ClaimCheck {
     }
 
     /// Deletes the objects under this claim check's prefix last written
-    /// before `cut_off`; returns how many. Set the cut-off from the
-    /// lifetime a claim must be fetchable: the topic's retention plus the
-    /// longest a dead letter may wait for a replay.
+    /// before `cut_off` that no holder ([`keeping`](Self::keeping)) still
+    /// claims; returns how many. Set the cut-off from the lifetime a claim
+    /// must be fetchable: at least the topic's retention. A holder that
+    /// cannot answer stops the sweep before anything is deleted.
     pub async fn sweep(&self, cut_off: DateTime<Utc>) -> Result<u64, ClaimCheckError> {
+        let mut held = std::collections::HashSet::new();
+        for holder in &self.holders {
+            held.extend(holder.held().await?);
+        }
         let mut objects = self.store.list(Some(&self.prefix));
         let mut swept = 0;
         while let Some(object) = objects.try_next().await.map_err(ClaimCheckError::Store)? {
-            if object.last_modified >= cut_off {
+            let claimed = object
+                .location
+                .filename()
+                .is_some_and(|sha256| held.contains(sha256));
+            if object.last_modified >= cut_off || claimed {
                 continue;
             }
             match self.store.delete(&object.location).await {
@@ -426,131 +464,4 @@ fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use object_store::memory::InMemory;
-    use serde_json::json;
-
-    fn in_memory() -> ClaimCheck {
-        ClaimCheck::new(Arc::new(InMemory::new()), "memory://test")
-    }
-
-    #[tokio::test]
-    async fn round_trip_is_verified_and_content_addressed() {
-        let claims = in_memory();
-        let payload = Bytes::from_static(b"the quarterly report");
-        let a = claims.put(payload.clone()).await.unwrap();
-        let b = claims.put(payload.clone()).await.unwrap();
-        assert_eq!(a, b, "same bytes, same claim");
-        assert_eq!(a.size_bytes, payload.len() as u64);
-        assert_eq!(a.sha256, sha256_hex(&payload));
-        assert!(a.location.starts_with("memory://test/claims/"));
-        assert_eq!(claims.fetch(&a).await.unwrap(), payload);
-    }
-
-    #[tokio::test]
-    async fn a_sweep_deletes_what_was_not_written_since_the_cut_off() {
-        let claims = in_memory();
-        let old = claims.put(Bytes::from_static(b"old report")).await.unwrap();
-        let reused = claims
-            .put(Bytes::from_static(b"reused report"))
-            .await
-            .unwrap();
-        let cut_off = keel_core::clock::utc_now() + chrono::Duration::milliseconds(1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        // Claimed again after the cut-off: the put rewrites it, so it stays.
-        claims
-            .put(Bytes::from_static(b"reused report"))
-            .await
-            .unwrap();
-        let outside = ObjectPath::from("elsewhere/keep-me");
-        claims
-            .store()
-            .put(&outside, Bytes::from_static(b"x").into())
-            .await
-            .unwrap();
-        assert_eq!(claims.sweep(cut_off).await.unwrap(), 1);
-        assert!(matches!(
-            claims.fetch(&old).await,
-            Err(ClaimCheckError::Missing { .. })
-        ));
-        assert!(claims.fetch(&reused).await.is_ok());
-        assert!(
-            claims.store().head(&outside).await.is_ok(),
-            "only its own prefix"
-        );
-        let nothing_old = keel_core::clock::utc_now() - chrono::Duration::hours(1);
-        assert_eq!(claims.sweep(nothing_old).await.unwrap(), 0);
-    }
-
-    #[test]
-    fn claim_serializes_like_the_seed() {
-        let claim = Claim {
-            location: "s3://b/k".into(),
-            size_bytes: 3,
-            sha256: "ab".into(),
-        };
-        assert_eq!(
-            serde_json::to_value(&claim).unwrap(),
-            json!({"location": "s3://b/k", "sizeBytes": 3, "sha256": "ab"})
-        );
-    }
-
-    #[tokio::test]
-    async fn a_claim_with_the_wrong_size_or_hash_is_refused() {
-        let claims = in_memory();
-        let claim = claims.put(Bytes::from_static(b"abc")).await.unwrap();
-        let mut lying = claim.clone();
-        lying.size_bytes = 4;
-        assert!(matches!(
-            claims.fetch(&lying).await,
-            Err(ClaimCheckError::SizeMismatch {
-                expected: 4,
-                actual: 3,
-                ..
-            })
-        ));
-        let mut lying = claim.clone();
-        lying.sha256 = "0".repeat(64);
-        let err = claims.fetch(&lying).await.unwrap_err();
-        assert!(matches!(err, ClaimCheckError::HashMismatch { .. }));
-        assert!(
-            err.to_string()
-                .contains("changed after the message was sent")
-        );
-    }
-
-    #[tokio::test]
-    async fn foreign_and_malformed_locations_are_refused() {
-        let claims = in_memory();
-        let mut claim = claims.put(Bytes::from_static(b"abc")).await.unwrap();
-        claim.location = "s3://elsewhere/claims/x".into();
-        assert!(matches!(
-            claims.fetch(&claim).await,
-            Err(ClaimCheckError::ForeignLocation { .. })
-        ));
-        claim.location = "memory://test/claims/../../etc/passwd".into();
-        assert!(matches!(
-            claims.fetch(&claim).await,
-            Err(ClaimCheckError::Invalid(_))
-        ));
-    }
-
-    #[tokio::test]
-    async fn small_envelopes_stay_inline_and_large_ones_are_claimed() {
-        let claims = in_memory().with_inline_limit(1024);
-        let mut small = Envelope::new("/docs", "docs.uploaded.v1");
-        small.data = Some(json!({"id": "d-1"}));
-        assert_eq!(claims.check_in(small.clone()).await.unwrap(), small);
-
-        let mut large = Envelope::new("/docs", "docs.uploaded.v1");
-        large.subject = Some("d-2".into());
-        large.data = Some(json!({"id": "d-2", "body": "x".repeat(10_000)}));
-        let claimed = claims.check_in(large.clone()).await.unwrap();
-        assert!(claimed.extensions.contains_key(DATAREF));
-        assert!(claimed.to_json_limited(1024).is_ok());
-        assert_eq!(claimed.subject.as_deref(), Some("d-2"), "routing survives");
-        let bytes = claimed.to_json().unwrap();
-        assert_eq!(claims.decode(&bytes).await.unwrap(), large);
-    }
-}
+mod tests;
