@@ -7,6 +7,8 @@
 #   Redis       from Debian's packages (apt-get install redis-server), with no
 #               persistence: a restart loses every key, the case keel-redis
 #               states and tests
+#   S3          moto's S3 server from PyPI (moto[s3], Flask), with the bucket
+#               `keel-test`: the claim check's object store
 #
 # Usage:
 #   scripts/services.sh run CMD...      start them all, run CMD with the URLs exported, stop them
@@ -19,6 +21,7 @@
 #   KEEL_TEST_POSTGRES_URL   postgres://keel@127.0.0.1:PORT/keel
 #   KEEL_TEST_NATS_URL       nats://127.0.0.1:PORT
 #   KEEL_TEST_REDIS_URL      redis://127.0.0.1:PORT
+#   KEEL_TEST_S3_URL         http://127.0.0.1:PORT (bucket keel-test; any credentials)
 #   KEEL_TEST_SERVICES       this script's path, for restart/stop/start
 #   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
 #   KEEL_TEST_NATS_SERVER    the nats-server binary, for tests that run their own
@@ -74,6 +77,38 @@ ensure_redis() {
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
   command -v redis-server >/dev/null 2>&1 || { log "Redis did not install"; exit 1; }
 }
+
+moto_dir() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/keel/moto-s3"; }
+
+ensure_s3() {
+  if [ -d "$(moto_dir)/moto" ]; then return; fi
+  log "installing moto's S3 server from PyPI"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    --target "$(moto_dir)" 'moto[s3]==5.2.6' 'flask==3.1.3' 'flask-cors==6.0.5' 2>&1 | grep -v 'requires\|incompatible' >&2 || true
+  [ -d "$(moto_dir)/moto" ] || { log "moto did not install"; exit 1; }
+}
+
+start_s3() {
+  local dir="$KEEL_TEST_SERVICES_DIR/s3" port
+  port="$(cat "$KEEL_TEST_SERVICES_DIR/s3.port")"
+  mkdir -p "$dir"
+  PYTHONPATH="$(moto_dir)" setsid python3 -m moto.server -H 127.0.0.1 -p "$port" \
+    </dev/null >"$dir/log" 2>&1 &
+  echo $! >"$dir/pid"
+  local i
+  for i in $(seq 1 100); do
+    # Creating the bucket is also the readiness check.
+    if python3 -c "import urllib.request as u; u.urlopen(u.Request('http://127.0.0.1:$port/keel-test', method='PUT'), timeout=1)" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  log "moto's S3 server did not start; its log:"; cat "$dir/log" >&2 || true; exit 1
+}
+
+stop_s3() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/s3/pid" "$@"; }
+
+kill_s3() { stop_s3 -KILL; }
 
 # No RDB snapshots, no append-only file: what a cache-configured Redis does,
 # and the hardest case for leases (a restart forgets every holder).
@@ -183,6 +218,7 @@ stop_nats() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/nats/pid" "$@"; }
 kill_nats() { stop_nats -KILL; }
 
 stop_all() {
+  stop_s3
   stop_redis
   stop_nats
   stop_postgres
@@ -193,6 +229,7 @@ cmd_run() {
   ensure_postgres
   ensure_nats
   ensure_redis
+  ensure_s3
   KEEL_TEST_SERVICES_DIR="$(mktemp -d -t keel-services.XXXXXX)"
   chmod 755 "$KEEL_TEST_SERVICES_DIR"
   export KEEL_TEST_SERVICES_DIR
@@ -200,16 +237,19 @@ cmd_run() {
   free_port >"$KEEL_TEST_SERVICES_DIR/postgres.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/nats.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/redis.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/s3.port"
   start_postgres
   start_nats
   start_redis
+  start_s3
   export KEEL_TEST_POSTGRES_URL="postgres://keel@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/postgres.port")/postgres"
   export KEEL_TEST_NATS_URL="nats://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
   export KEEL_TEST_REDIS_URL="redis://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/redis.port")"
+  export KEEL_TEST_S3_URL="http://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/s3.port")"
   export KEEL_TEST_SERVICES="$SELF"
   # For tests that run nats-servers of their own (the three-node cluster).
   export KEEL_TEST_NATS_SERVER="$(nats_dir)/bin/nats-server"
-  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL"
+  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL, S3 at $KEEL_TEST_S3_URL"
   "$@"
 }
 
@@ -223,5 +263,5 @@ case "${1:-}" in
   crash) need_dir; "kill_$2"; "start_$2" ;;
   stop) need_dir; "stop_$2" ;;
   start) need_dir; "start_$2" ;;
-  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis"; exit 2 ;;
+  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3"; exit 2 ;;
 esac

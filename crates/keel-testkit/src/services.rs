@@ -1,5 +1,5 @@
-//! The servers that scale-out tests run against: PostgreSQL, NATS and
-//! Redis.
+//! The servers that scale-out tests run against: PostgreSQL, NATS, Redis
+//! and an S3-compatible object store.
 //!
 //! `scripts/services.sh run CMD` (which the README's test command uses)
 //! starts them on free loopback ports and exports their URLs. A test asks for
@@ -24,6 +24,8 @@ pub const POSTGRES_URL: &str = "KEEL_TEST_POSTGRES_URL";
 pub const NATS_URL: &str = "KEEL_TEST_NATS_URL";
 /// The environment variable holding the Redis URL.
 pub const REDIS_URL: &str = "KEEL_TEST_REDIS_URL";
+/// The environment variable holding the S3 endpoint (bucket `keel-test`).
+pub const S3_URL: &str = "KEEL_TEST_S3_URL";
 /// The environment variable holding the path of `scripts/services.sh`.
 pub const SERVICES: &str = "KEEL_TEST_SERVICES";
 
@@ -36,6 +38,8 @@ pub enum Service {
     Nats,
     /// redis-server, without persistence.
     Redis,
+    /// moto's S3 server, with the bucket `keel-test`.
+    S3,
 }
 
 impl Service {
@@ -44,6 +48,7 @@ impl Service {
             Self::Postgres => "postgres",
             Self::Nats => "nats",
             Self::Redis => "redis",
+            Self::S3 => "s3",
         }
     }
 
@@ -52,6 +57,7 @@ impl Service {
             Self::Postgres => POSTGRES_URL,
             Self::Nats => NATS_URL,
             Self::Redis => REDIS_URL,
+            Self::S3 => S3_URL,
         }
     }
 }
@@ -72,6 +78,13 @@ pub fn nats_url() -> Option<String> {
 /// skipped. Panics in CI when the server is missing.
 pub fn redis_url() -> Option<String> {
     url(Service::Redis)
+}
+
+/// The S3 endpoint (`http://127.0.0.1:PORT`, bucket `keel-test`, any
+/// credentials), or `None` (after printing why) when the test should be
+/// skipped. Panics in CI when the server is missing.
+pub fn s3_url() -> Option<String> {
+    url(Service::S3)
 }
 
 /// A loopback port free right now, for a server a test starts itself (the

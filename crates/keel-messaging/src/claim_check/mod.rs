@@ -52,9 +52,9 @@ use futures_util::TryStreamExt;
 
 use bytes::Bytes;
 use keel_core::{Classify, ErrorClass};
-use object_store::ObjectStore;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, WriteMultipart};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -62,8 +62,18 @@ use sha2::{Digest, Sha256};
 use crate::envelope::{DEFAULT_MAX_SIZE, Envelope, EnvelopeError};
 
 mod holders;
+#[cfg(feature = "claim-check-s3")]
+mod s3;
 
 pub use holders::{ClaimHolder, MAX_PENDING_SCAN};
+
+/// Payloads larger than this are uploaded in parts by default: 8 MiB. One
+/// request for a 40 MB document is one slow request that a blip restarts
+/// from the first byte; parts are sent concurrently and retried alone.
+pub const DEFAULT_MULTIPART_THRESHOLD: usize = 8 << 20;
+
+/// The size of each part but the last: 5 MiB, S3's smallest.
+const MULTIPART_PART_SIZE: usize = 5 << 20;
 
 /// The CloudEvents extension attribute that marks an envelope whose `data`
 /// is a [`Claim`]: the location of the real payload (the CloudEvents
@@ -166,6 +176,7 @@ pub struct ClaimCheck {
     base: String,
     prefix: ObjectPath,
     inline_limit: usize,
+    multipart_threshold: usize,
     holders: Vec<Arc<dyn ClaimHolder>>,
 }
 
@@ -176,6 +187,7 @@ impl std::fmt::Debug for ClaimCheck {
             .field("base", &self.base)
             .field("prefix", &self.prefix)
             .field("inline_limit", &self.inline_limit)
+            .field("multipart_threshold", &self.multipart_threshold)
             .field("holders", &self.holders.len())
             .finish()
     }
@@ -191,6 +203,7 @@ impl ClaimCheck {
             base: base.into().trim_end_matches('/').to_owned(),
             prefix: ObjectPath::from(DEFAULT_PREFIX),
             inline_limit: DEFAULT_MAX_SIZE,
+            multipart_threshold: DEFAULT_MULTIPART_THRESHOLD,
             holders: Vec::new(),
         }
     }
@@ -225,6 +238,15 @@ impl ClaimCheck {
         self
     }
 
+    /// Uploads payloads larger than `bytes` in parts (default
+    /// [`DEFAULT_MULTIPART_THRESHOLD`]). A part upload that fails leaves an
+    /// incomplete upload on the store: give an S3 bucket a lifecycle rule
+    /// that aborts them after a day.
+    pub fn with_multipart_threshold(mut self, bytes: usize) -> Self {
+        self.multipart_threshold = bytes;
+        self
+    }
+
     /// Never sweeps an object `holder` still claims (default: no holder,
     /// so age alone decides). Give it the service's `DeadLetters`, so a
     /// dead letter waiting for a replay keeps its payload.
@@ -244,10 +266,14 @@ impl ClaimCheck {
         let sha256 = sha256_hex(&bytes);
         let path = self.prefix.child(sha256.as_str());
         let size_bytes = bytes.len() as u64;
-        self.store
-            .put(&path, bytes.into())
-            .await
-            .map_err(ClaimCheckError::Store)?;
+        if bytes.len() > self.multipart_threshold {
+            self.put_in_parts(&path, &bytes).await?;
+        } else {
+            self.store
+                .put(&path, bytes.into())
+                .await
+                .map_err(ClaimCheckError::Store)?;
+        }
         let claim = Claim {
             location: format!("{}/{}", self.base, path),
             size_bytes,
@@ -396,6 +422,22 @@ impl ClaimCheck {
     /// Decodes a structured-mode envelope, fetching claimed data.
     pub async fn decode(&self, bytes: &[u8]) -> Result<Envelope, ClaimCheckError> {
         self.check_out(Envelope::from_json(bytes)?).await
+    }
+
+    /// The path in [`store`](Self::store) of the object `claim` names,
+    /// for tools that inspect, copy or restore it. A claim from another
+    /// store is [`ClaimCheckError::ForeignLocation`].
+    pub fn object_of(&self, claim: &Claim) -> Result<ObjectPath, ClaimCheckError> {
+        self.path_of(&claim.location)
+    }
+
+    async fn put_in_parts(&self, path: &ObjectPath, bytes: &[u8]) -> Result<(), ClaimCheckError> {
+        let upload = (self.store.put_multipart(path).await).map_err(ClaimCheckError::Store)?;
+        let mut parts = WriteMultipart::new_with_chunk_size(upload, MULTIPART_PART_SIZE);
+        parts.write(bytes);
+        parts.finish().await.map_err(ClaimCheckError::Store)?;
+        metrics::counter!("keel_claim_check_multipart_total").increment(1);
+        Ok(())
     }
 
     fn path_of(&self, location: &str) -> Result<ObjectPath, ClaimCheckError> {
