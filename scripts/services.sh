@@ -7,6 +7,8 @@
 #   Redis       from Debian's packages (apt-get install redis-server), with no
 #               persistence: a restart loses every key, the case keel-redis
 #               states and tests
+#   etcd        from Debian's packages (apt-get install etcd-server): leader
+#               election for keel-etcd
 #   S3          moto's S3 server from PyPI (moto[s3], Flask), with the bucket
 #               `keel-test`: the claim check's object store
 #
@@ -21,6 +23,7 @@
 #   KEEL_TEST_POSTGRES_URL   postgres://keel@127.0.0.1:PORT/keel
 #   KEEL_TEST_NATS_URL       nats://127.0.0.1:PORT
 #   KEEL_TEST_REDIS_URL      redis://127.0.0.1:PORT
+#   KEEL_TEST_ETCD_URL       http://127.0.0.1:PORT
 #   KEEL_TEST_S3_URL         http://127.0.0.1:PORT (bucket keel-test; any credentials)
 #   KEEL_TEST_SERVICES       this script's path, for restart/stop/start
 #   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
@@ -78,6 +81,45 @@ ensure_redis() {
   command -v redis-server >/dev/null 2>&1 || { log "Redis did not install"; exit 1; }
 }
 
+# Waits up to 10 s for `METHOD URL` to succeed; else shows LOG and fails.
+await_http() {
+  local name="$1" logfile="$2" method="$3" url="$4" i
+  for i in $(seq 1 100); do
+    if python3 -c "import urllib.request as u; u.urlopen(u.Request('$url', method='$method'), timeout=1)" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  log "$name did not start; its log:"; tail -n 20 "$logfile" >&2 || true; exit 1
+}
+
+ensure_etcd() {
+  if command -v etcd >/dev/null 2>&1; then return; fi
+  log "installing etcd from Debian's packages"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+  command -v etcd >/dev/null 2>&1 || { log "etcd did not install"; exit 1; }
+}
+
+# Its data survives a restart (a crash loses nothing etcd acknowledged).
+start_etcd() {
+  local dir="$KEEL_TEST_SERVICES_DIR/etcd" port peer
+  port="$(cat "$KEEL_TEST_SERVICES_DIR/etcd.port")"
+  peer="$(cat "$KEEL_TEST_SERVICES_DIR/etcd-peer.port")"
+  mkdir -p "$dir"
+  setsid etcd --name keel \
+    --data-dir "$dir/data" --listen-client-urls "http://127.0.0.1:$port" \
+    --advertise-client-urls "http://127.0.0.1:$port" --listen-peer-urls "http://127.0.0.1:$peer" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$peer" --initial-cluster "keel=http://127.0.0.1:$peer" \
+    </dev/null >"$dir/log" 2>&1 &
+  echo $! >"$dir/pid"
+  await_http etcd "$dir/log" GET "http://127.0.0.1:$port/health"
+}
+
+stop_etcd() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/etcd/pid" "$@"; }
+
+kill_etcd() { stop_etcd -KILL; }
+
 moto_dir() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/keel/moto-s3"; }
 
 ensure_s3() {
@@ -95,15 +137,8 @@ start_s3() {
   PYTHONPATH="$(moto_dir)" setsid python3 -m moto.server -H 127.0.0.1 -p "$port" \
     </dev/null >"$dir/log" 2>&1 &
   echo $! >"$dir/pid"
-  local i
-  for i in $(seq 1 100); do
-    # Creating the bucket is also the readiness check.
-    if python3 -c "import urllib.request as u; u.urlopen(u.Request('http://127.0.0.1:$port/keel-test', method='PUT'), timeout=1)" 2>/dev/null; then
-      return 0
-    fi
-    sleep 0.1
-  done
-  log "moto's S3 server did not start; its log:"; cat "$dir/log" >&2 || true; exit 1
+  # Creating the bucket is also the readiness check.
+  await_http "moto's S3 server" "$dir/log" PUT "http://127.0.0.1:$port/keel-test"
 }
 
 stop_s3() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/s3/pid" "$@"; }
@@ -218,6 +253,7 @@ stop_nats() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/nats/pid" "$@"; }
 kill_nats() { stop_nats -KILL; }
 
 stop_all() {
+  stop_etcd
   stop_s3
   stop_redis
   stop_nats
@@ -230,6 +266,7 @@ cmd_run() {
   ensure_nats
   ensure_redis
   ensure_s3
+  ensure_etcd
   KEEL_TEST_SERVICES_DIR="$(mktemp -d -t keel-services.XXXXXX)"
   chmod 755 "$KEEL_TEST_SERVICES_DIR"
   export KEEL_TEST_SERVICES_DIR
@@ -238,18 +275,22 @@ cmd_run() {
   free_port >"$KEEL_TEST_SERVICES_DIR/nats.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/redis.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/s3.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/etcd.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/etcd-peer.port"
   start_postgres
   start_nats
   start_redis
   start_s3
+  start_etcd
   export KEEL_TEST_POSTGRES_URL="postgres://keel@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/postgres.port")/postgres"
   export KEEL_TEST_NATS_URL="nats://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
   export KEEL_TEST_REDIS_URL="redis://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/redis.port")"
+  export KEEL_TEST_ETCD_URL="http://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/etcd.port")"
   export KEEL_TEST_S3_URL="http://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/s3.port")"
   export KEEL_TEST_SERVICES="$SELF"
   # For tests that run nats-servers of their own (the three-node cluster).
   export KEEL_TEST_NATS_SERVER="$(nats_dir)/bin/nats-server"
-  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL, S3 at $KEEL_TEST_S3_URL"
+  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL, S3 at $KEEL_TEST_S3_URL, etcd at $KEEL_TEST_ETCD_URL"
   "$@"
 }
 
@@ -263,5 +304,5 @@ case "${1:-}" in
   crash) need_dir; "kill_$2"; "start_$2" ;;
   stop) need_dir; "stop_$2" ;;
   start) need_dir; "start_$2" ;;
-  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3"; exit 2 ;;
+  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3|etcd"; exit 2 ;;
 esac

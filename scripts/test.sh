@@ -41,6 +41,9 @@ df -h . | tail -n 1
 # One clean build: incremental artifacts only cost disk and time here.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
+# keel-etcd's client generates code from .proto files when it builds.
+scripts/protoc.sh
+
 if ! command -v cargo-nextest >/dev/null 2>&1; then
   log "installing cargo-nextest"
   cargo install --locked cargo-nextest

@@ -1,5 +1,5 @@
-//! The servers that scale-out tests run against: PostgreSQL, NATS, Redis
-//! and an S3-compatible object store.
+//! The servers that scale-out tests run against: PostgreSQL, NATS, Redis,
+//! etcd and an S3-compatible object store.
 //!
 //! `scripts/services.sh run CMD` (which the README's test command uses)
 //! starts them on free loopback ports and exports their URLs. A test asks for
@@ -26,6 +26,8 @@ pub const NATS_URL: &str = "KEEL_TEST_NATS_URL";
 pub const REDIS_URL: &str = "KEEL_TEST_REDIS_URL";
 /// The environment variable holding the S3 endpoint (bucket `keel-test`).
 pub const S3_URL: &str = "KEEL_TEST_S3_URL";
+/// The environment variable holding the etcd endpoint.
+pub const ETCD_URL: &str = "KEEL_TEST_ETCD_URL";
 /// The environment variable holding the path of `scripts/services.sh`.
 pub const SERVICES: &str = "KEEL_TEST_SERVICES";
 
@@ -40,6 +42,8 @@ pub enum Service {
     Redis,
     /// moto's S3 server, with the bucket `keel-test`.
     S3,
+    /// etcd, one member.
+    Etcd,
 }
 
 impl Service {
@@ -49,6 +53,7 @@ impl Service {
             Self::Nats => "nats",
             Self::Redis => "redis",
             Self::S3 => "s3",
+            Self::Etcd => "etcd",
         }
     }
 
@@ -58,6 +63,7 @@ impl Service {
             Self::Nats => NATS_URL,
             Self::Redis => REDIS_URL,
             Self::S3 => S3_URL,
+            Self::Etcd => ETCD_URL,
         }
     }
 }
@@ -85,6 +91,13 @@ pub fn redis_url() -> Option<String> {
 /// skipped. Panics in CI when the server is missing.
 pub fn s3_url() -> Option<String> {
     url(Service::S3)
+}
+
+/// The etcd endpoint (`http://127.0.0.1:PORT`), or `None` (after
+/// printing why) when the test should be skipped. Panics in CI when the
+/// server is missing.
+pub fn etcd_url() -> Option<String> {
+    url(Service::Etcd)
 }
 
 /// A loopback port free right now, for a server a test starts itself (the
