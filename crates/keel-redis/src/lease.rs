@@ -7,17 +7,12 @@ use async_trait::async_trait;
 use keel_core::clock;
 use keel_store::{LeaseGrant, LeaseStore, StoreError};
 use redis::Script;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 
+use crate::connection::connect;
 use crate::error::{RedisConfigError, store_error};
 
-/// How long a command, or a connection attempt, may take by default: 1 s.
-/// A lease call that cannot reach Redis in that time fails, and the caller
-/// keeps believing only what its last grant said.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// What every key starts with by default: `keel:`.
-pub const DEFAULT_KEY_PREFIX: &str = "keel:";
+use crate::connection::{DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT};
 
 /// Takes a free lease with `SET NX PX`, or extends the caller's own; never
 /// touches another holder's. The token counter is started from the
@@ -89,23 +84,7 @@ impl RedisLeasesBuilder {
     /// start is an error of the first call, not of the build. Call it
     /// inside a tokio runtime.
     pub fn build(self) -> Result<RedisLeases, RedisConfigError> {
-        if self.timeout.is_zero() {
-            return Err(RedisConfigError::Invalid {
-                field: "timeout",
-                problem: "must be more than zero",
-            });
-        }
-        let invalid = |source| RedisConfigError::InvalidUrl {
-            url: self.url.clone(),
-            source,
-        };
-        let client = redis::Client::open(self.url.as_str()).map_err(invalid)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
-            .set_number_of_retries(2);
-        let connection =
-            ConnectionManager::new_lazy_with_config(client, config).map_err(invalid)?;
+        let connection = connect(&self.url, self.timeout)?;
         Ok(RedisLeases {
             connection,
             key_prefix: self.key_prefix.into(),

@@ -1,4 +1,7 @@
-//! Keel's leases on Redis: [`RedisLeases`] implements
+//! Keel's leases and shared dedupe record on Redis: [`RedisDedup`] keeps
+//! which messages were processed for consumers whose effect has no
+//! transaction (`keel_store::SharedDedupStore`, the inbox's weaker
+//! sibling), and [`RedisLeases`] implements
 //! [`LeaseStore`](keel_store::LeaseStore), so
 //! `keel_messaging::lease::{LeaseLock, LeaderElection}` run on a Redis that
 //! a service already has instead of on its database.
@@ -43,8 +46,12 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod connection;
+mod dedup;
 mod error;
 mod lease;
 
+pub use connection::{DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT};
+pub use dedup::RedisDedup;
 pub use error::RedisConfigError;
-pub use lease::{DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT, RedisLeases, RedisLeasesBuilder};
+pub use lease::{RedisLeases, RedisLeasesBuilder};

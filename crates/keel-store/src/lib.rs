@@ -35,6 +35,7 @@
 //! | `jobs` | [`JobStore`] | the HTTP edge's async jobs |
 //! | `event-log` | [`EventLogStore`] | realtime streams' replay |
 //! | `webhooks` | [`WebhookEndpointStore`], [`WebhookDeliveryStore`], [`WebhookLogStore`] ([`WebhookStore`], their sum) | management; the sender and workers; the delivery log |
+//! | `shared-dedup` | [`SharedDedupStore`] | consumers whose effect has no transaction (Redis) |
 //!
 //! `messaging` turns on the first seven, which [`MessagingStore`] bounds
 //! together. `keel-testkit` holds the conformance suite that defines what
@@ -67,6 +68,8 @@ mod lease;
 mod outbox;
 #[cfg(feature = "saga")]
 mod saga;
+#[cfg(feature = "shared-dedup")]
+mod shared_dedup;
 #[cfg(feature = "webhooks")]
 mod webhooks;
 
@@ -95,6 +98,8 @@ pub use lease::*;
 pub use outbox::*;
 #[cfg(feature = "saga")]
 pub use saga::*;
+#[cfg(feature = "shared-dedup")]
+pub use shared_dedup::*;
 #[cfg(feature = "webhooks")]
 pub use webhooks::*;
 

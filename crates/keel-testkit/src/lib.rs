@@ -45,6 +45,8 @@ pub mod faultfs;
 pub mod idempotency_suite;
 #[cfg(feature = "store-suite")]
 pub mod jobs_suite;
+#[cfg(feature = "store-suite")]
+pub mod shared_dedup_suite;
 pub use keel_ledger as ledger;
 #[cfg(feature = "metrics")]
 pub mod metrics;
