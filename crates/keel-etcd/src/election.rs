@@ -5,8 +5,8 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions, LeaderKey, ProclaimOptions, ResignOptions};
 use futures_util::StreamExt as _;
 use futures_util::stream::BoxStream;
-use keel_core::clock::{self, Instant};
-use tokio::sync::watch;
+use keel_core::clock;
+use keel_store::{LeadershipDeadline, leadership_deadline};
 use tokio::task::JoinHandle;
 
 use crate::keep_alive::keep_alive;
@@ -139,8 +139,8 @@ impl EtcdElection {
         let ttl_secs = i64::try_from(self.ttl.as_secs()).unwrap_or(i64::MAX);
         let grant = self.timed(client.lease_grant(ttl_secs, None)).await?;
         let lease = grant.id();
-        let (valid_tx, valid_until) = watch::channel(asked + self.ttl);
-        let keeper = tokio::spawn(keep_alive(client.clone(), lease, self.ttl, valid_tx));
+        let (renewer, valid_until) = leadership_deadline(asked + self.ttl);
+        let keeper = tokio::spawn(keep_alive(client.clone(), lease, self.ttl, renewer));
         let keeper = AbortOnDrop(Some(keeper));
         let won = client.campaign(self.name.as_str(), holder, lease).await?;
         let leader = won.leader().cloned().ok_or(EtcdError::NoLeaderKey)?;
@@ -253,7 +253,7 @@ pub struct Leadership {
     leader: LeaderKey,
     lease: i64,
     token: u64,
-    valid_until: watch::Receiver<Instant>,
+    valid_until: LeadershipDeadline,
     keeper: AbortOnDrop,
     request_timeout: Duration,
 }
@@ -278,28 +278,12 @@ impl Leadership {
     /// Whether this process still leads by its own clock: the last
     /// answered keep-alive was sent less than a TTL ago.
     pub fn is_leader(&self) -> bool {
-        clock::now() < *self.valid_until.borrow()
+        self.valid_until.is_live()
     }
 
     /// Resolves when leadership ends by this process's clock.
     pub async fn lost(&self) {
-        let mut valid_until = self.valid_until.clone();
-        loop {
-            let until = *valid_until.borrow_and_update();
-            if clock::now() >= until {
-                return;
-            }
-            tokio::select! {
-                () = tokio::time::sleep_until(until) => {}
-                changed = valid_until.changed() => {
-                    if changed.is_err() {
-                        // The keep-alive stopped: nothing extends it now.
-                        tokio::time::sleep_until(*valid_until.borrow()).await;
-                        return;
-                    }
-                }
-            }
-        }
+        self.valid_until.passed().await;
     }
 
     /// Announces a new value as the leader's, without another election.

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use etcd_client::Client;
-use keel_core::clock::{self, Instant};
-use tokio::sync::watch;
+use keel_core::clock;
+use keel_store::DeadlineRenewer;
 
 /// Keeps lease `lease` alive every third of `ttl` until the task is
 /// aborted or etcd says the lease is gone, moving `valid_until` to `ttl`
@@ -21,13 +21,13 @@ pub(crate) async fn keep_alive(
     mut client: Client,
     lease: i64,
     ttl: Duration,
-    valid_until: watch::Sender<Instant>,
+    valid_until: DeadlineRenewer,
 ) {
     let every = ttl / 3;
     let mut channel = None;
     loop {
         let sent = clock::now();
-        if sent >= *valid_until.borrow() {
+        if valid_until.has_passed() {
             tracing::warn!(lease, "no keep-alive answered for a TTL: leadership ended");
             revoke(client, lease, every).await;
             return;
@@ -35,14 +35,16 @@ pub(crate) async fn keep_alive(
         match tokio::time::timeout(every, renew(&mut client, &mut channel, lease)).await {
             Ok(Ok(Some(granted))) if granted > 0 => {
                 let granted = Duration::from_secs(granted.unsigned_abs());
-                valid_until.send_replace(sent + granted.min(ttl));
+                // Too late to extend a lapsed leadership: the next round
+                // revokes.
+                valid_until.extend(sent + granted.min(ttl));
             }
             Ok(Ok(_)) => {
                 tracing::warn!(
                     lease,
                     "etcd says the election lease is gone: leadership ends"
                 );
-                valid_until.send_replace(sent);
+                valid_until.end();
                 return;
             }
             Ok(Err(error)) => {

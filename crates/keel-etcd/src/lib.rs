@@ -1,4 +1,7 @@
-//! Leader election on etcd, with fencing tokens for free.
+//! Leader election on etcd, with fencing tokens for free. [`EtcdElection`]
+//! implements `keel_store::Election`, the contract that keel-messaging's
+//! election on leases implements too, and passes the same conformance
+//! suite.
 //!
 //! [`EtcdElection::campaign`] uses etcd's election API on a lease of its
 //! own, kept alive in the background: it returns once this process leads,
@@ -37,6 +40,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod contract;
 mod election;
 mod keep_alive;
 

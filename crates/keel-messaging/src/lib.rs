@@ -48,6 +48,7 @@ pub use store::{MessagingStore, Store, StoreError};
 
 pub mod consumer;
 pub mod dead_letter;
+pub mod election;
 pub mod outbox;
 pub mod version_guard;
 

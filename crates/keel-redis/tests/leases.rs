@@ -212,3 +212,24 @@ async fn after_a_restart_the_fence_accepts_only_the_new_holders_writes() {
         "and the old holder learns it lost the lease at its next renewal"
     );
 }
+
+/// The election contract's suite on Redis leases, as on every backend.
+mod election_on_leases {
+    use keel_messaging::election::LeaseElection;
+    use keel_testkit::services::{ServerLock, Service};
+    use keel_testkit::store_suite::Fixture;
+
+    keel_testkit::election_conformance_tests!(
+        match crate::fresh(ServerLock::shared(Service::Redis)).await {
+            Some(leases) => std::future::ready({
+                let election = LeaseElection::new(
+                    leases.store().clone(),
+                    "report",
+                    std::time::Duration::from_secs(2),
+                );
+                Fixture::new(election).keep_alive(leases)
+            }),
+            None => return,
+        }
+    );
+}

@@ -36,6 +36,7 @@
 //! | `event-log` | [`EventLogStore`] | realtime streams' replay |
 //! | `webhooks` | [`WebhookEndpointStore`], [`WebhookDeliveryStore`], [`WebhookLogStore`] ([`WebhookStore`], their sum) | management; the sender and workers; the delivery log |
 //! | `shared-dedup` | [`SharedDedupStore`] | consumers whose effect has no transaction (Redis) |
+//! | `election` | [`Election`], [`Leadership`] | leader election: on leases (any [`LeaseStore`] backend), on etcd |
 //!
 //! `messaging` turns on the first seven, which [`MessagingStore`] bounds
 //! together. `keel-testkit` holds the conformance suite that defines what
@@ -50,6 +51,8 @@ pub mod envelope;
 
 #[cfg(feature = "dead-letter")]
 mod dead_letter;
+#[cfg(feature = "election")]
+mod election;
 #[cfg(feature = "entity-version")]
 mod entity_version;
 #[cfg(feature = "event-log")]
@@ -80,6 +83,8 @@ pub use envelope::{Envelope, Event, EventMeta};
 
 #[cfg(feature = "dead-letter")]
 pub use dead_letter::*;
+#[cfg(feature = "election")]
+pub use election::*;
 #[cfg(feature = "entity-version")]
 pub use entity_version::*;
 #[cfg(feature = "event-log")]

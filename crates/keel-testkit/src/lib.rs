@@ -37,6 +37,8 @@ pub mod broker_suite;
 #[cfg(feature = "browser")]
 pub mod browser;
 #[cfg(feature = "store-suite")]
+pub mod election_suite;
+#[cfg(feature = "store-suite")]
 pub mod event_log_suite;
 mod eventually;
 #[cfg(feature = "faultfs")]
