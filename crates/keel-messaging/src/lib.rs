@@ -48,7 +48,6 @@ pub use store::{MessagingStore, Store, StoreError};
 
 pub mod consumer;
 pub mod dead_letter;
-pub mod election;
 pub mod outbox;
 pub mod version_guard;
 
@@ -56,6 +55,8 @@ pub mod version_guard;
 pub mod claim_check;
 #[cfg(feature = "fence")]
 pub mod fence;
+#[cfg(feature = "fence")]
+pub mod election;
 #[cfg(feature = "fence")]
 pub mod lease;
 #[cfg(feature = "reply")]

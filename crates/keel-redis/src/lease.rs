@@ -9,10 +9,8 @@ use keel_store::{LeaseGrant, LeaseStore, StoreError};
 use redis::Script;
 use redis::aio::ConnectionManager;
 
-use crate::connection::connect;
+use crate::connection::{DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT, connect};
 use crate::error::{RedisConfigError, store_error};
-
-use crate::connection::{DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT};
 
 /// Takes a free lease with `SET NX PX`, or extends the caller's own; never
 /// touches another holder's. The token counter is started from the
