@@ -54,9 +54,9 @@ pub mod version_guard;
 #[cfg(feature = "claim-check")]
 pub mod claim_check;
 #[cfg(feature = "fence")]
-pub mod fence;
-#[cfg(feature = "fence")]
 pub mod election;
+#[cfg(feature = "fence")]
+pub mod fence;
 #[cfg(feature = "fence")]
 pub mod lease;
 #[cfg(feature = "reply")]
