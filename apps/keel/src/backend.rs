@@ -73,22 +73,36 @@ pub enum LeaseBackend {
 pub fn parse_leases(leases: &str) -> Result<LeaseBackend, InvalidBackend> {
     match leases {
         "store" => Ok(LeaseBackend::Store),
-        url if url.starts_with("redis://") => {
-            if cfg!(feature = "redis") {
-                Ok(LeaseBackend::Redis(url.to_owned()))
-            } else {
-                Err(invalid(
-                    "leases",
-                    "this keel was built without the `redis` feature; rebuild with \
-                     `--features redis`, or use --leases store",
-                ))
-            }
-        }
+        url if url.starts_with("redis://") => built_with(
+            ("leases", "redis", cfg!(feature = "redis")),
+            "--leases store",
+            LeaseBackend::Redis(url.to_owned()),
+        ),
         other => Err(invalid(
             "leases",
             format!("`{other}` is neither `store` nor a redis:// URL"),
         )),
     }
+}
+
+/// `value` when this keel was built with the cargo feature that `setting`
+/// needs (`(setting, feature, built)`), else the error saying how to
+/// rebuild, or what to use (`instead`).
+fn built_with<T>(
+    (setting, feature, built): (&'static str, &str, bool),
+    instead: &str,
+    value: T,
+) -> Result<T, InvalidBackend> {
+    if built {
+        return Ok(value);
+    }
+    Err(invalid(
+        setting,
+        format!(
+            "this keel was built without the `{feature}` feature; rebuild with \
+             `--features {feature}`, or use {instead}"
+        ),
+    ))
 }
 
 /// A backend setting that cannot work, and what to change.
@@ -121,14 +135,11 @@ pub fn parse_database(url: &str) -> Result<Database, InvalidBackend> {
         return Ok(Database::Sqlite(PathBuf::from(path)));
     }
     if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        if cfg!(feature = "postgres") {
-            return Ok(Database::Postgres(url.to_owned()));
-        }
-        return Err(invalid(
-            "database-url",
-            "this keel was built without the `postgres` feature; rebuild with \
-             `--features postgres`, or use sqlite:PATH",
-        ));
+        return built_with(
+            ("database-url", "postgres", cfg!(feature = "postgres")),
+            "sqlite:PATH",
+            Database::Postgres(url.to_owned()),
+        );
     }
     Err(invalid(
         "database-url",
@@ -148,17 +159,11 @@ pub fn parse_broker(broker: &str, database: &Database) -> Result<BrokerKind, Inv
             }
             Database::Postgres(_) => PathBuf::from(EMBEDDED_BROKER_FILE),
         })),
-        url if url.starts_with("nats://") || url.starts_with("tls://") => {
-            if cfg!(feature = "nats") {
-                Ok(BrokerKind::Nats(url.to_owned()))
-            } else {
-                Err(invalid(
-                    "broker",
-                    "this keel was built without the `nats` feature; rebuild with \
-                     `--features nats`, or use --broker embedded",
-                ))
-            }
-        }
+        url if url.starts_with("nats://") || url.starts_with("tls://") => built_with(
+            ("broker", "nats", cfg!(feature = "nats")),
+            "--broker embedded",
+            BrokerKind::Nats(url.to_owned()),
+        ),
         other => Err(invalid(
             "broker",
             format!("`{other}` is neither `embedded` nor nats://..."),
