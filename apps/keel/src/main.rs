@@ -63,6 +63,9 @@ enum Command {
         #[command(subcommand)]
         command: ops::SagaCommand,
     },
+    /// What changed on a running server: throughput, lag, latency and
+    /// breaker state per consumer group and dependency, as sparklines.
+    Status(ops::StatusArgs),
     /// Webhook deliveries on a running server: list, resend.
     Webhooks {
         #[command(flatten)]
@@ -210,6 +213,7 @@ fn main() -> ExitCode {
             Command::Webhooks { client, command } => {
                 ops::run_webhooks(&client, command).await.map(|()| true)
             }
+            Command::Status(args) => ops::run_status(&args).await.map(|()| true),
         }
     });
     // Outside the runtime: the last spans are exported, or dropped after

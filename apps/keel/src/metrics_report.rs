@@ -1,11 +1,15 @@
 //! The process's metrics recorder, readable from inside: `/metrics` renders
-//! it, and the demo's report sums its counters.
+//! it, the demo's report sums its counters, and the console's history
+//! samples a copy of the few it graphs.
 //!
 //! The recorder must be installed before any policy is built: metric
 //! handles created earlier go to the no-op recorder and are lost.
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
+use std::time::Duration;
+
+use keel_admin::history::History;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -25,12 +29,32 @@ const LATENCY_HISTOGRAMS: &[&str] = &[
     "keel_grpc_client_duration_seconds",
 ];
 
-static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+/// What the process records its metrics into.
+#[derive(Clone)]
+struct Installed {
+    prometheus: PrometheusHandle,
+    history: Option<History>,
+}
+
+static INSTALLED: OnceLock<Option<Installed>> = OnceLock::new();
 
 /// Installs the Prometheus recorder once per process and returns its
 /// handle (`None` if another recorder was installed first).
 pub fn install() -> Option<PrometheusHandle> {
-    HANDLE
+    install_once(None)
+}
+
+/// Installs the recorder once per process, the Prometheus exporter wrapped
+/// by the console's [`History`] sampling every `interval`, and returns the
+/// Prometheus handle. The caller must run [`history`]'s sampler: the
+/// copies it keeps are drained only by sampling. Whichever install comes
+/// first wins.
+pub fn install_with_history(interval: Duration) -> Option<PrometheusHandle> {
+    install_once(Some(interval))
+}
+
+fn install_once(history_interval: Option<Duration>) -> Option<PrometheusHandle> {
+    INSTALLED
         .get_or_init(|| {
             let mut builder = PrometheusBuilder::new();
             for metric in LATENCY_HISTOGRAMS {
@@ -38,9 +62,32 @@ pub fn install() -> Option<PrometheusHandle> {
                     .set_buckets_for_metric(Matcher::Full((*metric).to_owned()), LATENCY_BUCKETS)
                     .ok()?;
             }
-            builder.install_recorder().ok()
+            let exporter = builder.build_recorder();
+            let prometheus = exporter.handle();
+            let history = match history_interval {
+                Some(every) => {
+                    let history = History::builder().interval(every).build();
+                    metrics::set_global_recorder(history.recorder(exporter)).ok()?;
+                    Some(history)
+                }
+                None => {
+                    metrics::set_global_recorder(exporter).ok()?;
+                    None
+                }
+            };
+            Some(Installed {
+                prometheus,
+                history,
+            })
         })
-        .clone()
+        .as_ref()
+        .map(|i| i.prometheus.clone())
+}
+
+/// The history the recorder keeps (`None` unless installed by
+/// [`install_with_history`]).
+pub fn history() -> Option<History> {
+    INSTALLED.get()?.as_ref()?.history.clone()
 }
 
 /// The Prometheus text exposition of every metric (empty without a

@@ -212,6 +212,42 @@ impl Browser {
         panic!("`{css}` still reads {text:?}, not {prefix:?}...");
     }
 
+    /// What `expression` evaluates to in the page.
+    async fn eval(&self, expression: &str) -> Value {
+        self.run_async(&format!(
+            "const done = arguments[arguments.length - 1]; done({expression});"
+        ))
+        .await
+    }
+
+    /// Waits up to `within` for `expression` to be true in the page.
+    async fn until(&self, expression: &str, within: Duration) {
+        let tries = within.as_millis() / 200;
+        for _ in 0..tries.max(1) {
+            if self.eval(expression).await == Value::Bool(true) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!(
+            "`{expression}` never held on {} within {within:?}",
+            self.current_url().await
+        );
+    }
+
+    /// The page as a PNG, base64, in a window of `width` by `height`.
+    async fn screenshot(&self, width: u32, height: u32) -> String {
+        let rect = json!({ "width": width, "height": height });
+        self.command(reqwest::Method::POST, "/window/rect", rect)
+            .await
+            .unwrap();
+        let shot = self
+            .command(reqwest::Method::GET, "/screenshot", Value::Null)
+            .await
+            .unwrap();
+        shot.as_str().unwrap_or_default().to_owned()
+    }
+
     async fn quit(self) {
         let _ = self.http.delete(&self.session).send().await;
     }
@@ -228,12 +264,18 @@ struct Server {
 }
 
 async fn serve() -> Server {
+    serve_with(&[]).await
+}
+
+/// `keel serve` with `extra` flags.
+async fn serve_with(extra: &[&str]) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let database = format!("sqlite:{}", dir.path().join("keel.db").display());
     let mut process = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
         .arg(&database)
         .args(["--admin-token", TOKEN, "--demo-faults"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
@@ -262,10 +304,15 @@ async fn serve() -> Server {
 
 impl Server {
     async fn place_order(&self, fault: &str) -> String {
+        self.place_keyed_order(&format!("browser-{fault}"), fault)
+            .await
+    }
+
+    async fn place_keyed_order(&self, key: &str, fault: &str) -> String {
         let response = self
             .http
             .post(format!("{}/orders", self.base))
-            .header("Idempotency-Key", format!("browser-{fault}"))
+            .header("Idempotency-Key", key)
             .header("X-Keel-Demo-Fault", fault)
             .json(&json!({
                 "customerId": "cust-01",
@@ -427,6 +474,131 @@ async fn an_operator_fixes_a_dead_letter_and_a_stuck_saga_of_keel_serve_in_the_b
     browser
         .gone(
             &format!("tr[data-saga-id='{stuck}']"),
+            Duration::from_secs(10),
+        )
+        .await;
+    browser.quit().await;
+}
+
+/// A sparkline's points as numbers (an unknown point is skipped).
+const POINTS: &str = "(sel) => { const el = document.querySelector(sel); \
+    return el ? el.dataset.points.split(',').filter(p => p !== '').map(Number) : []; }";
+
+/// The chaos of a payments outage and a poison message, watched from the
+/// console: the payments breaker's timeline shows its open band and then
+/// closes, the fulfilment group's lag sparkline rises while the poison
+/// message waits for redelivery and falls once it is dead-lettered, and the
+/// dependency's detail page draws the same history large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_graphs_a_breaker_opening_and_closing_and_the_lag_rising_and_falling() {
+    let Some(browser) = Browser::start().await else {
+        return;
+    };
+    let server = serve_with(&[
+        "--demo-payments-outage-secs",
+        "4",
+        "--history-interval-secs",
+        "1",
+        "--gauge-interval-secs",
+        "1",
+    ])
+    .await;
+    browser.goto(&format!("{}/console", server.base)).await;
+    browser.type_into("#login input[name=token]", TOKEN).await;
+    browser.click("button[data-action=login]").await;
+    browser
+        .wait_for("#live[data-live=true]", Duration::from_secs(10))
+        .await;
+
+    // Poison first: it stays in the backlog for about 4 s of redeliveries.
+    server.place_order("dead-letter").await;
+    // Orders through the outage: their captures fail until the breaker
+    // opens, then are refused until a probe finds payments back.
+    let mut placed = Vec::new();
+    for n in 0..30 {
+        placed.push(
+            server
+                .place_keyed_order(&format!("graph-{n}"), "none")
+                .await,
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let payments = "tr[data-dependency=payments] svg.timeline";
+    browser
+        .until(
+            &format!("document.querySelector(\"{payments} rect[data-state=open]\") !== null"),
+            SETTLE,
+        )
+        .await;
+    // Closed again: the newest band is closed, and so is the breaker.
+    browser
+        .until(
+            &format!(
+                "(() => {{ const bands = document.querySelectorAll('{payments} rect'); \
+                 return bands.length > 1 && bands[bands.length - 1].dataset.state === 'closed' \
+                 && document.querySelector('tr[data-breaker=payments][data-state=closed]') !== null; }})()"
+            ),
+            SETTLE,
+        )
+        .await;
+    let transitions = browser
+        .eval(&format!(
+            "Number(document.querySelector('{payments}').dataset.transitions)"
+        ))
+        .await;
+    assert!(
+        transitions.as_f64().unwrap_or_default() >= 2.0,
+        "opened and closed at least: {transitions}"
+    );
+
+    // The lag rose above zero and came back down to it.
+    let lag = "tr[data-group=fulfilment] svg[data-series=lag]";
+    browser
+        .until(
+            &format!(
+                "(() => {{ const p = ({POINTS})('{lag}'); \
+                 const peak = p.indexOf(Math.max(...p)); \
+                 return p.length > 0 && p[peak] > 0 && p.slice(peak).includes(0) && p[p.length - 1] === 0; }})()"
+            ),
+            SETTLE,
+        )
+        .await;
+    let screenshot = browser.screenshot(1400, 1500).await;
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("console-under-load.png");
+    {
+        use base64::Engine as _;
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(screenshot)
+            .unwrap();
+        std::fs::write(&path, png).unwrap();
+    }
+
+    // Every order settled once payments came back.
+    for order in &placed {
+        server
+            .eventually(&format!("/orders/{order}"), |o| {
+                (o["status"] == "completed").then_some(())
+            })
+            .await;
+    }
+
+    // The detail page draws the same history large, and stays live.
+    browser
+        .click("a[data-detail=dependency][href$='/payments']")
+        .await;
+    browser
+        .wait_for(
+            "#detail [data-resolution=fine] svg.timeline rect[data-state=open]",
+            SETTLE,
+        )
+        .await;
+    let updates = browser
+        .eval("Number(document.body.dataset.updates || 0)")
+        .await;
+    browser
+        .until(
+            &format!("Number(document.body.dataset.updates || 0) > {updates}"),
             Duration::from_secs(10),
         )
         .await;

@@ -2,6 +2,8 @@
 //! optional parts (a relay's outbox, the orchestrator, breakers, gauges).
 
 use std::sync::Arc;
+
+use crate::history::History;
 use std::time::Duration;
 
 use crate::AdminStore;
@@ -35,6 +37,7 @@ pub struct AdminBuilder<S> {
     sagas: Option<SagaOrchestrator<S>>,
     breakers: Option<BreakerRegistry>,
     gauges: Vec<Arc<dyn GaugeSource>>,
+    history: Option<History>,
 }
 
 impl<S> std::fmt::Debug for AdminBuilder<S> {
@@ -64,6 +67,7 @@ where
             sagas: None,
             breakers: None,
             gauges: Vec::new(),
+            history: None,
         }
     }
 
@@ -126,6 +130,14 @@ where
         self
     }
 
+    /// The short history shown by the console's graphs and
+    /// `/admin/api/history` (without one, the console shows no graphs and
+    /// the route answers `501`).
+    pub fn history(mut self, history: History) -> Self {
+        self.history = Some(history);
+        self
+    }
+
     /// Adds a synchronous gauge source.
     pub fn gauges_fn<F>(self, f: F) -> Self
     where
@@ -151,6 +163,7 @@ where
                 sagas: self.sagas,
                 breakers: self.breakers,
                 gauges: self.gauges,
+                history: self.history,
             }),
         }
     }

@@ -36,6 +36,7 @@
 //! POST /admin/api/webhook-deliveries/{id}/resend
 //! GET  /admin/api/breakers
 //! GET  /admin/api/lag                              outbox backlog and gauges
+//! GET  /admin/api/history?resolution=&kind=&name=  what changed: the last 15 min or 24 h
 //! ```
 //!
 //! ```no_run
@@ -56,6 +57,7 @@ mod builder;
 mod error;
 pub mod export;
 mod gauges;
+pub mod history;
 mod model;
 mod query;
 mod routes;
@@ -112,6 +114,7 @@ struct Inner<S> {
     sagas: Option<SagaOrchestrator<S>>,
     breakers: Option<BreakerRegistry>,
     gauges: Vec<Arc<dyn GaugeSource>>,
+    history: Option<history::History>,
 }
 
 /// What the admin API and the console read and repair: every messaging
@@ -360,6 +363,11 @@ where
             .into_iter()
             .map(|(status, n)| (status.as_str().to_owned(), n))
             .collect())
+    }
+
+    /// The short history, if the admin was built with one.
+    pub fn history(&self) -> Option<&history::History> {
+        self.inner.history.as_ref()
     }
 
     /// Every circuit breaker made so far (empty without a registry).

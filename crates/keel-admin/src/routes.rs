@@ -16,6 +16,7 @@ use super::{
     ActionJson, Admin, AdminError, AdminSession, BreakerJson, DeadLetterJson, DeadLetterQuery,
     LagJson, ParkedJson, ParkedQuery, SagaJson, SagaQuery, SummaryJson,
 };
+use crate::history::{HistoryJson, HistoryQuery};
 
 pub(crate) type Reply<T> = Result<Json<T>, AdminError>;
 
@@ -61,7 +62,8 @@ where
                 post(confirm_not_applied::<S>),
             )
             .route("/admin/api/breakers", get(breakers::<S>))
-            .route("/admin/api/lag", get(lag::<S>));
+            .route("/admin/api/lag", get(lag::<S>))
+            .route("/admin/api/history", get(history::<S>));
         #[cfg(feature = "webhooks")]
         let routes = crate::webhooks::routes(routes);
         routes
@@ -240,4 +242,15 @@ async fn breakers<S: AdminStore>(State(admin): State<Admin<S>>) -> Json<Listing<
 
 async fn lag<S: AdminStore>(State(admin): State<Admin<S>>) -> Reply<LagJson> {
     Ok(Json(admin.lag().await?))
+}
+
+async fn history<S: AdminStore>(
+    State(admin): State<Admin<S>>,
+    q: Result<Query<HistoryQuery>, QueryRejection>,
+) -> Reply<HistoryJson> {
+    let q = query(q)?;
+    let history = admin
+        .history()
+        .ok_or(AdminError::NotConfigured("a history"))?;
+    Ok(Json(history.snapshot(&q)))
 }

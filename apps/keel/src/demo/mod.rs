@@ -9,13 +9,13 @@
 
 pub mod experiment;
 pub mod history;
+pub mod progress;
 pub mod quotes;
 pub mod report;
 pub mod shipments;
 mod table;
 pub mod workload;
 
-use std::io::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -30,6 +30,7 @@ use crate::backend::{self, Backend, BackendOptions, OnStore, OpenedStore};
 use crate::shop::model::OrderStatus;
 use crate::shop::services::PaymentsFaults;
 use crate::shop::{ShopStore, System, SystemConfig, SystemHandle};
+use progress::ProgressLine;
 use report::Report;
 use workload::{Progress, WorkloadConfig};
 
@@ -151,15 +152,12 @@ pub async fn wait_quiescent<S: ShopStore>(
     }
 }
 
-fn progress_line(progress: &Progress, total: u64, settled: u64, phase: &str) {
-    let mut err = std::io::stderr().lock();
-    let _ = write!(
-        err,
-        "\r\x1b[2K{phase}: {} answers ({total} orders + duplicates), accepted {}, settled {settled}",
+fn progress_text(progress: &Progress, total: u64, settled: u64, phase: &str) -> String {
+    format!(
+        "{phase}: {} answers ({total} orders + duplicates), accepted {}, settled {settled}",
         progress.answered.load(Ordering::Relaxed),
         progress.accepted.load(Ordering::Relaxed),
-    );
-    let _ = err.flush();
+    )
 }
 
 /// Runs the demo on a started system and builds the report.
@@ -171,12 +169,14 @@ pub async fn run_on<S: ShopStore>(
     let started = keel_core::clock::now();
     let progress = Arc::new(Progress::default());
     let total = config.workload.orders;
+    let line = Arc::new(ProgressLine::for_stderr());
     let ticker = config.progress.then(|| {
-        let progress = Arc::clone(&progress);
+        let (progress, line) = (Arc::clone(&progress), Arc::clone(&line));
         let settled = Arc::clone(&handle.settled);
         tokio::spawn(async move {
             loop {
-                progress_line(&progress, total, settled.load(Ordering::Relaxed), "sending");
+                let settled = settled.load(Ordering::Relaxed);
+                line.show(progress_text(&progress, total, settled, "sending"));
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         })
@@ -189,19 +189,15 @@ pub async fn run_on<S: ShopStore>(
     let show = config.progress;
     let quiet = wait_quiescent(&handle.store, config.settle_timeout, || {
         if show {
-            progress_line(
-                &progress,
-                total,
-                settled.load(Ordering::Relaxed),
-                "settling",
-            );
+            let settled = settled.load(Ordering::Relaxed);
+            line.show(progress_text(&progress, total, settled, "settling"));
         }
     })
     .await;
     // Give the webhook worker a moment to deliver the last batch.
     tokio::time::sleep(Duration::from_millis(300)).await;
     if show {
-        eprintln!();
+        line.finish();
     }
     let mut report =
         report::assemble(&handle.store, &result, total, started.elapsed(), quiet).await?;

@@ -1,6 +1,6 @@
-//! `keel dlq`, `keel outbox`, `keel saga` and `keel webhooks`: the operator
-//! console's
-//! actions as commands, talking to a running server's admin API.
+//! `keel dlq`, `keel outbox`, `keel saga`, `keel webhooks` and `keel
+//! status`: the operator console's actions and graphs as commands, talking
+//! to a running server's admin API.
 //!
 //! Every console button has a command here, so an incident can be handled
 //! from a terminal or a script. Output is a table for humans by default and
@@ -9,6 +9,7 @@
 //! problem+json body and the command exits non-zero.
 
 mod format;
+mod status;
 #[cfg(test)]
 mod tests;
 
@@ -22,6 +23,7 @@ pub use format::{
     dead_letter_detail, dead_letter_table, delivery_table, parked_detail, parked_table,
     saga_detail, saga_table,
 };
+pub use status::{StatusArgs, run_status};
 
 /// Where the admin API is and how to authenticate to it.
 #[derive(Debug, Clone, clap::Args)]

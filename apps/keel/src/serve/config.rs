@@ -68,6 +68,8 @@ pub struct ServeConfig {
     pub public_metrics: bool,
     /// How often the storage-backed gauges are read.
     pub gauge_interval: Duration,
+    /// How often the console's history samples.
+    pub history_interval: Duration,
     /// Serving on with readiness failing after SIGTERM.
     pub lb_notice: Duration,
     /// What in-flight work gets once the listener closes.
@@ -88,6 +90,8 @@ pub struct ServeConfig {
     pub job_ttl: Duration,
     /// Demo faults on.
     pub demo_faults: bool,
+    /// Seconds of payments outage from its first capture (demos, tests).
+    pub demo_payments_outage: Option<Duration>,
     /// Chaos experiments honoured (from loopback clients).
     pub chaos_experiments: bool,
     /// Loopback webhooks allowed.
@@ -245,10 +249,15 @@ impl ServeArgs {
         })?;
         let max_streams_per_client = self.max_streams_per_client()?;
         let (inbound_webhook_secret, cursor_key) = self.signing_keys()?;
+        let history_interval = at_least_one_sec(
+            "history-interval-secs",
+            self.history_interval_secs,
+            keel_admin::history::DEFAULT_INTERVAL,
+        )?;
         let gauge_interval = at_least_one_sec(
             "gauge-interval-secs",
             self.gauge_interval_secs,
-            keel_admin::DEFAULT_EXPORT_INTERVAL,
+            keel_admin::history::DEFAULT_INTERVAL,
         )?;
         let lb_notice = Duration::from_secs(self.lb_notice_secs.unwrap_or(1));
         let drain_timeout = at_least_one_sec(
@@ -276,6 +285,7 @@ impl ServeArgs {
             secrets,
             public_metrics: self.public_metrics,
             gauge_interval,
+            history_interval,
             lb_notice,
             drain_timeout,
             tls: self.tls()?,
@@ -286,6 +296,7 @@ impl ServeArgs {
             idempotency_ttl,
             job_ttl,
             demo_faults: self.demo_faults,
+            demo_payments_outage: self.demo_payments_outage_secs.map(Duration::from_secs),
             chaos_experiments: self.chaos_experiments,
             allow_loopback_webhooks: self.allow_loopback_webhooks,
             inbound_webhook_secret,

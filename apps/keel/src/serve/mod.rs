@@ -31,6 +31,7 @@ use crate::api::reports::{ReportWorker, Reports};
 use crate::api::webhooks::{self, WebhookApi};
 use crate::backend::{self, Backend, OnStore};
 use crate::shop::leases::Leases;
+use crate::shop::services::PaymentsFaults;
 use crate::shop::{Components, ShopStore, StartError, System, SystemConfig, fulfilment};
 
 pub use config::*;
@@ -54,7 +55,12 @@ pub fn admin_routes<S: ShopStore>(
     let lag = BrokerLag::new(Arc::clone(&c.broker))
         .group(fulfilment::TOPIC, fulfilment::GROUP)
         .group(keel_http::jobs::DEFAULT_TOPIC, REPORTS_GROUP);
-    let admin = Admin::builder(c.store.clone())
+    let admin = Admin::builder(c.store.clone());
+    let admin = match crate::metrics_report::history() {
+        Some(history) => admin.history(history),
+        None => admin,
+    };
+    let admin = admin
         .token(token)
         .allowed_hosts(hosts)
         .served_over_tls(over_tls)
@@ -164,6 +170,12 @@ pub fn serve_routes<S: ShopStore>(
                 drain.wait_for(keel_http::health::Phase::Draining).await;
             }),
     );
+    if let Some(history) = admin.history() {
+        let drain = c.drain.clone();
+        tokio::spawn(history.clone().run(async move {
+            drain.wait_for(keel_http::health::Phase::Draining).await;
+        }));
+    }
     let auth = (!config.public_metrics).then(|| admin.auth_layer());
     let guarded = |route: MethodRouter| match &auth {
         Some(auth) => route.route_layer(auth.clone()),
@@ -205,8 +217,8 @@ pub async fn open(config: &ServeConfig) -> anyhow::Result<Backend> {
 /// Runs the server until SIGTERM/ctrl-c, printing exactly one line to
 /// stdout once listening: `keel: listening on http://ADDR`.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    crate::metrics_report::install();
     let config = args.resolve()?;
+    crate::metrics_report::install_with_history(config.history_interval);
     let options = config.backend_options();
     tracing::info!(backends = %options.describe(), "opening the backends");
     let backend = Backend::open(&options).await?;
@@ -264,6 +276,14 @@ async fn serve_on<S: ShopStore>(
         shipping_grpc: config.shipping_grpc_listen,
         shipping_grpc_token: config.shipping_grpc_token.clone(),
         demo_faults: config.demo_faults,
+        payments_faults: match config.demo_payments_outage {
+            Some(fail_for) => PaymentsFaults {
+                start_after: Some(0),
+                fail_for,
+                ..PaymentsFaults::none()
+            },
+            None => PaymentsFaults::none(),
+        },
         chaos_experiments: config.chaos_experiments,
         allow_loopback_webhooks: config.allow_loopback_webhooks,
         secrets: config.secrets.clone(),

@@ -42,6 +42,9 @@ pub struct Settled {
     pub customer_id: String,
     /// Its new status.
     pub status: OrderStatus,
+    /// When it was placed (`created_at`, RFC 3339), for the time from
+    /// intake to settled.
+    pub placed_at: String,
 }
 
 /// The outcome of a stock reservation.

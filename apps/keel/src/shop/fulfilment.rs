@@ -54,6 +54,9 @@ pub struct DemoDeadLetter {
     order_id: String,
 }
 
+/// How long the demo dead-letter fault asks for between deliveries.
+pub const DEMO_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[async_trait]
 impl<S: ShopStore> Handler<S::Tx> for StartFulfilment<S> {
     async fn handle(
@@ -65,9 +68,15 @@ impl<S: ShopStore> Handler<S::Tx> for StartFulfilment<S> {
         let placed: OrderPlaced = envelope.data_as()?;
         let replayed = info.message.headers.contains_key(REPLAY_GROUP_HEADER);
         if placed.demo_fault == Some(DemoFault::DeadLetter) && !replayed {
-            return Err(HandlerError::retryable(DemoDeadLetter {
-                order_id: placed.order_id,
-            }));
+            // As a dependency asking to come back later would: the message
+            // stays in the backlog for a few seconds before it is
+            // dead-lettered, long enough to watch the lag rise and fall.
+            return Err(HandlerError::retry_after(
+                DemoDeadLetter {
+                    order_id: placed.order_id,
+                },
+                DEMO_RETRY_AFTER,
+            ));
         }
         self.store.record_applied(tx, &info.event_id, GROUP).await?;
         let data = FulfilmentData {

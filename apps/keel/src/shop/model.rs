@@ -27,7 +27,8 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 #[serde(rename_all = "kebab-case")]
 pub enum DemoFault {
     /// The `orders.placed` handler fails on every delivery of the original
-    /// message, so it is dead-lettered; a replay succeeds.
+    /// message, asking for the next one a second later, so it is
+    /// dead-lettered after a few seconds in the backlog; a replay succeeds.
     DeadLetter,
     /// `reserve_stock` fails permanently and the refund fails until an
     /// operator retries the saga: it ends `stuck`, then `compensated`.

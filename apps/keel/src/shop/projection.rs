@@ -43,6 +43,22 @@ fn settles_as(status: SagaStatus) -> Option<OrderStatus> {
     }
 }
 
+/// Records the order's "critical time", from intake to settled, in
+/// `keel_order_critical_seconds` (by the status it settled in): the
+/// figure a customer waits for, and the console graphs. Only a terminal
+/// status counts: a stuck order has not settled yet.
+fn record_critical_time(placed_at: &str, status: OrderStatus) {
+    if status == OrderStatus::Stuck {
+        return;
+    }
+    let Ok(placed) = chrono::DateTime::parse_from_rfc3339(placed_at) else {
+        return;
+    };
+    let waited = keel_core::clock::utc_now().signed_duration_since(placed);
+    let seconds = waited.num_milliseconds().max(0) as f64 / 1000.0;
+    metrics::histogram!("keel_order_critical_seconds", "status" => status.as_str()).record(seconds);
+}
+
 /// Settles an order when its fulfilment saga moves on.
 pub struct OrderSettlement<S: ShopStore> {
     store: S,
@@ -100,7 +116,9 @@ impl<S: ShopStore> OrderSettlement<S> {
             self.worker.clone(),
             Arc::clone(&self.settled),
         );
+        let (placed_at, status) = (settled.placed_at.clone(), settled.status);
         Ok(AfterCommit::then(move || {
+            record_critical_time(&placed_at, status);
             if let Some(appended) = appended {
                 log.notify(&appended);
             }

@@ -384,7 +384,7 @@ impl<B: ShopBackend> ShopDb for B {
             Exec::Tx(tx),
             "UPDATE shop_orders SET status = $1
               WHERE id = $2 AND status IN ('pending', 'stuck') AND status <> $1
-              RETURNING customer_id",
+              RETURNING customer_id, created_at",
             &[status.as_str().into(), order_id.into()],
         )
         .await?;
@@ -393,6 +393,7 @@ impl<B: ShopBackend> ShopDb for B {
                 order_id: order_id.to_owned(),
                 customer_id: row.text("customer_id")?,
                 status,
+                placed_at: row.text("created_at")?,
             })
         })
         .transpose()

@@ -40,9 +40,11 @@
 //! # let _ = app; }
 //! ```
 
+mod graph;
 mod html;
 mod page;
 mod render;
+mod trends;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -53,13 +55,15 @@ use std::time::Duration;
 use crate::AdminStore;
 use axum::Router;
 use axum::extract::rejection::FormRejection;
-use axum::extract::{Extension, Form, Path, State};
+use axum::extract::{Extension, Form, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{MethodRouter, get, post};
 use futures_util::Stream;
 use keel_store::SagaStatus;
+
+use crate::history::SubjectKind;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -152,6 +156,7 @@ where
             .route("/console", get(console_page::<S>))
             .route("/console/", get(|| async { Redirect::to("/console") }))
             .route("/console/events", get(events::<S>))
+            .route("/console/history/{kind}/{name}", get(detail_page::<S>))
             .route(
                 "/console/sagas/{id}/retry",
                 button(|admin, id| {
@@ -237,7 +242,10 @@ where
     async fn sections(&self) -> Vec<(&'static str, String)> {
         let admin = &self.admin;
         let rows = self.rows.to_string();
-        let summary = render::or_error(admin.summary().await, |s| render::summary(&s));
+        let history = admin.history();
+        let summary = render::or_error(admin.summary().await, |s| render::summary(&s, history));
+        let consumers = trends::consumers(history);
+        let dependencies = trends::dependencies(history);
         let sagas = match (admin.saga_counts().await, self.active_sagas(&rows).await) {
             (Ok(counts), Ok(list)) => render::sagas(&counts, &list),
             (Err(e), _) | (_, Err(e)) => render::or_error(Err::<(), _>(e), |()| String::new()),
@@ -258,10 +266,12 @@ where
         });
         #[cfg(feature = "webhooks")]
         let deliveries = self.deliveries(rows).await;
-        let breakers = render::breakers(&admin.breakers());
-        let lag = render::or_error(admin.lag().await, |l| render::lag(&l));
+        let breakers = render::breakers(&admin.breakers(), history);
+        let lag = render::or_error(admin.lag().await, |l| render::lag(&l, history));
         let html = [
             summary,
+            consumers,
+            dependencies,
             sagas,
             letters,
             parked,
@@ -271,6 +281,16 @@ where
             lag,
         ];
         render::SECTIONS.iter().copied().zip(html).collect()
+    }
+
+    /// The sections of `view`.
+    async fn view(&self, view: &View) -> Vec<(&'static str, String)> {
+        match view {
+            View::Console => self.sections().await,
+            View::Detail(kind, name) => {
+                vec![("detail", trends::detail(self.admin.history(), *kind, name))]
+            }
+        }
     }
 
     /// The newest webhook deliveries with their attempt logs.
@@ -333,15 +353,88 @@ async fn console_page<S: AdminStore>(
         .and_then(|s| console.admin.access().sessions().take_notice(s));
     let notice = notice.as_ref().map(|n| (n.text.as_str(), n.is_error));
     let sections = console.sections().await;
+    render_page(
+        &console,
+        session.as_ref(),
+        notice,
+        &sections,
+        "/console/events",
+    )
+}
+
+/// A page of `sections`, kept live by the stream at `events`.
+fn render_page<S>(
+    console: &Console<S>,
+    session: Option<&AdminSession>,
+    notice: Option<(&str, bool)>,
+    sections: &[(&'static str, String)],
+    events: &str,
+) -> Html<String> {
     let hashes: Vec<String> = sections.iter().map(|(_, h)| hash(h)).collect();
     let sections: Vec<page::Section<'_>> = sections
         .iter()
         .zip(&hashes)
         .map(|((id, html), hash)| page::Section { id, hash, html })
         .collect();
-    let logout = session.is_some();
-    let html = page::console(&console.title, notice, &sections, logout);
-    Html(with_csrf(&html, session.as_ref()))
+    let page = page::Page {
+        title: &console.title,
+        notice,
+        sections: &sections,
+        logout: session.is_some(),
+        events,
+    };
+    Html(with_csrf(&page::console(&page), session))
+}
+
+/// `/console/history/{kind}/{name}`: one subject's graphs, large.
+async fn detail_page<S: AdminStore>(
+    State(console): State<Console<S>>,
+    session: Option<Extension<AdminSession>>,
+    Path((kind, name)): Path<(String, String)>,
+) -> Response {
+    let Some(view) = View::detail(&kind, name) else {
+        return (StatusCode::NOT_FOUND, "no such kind of history").into_response();
+    };
+    let session = session.map(|Extension(s)| s);
+    let sections = console.view(&view).await;
+    let events = format!(
+        "/console/events?view={}",
+        html::encode_segment(&view.query())
+    );
+    render_page(&console, session.as_ref(), None, &sections, &events).into_response()
+}
+
+/// What a page shows: the console's sections, or one subject's history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum View {
+    Console,
+    Detail(SubjectKind, String),
+}
+
+impl View {
+    fn detail(kind: &str, name: String) -> Option<Self> {
+        Some(Self::Detail(SubjectKind::parse(kind)?, name))
+    }
+
+    /// `kind/name`, the stream's `view` parameter.
+    fn query(&self) -> String {
+        match self {
+            Self::Console => String::new(),
+            Self::Detail(kind, name) => format!("{}/{name}", kind.as_str()),
+        }
+    }
+
+    fn parse(query: Option<&str>) -> Self {
+        query
+            .and_then(|q| q.split_once('/'))
+            .and_then(|(kind, name)| Self::detail(kind, name.to_owned()))
+            .unwrap_or(Self::Console)
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct EventsQuery {
+    view: Option<String>,
 }
 
 /// The live stream: a `sections` event with `{id: {hash, html}}` for every
@@ -350,18 +443,20 @@ async fn console_page<S: AdminStore>(
 async fn events<S: AdminStore>(
     State(console): State<Console<S>>,
     session: Option<Extension<AdminSession>>,
+    Query(query): Query<EventsQuery>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let session = session.map(|Extension(s)| s);
+    let view = View::parse(query.view.as_deref());
     let mut ticks = tokio::time::interval(console.refresh);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let state = (console, ticks, HashMap::<&'static str, String>::new());
     let stream = futures_util::stream::unfold(state, move |(console, mut ticks, mut sent)| {
-        let session = session.clone();
+        let (session, view) = (session.clone(), view.clone());
         async move {
             loop {
                 ticks.tick().await;
                 let mut changed = serde_json::Map::new();
-                for (id, html) in console.sections().await {
+                for (id, html) in console.view(&view).await {
                     // Hashed before the token goes in, as the page's are, so
                     // the page skips what it already shows.
                     let digest = hash(&html);

@@ -33,6 +33,15 @@ button{cursor:pointer;margin:0 .2rem .2rem 0}
 pre.payload{max-height:12rem;overflow:auto;background:#f5f6f8;padding:.4rem}
 .login{max-width:24rem;margin:4rem auto}
 .login input{width:100%;padding:.4rem;margin:.4rem 0;box-sizing:border-box}
+svg.spark{vertical-align:middle;margin-right:.4rem;overflow:visible}
+svg.spark path{fill:none;stroke:#3767c4;stroke-width:1.5;stroke-linecap:round;vector-effect:non-scaling-stroke}
+.tiles dd svg.spark{display:block;margin-top:.2rem}
+span.now{font-variant-numeric:tabular-nums}
+svg.timeline{vertical-align:middle}
+rect.band.closed{fill:#d4f2dc}rect.band.half_open{fill:#f5d77a}rect.band.open{fill:#e0554f}rect.band.unknown{fill:#eceef2}
+.charts{display:flex;flex-wrap:wrap;gap:1rem}
+.charts figure{margin:0;max-width:100%}.charts svg{max-width:100%;height:auto;background:#f5f6f8}
+figcaption{font-size:.8rem;color:#555}
 "#;
 
 const SCRIPT: &str = r#"
@@ -42,7 +51,7 @@ function keelAges(){const now=Date.now();document.querySelectorAll('[data-since]
  el.textContent=s<120?s+' s':s<7200?Math.round(s/60)+' min':Math.round(s/3600)+' h';});}
 keelAges();setInterval(keelAges,1000);
 (function(){const live=document.getElementById('live');let cap=1000;
- function connect(){const es=new EventSource('/console/events');
+ function connect(){const es=new EventSource(document.body.dataset.events||'/console/events');
  es.onopen=function(){cap=1000;live.dataset.live='true';live.textContent='live';};
  es.onerror=function(){live.dataset.live='false';live.textContent='reconnecting';
   if(es.readyState===EventSource.CLOSED){const wait=Math.random()*cap;cap=Math.min(cap*2,30000);setTimeout(connect,wait);}};
@@ -90,17 +99,32 @@ fn heading(id: &str) -> &'static str {
         "webhook-deliveries" => "Webhook deliveries",
         "breakers" => "Circuit breakers",
         "lag" => "Outbox and consumer lag",
+        "consumers" => "Consumer groups (last 15 minutes)",
+        "dependencies" => "Dependencies (last 15 minutes)",
+        "detail" => "What changed",
         _ => "",
     }
 }
 
-/// The whole console page.
-pub(crate) fn console(
-    title: &str,
-    notice: Option<(&str, bool)>,
-    sections: &[Section<'_>],
-    logout: bool,
-) -> String {
+/// A console page: its sections and the live stream that updates them.
+pub(crate) struct Page<'a> {
+    pub(crate) title: &'a str,
+    pub(crate) notice: Option<(&'a str, bool)>,
+    pub(crate) sections: &'a [Section<'a>],
+    pub(crate) logout: bool,
+    /// The stream's URL (already encoded).
+    pub(crate) events: &'a str,
+}
+
+/// A whole console page.
+pub(crate) fn console(page: &Page<'_>) -> String {
+    let Page {
+        title,
+        notice,
+        sections,
+        logout,
+        events,
+    } = *page;
     let mut body = String::new();
     if let Some((text, is_error)) = notice {
         let kind = if is_error { "error" } else { "ok" };
@@ -127,10 +151,11 @@ pub(crate) fn console(
     format!(
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">\
-         <title>{title}</title><style>{STYLE}</style></head><body>\
+         <title>{title}</title><style>{STYLE}</style></head><body data-events=\"{events}\">\
          <header><h1>{title}</h1><span id=\"live\" data-live=\"false\">connecting</span>{logout}</header>\
          <main>{body}</main><script>{SCRIPT}</script></body></html>",
         title = escape(title),
+        events = escape(events),
     )
 }
 

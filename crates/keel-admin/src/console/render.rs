@@ -13,15 +13,20 @@ use std::fmt::Write as _;
 use keel_store::DeliveryStatus;
 use keel_store::{DeadLetterStatus, SagaStatus};
 
+use super::graph;
 use super::html::{action_button, encode_segment, escape};
+use super::trends;
 #[cfg(feature = "webhooks")]
 use crate::DeliveryJson;
+use crate::history::{History, Measure, SubjectKind};
 use crate::{AdminError, BreakerJson, DeadLetterJson, LagJson, ParkedJson, SagaJson, SummaryJson};
 
 /// The section ids, in page order (webhook deliveries with the
 /// `webhooks` feature).
 pub(crate) const SECTIONS: &[&str] = &[
     "summary",
+    "consumers",
+    "dependencies",
     "sagas",
     "dead-letters",
     "parked-outbox",
@@ -54,7 +59,7 @@ pub(crate) fn or_error<T>(
     }
 }
 
-pub(crate) fn summary(s: &SummaryJson) -> String {
+pub(crate) fn summary(s: &SummaryJson, history: Option<&History>) -> String {
     let dead: u64 = s.dead_letters_pending.values().sum();
     let stuck = s
         .sagas
@@ -108,13 +113,32 @@ pub(crate) fn summary(s: &SummaryJson) -> String {
         s.breakers_not_closed.len().to_string(),
         !s.breakers_not_closed.is_empty(),
     );
+    let outbox = trends::inline(history, SubjectKind::Outbox, "outbox", Measure::Unpublished);
     tile(
         &mut out,
         "outbox",
         "outbox backlog",
-        s.outbox.unpublished.to_string(),
+        format!("{}{outbox}", s.outbox.unpublished),
         false,
     );
+    let critical = history
+        .map(|h| h.series(SubjectKind::Order, "orders", Measure::CriticalP99))
+        .unwrap_or_default();
+    if !critical.is_empty() {
+        let svg = graph::sparkline(
+            &critical,
+            Measure::CriticalP99.as_str(),
+            Measure::CriticalP99.label(),
+            graph::SPARK,
+        );
+        tile(
+            &mut out,
+            "critical-time",
+            "order intake→settled p99 (s)",
+            format!("{}{svg}", graph::short(graph::last(&critical))),
+            false,
+        );
+    }
     out.push_str("</dl>");
     out
 }
@@ -348,13 +372,13 @@ pub(crate) fn deliveries(deliveries: &[DeliveryJson]) -> String {
     out
 }
 
-pub(crate) fn breakers(breakers: &[BreakerJson]) -> String {
+pub(crate) fn breakers(breakers: &[BreakerJson], history: Option<&History>) -> String {
     if breakers.is_empty() {
         return "<p class=\"empty\">No circuit breaker has been used yet.</p>".to_owned();
     }
     let mut out = String::from(
         "<table><thead><tr><th>dependency</th><th>state</th><th>failure rate</th>\
-         <th>slow rate</th><th>calls (failed)</th><th>failures in a row</th></tr></thead><tbody>",
+         <th>slow rate</th><th>calls (failed)</th><th>failures in a row</th><th>last 15 min</th></tr></thead><tbody>",
     );
     let rate = |r: Option<f64>| r.map(|r| format!("{r:.1}%")).unwrap_or_else(|| "—".into());
     for b in breakers {
@@ -366,7 +390,7 @@ pub(crate) fn breakers(breakers: &[BreakerJson]) -> String {
             out,
             "<tr data-breaker=\"{name}\" data-state=\"{state}\"><td>{name}</td>\
              <td><span class=\"pill {state}\">{state}</span></td><td>{failure}</td><td>{slow}</td>\
-             <td>{calls} ({failed})</td><td>{row}</td></tr>",
+             <td>{calls} ({failed})</td><td>{row}</td><td>{timeline}</td></tr>",
             name = escape(&name),
             state = escape(&b.state),
             failure = rate(b.failure_rate),
@@ -374,21 +398,23 @@ pub(crate) fn breakers(breakers: &[BreakerJson]) -> String {
             calls = b.buffered_calls,
             failed = b.failed_calls,
             row = b.consecutive_failures,
+            timeline = trends::breaker_timeline(history, &name),
         );
     }
     out.push_str("</tbody></table>");
     out
 }
 
-pub(crate) fn lag(lag: &LagJson) -> String {
+pub(crate) fn lag(lag: &LagJson, history: Option<&History>) -> String {
     let oldest = lag
         .outbox
         .oldest_unpublished_age_ms
         .map(|ms| format!("{ms} ms"))
         .unwrap_or_else(|| "—".into());
+    let outbox = trends::inline(history, SubjectKind::Outbox, "outbox", Measure::Unpublished);
     let mut out = format!(
-        "<table><thead><tr><th>gauge</th><th>labels</th><th>value</th></tr></thead><tbody>\
-         <tr data-gauge=\"outbox_unpublished\"><td>outbox unpublished</td><td></td><td>{}</td></tr>\
+        "<table><thead><tr><th>gauge</th><th>labels</th><th>value</th><th>last 15 min</th></tr></thead><tbody>\
+         <tr data-gauge=\"outbox_unpublished\"><td>outbox unpublished</td><td></td><td>{}</td><td>{outbox}</td></tr>\
          <tr data-gauge=\"outbox_oldest_age\"><td>outbox oldest unpublished</td><td></td><td>{oldest}</td></tr>\
          <tr data-gauge=\"outbox_parked\"><td>outbox parked</td><td></td><td>{}</td></tr>",
         lag.outbox.unpublished, lag.outbox.parked
@@ -402,7 +428,8 @@ pub(crate) fn lag(lag: &LagJson) -> String {
         let unit = g.unit.as_deref().map(escape).unwrap_or_default();
         let _ = write!(
             out,
-            "<tr data-gauge=\"{name}\"><td>{name}</td><td>{labels}</td><td>{value} {unit}</td></tr>",
+            "<tr data-gauge=\"{name}\"><td>{name}</td><td>{labels}</td><td>{value} {unit}</td><td>{spark}</td></tr>",
+            spark = gauge_spark(g, history),
             name = escape(&g.name),
             labels = labels.join(", "),
             value = g.value,
@@ -410,4 +437,15 @@ pub(crate) fn lag(lag: &LagJson) -> String {
     }
     out.push_str("</tbody></table>");
     out
+}
+
+/// A consumer-lag gauge's group's lag over the window (the history sums
+/// the group's topics).
+fn gauge_spark(gauge: &crate::Gauge, history: Option<&History>) -> String {
+    match (gauge.name.as_str(), gauge.labels.get("group")) {
+        ("consumer_lag", Some(group)) => {
+            trends::inline(history, SubjectKind::ConsumerGroup, group, Measure::Lag)
+        }
+        _ => String::new(),
+    }
 }

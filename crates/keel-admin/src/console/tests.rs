@@ -266,18 +266,7 @@ async fn the_live_stream_starts_with_every_section() {
         response.headers()[header::CONTENT_TYPE],
         "text/event-stream"
     );
-    let mut body = response.into_body();
-    let mut text = String::new();
-    while !text.contains("\n\n") {
-        let frame = tokio::time::timeout(Duration::from_secs(5), body.frame())
-            .await
-            .expect("an event within 5 s")
-            .unwrap()
-            .unwrap();
-        if let Ok(data) = frame.into_data() {
-            text.push_str(&String::from_utf8_lossy(&data));
-        }
-    }
+    let text = event_text(response.into_body()).await;
     assert!(text.starts_with("event: sections\ndata: "), "{text}");
     let json = text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
     let sections: serde_json::Value = serde_json::from_str(json).unwrap();
@@ -423,4 +412,86 @@ async fn a_parked_outbox_row_is_shown_and_replayed_from_the_console() {
     );
     assert!(store.outbox_parked_get(id).await.unwrap().is_none());
     assert_eq!(store.outbox_stats().await.unwrap().unpublished, 1);
+}
+
+/// The stream's first event, as sent.
+async fn event_text(mut body: Body) -> String {
+    let mut text = String::new();
+    while !text.contains("\n\n") {
+        let frame = tokio::time::timeout(Duration::from_secs(5), body.frame())
+            .await
+            .expect("an event within 5 s")
+            .unwrap()
+            .unwrap();
+        if let Ok(data) = frame.into_data() {
+            text.push_str(&String::from_utf8_lossy(&data));
+        }
+    }
+    text
+}
+
+/// The first event of the stream at `path`, as JSON.
+async fn first_event(app: &Router, path: &str, cookie: &str) -> serde_json::Value {
+    let response = app.clone().oneshot(get(path, cookie)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let text = event_text(response.into_body()).await;
+    let json = text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+    serde_json::from_str(json).unwrap()
+}
+
+#[tokio::test]
+async fn with_a_history_rows_get_graphs_and_each_subject_a_live_detail_page() {
+    use crate::history::History;
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("h.db")).await.unwrap();
+    let history = History::builder().build();
+    let recorder = history.recorder(metrics::NoopRecorder);
+    for lag in [0.0, 5.0, 0.0] {
+        metrics::with_local_recorder(&recorder, || {
+            metrics::gauge!("keel_consumer_lag", "topic" => "orders", "group" => "bill<ing>")
+                .set(lag);
+            metrics::histogram!("keel_client_call_duration_seconds", "dependency" => "payments", "outcome" => "ok")
+                .record(0.1);
+            metrics::gauge!("keel_breaker_state", "name" => "payments").set(0.0);
+        });
+        history.sample_now();
+    }
+    let admin = Admin::builder(store)
+        .token(AdminToken::new(TOKEN).unwrap())
+        .history(history)
+        .build();
+    let app = Console::new(admin.clone())
+        .refresh_interval(Duration::from_millis(100))
+        .router();
+    let (cookie, _) = session(&admin);
+
+    let (status, _, page) = send(&app, get("/console", &cookie)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(page.contains("data-group=\"bill&lt;ing&gt;\""), "{page}");
+    assert!(page.contains("data-series=\"lag\" data-last=\"0\" data-peak=\"5\""));
+    assert!(page.contains("data-points=\"0,5,0\""));
+    assert!(page.contains("data-dependency=\"payments\""));
+    assert!(page.contains("class=\"timeline\""));
+    assert!(page.contains("href=\"/console/history/consumer_group/bill%3Cing%3E\""));
+
+    let (status, _, detail) = send(
+        &app,
+        get("/console/history/consumer_group/bill%3Cing%3E", &cookie),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(detail.contains("data-resolution=\"fine\""), "{detail}");
+    assert!(detail.contains("data-events=\"/console/events?view=consumer_group%2Fbill%3Cing%3E\""));
+    let (status, _, _) = send(&app, get("/console/history/nope/x", &cookie)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let event = first_event(&app, "/console/events?view=dependency%2Fpayments", &cookie).await;
+    let sections = event.as_object().unwrap();
+    assert_eq!(sections.keys().collect::<Vec<_>>(), ["detail"]);
+    assert!(
+        sections["detail"]["html"]
+            .as_str()
+            .unwrap()
+            .contains("data-state=\"closed\"")
+    );
 }

@@ -189,6 +189,13 @@ impl HandlerError {
         Self::with(Disposition::Retry { after: None }, source.into())
     }
 
+    /// A failure worth retrying, but not before `after` (a dependency's
+    /// `Retry-After`, a rate limit's reset): the next delivery waits for
+    /// the longer of `after` and the backoff.
+    pub fn retry_after(source: impl Into<BoxError>, after: Duration) -> Self {
+        Self::with(Disposition::Retry { after: Some(after) }, source.into())
+    }
+
     /// A failure that will never go away: dead-letter the message now.
     pub fn permanent(source: impl Into<BoxError>) -> Self {
         Self::with(Disposition::Permanent, source.into())

@@ -137,10 +137,19 @@ pub struct ServeArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
     /// Seconds between reads of the gauges kept in storage (dead letters,
-    /// sagas, outbox and consumer lag, webhook endpoints) [default: 15].
+    /// sagas, outbox and consumer lag, webhook endpoints) [default: 5, the
+    /// history's interval: the console's lag graph is only as fine as
+    /// these reads].
     #[arg(long, env = "KEEL_GAUGE_INTERVAL_SECS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gauge_interval_secs: Option<u64>,
+    /// Seconds between the samples of the console's history (the graphs of
+    /// throughput, lag, latency and breaker state per consumer group and
+    /// dependency): the newest 180 samples are kept, and 1,440 points
+    /// merging 12 samples each [default: 5, so 15 minutes and 24 hours].
+    #[arg(long, env = "KEEL_HISTORY_INTERVAL_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub history_interval_secs: Option<u64>,
     /// The most connections open at once [default: 1024]; past it a new
     /// one gets 503.
     #[arg(long, env = "KEEL_MAX_CONNECTIONS")]
@@ -241,6 +250,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_DEMO_FAULTS")]
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub demo_faults: bool,
+    /// The stand-in payments service answers `503` for this many seconds
+    /// from its first capture, then recovers (for demos and tests: the
+    /// payments breaker opens, probes, and closes again).
+    #[arg(long, env = "KEEL_DEMO_PAYMENTS_OUTAGE_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub demo_payments_outage_secs: Option<u64>,
     /// Honour `x-chaos-experiment` from loopback clients: the request runs
     /// in that experiment, and the mark goes on to the dependencies.
     #[arg(long, env = "KEEL_CHAOS_EXPERIMENTS")]
