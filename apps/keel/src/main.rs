@@ -1,8 +1,9 @@
 //! The `keel` binary: `keel demo` runs the reference shop on the embedded
 //! defaults and checks its invariants; `keel serve` runs it as a server;
 //! `keel chaos` (feature `chaos`) runs the demo under seeded faults;
-//! `keel dlq`, `keel outbox`, `keel saga` and `keel webhooks` are the
-//! operator commands against a running server.
+//! `keel dlq`, `keel outbox`, `keel saga`, `keel webhooks` and `keel status`
+//! are the operator commands against a running server; `keel mesh` checks a
+//! service mesh's resources against Keel's rules.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -22,6 +23,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 // the module reads like the library's; in a binary that is unreachable.
 #[allow(unreachable_pub)]
 mod ops;
+
+#[allow(unreachable_pub)]
+mod mesh;
 
 /// Keel: services that survive the network.
 #[derive(Debug, Parser)]
@@ -66,6 +70,12 @@ enum Command {
     /// What changed on a running server: throughput, lag, latency and
     /// breaker state per consumer group and dependency, as sparklines.
     Status(ops::StatusArgs),
+    /// One set of numbers for the app and the service mesh: check Istio
+    /// resources against Keel's rules, or export Keel's policy as them.
+    Mesh {
+        #[command(subcommand)]
+        command: mesh::MeshCommand,
+    },
     /// Webhook deliveries on a running server: list, resend.
     Webhooks {
         #[command(flatten)]
@@ -214,6 +224,7 @@ fn main() -> ExitCode {
                 ops::run_webhooks(&client, command).await.map(|()| true)
             }
             Command::Status(args) => ops::run_status(&args).await.map(|()| true),
+            Command::Mesh { command } => mesh::run_mesh(command),
         }
     });
     // Outside the runtime: the last spans are exported, or dropped after

@@ -134,6 +134,70 @@ pub type PipelineLayer<C = Answered> = Stack<
     >,
 >;
 
+/// The rule "2 × 700 ms + overhead MUST fit in 2 s": `attempts` tries of
+/// at most `per_attempt` each, plus `overhead` (the waits between them),
+/// must fit in `total`, or the later attempts could never finish. The
+/// pipeline checks it when built, and `keel-mesh` applies the same rule to
+/// a service mesh's retries, so the two can never disagree.
+pub fn attempts_fit(
+    attempts: u32,
+    per_attempt: Duration,
+    overhead: Duration,
+    total: Duration,
+) -> Result<(), AttemptsDoNotFit> {
+    let needed = per_attempt
+        .saturating_mul(attempts)
+        .saturating_add(overhead);
+    if needed > total {
+        return Err(AttemptsDoNotFit {
+            attempts,
+            per_attempt,
+            overhead,
+            needed,
+            total,
+        });
+    }
+    Ok(())
+}
+
+/// Attempts that cannot all finish within the total timeout (see
+/// [`attempts_fit`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{attempts} attempts of {per_attempt:?}{} need {needed:?}, more than the total timeout of \
+     {total:?}: later attempts could never finish; lower the attempt timeout or the attempts, or \
+     raise the total",
+    overhead_text(*overhead)
+)]
+pub struct AttemptsDoNotFit {
+    /// Attempts in total, the first included.
+    pub attempts: u32,
+    /// The limit on each.
+    pub per_attempt: Duration,
+    /// The waits between them, at their longest.
+    pub overhead: Duration,
+    /// What all of them may take.
+    pub needed: Duration,
+    /// The limit on the whole call.
+    pub total: Duration,
+}
+
+impl AttemptsDoNotFit {
+    /// The longest attempt timeout that would fit with the same attempts
+    /// and overhead (zero if the overhead alone is too much).
+    pub fn longest_fitting_attempt(&self) -> Duration {
+        self.total.saturating_sub(self.overhead) / self.attempts.max(1)
+    }
+}
+
+fn overhead_text(overhead: Duration) -> String {
+    if overhead.is_zero() {
+        String::new()
+    } else {
+        format!(" plus up to {overhead:?} between them")
+    }
+}
+
 /// The caller's operation, shared by its attempts, which never overlap.
 struct Operation<F> {
     /// Each attempt locks `f` only for the instant it calls it, so the lock
@@ -287,19 +351,8 @@ impl PipelineBuilder {
             (&p.total_timeout, &p.attempt_timeout, &p.retry)
         {
             let attempts = retry.config().max_attempts.get();
-            let needed = attempt.limit().saturating_mul(attempts);
-            if needed > total.limit() {
-                return Err(ConfigError::new(
-                    "attempt_timeout",
-                    format!(
-                        "{attempts} attempts of {:?} need {needed:?}, more than the total timeout \
-                         of {:?}: later attempts could never finish; lower the attempt timeout \
-                         or the attempts, or raise the total",
-                        attempt.limit(),
-                        total.limit()
-                    ),
-                ));
-            }
+            attempts_fit(attempts, attempt.limit(), Duration::ZERO, total.limit())
+                .map_err(|e| ConfigError::new("attempt_timeout", e.to_string()))?;
         }
         Ok(self.pipeline)
     }
