@@ -73,6 +73,10 @@ log "headless Chromium and chromedriver for the console browser tests"
 scripts/browser.sh
 export KEEL_TEST_CHROMEDRIVER=/usr/bin/chromedriver
 
+log "nginx for the test that runs keel serve behind it"
+scripts/nginx.sh
+export KEEL_TEST_NGINX=/usr/sbin/nginx
+
 log "schemathesis for the OpenAPI fuzz test"
 KEEL_TEST_SCHEMATHESIS="$(scripts/schemathesis.sh)"
 export KEEL_TEST_SCHEMATHESIS

@@ -13,48 +13,16 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::routing::post;
-use common::{ACME_KEY, Server, eventually, ok_receiver, order, serve_on};
+use common::{ACME_KEY, Server, eventually, ok_receiver, order, otlp_receiver, serve_on};
 use keel_testkit::services::{self, ServerLock, Service};
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
-use prost::Message as _;
 use serde_json::json;
 
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLER_SPAN: &str = "00f067aa0ba902b7";
 const TRACESTATE: &str = "shop=t61rcWkgMzE,rojo=00f067aa0ba902b7";
-
-type Spans = Arc<parking_lot::Mutex<Vec<Span>>>;
-
-/// An OTLP/HTTP receiver on loopback keeping every span it is sent.
-async fn otlp_receiver() -> (String, Spans) {
-    let spans: Spans = Arc::default();
-    let app = axum::Router::new()
-        .route(
-            "/v1/traces",
-            post(|State(kept): State<Spans>, body: Bytes| async move {
-                let request = ExportTraceServiceRequest::decode(body).expect("OTLP protobuf");
-                let mut kept = kept.lock();
-                for resource in request.resource_spans {
-                    for scope in resource.scope_spans {
-                        kept.extend(scope.spans);
-                    }
-                }
-                [("content-type", "application/x-protobuf")]
-            }),
-        )
-        .with_state(Arc::clone(&spans));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, spans)
-}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()

@@ -197,3 +197,35 @@ pub async fn placed_id(
     let placed: serde_json::Value = place(http, s, key, body).await.json().await.unwrap();
     placed["id"].as_str().expect("an order id").to_owned()
 }
+
+/// What an [`otlp_receiver`] was sent.
+pub type Spans = Arc<parking_lot::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>;
+
+/// An OTLP/HTTP receiver on loopback keeping every span it is sent.
+pub async fn otlp_receiver() -> (String, Spans) {
+    use axum::extract::State;
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message as _;
+    let spans: Spans = Arc::default();
+    let app = axum::Router::new()
+        .route(
+            "/v1/traces",
+            axum::routing::post(
+                |State(kept): State<Spans>, body: axum::body::Bytes| async move {
+                    let request = ExportTraceServiceRequest::decode(body).expect("OTLP protobuf");
+                    let mut kept = kept.lock();
+                    for resource in request.resource_spans {
+                        for scope in resource.scope_spans {
+                            kept.extend(scope.spans);
+                        }
+                    }
+                    [("content-type", "application/x-protobuf")]
+                },
+            ),
+        )
+        .with_state(Arc::clone(&spans));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, spans)
+}
