@@ -17,6 +17,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use keel_http::access::Tenant;
 use keel_http::problem::Problem;
+use keel_messaging::version_guard::{Freshness, VersionGuard};
+use keel_store::StoreError;
 use keel_webhooks::{
     DeliveryFilter, Endpoints, NewEndpoint, VerifiedWebhook, WebhookDelivery, WebhookEndpoint,
     WebhookError, WebhookFormat, WebhookReceiver, WebhookRejection,
@@ -30,6 +32,8 @@ use crate::shop::ShopStore;
 pub struct WebhookApi<S: ShopStore> {
     /// Endpoints and the delivery log.
     pub endpoints: Endpoints<S>,
+    /// Where inbound webhooks' entity versions are recorded.
+    pub store: S,
     /// Verifies inbound webhooks.
     pub receiver: WebhookReceiver,
     /// Endpoints one tenant may register.
@@ -43,6 +47,7 @@ impl<S: ShopStore> Clone for WebhookApi<S> {
     fn clone(&self) -> Self {
         Self {
             endpoints: self.endpoints.clone(),
+            store: self.store.clone(),
             receiver: self.receiver.clone(),
             max_per_tenant: self.max_per_tenant,
             creating: Arc::clone(&self.creating),
@@ -382,6 +387,14 @@ pub async fn delete_endpoint<S: ShopStore>(
 /// `POST /webhooks/inbound/{source}`: a webhook from a partner, verified
 /// (Standard Webhooks signature over the raw body, timestamp within 5
 /// minutes, deduped on its id) and acknowledged at once.
+///
+/// Webhooks arrive out of order: a sender retries one while sending the
+/// next, or sends from several workers. A payload that names its entity
+/// (`subject`, else `data.id`) and its version (`data.version`, growing
+/// per entity) passes the entity version guard: the newest version per
+/// source and entity is recorded, and one not newer than what was applied
+/// is acknowledged (the sender must not retry it) but not applied, and the
+/// answer says `"stale": true`.
 #[utoipa::path(post, path = "/webhooks/inbound/{source}",
     params(
         ("source" = String, Path, description = "Who sends it", pattern = "^[a-z0-9_-]{1,64}$"),
@@ -389,14 +402,16 @@ pub async fn delete_endpoint<S: ShopStore>(
         ("webhook-timestamp" = String, Header, description = "Unix seconds; more than 5 minutes away is refused"),
         ("webhook-signature" = String, Header, description = "`v1,<base64 HMAC-SHA256>` over `id.timestamp.body`, space-separated"),
     ),
-    request_body(content = Object, description = "The signed JSON body", content_type = "application/json"),
+    request_body(content = Object, description = "The signed JSON body; `subject` (or `data.id`) and `data.version` put it in order with the entity's others", content_type = "application/json"),
     responses(
-        (status = 200, description = "Verified and accepted (or a duplicate)"),
+        (status = 200, description = "Verified and accepted, a duplicate, or older than what was applied (`stale`)"),
         (status = 400, description = "Missing/malformed signature headers, stale timestamp, bad JSON, bad source"),
         (status = 401, description = "The signature does not verify"),
         (status = 413, description = "Body too large"),
+        (status = 503, description = "The entity's version could not be recorded; send it again"),
     ), tag = "webhooks")]
 pub async fn inbound<S: ShopStore>(
+    State(api): State<WebhookApi<S>>,
     Path(source): Path<String>,
     hook: Result<VerifiedWebhook, WebhookRejection>,
 ) -> Response {
@@ -409,17 +424,53 @@ pub async fn inbound<S: ShopStore>(
         return Problem::bad_request("source must be 1 to 64 characters of a-z, 0-9, '_' or '-'")
             .into_response();
     }
-    match hook {
-        Ok(hook) => {
-            tracing::info!(source, id = %hook.id, "inbound webhook verified");
-            (
-                StatusCode::OK,
-                Json(serde_json::json!({"received": true, "source": source, "id": hook.id})),
-            )
-                .into_response()
+    let hook = match hook {
+        Ok(hook) => hook,
+        Err(rejection) => return rejection.into_response(),
+    };
+    tracing::info!(source, id = %hook.id, "inbound webhook verified");
+    let mut answer = serde_json::json!({"received": true, "source": source, "id": hook.id});
+    if let Some((entity, version)) = entity_version(&hook.payload) {
+        match admit_in_order(&api.store, &source, &entity, version).await {
+            Ok(freshness) => answer["stale"] = (freshness == Freshness::Stale).into(),
+            Err(e) => {
+                tracing::warn!(source, id = %hook.id, error = %e, "could not record an inbound webhook's version");
+                return Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the entity's version could not be recorded; send it again",
+                )
+                .into_response();
+            }
         }
-        Err(rejection) => rejection.into_response(),
     }
+    (StatusCode::OK, Json(answer)).into_response()
+}
+
+/// The entity a payload is about (`subject`, else `data.id`) and its
+/// version (`data.version`), if it names both.
+fn entity_version(payload: &serde_json::Value) -> Option<(String, u64)> {
+    let entity = payload
+        .get("subject")
+        .or_else(|| payload.get("data")?.get("id"))?
+        .as_str()
+        .filter(|e| !e.is_empty() && e.len() <= 256)?;
+    let version = payload.get("data")?.get("version")?.as_u64()?;
+    Some((entity.to_owned(), version))
+}
+
+/// Records `version` of `entity` from `source` if it is newer than the
+/// one applied, in a transaction of its own.
+async fn admit_in_order<S: ShopStore>(
+    store: &S,
+    source: &str,
+    entity: &str,
+    version: u64,
+) -> Result<Freshness, StoreError> {
+    let guard = VersionGuard::new(store.clone(), format!("inbound:{source}"));
+    let mut tx = store.begin().await?;
+    let freshness = guard.admit_version(&mut tx, entity, version).await?;
+    store.commit(tx).await?;
+    Ok(freshness)
 }
 
 impl<S: ShopStore> FromRef<WebhookApi<S>> for WebhookReceiver {

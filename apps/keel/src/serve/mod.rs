@@ -86,6 +86,7 @@ fn webhook_routes<S: ShopStore>(
     .map_err(|e| StartError::Config(e.to_string()))?;
     let webhook_api = WebhookApi {
         endpoints: c.endpoints.clone(),
+        store: c.store.clone(),
         receiver: WebhookReceiver::new([secret]),
         max_per_tenant: config.max_endpoints_per_tenant,
         creating: Arc::default(),
