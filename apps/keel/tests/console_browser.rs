@@ -588,10 +588,7 @@ async fn the_console_graphs_a_breaker_opening_and_closing_and_the_lag_rising_and
         .click("a[data-detail=dependency][href$='/payments']")
         .await;
     browser
-        .wait_for(
-            "#detail [data-resolution=fine] svg.timeline rect[data-state=open]",
-            SETTLE,
-        )
+        .wait_for("#detail svg.timeline rect[data-state=open]", SETTLE)
         .await;
     let updates = browser
         .eval("Number(document.body.dataset.updates || 0)")

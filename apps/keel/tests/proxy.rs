@@ -61,7 +61,7 @@ fn site(upstream: &str, port: u16) -> String {
 fn main_conf(dir: &Path) -> String {
     let d = dir.display();
     format!(
-        "daemon off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
+        "daemon off;\nmaster_process off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
          events {{ worker_connections 256; }}\n\
          http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  \
          fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n  \

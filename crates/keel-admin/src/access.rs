@@ -234,10 +234,22 @@ impl AdminAccess {
                 "cross-origin request refused: admin actions must come from the console's own page",
             ));
         }
+        let token = &self.inner.token;
+        if !token.is_required() && keel_http::access::is_forwarded(headers) {
+            // Without a token only this machine's users may act; behind a
+            // proxy on this machine every client would look like one.
+            tracing::warn!(client = ?ip, "proxied admin request to a server without an admin token refused");
+            return Err(refusal(
+                StatusCode::FORBIDDEN,
+                "proxied_without_token",
+                "this request came through a proxy, and this server has no admin token: without \
+                 one it answers only clients on its own machine; start it with an admin token \
+                 (--admin-token)",
+            ));
+        }
         if matches!(mode, Mode::Login { .. }) {
             return Ok(request);
         }
-        let token = &self.inner.token;
         if token.is_required()
             && let Some(presented) = keel_http::access::bearer(headers)
         {

@@ -135,6 +135,26 @@ async fn off_by_default_and_refused_from_outside_unless_trusted() {
 }
 
 #[tokio::test]
+async fn a_loopback_peer_that_forwards_for_someone_else_is_not_trusted() {
+    // A reverse proxy on this machine: the peer is loopback, the client
+    // is not.
+    let on = app(ExperimentLayer::builder()
+        .enabled(true)
+        .fault("/estimates/{customer}", outage()));
+    for header in ["x-forwarded-for", "forwarded", "x-real-ip"] {
+        let request = Request::builder()
+            .uri("/estimates/c-1")
+            .header(EXPERIMENT_HEADER, OUTAGE)
+            .header(header, "for=203.0.113.7")
+            .extension(ConnectInfo(SocketAddr::from((LOOPBACK, 40000))))
+            .body(Body::empty())
+            .unwrap();
+        let response = on.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN, "{header}");
+    }
+}
+
+#[tokio::test]
 async fn a_malformed_experiment_name_is_a_400() {
     let on = app(ExperimentLayer::builder().enabled(true));
     for name in ["Shipping", "a b", "", &"x".repeat(65)] {

@@ -23,7 +23,7 @@ pub enum Severity {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rule {
     /// Tries × per-try timeout + the waits between them must fit in the
-    /// route's timeout.
+    /// route's timeout (a warning when tries have no limit of their own).
     RetriesFitTimeout,
     /// A route without a timeout holds its caller as long as it hangs.
     RouteWithoutTimeout,
@@ -238,8 +238,22 @@ fn check_fit(
         report.push(Severity::Warning, Rule::RouteWithoutTimeout, place, message);
         return;
     };
-    let per_try = retry.per_try_timeout.map_or(timeout, |t| t.0);
     let backoff = envoy_backoff(retry.attempts);
+    let Some(per_try) = retry.per_try_timeout.map(|t| t.0) else {
+        // As in Keel's pipeline without an attempt timeout: retries after
+        // fast failures still fit, but a hung try takes the whole budget.
+        if retry.attempts > 0 {
+            let fits = timeout.saturating_sub(backoff) / retry.tries();
+            let message = format!(
+                "no `perTryTimeout`: a try that hangs takes the whole {timeout:?} and leaves no \
+                 time for the {} retries; set `perTryTimeout` to at most {:?}{default_note}",
+                retry.attempts,
+                whole_millis(fits),
+            );
+            report.push(Severity::Warning, Rule::RetriesFitTimeout, place, message);
+        }
+        return;
+    };
     if let Err(e) = attempts_fit(retry.tries(), per_try, backoff, timeout) {
         let message = format!(
             "{} tries ({} retries: Istio's `attempts` counts the retries after the first try) \
@@ -301,7 +315,11 @@ fn check_destinations(
     report: &mut Report,
 ) {
     if route.route.len() > 1 {
-        let sum: u32 = route.route.iter().map(|d| d.weight.unwrap_or(0)).sum();
+        let sum: u64 = route
+            .route
+            .iter()
+            .map(|d| u64::from(d.weight.unwrap_or(0)))
+            .sum();
         if sum != 100 {
             let message =
                 format!("the destinations' weights add up to {sum}, not 100: Istio refuses it");
@@ -345,14 +363,19 @@ fn check_against_keel(
         );
         report.push(Severity::Warning, Rule::RetriesMultiply, place, message);
     }
-    let keel_total = policy.pipeline.total_timeout.as_ref().map(|t| t.timeout);
-    if let (Some(keel_total), Some(mesh_timeout)) = (keel_total, timeout)
-        && keel_total > mesh_timeout
+    // Each of Keel's attempts is one request through the sidecar: what it
+    // may take is the attempt timeout, else the total.
+    let pipeline = &policy.pipeline;
+    let keel_attempt = (pipeline.attempt_timeout.as_ref())
+        .or(pipeline.total_timeout.as_ref())
+        .map(|t| t.timeout);
+    if let (Some(keel_attempt), Some(mesh_timeout)) = (keel_attempt, timeout)
+        && keel_attempt > mesh_timeout
     {
         let message = format!(
-            "Keel waits up to {keel_total:?} for `{name}` but the sidecar ends the call at \
-             {mesh_timeout:?} with a 504: Keel's later attempts meet the mesh's timeout, not \
-             the dependency; make them equal, or the mesh's the longer"
+            "Keel gives each attempt at `{name}` up to {keel_attempt:?} but the sidecar ends \
+             the request at {mesh_timeout:?} with a 504: the mesh's timeout, not Keel's, decides \
+             when an attempt fails; make the mesh's timeout at least Keel's attempt timeout"
         );
         report.push(Severity::Warning, Rule::TimeoutsDisagree, place, message);
     }

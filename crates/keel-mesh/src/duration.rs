@@ -40,8 +40,10 @@ impl IstioDuration {
                 "ns" => 1e-9,
                 other => return Err(format!("`{other}` in `{text}` is not a unit (h, m, s, ms)")),
             };
-            total += Duration::try_from_secs_f64(value * seconds)
-                .map_err(|_| format!("`{text}` is out of range"))?;
+            total = Duration::try_from_secs_f64(value * seconds)
+                .ok()
+                .and_then(|part| total.checked_add(part))
+                .ok_or_else(|| format!("`{text}` is out of range"))?;
             rest = tail;
         }
         Ok(Self(total))
@@ -107,5 +109,11 @@ mod tests {
         assert!(IstioDuration::parse("5 parsecs").is_err());
         assert!(IstioDuration::parse("").is_err());
         assert!(IstioDuration::parse("1e400s").is_err());
+        let huge = "10000000000000000000s10000000000000000000s";
+        assert!(
+            IstioDuration::parse(huge)
+                .unwrap_err()
+                .contains("out of range")
+        );
     }
 }

@@ -120,7 +120,7 @@ fn each_deliberate_fault_is_named() {
     let fit = &report.of(Rule::RetriesFitTimeout)[0].message;
     assert!(
         fit.contains("4 tries"),
-        "no perTryTimeout: each try may take 1 s: {fit}"
+        "three retries after the first: {fit}"
     );
     // Errors come first.
     assert!(
@@ -152,8 +152,8 @@ const KEEL_RETRIES: &str = r#"
 [dependencies.orders]
 host = "orders.internal"
 [dependencies.orders.pipeline]
-total_timeout = { timeout = "3s" }
-attempt_timeout = { timeout = "900ms" }
+total_timeout = { timeout = "8s" }
+attempt_timeout = { timeout = "2500ms" }
 retry = { max_attempts = 3 }
 "#;
 
@@ -168,7 +168,11 @@ fn keel_and_the_mesh_retrying_one_dependency_multiply_their_tries() {
         multiply[0].message
     );
     let disagree = report.of(Rule::TimeoutsDisagree);
-    assert_eq!(disagree.len(), 1, "Keel waits 3 s, the mesh ends at 2 s");
+    assert_eq!(
+        disagree.len(),
+        1,
+        "Keel gives an attempt 2.5 s, the mesh ends it at 2 s"
+    );
     assert!(!report.has_errors());
 }
 
@@ -282,4 +286,48 @@ fn unreadable_input_is_a_typed_error() {
         export(&Policies::default(), "nope"),
         Err(keel_mesh::MeshError::UnknownDependency(_))
     ));
+}
+
+#[test]
+fn tries_without_a_limit_of_their_own_are_a_warning_as_in_keels_pipeline() {
+    // Keel accepts a retry under a total timeout with no attempt timeout;
+    // exported, its tries have no `perTryTimeout`: a hung one takes all.
+    let keel = policies(
+        r#"
+[dependencies.search]
+host = "search"
+[dependencies.search.pipeline]
+total_timeout = { timeout = "1s" }
+retry = { max_attempts = 3 }
+"#,
+    );
+    let report = check(&export(&keel, "search").unwrap(), &Policies::default());
+    let fit = report.of(Rule::RetriesFitTimeout);
+    assert_eq!(fit.len(), 1, "{report:#?}");
+    assert_eq!(fit[0].severity, Severity::Warning);
+    assert!(
+        fit[0].message.contains("at most 300ms"),
+        "{}",
+        fit[0].message
+    );
+    assert!(!report.has_errors());
+}
+
+#[test]
+fn weights_that_overflow_do_not_wrap_around_to_100() {
+    let yaml = r#"
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: { name: wrap }
+spec:
+  hosts: [wrap]
+  http:
+    - timeout: 1s
+      retries: { attempts: 0 }
+      route:
+        - { destination: { host: wrap }, weight: 4294967295 }
+        - { destination: { host: wrap }, weight: 101 }
+"#;
+    let report = check(&parse(yaml).unwrap(), &Policies::default());
+    assert_eq!(report.of(Rule::Weights).len(), 1, "{report:#?}");
 }

@@ -137,8 +137,10 @@ pub type PipelineLayer<C = Answered> = Stack<
 /// The rule "2 × 700 ms + overhead MUST fit in 2 s": `attempts` tries of
 /// at most `per_attempt` each, plus `overhead` (the waits between them),
 /// must fit in `total`, or the later attempts could never finish. The
-/// pipeline checks it when built, and `keel-mesh` applies the same rule to
-/// a service mesh's retries, so the two can never disagree.
+/// pipeline checks it when built, with no overhead (its retry's back-off
+/// is jittered and configurable, and a wait the deadline cannot cover ends
+/// the call instead), and `keel-mesh` applies it to a service mesh's
+/// retries with Envoy's back-off as the overhead: one rule, in one place.
 pub fn attempts_fit(
     attempts: u32,
     per_attempt: Duration,

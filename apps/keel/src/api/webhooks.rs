@@ -435,6 +435,9 @@ pub async fn inbound<S: ShopStore>(
             Ok(freshness) => answer["stale"] = (freshness == Freshness::Stale).into(),
             Err(e) => {
                 tracing::warn!(source, id = %hook.id, error = %e, "could not record an inbound webhook's version");
+                // Its retry carries the same id: it must not be answered
+                // as a duplicate of a webhook that was not applied.
+                hook.release();
                 return Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the entity's version could not be recorded; send it again",
@@ -454,21 +457,29 @@ fn entity_version(payload: &serde_json::Value) -> Option<(String, u64)> {
         .or_else(|| payload.get("data")?.get("id"))?
         .as_str()
         .filter(|e| !e.is_empty() && e.len() <= 256)?;
-    let version = payload.get("data")?.get("version")?.as_u64()?;
+    // Stored as a signed 64-bit number; a larger one is not a version.
+    let version = payload
+        .get("data")?
+        .get("version")?
+        .as_u64()
+        .filter(|v| i64::try_from(*v).is_ok())?;
     Some((entity.to_owned(), version))
 }
 
 /// Records `version` of `entity` from `source` if it is newer than the
-/// one applied, in a transaction of its own.
+/// one applied, in a transaction of its own. One scope for every source
+/// (the path is not signed), with the source in the entity's key.
 async fn admit_in_order<S: ShopStore>(
     store: &S,
     source: &str,
     entity: &str,
     version: u64,
 ) -> Result<Freshness, StoreError> {
-    let guard = VersionGuard::new(store.clone(), format!("inbound:{source}"));
+    let guard = VersionGuard::new(store.clone(), "inbound-webhooks");
     let mut tx = store.begin().await?;
-    let freshness = guard.admit_version(&mut tx, entity, version).await?;
+    let freshness = guard
+        .admit_version(&mut tx, &format!("{source}/{entity}"), version)
+        .await?;
     store.commit(tx).await?;
     Ok(freshness)
 }

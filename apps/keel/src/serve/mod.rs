@@ -266,6 +266,19 @@ fn warn_about_exposure(config: &ServeConfig) {
     }
 }
 
+/// The stand-in payments' faults: an outage from the first capture with
+/// `--demo-payments-outage-secs`, none otherwise.
+fn payments_faults(config: &ServeConfig) -> PaymentsFaults {
+    match config.demo_payments_outage {
+        Some(fail_for) => PaymentsFaults {
+            start_after: Some(0),
+            fail_for,
+            ..PaymentsFaults::none()
+        },
+        None => PaymentsFaults::none(),
+    }
+}
+
 async fn serve_on<S: ShopStore>(
     config: ServeConfig,
     store: S,
@@ -277,14 +290,7 @@ async fn serve_on<S: ShopStore>(
         shipping_grpc: config.shipping_grpc_listen,
         shipping_grpc_token: config.shipping_grpc_token.clone(),
         demo_faults: config.demo_faults,
-        payments_faults: match config.demo_payments_outage {
-            Some(fail_for) => PaymentsFaults {
-                start_after: Some(0),
-                fail_for,
-                ..PaymentsFaults::none()
-            },
-            None => PaymentsFaults::none(),
-        },
+        payments_faults: payments_faults(&config),
         chaos_experiments: config.chaos_experiments,
         allow_loopback_webhooks: config.allow_loopback_webhooks,
         secrets: config.secrets.clone(),

@@ -37,6 +37,7 @@ svg.spark{vertical-align:middle;margin-right:.4rem;overflow:visible}
 svg.spark path{fill:none;stroke:#3767c4;stroke-width:1.5;stroke-linecap:round;vector-effect:non-scaling-stroke}
 .tiles dd svg.spark{display:block;margin-top:.2rem}
 span.now{font-variant-numeric:tabular-nums}
+p.span{font-size:.8rem;color:#555;margin:.2rem 0}
 svg.timeline{vertical-align:middle}
 rect.band.closed{fill:#d4f2dc}rect.band.half_open{fill:#f5d77a}rect.band.open{fill:#e0554f}rect.band.unknown{fill:#eceef2}
 .charts{display:flex;flex-wrap:wrap;gap:1rem}
@@ -99,8 +100,8 @@ fn heading(id: &str) -> &'static str {
         "webhook-deliveries" => "Webhook deliveries",
         "breakers" => "Circuit breakers",
         "lag" => "Outbox and consumer lag",
-        "consumers" => "Consumer groups (last 15 minutes)",
-        "dependencies" => "Dependencies (last 15 minutes)",
+        "consumers" => "Consumer groups over time",
+        "dependencies" => "Dependencies over time",
         "detail" => "What changed",
         _ => "",
     }

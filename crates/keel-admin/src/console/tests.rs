@@ -495,3 +495,25 @@ async fn with_a_history_rows_get_graphs_and_each_subject_a_live_detail_page() {
             .contains("data-state=\"closed\"")
     );
 }
+
+#[tokio::test]
+async fn without_a_token_a_proxied_request_gets_no_session() {
+    // A proxy on this machine: its requests come from loopback, but carry
+    // the client they forward for.
+    let (_dir, _store, app, _admin) = app(AdminToken::none()).await;
+    for header in ["x-forwarded-for", "forwarded", "x-real-ip"] {
+        let proxied = Request::get("/console/login")
+            .header(header::HOST, HOST)
+            .header(header, "203.0.113.7")
+            .body(Body::empty())
+            .unwrap();
+        let (status, _, body) = send(&app, proxied).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{header}: {body}");
+        assert!(body.contains("proxied_without_token"), "{body}");
+    }
+    let local = Request::get("/console/login")
+        .header(header::HOST, HOST)
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, local).await.0, StatusCode::SEE_OTHER);
+}

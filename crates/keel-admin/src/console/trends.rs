@@ -10,6 +10,16 @@ use crate::history::{History, HistoryQuery, Measure, Resolution, SubjectJson, Su
 
 const NO_HISTORY: &str = "<p class=\"empty\">This server keeps no history.</p>";
 
+/// `d` in words, rounded down: `90 s`, `15 minutes`, `24 hours`, `7 days`.
+pub(crate) fn human(d: std::time::Duration) -> String {
+    match d.as_secs() {
+        secs @ 0..120 => format!("{secs} s"),
+        secs @ 120..7200 => format!("{} minutes", secs / 60),
+        secs @ 7200..172_800 => format!("{} hours", secs / 3600),
+        secs => format!("{} days", secs / 86_400),
+    }
+}
+
 /// The detail page of a subject.
 pub(crate) fn detail_path(kind: SubjectKind, name: &str) -> String {
     format!(
@@ -106,7 +116,11 @@ impl Table {
         if subjects.is_empty() {
             return format!("<p class=\"empty\">{}</p>", self.empty);
         }
-        let mut out = String::from("<table><thead><tr>");
+        let mut out = format!(
+            "<p class=\"span\">The last {}, a point every {}.</p><table><thead><tr>",
+            human(history.span(Resolution::Fine)),
+            human(history.interval()),
+        );
         for header in self.headers {
             let _ = write!(out, "<th>{header}</th>");
         }
@@ -216,10 +230,7 @@ pub(crate) fn detail(history: Option<&History>, kind: SubjectKind, name: &str) -
             out.push_str("<p class=\"empty\">Nothing recorded for it yet.</p>");
             return out;
         };
-        let span = match resolution {
-            Resolution::Fine => "last 15 minutes",
-            Resolution::Coarse => "last 24 hours",
-        };
+        let span = format!("last {}", human(history.span(resolution)));
         let _ = write!(
             out,
             "<h4>{span}</h4><div class=\"charts\" data-resolution=\"{}\">",
@@ -245,4 +256,21 @@ pub(crate) fn detail(history: Option<&History>, kind: SubjectKind, name: &str) -
         out.push_str("</div>");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn spans_read_as_words() {
+        let human = |secs| super::human(Duration::from_secs(secs));
+        assert_eq!(human(5), "5 s");
+        assert_eq!(human(90), "90 s");
+        assert_eq!(human(180), "3 minutes");
+        assert_eq!(human(900), "15 minutes");
+        assert_eq!(human(3600), "60 minutes");
+        assert_eq!(human(86_400), "24 hours");
+        assert_eq!(human(7 * 86_400), "7 days");
+    }
 }

@@ -74,7 +74,8 @@ pub struct HistoryJson {
     pub interval_seconds: f64,
     /// Every subject kept, by kind then name.
     pub subjects: Vec<SubjectJson>,
-    /// Subjects seen but not kept, past the bound on subjects.
+    /// Subjects the latest sample saw but could not keep, past the bound
+    /// on subjects.
     pub dropped_subjects: u64,
 }
 

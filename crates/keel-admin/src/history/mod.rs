@@ -190,6 +190,7 @@ struct State {
     subjects: BTreeMap<(SubjectKind, String), Track>,
     counters: HashMap<Key, u64>,
     samples: u64,
+    /// Subjects of the latest sample not kept, past the bound.
     dropped_subjects: u64,
 }
 
@@ -221,6 +222,16 @@ impl History {
         self.inner.config.interval
     }
 
+    /// How far back a full ring at `resolution` reaches (15 minutes and
+    /// 24 hours at the defaults).
+    pub fn span(&self, resolution: Resolution) -> Duration {
+        let c = &self.inner.config;
+        match resolution {
+            Resolution::Fine => c.interval * c.fine_points as u32,
+            Resolution::Coarse => c.interval * (c.coarse_every * c.coarse_points) as u32,
+        }
+    }
+
     /// Samples every interval until `shutdown` completes.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
         let every = self.inner.config.interval;
@@ -247,11 +258,12 @@ impl History {
         );
         state.samples += 1;
         let merge_now = state.samples.is_multiple_of(config.coarse_every as u64);
+        let mut dropped = 0;
         for ((kind, name), values) in readings {
             let key = (kind, name);
             if !state.subjects.contains_key(&key) {
                 if state.subjects.len() >= config.max_subjects {
-                    state.dropped_subjects += 1;
+                    dropped += 1;
                     continue;
                 }
                 state.subjects.insert(
@@ -275,6 +287,7 @@ impl History {
                 track.pending.clear();
             }
         }
+        state.dropped_subjects = dropped;
     }
 
     /// Every subject with its points at `resolution`, optionally only

@@ -17,8 +17,8 @@ struct Reading {
     /// Histogram values, by the percentile measures they feed.
     durations: Vec<f64>,
     breaker: Option<f64>,
-    to_open: u64,
-    to_half_open: u64,
+    was_open: u64,
+    was_half_open: u64,
 }
 
 impl Reading {
@@ -28,8 +28,8 @@ impl Reading {
             values: vec![f64::NAN; kind.measures().len()],
             durations: Vec::new(),
             breaker: None,
-            to_open: 0,
-            to_half_open: 0,
+            was_open: 0,
+            was_half_open: 0,
         }
     }
 
@@ -71,9 +71,9 @@ impl Reading {
             self.max(p99, tail);
         }
         if let Some(now) = self.breaker {
-            let worst = if self.to_open > 0 {
+            let worst = if self.was_open > 0 {
                 2.0
-            } else if self.to_half_open > 0 {
+            } else if self.was_half_open > 0 {
                 now.max(1.0)
             } else {
                 now
@@ -184,10 +184,15 @@ fn counter(r: &mut Reading, key: &Key, delta: u64, interval_secs: f64) {
         "keel_outbox_published_total" => r.add(Measure::Published, n / interval_secs),
         "keel_breaker_transitions_total" => {
             r.add(Measure::Transitions, n);
-            match key.labels().find(|l| l.key() == "to").map(|l| l.value()) {
-                Some("open" | "forced_open") => r.to_open += delta,
-                Some("half_open") => r.to_half_open += delta,
-                _ => {}
+            // A state the breaker entered, or left, during the interval is
+            // one it was in during the interval.
+            let state = |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value());
+            for state in [state("from"), state("to")] {
+                match state {
+                    Some("open" | "forced_open") => r.was_open += delta,
+                    Some("half_open") => r.was_half_open += delta,
+                    _ => {}
+                }
             }
         }
         _ => {}

@@ -103,14 +103,20 @@ fn counters_count_the_interval_and_an_idle_interval_has_no_percentile() {
     assert!(p99[1].is_nan(), "nothing handled, nothing to measure");
 }
 
+/// The payments breaker moved from `from` to `to`.
+fn transition(from: &'static str, to: &'static str) {
+    metrics::counter!("keel_breaker_transitions_total", "name" => "payments", "from" => from, "to" => to)
+        .increment(1);
+}
+
+/// The payments breaker's state gauge.
+fn state() -> metrics::Gauge {
+    metrics::gauge!("keel_breaker_state", "name" => "payments")
+}
+
 #[test]
 fn a_breaker_that_opened_and_closed_within_one_interval_shows_open() {
     let history = history();
-    let transition = |from: &'static str, to: &'static str| {
-        metrics::counter!("keel_breaker_transitions_total", "name" => "payments", "from" => from, "to" => to)
-            .increment(1);
-    };
-    let state = || metrics::gauge!("keel_breaker_state", "name" => "payments");
     record(&history, || {
         state().set(0.0);
         transition("closed", "open");
@@ -127,6 +133,30 @@ fn a_breaker_that_opened_and_closed_within_one_interval_shows_open() {
     assert_eq!(series(Measure::BreakerState), [2.0, 1.0, 0.0]);
     assert_eq!(series(Measure::Transitions), [3.0, 0.0, 0.0]);
     assert_eq!(series(Measure::Refused), [9.0, 0.0, 0.0]);
+}
+
+#[test]
+fn a_breaker_open_when_the_interval_began_shows_open_though_it_ended_closed() {
+    let history = history();
+    record(&history, || {
+        state().set(1.0);
+        transition("closed", "open");
+    });
+    history.sample_at(5_000);
+    // Still open when this interval began; probed and closed within it.
+    record(&history, || {
+        transition("open", "half_open");
+        transition("half_open", "closed");
+        state().set(0.0);
+    });
+    history.sample_at(10_000);
+    let levels = values(
+        &history,
+        SubjectKind::Dependency,
+        "payments",
+        Measure::BreakerState,
+    );
+    assert_eq!(levels, [2.0, 2.0]);
 }
 
 #[test]
@@ -210,6 +240,12 @@ fn subjects_past_the_bound_are_counted_not_kept() {
     let json = history.snapshot(&HistoryQuery::all(Resolution::Fine));
     assert_eq!(json.subjects.len(), 2);
     assert_eq!(json.dropped_subjects, 1);
+    history.sample_at(10_000);
+    let json = history.snapshot(&HistoryQuery::all(Resolution::Fine));
+    assert_eq!(
+        json.dropped_subjects, 1,
+        "the same one, not a running count"
+    );
 }
 
 #[test]

@@ -9,7 +9,8 @@
 //! - [`ApiKeys`] and [`ApiKeyLayer`]: callers that are tenants, each with
 //!   its own key; the layer puts the [`Tenant`] in the request so handlers
 //!   scope every read and write to it.
-//! - [`client_ip`]: the peer address hyper accepted the connection from;
+//! - [`client_ip`]: the peer address hyper accepted the connection from,
+//!   and [`is_forwarded`]: whether that peer is a proxy;
 //!   [`bearer`] and [`digest`]: the presented token and what is compared.
 
 mod api_keys;
@@ -31,6 +32,15 @@ pub use throttle::{DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES, FailureThrottle
 pub fn digest(value: &str) -> [u8; 32] {
     use sha2::Digest as _;
     sha2::Sha256::digest(value.as_bytes()).into()
+}
+
+/// Whether a proxy forwarded the request (`Forwarded`, `X-Forwarded-For`
+/// or `X-Real-IP`): its peer address is then the proxy's, not the
+/// client's, and a loopback peer says nothing about who is calling.
+pub fn is_forwarded(headers: &axum::http::HeaderMap) -> bool {
+    ["forwarded", "x-forwarded-for", "x-real-ip"]
+        .iter()
+        .any(|name| headers.contains_key(*name))
 }
 
 /// The address of the peer the request came from, when the server recorded
