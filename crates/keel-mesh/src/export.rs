@@ -2,7 +2,7 @@
 //! in the sidecar, so a team moves a policy between the app and the mesh
 //! without re-deriving the numbers.
 
-use keel_policy::balance::{BalanceConfig, Strategy};
+use keel_policy::balance::BalanceConfig;
 
 use crate::duration::IstioDuration;
 use crate::error::MeshError;
@@ -112,11 +112,9 @@ fn virtual_service(name: &str, policy: &DependencyPolicy) -> VirtualService {
 }
 
 fn destination_rule(name: &str, host: &str, balance: &BalanceConfig) -> DestinationRule {
-    // Envoy has no peak-EWMA balancer; least-request is its nearest.
-    let simple = match balance.strategy {
-        Strategy::PeakEwma | Strategy::LeastRequest => "LEAST_REQUEST",
-        _ => "LEAST_REQUEST",
-    };
+    // Envoy has no peak-EWMA balancer; least-request is its nearest, and
+    // the exact match for Keel's least-request strategy.
+    let simple = "LEAST_REQUEST";
     let outlier = (balance.max_ejection_percent > 0).then(|| OutlierDetection {
         consecutive_5xx_errors: Some(balance.consecutive_failures),
         interval: Some(IstioDuration(balance.interval)),

@@ -176,19 +176,11 @@ fn timeline(subject: &SubjectJson, size: Size) -> String {
 /// A breaker's timeline for its row in the breakers section (empty
 /// without a history of it).
 pub(crate) fn breaker_timeline(history: Option<&History>, name: &str) -> String {
-    let Some(history) = history else {
-        return String::new();
-    };
-    let levels = history.series(SubjectKind::Dependency, name, Measure::BreakerState);
-    if levels.is_empty() {
-        return String::new();
-    }
-    let transitions = history
-        .series(SubjectKind::Dependency, name, Measure::Transitions)
-        .iter()
-        .filter(|v| v.is_finite())
-        .sum::<f64>() as u64;
-    graph::timeline(&levels, transitions, SPARK)
+    let query = HistoryQuery::subject(SubjectKind::Dependency, name);
+    history
+        .and_then(|h| h.snapshot(&query).subjects.pop())
+        .map(|subject| timeline(&subject, SPARK))
+        .unwrap_or_default()
 }
 
 /// A sparkline of one measure of one subject, with its latest value
