@@ -20,12 +20,14 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 /// The latencies rendered as histograms: the edge's requests, and every
-/// outgoing call by dependency (HTTP attempts and calls) and by gRPC method,
-/// the figures a timeout is sized from.
+/// outgoing call by dependency (HTTP attempts and calls, attempts by subset)
+/// and by gRPC method, the figures a timeout is sized from and a canary is
+/// judged by.
 const LATENCY_HISTOGRAMS: &[&str] = &[
     "keel_http_request_duration_seconds",
     "keel_client_attempt_duration_seconds",
     "keel_client_call_duration_seconds",
+    "keel_client_subset_attempt_duration_seconds",
     "keel_grpc_client_duration_seconds",
 ];
 

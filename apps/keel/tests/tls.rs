@@ -1,7 +1,9 @@
 //! `keel serve` over HTTPS with a self-signed certificate from files: it
 //! says `https://` when listening, answers an order and the probes over
 //! TLS to a client that trusts the certificate (with HSTS, and `Secure`
-//! session cookies), and refuses to start with a certificate it cannot use.
+//! session cookies), admits to the admin API only the client certificates
+//! `--admin-peers` names, and refuses to start with a certificate it cannot
+//! use.
 
 mod common;
 
@@ -69,6 +71,72 @@ async fn serve_answers_https_with_the_configured_certificate() {
     );
 }
 
+#[tokio::test]
+async fn admin_peers_admit_only_the_named_client_certificates() {
+    use keel_testkit::tls::{TestCa, dns, uri};
+
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key, pem) = self_signed(dir.path());
+    let clients = TestCa::new("client ca");
+    let ca = dir.path().join("clients.pem");
+    std::fs::write(&ca, clients.pem()).unwrap();
+    let s = serve(&[
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--tls-client-ca",
+        ca.to_str().unwrap(),
+        "--admin-peers",
+        "spiffe://keel.local/ops,oncall.keel.local",
+    ]);
+    let client = |sans| {
+        let builder = reqwest::Client::builder()
+            .use_rustls_tls()
+            .add_root_certificate(reqwest::Certificate::from_pem(pem.as_bytes()).unwrap());
+        match sans {
+            Some(sans) => {
+                let (cert, key) = clients.client(sans);
+                let identity = reqwest::Identity::from_pem(format!("{cert}{key}").as_bytes());
+                builder.identity(identity.unwrap())
+            }
+            None => builder,
+        }
+        .build()
+        .unwrap()
+    };
+    let summary = format!("{}/admin/api/summary", s.url);
+    let anonymous = client(None);
+    // Public routes stay open without a certificate...
+    let r = anonymous
+        .get(format!("{}/livez", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    // ...the admin API does not.
+    for (who, caller, problem) in [
+        ("anonymous", &anonymous, "client_certificate_required"),
+        (
+            "orders",
+            &client(Some(vec![uri("spiffe://keel.local/orders")])),
+            "peer_not_allowed",
+        ),
+    ] {
+        let r = caller.get(&summary).send().await.unwrap();
+        assert_eq!(r.status(), 403, "{who}");
+        let body = r.text().await.unwrap();
+        assert!(body.contains(problem), "{who}: {body}");
+    }
+    for sans in [
+        vec![uri("spiffe://keel.local/ops")],
+        vec![dns("oncall.keel.local")],
+    ] {
+        let r = client(Some(sans)).get(&summary).send().await.unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+    }
+}
+
 #[test]
 fn a_certificate_it_cannot_use_is_refused_before_starting() {
     let dir = tempfile::tempdir().unwrap();
@@ -87,4 +155,6 @@ fn a_certificate_it_cannot_use_is_refused_before_starting() {
     assert!(said.contains("/nonexistent/key.pem"), "{said}");
     let said = refused(&["--tls-cert", &cert]);
     assert!(said.contains("tls-key"), "{said}");
+    let said = refused(&["--admin-peers", "spiffe://keel.local/ops"]);
+    assert!(said.contains("tls-client-ca"), "{said}");
 }

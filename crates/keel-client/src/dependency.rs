@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use keel_core::{Name, clock};
 use keel_policy::ConfigError;
+use keel_policy::balance::{BalanceConfig, Balancer};
 use keel_policy::breaker::{BreakerRegistry, CircuitBreaker, CircuitBreakerConfig};
 use keel_policy::bulkhead::{Bulkhead, BulkheadConfig};
 use keel_policy::pipeline::Pipeline;
@@ -15,6 +16,7 @@ use tracing::Instrument;
 
 use crate::client::PropagatingClient;
 use crate::error::HttpCallError;
+use crate::routing::{Endpoint, Routes, SubsetConfig};
 
 /// Attempts by default, the first included: 2 (× 700 ms fits in 2 s).
 const DEFAULT_ATTEMPTS: std::num::NonZeroU32 = std::num::NonZeroU32::MIN.saturating_add(1);
@@ -43,6 +45,13 @@ pub struct DependencyConfig {
     pub breaker: CircuitBreakerConfig,
     /// The most calls in flight to the dependency (default 10, no queue).
     pub bulkhead: BulkheadConfig,
+    /// Its endpoints, in weighted subsets, for
+    /// [`send_routed`](Dependency::send_routed) (default none: requests
+    /// carry their own URLs).
+    pub subsets: Vec<SubsetConfig>,
+    /// How each subset balances its endpoints (default peak-EWMA, ejecting
+    /// after 5 failures in a row, at most half the subset at once).
+    pub balance: BalanceConfig,
 }
 
 impl Default for DependencyConfig {
@@ -63,6 +72,8 @@ impl Default for DependencyConfig {
             },
             breaker: CircuitBreakerConfig::default(),
             bulkhead: BulkheadConfig::default(),
+            subsets: Vec::new(),
+            balance: BalanceConfig::default(),
         }
     }
 }
@@ -132,6 +143,27 @@ impl DependencyBuilder {
         self
     }
 
+    /// One subset, `default`, over `endpoints` (base URLs), balanced by
+    /// load, for [`send_routed`](Dependency::send_routed).
+    pub fn endpoints<S: Into<String>>(mut self, endpoints: impl IntoIterator<Item = S>) -> Self {
+        self.config.subsets = vec![SubsetConfig::new("default", 1, endpoints)];
+        self
+    }
+
+    /// Weighted subsets of endpoints (a baseline and a canary, say), for
+    /// [`send_routed`](Dependency::send_routed); see
+    /// [`routing`](crate::routing).
+    pub fn subsets(mut self, subsets: Vec<SubsetConfig>) -> Self {
+        self.config.subsets = subsets;
+        self
+    }
+
+    /// How each subset balances its endpoints.
+    pub fn balance(mut self, balance: BalanceConfig) -> Self {
+        self.config.balance = balance;
+        self
+    }
+
     /// Validates the configuration and builds the dependency's policies.
     pub fn build(self) -> Result<Dependency, ConfigError> {
         let Self {
@@ -149,6 +181,10 @@ impl DependencyBuilder {
         let breaker = match breaker {
             Some(breaker) => breaker,
             None => config.breaker.build(name)?,
+        };
+        let routes = match config.subsets.as_slice() {
+            [] => None,
+            subsets => Some(Routes::build(name, subsets, &config.balance)?),
         };
         let retry = config.retry.build(name)?;
         let bulkhead = config.bulkhead.build(name)?;
@@ -170,6 +206,7 @@ impl DependencyBuilder {
             retry,
             breaker,
             bulkhead,
+            routes,
         };
         Ok(Dependency {
             inner: Arc::new(inner),
@@ -225,6 +262,7 @@ struct Inner {
     retry: Retry,
     breaker: CircuitBreaker,
     bulkhead: Bulkhead,
+    routes: Option<Routes>,
 }
 
 impl Dependency {
@@ -253,6 +291,17 @@ impl Dependency {
         &self.inner.client
     }
 
+    /// Each subset's balancer (empty without [`subsets`](DependencyBuilder::subsets)),
+    /// to see its endpoints' load and ejections.
+    pub fn balancers(&self) -> Vec<Balancer<Endpoint>> {
+        self.inner
+            .routes
+            .iter()
+            .flat_map(Routes::balancers)
+            .cloned()
+            .collect()
+    }
+
     /// Sends the request `build` makes, through the policies. `build` runs
     /// once per attempt, so each retry sends a fresh request.
     ///
@@ -266,16 +315,72 @@ impl Dependency {
     where
         F: Fn(&reqwest::Client) -> reqwest::RequestBuilder,
     {
+        self.call(|http| Ok((build(http), None))).await
+    }
+
+    /// Sends the request `build` makes for an endpoint of the dependency's
+    /// [`subsets`](DependencyBuilder::subsets), through the policies: each
+    /// attempt draws a subset by weight and an endpoint in it by load (see
+    /// [`routing`](crate::routing)), and its outcome feeds that endpoint's
+    /// latency estimate and outlier ejection. Besides
+    /// [`send`](Self::send)'s metrics, each attempt is recorded in
+    /// `keel_client_subset_attempt_duration_seconds` by `dependency`,
+    /// `subset`, `track` and `outcome`.
+    ///
+    /// Without subsets every attempt is refused with
+    /// [`Rejected::NoEndpoint`](keel_core::Rejected::NoEndpoint).
+    ///
+    /// ```no_run
+    /// use keel_client::{PropagatingClient, SubsetConfig};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = PropagatingClient::new(reqwest::Client::new());
+    /// let payments = client
+    ///     .dependency("payments")
+    ///     .subsets(vec![
+    ///         SubsetConfig::new("stable", 95, ["http://10.0.0.1:8081", "http://10.0.0.2:8081"]),
+    ///         SubsetConfig::new("v2", 5, ["http://10.0.0.3:8081"]).canary(),
+    ///     ])
+    ///     .build()?;
+    /// let paid = payments
+    ///     .send_routed(|http, endpoint| http.post(endpoint.url("/charges")).body("{}"))
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn send_routed<F>(&self, build: F) -> Result<reqwest::Response, HttpCallError>
+    where
+        F: Fn(&reqwest::Client, &Endpoint) -> reqwest::RequestBuilder,
+    {
+        let inner = &*self.inner;
+        self.call(|http| {
+            let routes = inner
+                .routes
+                .as_ref()
+                .ok_or(keel_core::Rejected::NoEndpoint { name: inner.name })?;
+            let picked = routes.pick()?;
+            let request = build(http, picked.endpoint());
+            Ok((request, Some(picked)))
+        })
+        .await
+    }
+
+    async fn call<F>(&self, attempt: F) -> Result<reqwest::Response, HttpCallError>
+    where
+        F: Fn(
+            &reqwest::Client,
+        ) -> Result<(reqwest::RequestBuilder, Option<Routed>), keel_core::Rejected>,
+    {
         let inner = &*self.inner;
         let started = clock::now();
         let result = inner
             .pipeline
             .call(|| {
-                let attempt = inner.client.send(build(&inner.client.inner()));
+                let prepared = attempt(&inner.client.inner());
                 let name = inner.name;
                 async move {
+                    let (request, routed) = prepared?;
                     let attempt_started = clock::now();
-                    let answered = attempt.await;
+                    let answered = inner.client.send(request).await;
                     // A status the client turned into an error (a 503, say)
                     // is still an answer: it counts by its class.
                     let outcome = match &answered {
@@ -288,6 +393,10 @@ impl Dependency {
                         outcome,
                         attempt_started,
                     );
+                    if let Some(picked) = routed {
+                        record_subset(&name, picked.endpoint(), outcome, attempt_started);
+                        picked.record(&answered);
+                    }
                     answered
                 }
             })
@@ -306,6 +415,29 @@ impl Dependency {
         }
         result
     }
+}
+
+/// The endpoint an attempt was routed to, in flight until it finishes.
+type Routed = keel_policy::balance::Picked<Endpoint>;
+
+/// Records an attempt routed to `endpoint` by its subset and track.
+fn record_subset(
+    dependency: &Name,
+    endpoint: &Endpoint,
+    outcome: &'static str,
+    started: clock::Instant,
+) {
+    let seconds = clock::now()
+        .saturating_duration_since(started)
+        .as_secs_f64();
+    metrics::histogram!(
+        "keel_client_subset_attempt_duration_seconds",
+        "dependency" => dependency.to_string(),
+        "subset" => endpoint.subset().to_string(),
+        "track" => endpoint.track(),
+        "outcome" => outcome,
+    )
+    .record(seconds);
 }
 
 /// Records the time since `started` in histogram `metric`.

@@ -29,6 +29,17 @@
 //! bulkhead and a per-attempt timeout, so a failing payments service opens
 //! the payments breaker and nothing else.
 //!
+//! A dependency on several hosts, or in the middle of a canary release,
+//! lists its endpoints in weighted [`routing`] subsets (95% to `stable`, 5%
+//! to `v2`); [`Dependency::send_routed`] draws a subset by weight and an
+//! endpoint in it by peak-EWMA load, ejecting outliers but never a whole
+//! subset, and labels every attempt with its subset and track so a canary's
+//! error rate can be compared with the baseline's.
+//!
+//! Behind mTLS, [`PropagatingClient::with_identity`] presents the service's
+//! own certificate and re-reads it as connections recycle, so a rotated
+//! certificate needs no restart ([`identity`]).
+//!
 //! # The client loops
 //!
 //! A service that *consumes* another Keel service's push or jobs needs
@@ -51,6 +62,7 @@ mod client;
 mod dependency;
 mod error;
 pub mod idempotency_key;
+pub mod identity;
 #[cfg(feature = "jobs")]
 pub mod jobs;
 #[cfg(feature = "long-poll")]
@@ -70,6 +82,7 @@ mod loop_error;
 ))]
 pub mod reconnect;
 pub mod recycle;
+pub mod routing;
 #[cfg(feature = "sse")]
 pub mod sse;
 #[cfg(feature = "websocket")]
@@ -80,6 +93,7 @@ pub use dependency::{Dependency, DependencyBuilder, DependencyConfig};
 pub use error::{HttpCallError, parse_retry_after};
 pub use idempotency_key::IdempotencyKey;
 pub use recycle::ConnectionRecycling;
+pub use routing::{Endpoint, SubsetConfig};
 
 #[cfg(feature = "jobs")]
 pub use jobs::{Job, JobClient, JobError, JobState};

@@ -33,6 +33,8 @@ pub mod access;
 pub mod problem;
 pub use keel_lifecycle::slots;
 
+#[cfg(any(feature = "health", feature = "tls"))]
+pub mod connection;
 #[cfg(feature = "chaos")]
 pub mod experiment;
 #[cfg(feature = "health")]

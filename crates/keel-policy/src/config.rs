@@ -20,15 +20,9 @@ impl ConfigError {
         }
     }
 
-    /// Refuses a zero or negative duration, or a NaN/negative float.
-    #[cfg_attr(
-        not(feature = "full"),
-        allow(
-            dead_code,
-            reason = "every policy's config uses it; a build with none of them does not"
-        )
-    )]
-    pub(crate) fn ensure(ok: bool, field: &'static str, reason: &'static str) -> Result<(), Self> {
+    /// `Ok` when `ok` holds, else the error for `field` with `reason`: a
+    /// configuration check in one line.
+    pub fn ensure(ok: bool, field: &'static str, reason: &'static str) -> Result<(), Self> {
         if ok {
             Ok(())
         } else {

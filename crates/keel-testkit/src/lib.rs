@@ -58,6 +58,8 @@ pub mod seeds;
 pub mod services;
 #[cfg(feature = "store-suite")]
 pub mod store_suite;
+#[cfg(feature = "tls")]
+pub mod tls;
 #[cfg(feature = "store-suite")]
 pub mod webhook_suite;
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use keel_admin::AdminToken;
 use keel_http::access::{AllowedHosts, ApiKeys};
 use keel_http::health::ConnectionLimits;
+use keel_http::tls::{ClientAuth, TlsFiles};
 use keel_webhooks::sealing::SecretSealer;
 use keel_webhooks::signing::Secret;
 
@@ -74,8 +75,12 @@ pub struct ServeConfig {
     pub lb_notice: Duration,
     /// What in-flight work gets once the listener closes.
     pub drain_timeout: Duration,
-    /// HTTPS: the certificate chain and key files.
+    /// HTTPS: the certificate chain and key files, and the client CA for
+    /// mTLS.
     pub tls: Option<TlsFiles>,
+    /// The client certificate names the admin API and console admit (none:
+    /// no certificate needed).
+    pub admin_peers: Vec<String>,
     /// Timeouts and the cap of every connection.
     pub connection_limits: ConnectionLimits,
     /// Long-lived connections per client address.
@@ -117,21 +122,14 @@ impl std::fmt::Debug for ServeConfig {
             .field("api_keys", &self.api_keys)
             .field("secrets", &self.secrets)
             .field("public_metrics", &self.public_metrics)
+            .field("tls", &self.tls)
+            .field("admin_peers", &self.admin_peers)
             .field("connection_limits", &self.connection_limits)
             .field("retention", &self.retention)
             .field("inbound_webhook_secret", &set(&self.inbound_webhook_secret))
             .field("cursor_key", &set(&self.cursor_key))
             .finish_non_exhaustive()
     }
-}
-
-/// The certificate chain and private key `keel serve` answers HTTPS with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// PEM certificate chain, leaf first.
-    pub cert: PathBuf,
-    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
-    pub key: PathBuf,
 }
 
 /// A configuration that cannot work, and what to change.
@@ -289,6 +287,7 @@ impl ServeArgs {
             lb_notice,
             drain_timeout,
             tls: self.tls()?,
+            admin_peers: self.admin_peers.clone(),
             connection_limits,
             max_streams_per_client,
             ws_allowed_origins: self.ws_allowed_origins.clone(),
@@ -381,10 +380,11 @@ impl ServeArgs {
         Ok((self.inbound_webhook_secret.clone(), self.cursor_key.clone()))
     }
 
-    /// The certificate and key, both or neither, readable and matching.
+    /// The certificate and key, both or neither, readable and matching;
+    /// the client CA and the admin peers only with them.
     fn tls(&self) -> Result<Option<TlsFiles>, ConfigError> {
         let tls = match (self.tls_cert.clone(), self.tls_key.clone()) {
-            (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+            (Some(cert), Some(key)) => Some(TlsFiles::new(cert, key)),
             (None, None) => None,
             _ => {
                 return Err(invalid(
@@ -393,8 +393,30 @@ impl ServeArgs {
                 ));
             }
         };
+        let tls = match (tls, self.tls_client_ca.clone()) {
+            (Some(files), Some(ca)) => Some(files.client_ca(
+                ca,
+                if self.tls_require_client_cert {
+                    ClientAuth::Required
+                } else {
+                    ClientAuth::Optional
+                },
+            )),
+            (None, Some(_)) => return Err(invalid("tls-client-ca", "needs tls-cert and tls-key")),
+            (tls, None) => tls,
+        };
+        if self.tls_require_client_cert && self.tls_client_ca.is_none() {
+            return Err(invalid("tls-require-client-cert", "needs tls-client-ca"));
+        }
+        if !self.admin_peers.is_empty() && self.tls_client_ca.is_none() {
+            return Err(invalid(
+                "admin-peers",
+                "needs tls-client-ca: without client certificates no peer has a name",
+            ));
+        }
         if let Some(files) = &tls {
-            keel_http::tls::server_config(&files.cert, &files.key)
+            files
+                .load()
                 .map_err(|e| invalid("tls-cert", e.to_string()))?;
         }
         Ok(tls)

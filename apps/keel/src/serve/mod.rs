@@ -160,6 +160,13 @@ pub fn serve_routes<S: ShopStore>(
         .map_err(|e| StartError::Config(e.to_string()))?;
     let (admin, admin_routes) =
         admin_routes(c, token, config.allowed_hosts.clone(), config.tls.is_some());
+    let admin_routes = if config.admin_peers.is_empty() {
+        admin_routes
+    } else {
+        admin_routes.layer(keel_http::tls::RequirePeerLayer::new(
+            config.admin_peers.iter().cloned(),
+        ))
+    };
     // Dead letters, sagas and lag reach /metrics whether or not anyone
     // opens the console, so the shipped alert rules can fire.
     let drain = c.drain.clone();
@@ -306,8 +313,12 @@ async fn serve_on<S: ShopStore>(
             .unwrap_or_else(|| SystemConfig::default().cursor_key),
         lb_notice: config.lb_notice,
         drain_timeout: config.drain_timeout,
+        // Re-read when the files change: certificates rotate.
         tls: match &config.tls {
-            Some(files) => Some(keel_http::tls::server_config(&files.cert, &files.key)?),
+            Some(files) => Some(keel_http::tls::ServerTls::watching(
+                files.clone(),
+                keel_http::tls::RELOAD_CHECK_INTERVAL,
+            )?),
             None => None,
         },
         // Processes sharing a database must not take each other's claims.

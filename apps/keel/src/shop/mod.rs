@@ -114,7 +114,7 @@ pub struct SystemConfig {
     /// Honour `x-chaos-experiment` from loopback clients (default: no).
     pub chaos_experiments: bool,
     /// HTTPS instead of HTTP (default: none).
-    pub tls: Option<Arc<keel_http::tls::ServerConfig>>,
+    pub tls: Option<keel_http::tls::ServerTls>,
     /// How often the background workers poll when idle.
     pub poll_interval: Duration,
     /// The outbox relay's name. A relay takes back claims made under its

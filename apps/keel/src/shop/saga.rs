@@ -142,9 +142,12 @@ impl Dependencies {
             max_concurrent: tuning.max_concurrent,
             ..BulkheadConfig::default()
         };
-        let build = |name: &str| {
+        // Each through the balancer, so a dependency given more endpoints
+        // (or a canary subset) is routed by load and weight.
+        let build = |name: &str, url: &str| {
             client
                 .dependency(name)
+                .endpoints([url])
                 .timeout(tuning.timeout)
                 .attempt_timeout(tuning.attempt_timeout)
                 .retry(retry.clone())
@@ -171,10 +174,10 @@ impl Dependencies {
                 last_good,
             },
             quotes: CarrierQuotes::new(client.clone(), &urls.shipping, breakers)?,
-            payments: build("payments")?,
-            inventory: build("inventory")?,
+            payments: build("payments", &urls.payments)?,
+            inventory: build("inventory", &urls.inventory)?,
             shipping: ShippingClient::new(&urls.shipping_grpc, shipping_token, breakers, tuning)?,
-            notifications: build("notifications")?,
+            notifications: build("notifications", &urls.notifications)?,
             urls,
             stuck_refunds: Arc::default(),
         })
@@ -249,12 +252,12 @@ pub(crate) fn classified(err: HttpCallError) -> Classified {
 
 async fn call(
     dep: &Dependency,
-    url: String,
+    path: &str,
     key: &str,
     body: serde_json::Value,
 ) -> Result<(), Classified> {
-    dep.send(|http| {
-        http.post(url.as_str())
+    dep.send_routed(|http, endpoint| {
+        http.post(endpoint.url(path))
             .header("idempotency-key", key)
             .json(&body)
     })
@@ -306,13 +309,7 @@ fn capture_payment(deps: &Dependencies) -> Step<FulfilmentData> {
             let data = ctx.data();
             let body =
                 serde_json::json!({"orderId": data.order_id, "amountCents": data.total_cents});
-            call(
-                &d.payments,
-                format!("{}/captures", d.urls.payments),
-                ctx.idempotency_key(),
-                body,
-            )
-            .await
+            call(&d.payments, "/captures", ctx.idempotency_key(), body).await
         }
     });
     let d = deps.clone();
@@ -332,13 +329,7 @@ fn capture_payment(deps: &Dependencies) -> Step<FulfilmentData> {
                 }
             }
             let body = serde_json::json!({"orderId": data.order_id, "actionKey": ctx.action_key()});
-            call(
-                &d.payments,
-                format!("{}/refunds", d.urls.payments),
-                ctx.idempotency_key(),
-                body,
-            )
-            .await
+            call(&d.payments, "/refunds", ctx.idempotency_key(), body).await
         }
     })
 }
@@ -354,13 +345,7 @@ fn reserve_stock(deps: &Dependencies) -> Step<FulfilmentData> {
                 return Err(Classified::permanent("demo fault: reserve_stock refused"));
             }
             let body = serde_json::json!({"orderId": data.order_id, "items": data.items});
-            call(
-                &d.inventory,
-                format!("{}/reservations", d.urls.inventory),
-                ctx.idempotency_key(),
-                body,
-            )
-            .await
+            call(&d.inventory, "/reservations", ctx.idempotency_key(), body).await
         }
     });
     let d = deps.clone();
@@ -369,13 +354,7 @@ fn reserve_stock(deps: &Dependencies) -> Step<FulfilmentData> {
         async move {
             let body =
                 serde_json::json!({"orderId": ctx.data().order_id, "actionKey": ctx.action_key()});
-            call(
-                &d.inventory,
-                format!("{}/releases", d.urls.inventory),
-                ctx.idempotency_key(),
-                body,
-            )
-            .await
+            call(&d.inventory, "/releases", ctx.idempotency_key(), body).await
         }
     })
 }
@@ -404,13 +383,7 @@ fn send_receipt(deps: &Dependencies) -> Step<FulfilmentData> {
         let d = d.clone();
         async move {
             let body = serde_json::json!({"orderId": ctx.data().order_id});
-            call(
-                &d.notifications,
-                format!("{}/receipts", d.urls.notifications),
-                ctx.idempotency_key(),
-                body,
-            )
-            .await
+            call(&d.notifications, "/receipts", ctx.idempotency_key(), body).await
         }
     })
 }

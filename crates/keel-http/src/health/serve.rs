@@ -11,6 +11,7 @@ use tokio::task::JoinSet;
 
 use super::listener::DrainListener;
 use super::server::{answer_overloaded, serve_connection, slots};
+use crate::connection::ConnectionInfo;
 
 /// How long a server waits for aborted connections to wind down before
 /// returning anyway.
@@ -33,7 +34,7 @@ pub trait DrainServe {
     ) -> impl Future<Output = io::Result<DrainReport>> + Send
     where
         L: Listener<Addr = SocketAddr>,
-        L::Io: Unpin;
+        L::Io: Unpin + ConnectionInfo;
 
     /// [`serve`](Self::serve) with these [`ConnectionLimits`] (header and
     /// body read and idle timeouts, a connection cap, a share per address).
@@ -45,14 +46,14 @@ pub trait DrainServe {
     ) -> impl Future<Output = io::Result<DrainReport>> + Send
     where
         L: Listener<Addr = SocketAddr>,
-        L::Io: Unpin;
+        L::Io: Unpin + ConnectionInfo;
 }
 
 impl DrainServe for Drain {
     async fn serve<L>(&self, listener: L, router: Router) -> io::Result<DrainReport>
     where
         L: Listener<Addr = SocketAddr>,
-        L::Io: Unpin,
+        L::Io: Unpin + ConnectionInfo,
     {
         self.serve_with(listener, router, ConnectionLimits::default())
             .await
@@ -66,7 +67,7 @@ impl DrainServe for Drain {
     ) -> io::Result<DrainReport>
     where
         L: Listener<Addr = SocketAddr>,
-        L::Io: Unpin,
+        L::Io: Unpin + ConnectionInfo,
     {
         let limits = limits
             .validate()
@@ -106,7 +107,7 @@ async fn accept_until_closing<L>(
     connections: &mut JoinSet<()>,
 ) where
     L: Listener<Addr = SocketAddr>,
-    L::Io: Unpin,
+    L::Io: Unpin + ConnectionInfo,
 {
     let (slots, overflow) = slots(limits);
     let mut closing = std::pin::pin!(drain.closing());

@@ -27,7 +27,8 @@
 //!   share to the cap there, and bound clients at the proxy.
 //!
 //! Each request carries the peer's address as `ConnectInfo<SocketAddr>`,
-//! which per-client limits and throttles read.
+//! which per-client limits and throttles read, and what the connection
+//! knows of its peer ([`ConnectionInfo`]: a TLS client's identity).
 
 use std::future::Future;
 use std::io;
@@ -51,6 +52,7 @@ use tower::ServiceExt;
 
 use keel_lifecycle::{ConnectionLimits, ConnectionSlot, ConnectionSlots, Drain};
 
+use crate::connection::ConnectionInfo;
 use crate::problem::Problem;
 
 /// Over-the-cap answers one address gets at once.
@@ -80,8 +82,11 @@ pub(super) async fn serve_connection<Io>(
     drain: Drain,
     _slot: ConnectionSlot,
 ) where
-    Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    Io: AsyncRead + AsyncWrite + Unpin + Send + ConnectionInfo + 'static,
 {
+    let mut known = axum::http::Extensions::new();
+    io.extend(&mut known);
+    known.insert(ConnectInfo(peer));
     let activity = Activity::default();
     let io = TokioIo::new(Tracked {
         io,
@@ -89,7 +94,7 @@ pub(super) async fn serve_connection<Io>(
     });
     let body_read_timeout = limits.body_read();
     let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-        serve_request(router.clone(), request, peer, body_read_timeout)
+        serve_request(router.clone(), request, known.clone(), body_read_timeout)
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -133,11 +138,14 @@ pub(super) async fn serve_connection<Io>(
 async fn serve_request(
     router: Router,
     request: Request<Incoming>,
-    peer: SocketAddr,
+    connection: axum::http::Extensions,
     body_read_timeout: Duration,
 ) -> Result<axum::response::Response, std::convert::Infallible> {
     let (mut parts, body) = request.into_parts();
-    parts.extensions.insert(ConnectInfo(peer));
+    let peer = connection
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|ConnectInfo(peer)| *peer);
+    parts.extensions.extend(connection);
     if body.is_end_stream() {
         return router
             .oneshot(Request::from_parts(parts, Body::new(body)))
@@ -156,7 +164,7 @@ async fn serve_request(
         return Ok(response);
     }
     metrics::counter!("keel_http_slow_bodies_total").increment(1);
-    tracing::debug!(%peer, "request body not read within its timeout: 408");
+    tracing::debug!(?peer, "request body not read within its timeout: 408");
     let mut timed_out = Problem::new(
         StatusCode::REQUEST_TIMEOUT,
         format!("the request body did not arrive within {body_read_timeout:?}"),

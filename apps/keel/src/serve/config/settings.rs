@@ -136,6 +136,29 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_TLS_KEY", requires = "tls_cert")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
+    /// A PEM file of the CAs client certificates are checked against
+    /// (mTLS): a client that presents a certificate must chain to one, and
+    /// its names become its identity. Re-read when it changes, like
+    /// --tls-cert and --tls-key.
+    #[arg(long, env = "KEEL_TLS_CLIENT_CA", requires = "tls_cert")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Refuse, at the handshake, every client without a certificate of
+    /// --tls-client-ca (default: such clients reach the public routes).
+    #[arg(long, env = "KEEL_TLS_REQUIRE_CLIENT_CERT", requires = "tls_client_ca")]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tls_require_client_cert: bool,
+    /// The client certificate names (DNS names, or URIs such as SPIFFE
+    /// IDs; comma-separated) the admin API and the console admit, besides
+    /// their token: any other caller gets 403. Needs --tls-client-ca.
+    #[arg(
+        long,
+        env = "KEEL_ADMIN_PEERS",
+        value_delimiter = ',',
+        requires = "tls_client_ca"
+    )]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub admin_peers: Vec<String>,
     /// Seconds between reads of the gauges kept in storage (dead letters,
     /// sagas, outbox and consumer lag, webhook endpoints) [default: 5, the
     /// history's interval: the console's lag graph is only as fine as

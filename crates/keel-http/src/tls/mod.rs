@@ -1,5 +1,27 @@
-//! HTTPS for the edge: a rustls server configuration from PEM files, and a
-//! listener that handshakes many clients at once.
+//! HTTPS for the edge: a rustls server configuration from PEM files, client
+//! certificates, reloading without a restart, and a listener that
+//! handshakes many clients at once.
+//!
+//! # Service-to-service identity (mTLS)
+//!
+//! [`TlsFiles::client_ca`] makes the server verify client certificates
+//! against a CA: [`ClientAuth::Required`] refuses the handshake of a client
+//! without one, [`ClientAuth::Optional`] lets it in (public routes stay
+//! open) and leaves the decision to the routes. Either way a verified
+//! client's [`PeerIdentity`] (the DNS and URI names of its certificate, a
+//! SPIFFE ID among them) is put on each of its requests by Keel's server,
+//! and [`RequirePeerLayer`] admits to a group of routes only the peers on
+//! its allow-list, refusing the others with a `403` problem.
+//!
+//! # Reloading
+//!
+//! Certificates are short-lived now (a mesh's rotate daily), so a server
+//! that must restart to take a new one drops connections every day.
+//! [`ServerTls::watching`] re-reads the files when they change (checked
+//! every [`RELOAD_CHECK_INTERVAL`]) and hands new handshakes the new
+//! configuration; a file that does not load keeps the last good one and is
+//! counted in `keel_http_tls_reloads_total{outcome="failed"}`. Open
+//! connections keep the certificate they were made with.
 //!
 //! The handshake is where a naive TLS server is easiest to stall: done
 //! inside `accept`, one client that opens a connection and sends nothing
@@ -40,6 +62,12 @@ use tokio_rustls::server::TlsStream;
 
 use crate::slots::ConnectionSlots;
 
+mod peer;
+mod reload;
+
+pub use peer::{PeerIdentity, RequirePeer, RequirePeerLayer};
+pub use reload::{RELOAD_CHECK_INTERVAL, ServerTls};
+
 /// Handshakes in progress at once, by default.
 const DEFAULT_MAX_HANDSHAKES: usize = 256;
 /// Handshakes in progress from one client address, by default.
@@ -61,34 +89,140 @@ pub enum TlsError {
     /// an unsupported key type).
     #[error("the certificate and key cannot be used together: {0}")]
     Refused(#[from] rustls::Error),
+    /// The client CA file holds no usable CA certificate.
+    #[error("{path}: no usable CA certificate to verify clients with: {reason}")]
+    ClientCa {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
-/// A TLS 1.2/1.3 server configuration (ring, HTTP/1.1 by ALPN) from a PEM
-/// certificate chain (leaf first) and its PEM private key.
+/// Whether clients must present a certificate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ClientAuth {
+    /// A client without a certificate is let in, with no [`PeerIdentity`];
+    /// one with a certificate the CA did not sign is refused (default).
+    #[default]
+    Optional,
+    /// A client without a certificate the CA signed fails the handshake.
+    Required,
+}
+
+/// Where a server's certificate, key and (for mTLS) client CA live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain, PEM, leaf first.
+    pub cert: PathBuf,
+    /// Its private key, PEM.
+    pub key: PathBuf,
+    /// The CA certificates (PEM) client certificates must chain to; none
+    /// for one-way TLS.
+    pub client_ca: Option<PathBuf>,
+    /// Whether a client certificate is required (with `client_ca`).
+    pub client_auth: ClientAuth,
+}
+
+impl TlsFiles {
+    /// One-way TLS with `cert` and `key`.
+    pub fn new(cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        Self {
+            cert: cert.into(),
+            key: key.into(),
+            client_ca: None,
+            client_auth: ClientAuth::default(),
+        }
+    }
+
+    /// Verifies client certificates against the CAs in `ca`.
+    #[must_use]
+    pub fn client_ca(mut self, ca: impl Into<PathBuf>, auth: ClientAuth) -> Self {
+        self.client_ca = Some(ca.into());
+        self.client_auth = auth;
+        self
+    }
+
+    /// Reads the files and builds the configuration (TLS 1.2/1.3, ring,
+    /// HTTP/1.1 by ALPN).
+    pub fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let chain = read_chain(&self.cert)?;
+        if chain.is_empty() {
+            return Err(file_error(
+                &self.cert,
+                "holds no PEM certificate".to_owned(),
+            ));
+        }
+        let key = PrivateKeyDer::from_pem_file(&self.key)
+            .map_err(|e| file_error(&self.key, e.to_string()))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()?;
+        let builder = match &self.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                builder.with_client_cert_verifier(client_verifier(ca, self.client_auth, provider)?)
+            }
+        };
+        let mut config = builder.with_single_cert(chain, key)?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+
+    /// The files, for reloading.
+    pub(crate) fn paths(&self) -> impl Iterator<Item = &Path> {
+        [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(PathBuf::as_path)
+    }
+}
+
+fn file_error(path: &Path, reason: String) -> TlsError {
+    TlsError::File {
+        path: path.to_owned(),
+        reason,
+    }
+}
+
+fn read_chain(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    CertificateDer::pem_file_iter(path)
+        .map_err(|e| file_error(path, e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file_error(path, e.to_string()))
+}
+
+fn client_verifier(
+    ca: &Path,
+    auth: ClientAuth,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+    let ca_error = |reason: String| TlsError::ClientCa {
+        path: ca.to_owned(),
+        reason,
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in read_chain(ca)? {
+        roots.add(cert).map_err(|e| ca_error(e.to_string()))?;
+    }
+    let builder =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+    let builder = match auth {
+        ClientAuth::Optional => builder.allow_unauthenticated(),
+        ClientAuth::Required => builder,
+    };
+    builder.build().map_err(|e| ca_error(e.to_string()))
+}
+
+/// A one-way TLS 1.2/1.3 server configuration (ring, HTTP/1.1 by ALPN)
+/// from a PEM certificate chain (leaf first) and its PEM private key; see
+/// [`TlsFiles`] for client certificates.
 pub fn server_config(
     cert: impl AsRef<Path>,
     key: impl AsRef<Path>,
 ) -> Result<Arc<ServerConfig>, TlsError> {
-    let (cert, key) = (cert.as_ref(), key.as_ref());
-    let file_error = |path: &Path, reason: String| TlsError::File {
-        path: path.to_owned(),
-        reason,
-    };
-    let chain = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| file_error(cert, e.to_string()))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| file_error(cert, e.to_string()))?;
-    if chain.is_empty() {
-        return Err(file_error(cert, "holds no PEM certificate".to_owned()));
-    }
-    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error(key, e.to_string()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
+    TlsFiles::new(cert.as_ref(), key.as_ref()).load()
 }
 
 /// A finished handshake's connection, if it succeeded.
@@ -111,7 +245,7 @@ impl ClientAddress for SocketAddr {
 /// [module docs](self).
 pub struct TlsListener<L: Listener> {
     inner: L,
-    acceptor: TlsAcceptor,
+    config: ServerTls,
     handshakes: JoinSet<Handshake<L>>,
     handshake_timeout: Duration,
     max_handshakes: usize,
@@ -137,11 +271,12 @@ where
     L: Listener,
     L::Addr: ClientAddress + 'static,
 {
-    /// TLS with `config` on `inner`'s connections.
-    pub fn new(inner: L, config: Arc<ServerConfig>) -> Self {
+    /// TLS with `config` on `inner`'s connections: a fixed
+    /// `Arc<ServerConfig>`, or a [`ServerTls`] that reloads.
+    pub fn new(inner: L, config: impl Into<ServerTls>) -> Self {
         Self {
             inner,
-            acceptor: TlsAcceptor::from(config),
+            config: config.into(),
             handshakes: JoinSet::new(),
             handshake_timeout: Duration::from_secs(10),
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
@@ -192,7 +327,7 @@ where
             },
             None => None,
         };
-        let acceptor = self.acceptor.clone();
+        let acceptor = TlsAcceptor::from(self.config.current());
         let timeout = self.handshake_timeout;
         self.handshakes.spawn(async move {
             let _slot = slot;
