@@ -17,7 +17,9 @@ use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, Storag
 use async_nats::jetstream::{self, kv};
 use async_nats::{HeaderMap, HeaderName, HeaderValue, Subject};
 use async_trait::async_trait;
-use keel_store::broker::{Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_store::broker::{
+    Backlog, Broker, BrokerError, Message, MessageRetention, SubscribeOptions, Subscription,
+};
 use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
@@ -426,6 +428,13 @@ impl Broker for NatsBroker {
             )));
         }
         Ok(())
+    }
+
+    fn retention(&self) -> MessageRetention {
+        match self.inner.options.retention {
+            zero if zero.is_zero() => MessageRetention::Forever,
+            age => MessageRetention::For(age),
+        }
     }
 
     /// Binds (creating if needed) the group's durable pull consumer: deliver

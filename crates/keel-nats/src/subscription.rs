@@ -43,6 +43,8 @@ pub(crate) struct Parked {
     /// The key's previous message, as the server checked it at publish.
     predecessor: Option<u64>,
     deadline: Instant,
+    /// When the stream stored it.
+    stored_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// A pulled message, sorted into what happens to it.
@@ -212,6 +214,10 @@ impl NatsSubscription {
             BrokerError::Other(format!("a JetStream message without metadata: {e}").into())
         })?;
         let (sequence, delivered) = (info.stream_sequence, info.delivered);
+        let stored_at = chrono::DateTime::from_timestamp(
+            info.published.unix_timestamp(),
+            info.published.nanosecond(),
+        );
         let predecessor = predecessor::verified(message.headers.as_ref());
         let key_token = self
             .names
@@ -225,6 +231,7 @@ impl NatsSubscription {
             key_token,
             predecessor,
             deadline: received_at + self.ack_wait - margin(self.ack_wait),
+            stored_at,
         })
     }
 
@@ -435,7 +442,11 @@ impl NatsSubscription {
             headers,
             payload: message.payload,
         };
-        Delivery::new(message, parked.delivered, Box::new(control))
+        let delivery = Delivery::new(message, parked.delivered, Box::new(control));
+        match parked.stored_at {
+            Some(at) => delivery.with_received_at(at),
+            None => delivery,
+        }
     }
 }
 

@@ -31,6 +31,10 @@ impl Broker for TempBroker {
         self.broker.ping().await
     }
 
+    fn retention(&self) -> keel_store::broker::MessageRetention {
+        self.broker.retention()
+    }
+
     async fn backlog(&self, topic: &str, group: &str) -> Result<Option<Backlog>, BrokerError> {
         self.broker.backlog(topic, group).await
     }

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use chrono::{DateTime, Utc};
 use keel_core::{BoxError, Classify, ErrorClass};
 
 /// Message headers. Small, ordered, and string-valued like every broker's.
@@ -174,6 +175,7 @@ pub struct Delivery {
     /// How many times this message has been delivered to this group,
     /// this delivery included (1 the first time).
     pub delivery_count: u32,
+    received_at: Option<DateTime<Utc>>,
     control: Box<dyn DeliveryControl>,
 }
 
@@ -182,6 +184,7 @@ impl fmt::Debug for Delivery {
         f.debug_struct("Delivery")
             .field("message", &self.message)
             .field("delivery_count", &self.delivery_count)
+            .field("received_at", &self.received_at)
             .finish_non_exhaustive()
     }
 }
@@ -192,8 +195,25 @@ impl Delivery {
         Self {
             message,
             delivery_count,
+            received_at: None,
             control,
         }
+    }
+
+    /// Records when the broker received the message (for broker
+    /// implementations): what a consumer sees as the CloudEvents `time`.
+    #[must_use]
+    pub fn with_received_at(mut self, at: DateTime<Utc>) -> Self {
+        self.received_at = Some(at);
+        self
+    }
+
+    /// When the broker received the message, if it says: the CloudEvents
+    /// `time` ("when the broker got it"), as opposed to `occurredAt`, when
+    /// the fact happened. A replayed dead letter was received again when it
+    /// was replayed.
+    pub fn received_at(&self) -> Option<DateTime<Utc>> {
+        self.received_at
     }
 
     /// Done: never deliver this message to this group again. Call only after
@@ -216,6 +236,18 @@ impl Delivery {
     pub async fn terminate(&self) -> Result<(), BrokerError> {
         self.control.terminate().await
     }
+}
+
+/// How long a broker keeps what it stored; see [`Broker::retention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MessageRetention {
+    /// Messages are kept this long after they were stored.
+    For(Duration),
+    /// Messages are kept until removed by hand (no age limit).
+    Forever,
+    /// The broker does not say.
+    Unknown,
 }
 
 /// How a broker settles one delivery. Implemented by brokers, used through
@@ -256,6 +288,16 @@ pub trait Broker: Send + Sync + 'static {
     fn validate(&self, message: &Message) -> Result<(), BrokerError> {
         let _ = message;
         Ok(())
+    }
+
+    /// How long the broker keeps a message it stored, whether or not its
+    /// groups settled it: what a late group or a replay from the start can
+    /// still read. [`MessageRetention::Forever`] when nothing but the
+    /// groups' acks removes messages; the default says
+    /// [`MessageRetention::Unknown`]. What refers to a message from outside
+    /// the broker (a claim-checked payload) must live at least this long.
+    fn retention(&self) -> MessageRetention {
+        MessageRetention::Unknown
     }
 
     /// Opens (creating if needed) a consumer group's subscription.

@@ -8,7 +8,7 @@
 //! | `id` | the dedupe key: delivery is at-least-once |
 //! | `type` | carries a version (`shop.order.placed.v1`) so v2 can coexist |
 //! | `subject` | the entity id, and also the partition key that keeps its order |
-//! | `time` | when it happened: set when the envelope is made (a typed event's `occurredAt`) |
+//! | `time` | when the broker got it: the producer's envelope says when it was made, and a consumer sees the broker's receipt time (the delivery's [`received_at`](crate::broker::Delivery::received_at)) |
 //! | `data.occurredAt` | when the fact happened (business logic uses this one) |
 //! | `data.version` | monotonic per entity: consumers can drop stale updates |
 //! | `traceparent` | carries the trace across the broker |
@@ -207,8 +207,10 @@ impl Envelope {
             ),
         );
         data.insert("version".into(), Value::from(meta.version));
+        // `time` stays when the envelope was made, not `occurredAt`: the
+        // two answer different questions (when the fact happened, for
+        // business logic; when the message moved, for operations).
         let mut env = Self::new(source, E::TYPE);
-        env.time = Some(meta.occurred_at.trunc_subsecs(3));
         env.subject = Some(event.subject());
         env.data = Some(Value::Object(data));
         env.validate()?;

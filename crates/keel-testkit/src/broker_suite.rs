@@ -48,10 +48,11 @@ use std::time::Duration;
 
 pub use basics::{
     ack_means_never_again, backlog_counts_what_the_group_has_not_finished,
-    every_group_gets_every_message, group_members_split_the_work,
-    late_group_receives_retained_messages, ping_answers, publish_then_receive,
-    publisher_dedupes_on_message_id, receive_respects_max, receive_waits_then_returns_empty,
-    receive_wakes_on_publish, terminate_means_never_again,
+    deliveries_say_when_the_broker_received_them, every_group_gets_every_message,
+    group_members_split_the_work, late_group_receives_retained_messages, ping_answers,
+    publish_then_receive, publisher_dedupes_on_message_id, receive_respects_max,
+    receive_waits_then_returns_empty, receive_wakes_on_publish, terminate_means_never_again,
+    the_broker_says_how_long_it_keeps_messages,
 };
 pub use checker::OrderChecker;
 pub use expiry::{
@@ -101,6 +102,8 @@ macro_rules! broker_conformance_tests {
     ($make:expr) => {
         $crate::broker_conformance_tests!(@scenarios $make;
             publish_then_receive,
+            deliveries_say_when_the_broker_received_them,
+            the_broker_says_how_long_it_keeps_messages,
             every_group_gets_every_message,
             group_members_split_the_work,
             ack_means_never_again,

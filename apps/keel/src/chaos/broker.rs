@@ -16,7 +16,8 @@ use keel_core::PolicyError;
 use keel_policy::ConfigError;
 use keel_policy::chaos::{ChaosExperiment, FaultInjection};
 use keel_store::broker::{
-    Backlog, Broker, BrokerError, Delivery, Message, SubscribeOptions, Subscription,
+    Backlog, Broker, BrokerError, Delivery, Message, MessageRetention, SubscribeOptions,
+    Subscription,
 };
 
 /// The experiment every call through [`FaultyBroker`] belongs to.
@@ -109,6 +110,10 @@ impl Broker for FaultyBroker {
     /// what the broker could ever accept.
     fn validate(&self, message: &Message) -> Result<(), BrokerError> {
         self.inner.validate(message)
+    }
+
+    fn retention(&self) -> MessageRetention {
+        self.inner.retention()
     }
 
     async fn ping(&self) -> Result<(), BrokerError> {

@@ -59,6 +59,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use crate::broker::MessageRetention;
 use crate::envelope::{DEFAULT_MAX_SIZE, Envelope, EnvelopeError};
 
 mod holders;
@@ -178,6 +179,18 @@ pub struct ClaimCheck {
     inline_limit: usize,
     multipart_threshold: usize,
     holders: Vec<Arc<dyn ClaimHolder>>,
+    min_lifetime: MinLifetime,
+}
+
+/// The youngest an object may be and still be swept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MinLifetime {
+    /// No floor: the caller's cut-off decides.
+    None,
+    /// Objects younger than this are kept, whatever the cut-off.
+    At(chrono::Duration),
+    /// Messages are kept forever: no object is ever old enough.
+    Forever,
 }
 
 impl std::fmt::Debug for ClaimCheck {
@@ -189,6 +202,7 @@ impl std::fmt::Debug for ClaimCheck {
             .field("inline_limit", &self.inline_limit)
             .field("multipart_threshold", &self.multipart_threshold)
             .field("holders", &self.holders.len())
+            .field("min_lifetime", &self.min_lifetime)
             .finish()
     }
 }
@@ -205,6 +219,7 @@ impl ClaimCheck {
             inline_limit: DEFAULT_MAX_SIZE,
             multipart_threshold: DEFAULT_MULTIPART_THRESHOLD,
             holders: Vec::new(),
+            min_lifetime: MinLifetime::None,
         }
     }
 
@@ -252,6 +267,38 @@ impl ClaimCheck {
     /// dead letter waiting for a replay keeps its payload.
     pub fn keeping(mut self, holder: Arc<dyn ClaimHolder>) -> Self {
         self.holders.push(holder);
+        self
+    }
+
+    /// Never sweeps an object a message still on the broker may claim:
+    /// every sweep keeps objects younger than `retention` (the broker's own,
+    /// from [`Broker::retention`](crate::broker::Broker::retention)) plus
+    /// `publish_delay`, the longest a claimed message may wait between the
+    /// put and the broker storing it (the outbox's lag: a relay that was
+    /// down). With [`MessageRetention::Forever`] nothing is swept by age;
+    /// with `Unknown`, the sweep's cut-off alone decides.
+    ///
+    /// ```
+    /// # use keel_messaging::claim_check::ClaimCheck;
+    /// use std::time::Duration;
+    /// use keel_messaging::broker::MessageRetention;
+    ///
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// // A 7-day topic: a claim stays fetchable for 7 days and 1 hour at least.
+    /// let claims = ClaimCheck::local(dir.path())
+    ///     .unwrap()
+    ///     .outliving(MessageRetention::For(Duration::from_secs(7 * 86_400)), Duration::from_secs(3_600));
+    /// ```
+    pub fn outliving(mut self, retention: MessageRetention, publish_delay: Duration) -> Self {
+        let floor = |age: Duration| {
+            chrono::Duration::from_std(age.saturating_add(publish_delay))
+                .map_or(MinLifetime::Forever, MinLifetime::At)
+        };
+        self.min_lifetime = match retention {
+            MessageRetention::For(age) => floor(age),
+            MessageRetention::Forever => MinLifetime::Forever,
+            _ => MinLifetime::None,
+        };
         self
     }
 
@@ -316,9 +363,21 @@ impl ClaimCheck {
     /// Deletes the objects under this claim check's prefix last written
     /// before `cut_off` that no holder ([`keeping`](Self::keeping)) still
     /// claims; returns how many. Set the cut-off from the lifetime a claim
-    /// must be fetchable: at least the topic's retention. A holder that
-    /// cannot answer stops the sweep before anything is deleted.
+    /// must be fetchable: at least the topic's retention, which
+    /// [`outliving`](Self::outliving) enforces whatever cut-off is given. A
+    /// holder that cannot answer stops the sweep before anything is
+    /// deleted.
     pub async fn sweep(&self, cut_off: DateTime<Utc>) -> Result<u64, ClaimCheckError> {
+        let cut_off = match self.min_lifetime {
+            MinLifetime::None => cut_off,
+            MinLifetime::At(floor) => keel_core::clock::utc_now()
+                .checked_sub_signed(floor)
+                .map_or(DateTime::<Utc>::MIN_UTC, |youngest| cut_off.min(youngest)),
+            MinLifetime::Forever => {
+                tracing::debug!("the broker keeps messages forever: no claim is swept by age");
+                return Ok(0);
+            }
+        };
         let mut held = std::collections::HashSet::new();
         for holder in &self.holders {
             held.extend(holder.held().await?);

@@ -75,6 +75,40 @@ async fn a_sweep_deletes_what_was_not_written_since_the_cut_off() {
     assert_eq!(claims.sweep(nothing_old).await.unwrap(), 0);
 }
 
+#[tokio::test]
+async fn no_claim_is_swept_while_the_broker_may_still_hold_its_message() {
+    use crate::broker::MessageRetention;
+
+    // A cut-off in the future would sweep everything by age alone.
+    let everything = || keel_core::clock::utc_now() + chrono::Duration::hours(1);
+    let hour = Duration::from_secs(3_600);
+    let day = MessageRetention::For(Duration::from_secs(86_400));
+    let cases = [
+        ("a day's retention", in_memory().outliving(day, hour), 0),
+        (
+            "kept forever",
+            in_memory().outliving(MessageRetention::Forever, hour),
+            0,
+        ),
+        (
+            "retention unknown",
+            in_memory().outliving(MessageRetention::Unknown, hour),
+            1,
+        ),
+        (
+            "retention and delay both past",
+            in_memory().outliving(MessageRetention::For(Duration::ZERO), Duration::ZERO),
+            1,
+        ),
+    ];
+    for (case, claims, swept) in cases {
+        let claim = claims.put(Bytes::from_static(b"report")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(claims.sweep(everything()).await.unwrap(), swept, "{case}");
+        assert_eq!(claims.fetch(&claim).await.is_ok(), swept == 0, "{case}");
+    }
+}
+
 #[test]
 fn claim_serializes_like_the_seed() {
     let claim = Claim {

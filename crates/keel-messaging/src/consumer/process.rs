@@ -160,7 +160,10 @@ impl<S: Store + ConsumerStore> Processor<S> {
             return Err(Outcome::Expired);
         }
         let envelope = match decode(msg) {
-            Ok(env) => env,
+            // `time` is when the broker got it (`occurredAt`, in the data,
+            // is when the fact happened): the broker's word replaces the
+            // producer's guess.
+            Ok(env) => with_broker_time(env, delivery),
             Err(err) => {
                 let why = format!("cannot decode the CloudEvents envelope: {err}");
                 return Err(self
@@ -545,6 +548,15 @@ fn decode(msg: &Message) -> Result<Envelope, EnvelopeError> {
             &msg.payload,
         ),
     }
+}
+
+/// `envelope` with `time` set to when the broker received the message, if
+/// the broker says (to the millisecond, as `ce-time` carries it).
+fn with_broker_time(mut envelope: Envelope, delivery: &Delivery) -> Envelope {
+    if let Some(at) = delivery.received_at() {
+        envelope.time = Some(chrono::SubsecRound::trunc_subsecs(at, 3));
+    }
+    envelope
 }
 
 /// The inbox key: the `event-id` header (kept across DLQ replays, which get a

@@ -806,3 +806,39 @@ mod crashes {
         assert_eq!(store.ledger(), ["D-1:1"], "applied once");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_handler_sees_the_broker_time_apart_from_occurred_at() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    let event = ChargeRequested {
+        order: "A-1".into(),
+        amount: 5,
+    };
+    // The fact happened an hour before the message was sent.
+    let mut meta = EventMeta::new(1);
+    meta.occurred_at = clock::utc_now() - chrono::Duration::hours(1);
+    let env = Envelope::from_event("/test", &event, meta).unwrap();
+    let before = clock::utc_now() - chrono::Duration::milliseconds(1);
+    publish(&broker, [message(&env)]).await;
+    let after = clock::utc_now();
+    let seen: Arc<Mutex<Vec<Envelope>>> = Arc::default();
+    let record = Arc::clone(&seen);
+    let group = Group::new(TOPIC, GROUP).on_event(move |_: &mut MemTx, _: ChargeRequested, env| {
+        record.lock().push(env.clone());
+        Box::pin(async { Ok(()) })
+    });
+    let consumer = builder(&store, &broker).group(group).build().unwrap();
+    run_until(consumer, || broker.all_done(TOPIC, GROUP)).await;
+    let seen = seen.lock();
+    let time = seen[0].time.expect("the broker's receipt time");
+    assert!(
+        before <= time && time <= after,
+        "time {time} is when the broker got it ({before} .. {after})"
+    );
+    let occurred = seen[0].occurred_at().unwrap();
+    assert!(
+        time - occurred >= chrono::Duration::minutes(59),
+        "occurredAt {occurred} stays when the fact happened"
+    );
+}

@@ -80,6 +80,10 @@ impl Broker for TestBroker {
         self.broker.validate(message)
     }
 
+    fn retention(&self) -> keel_store::broker::MessageRetention {
+        self.broker.retention()
+    }
+
     async fn ping(&self) -> Result<(), BrokerError> {
         self.broker.ping().await
     }

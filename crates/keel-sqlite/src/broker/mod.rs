@@ -113,7 +113,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keel_store::broker::{Backlog, Broker, BrokerError, Message, SubscribeOptions, Subscription};
+use keel_store::broker::{
+    Backlog, Broker, BrokerError, Message, MessageRetention, SubscribeOptions, Subscription,
+};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
 
 pub use options::SqliteBrokerOptions;
@@ -366,6 +368,10 @@ impl Broker for SqliteBroker {
             )));
         }
         Ok(())
+    }
+
+    fn retention(&self) -> MessageRetention {
+        MessageRetention::For(self.inner.options.kept_for())
     }
 
     async fn subscribe(

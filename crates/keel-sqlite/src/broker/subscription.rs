@@ -90,7 +90,11 @@ impl SqliteSubscription {
                     leased.delivery_count,
                 );
                 let count = u32::try_from(leased.delivery_count).unwrap_or(u32::MAX);
-                Delivery::new(leased.message, count, Box::new(control))
+                let delivery = Delivery::new(leased.message, count, Box::new(control));
+                match chrono::DateTime::from_timestamp_millis(leased.published_at) {
+                    Some(at) => delivery.with_received_at(at),
+                    None => delivery,
+                }
             })
             .collect()
     }

@@ -379,3 +379,59 @@ fn ids_of(messages: &[Message]) -> Vec<String> {
     ids.sort();
     ids
 }
+
+/// Each delivery says when the broker received its message (the
+/// CloudEvents `time`, as opposed to the producer's `occurredAt`): within
+/// the publish call that stored it, later for a later message, and the same
+/// on a redelivery.
+pub async fn deliveries_say_when_the_broker_received_them<B: Broker>(broker: B) {
+    // The broker's clock may keep milliseconds only.
+    let slack = chrono::Duration::milliseconds(2);
+    let topic = unique_topic("received-at");
+    let mut windows = Vec::new();
+    for id in ["m-1", "m-2"] {
+        let before = clock::utc_now();
+        publish(&broker, &[message(&topic, id, id, "x")]).await;
+        windows.push((before - slack, clock::utc_now() + slack));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut sub = subscribe(&broker, &topic, "reader", LONG_LEASE).await;
+    let got = collect(sub.as_mut(), 2, PATIENCE).await;
+    assert_eq!(ids(&got), ["m-1", "m-2"]);
+    let times: Vec<_> = got
+        .iter()
+        .map(|d| {
+            d.received_at()
+                .expect("a delivery says when the broker received it")
+        })
+        .collect();
+    for (at, (from, to)) in times.iter().zip(&windows) {
+        assert!(
+            from <= at && at <= to,
+            "received at {at}, outside its publish call ({from} .. {to})"
+        );
+    }
+    assert!(times[0] < times[1], "a later message was received later");
+    got[0]
+        .nack(Duration::ZERO)
+        .await
+        .expect("nack of a leased delivery");
+    got[1].ack().await.expect("ack of a leased delivery");
+    let again = collect(sub.as_mut(), 1, PATIENCE).await;
+    assert_eq!(
+        again[0].received_at(),
+        Some(times[0]),
+        "a redelivery keeps its receipt time"
+    );
+    ack_all(&again).await;
+}
+
+/// The broker says how long it keeps what it stored, so what refers to a
+/// message from outside it (a claim-checked payload) can outlive it.
+pub async fn the_broker_says_how_long_it_keeps_messages<B: Broker>(broker: B) {
+    assert_ne!(
+        broker.retention(),
+        keel_store::broker::MessageRetention::Unknown,
+        "a conformant broker declares its retention"
+    );
+}

@@ -43,6 +43,8 @@ impl Group {
 struct BrokerState {
     logs: HashMap<String, Vec<Message>>,
     seen: HashSet<(String, String)>,
+    /// When each (topic, message id) was first stored.
+    received_at: HashMap<(String, String), chrono::DateTime<chrono::Utc>>,
     groups: HashMap<(String, String), Group>,
     /// Topics first made by an expiring group's subscription: they go when
     /// their last group goes.
@@ -177,6 +179,8 @@ impl Broker for MemBroker {
             *s.publish_calls.entry(m.id.clone()).or_default() += 1;
             if s.seen.insert((m.topic.clone(), m.id.clone())) {
                 s.logs.entry(m.topic.clone()).or_default().push(m.clone());
+                s.received_at
+                    .insert((m.topic.clone(), m.id.clone()), keel_core::clock::utc_now());
             }
         }
         Ok(())
@@ -190,6 +194,11 @@ impl Broker for MemBroker {
             )));
         }
         Ok(())
+    }
+
+    /// The log is kept until its topic goes.
+    fn retention(&self) -> crate::broker::MessageRetention {
+        crate::broker::MessageRetention::Forever
     }
 
     async fn subscribe(
@@ -289,6 +298,14 @@ impl MemSubscription {
         let now = clock::now();
         let mut s = self.state.lock();
         let log = s.logs.get(&self.topic).cloned().unwrap_or_default();
+        let received: Vec<_> = log
+            .iter()
+            .map(|m| {
+                s.received_at
+                    .get(&(self.topic.clone(), m.id.clone()))
+                    .copied()
+            })
+            .collect();
         let mut token = s.next_token;
         let Some(group) = s.groups.get_mut(&(self.topic.clone(), self.group.clone())) else {
             return Vec::new();
@@ -320,7 +337,11 @@ impl MemSubscription {
                     index,
                     token,
                 };
-                out.push(Delivery::new(msg.clone(), entry.count, Box::new(control)));
+                let delivery = Delivery::new(msg.clone(), entry.count, Box::new(control));
+                out.push(match received.get(index).copied().flatten() {
+                    Some(at) => delivery.with_received_at(at),
+                    None => delivery,
+                });
             }
         }
         s.next_token = token;

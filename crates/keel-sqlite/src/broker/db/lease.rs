@@ -159,14 +159,14 @@ async fn load_messages(
     let seqs = serde_json::to_string(&leased.iter().map(|(seq, _)| *seq).collect::<Vec<_>>())
         .unwrap_or_else(|_| "[]".to_owned());
     let rows = sqlx::query(
-        "SELECT seq, message_id, msg_key, headers, payload FROM keel_broker_messages \
+        "SELECT seq, message_id, msg_key, headers, payload, published_at FROM keel_broker_messages \
          WHERE seq IN (SELECT value FROM json_each(?1))",
     )
     .bind(seqs)
     .fetch_all(&mut *w.tx)
     .await
     .map_err(fail)?;
-    let mut by_seq: HashMap<i64, Message> = HashMap::with_capacity(rows.len());
+    let mut by_seq: HashMap<i64, (Message, i64)> = HashMap::with_capacity(rows.len());
     for row in rows {
         let headers_json: &str = row.get(3);
         let headers = serde_json::from_str::<Headers>(headers_json).unwrap_or_else(|error| {
@@ -176,22 +176,26 @@ async fn load_messages(
         let payload: Vec<u8> = row.get(4);
         by_seq.insert(
             row.get(0),
-            Message {
-                id: row.get(1),
-                topic: group.topic.name.to_string(),
-                key: row.get(2),
-                headers,
-                payload: Bytes::from(payload),
-            },
+            (
+                Message {
+                    id: row.get(1),
+                    topic: group.topic.name.to_string(),
+                    key: row.get(2),
+                    headers,
+                    payload: Bytes::from(payload),
+                },
+                row.get(5),
+            ),
         );
     }
     let mut out = Vec::with_capacity(leased.len());
     for (seq, delivery_count) in leased {
         match by_seq.remove(&seq) {
-            Some(message) => out.push(Leased {
+            Some((message, published_at)) => out.push(Leased {
                 seq,
                 delivery_count,
                 message,
+                published_at,
             }),
             None => {
                 tracing::warn!(seq, group = %group.name, "pending message vanished; dropping it");

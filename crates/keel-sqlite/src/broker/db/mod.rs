@@ -76,6 +76,8 @@ pub(super) struct Leased {
     pub(super) seq: i64,
     pub(super) delivery_count: i64,
     pub(super) message: Message,
+    /// When the broker stored it, Unix ms.
+    pub(super) published_at: i64,
 }
 
 /// What one receive attempt found.
