@@ -66,10 +66,13 @@ pub enum LeaseBackend {
     Store,
     /// Redis (`redis://...`), feature `redis`.
     Redis(String),
+    /// etcd's election API (`etcd://host:port[,host:port...]`), feature
+    /// `etcd`: the endpoints, as `http://host:port`.
+    Etcd(Vec<String>),
 }
 
-/// Parses `--leases`: `store`, or a `redis://` URL when built with the
-/// `redis` feature.
+/// Parses `--leases`: `store`, a `redis://` URL when built with the
+/// `redis` feature, or `etcd://host:port[,host:port...]` with `etcd`.
 pub fn parse_leases(leases: &str) -> Result<LeaseBackend, InvalidBackend> {
     match leases {
         "store" => Ok(LeaseBackend::Store),
@@ -78,11 +81,40 @@ pub fn parse_leases(leases: &str) -> Result<LeaseBackend, InvalidBackend> {
             "--leases store",
             LeaseBackend::Redis(url.to_owned()),
         ),
+        url if url.starts_with("etcd://") => {
+            let endpoints = etcd_endpoints(url)?;
+            built_with(
+                ("leases", "etcd", cfg!(feature = "etcd")),
+                "--leases store",
+                LeaseBackend::Etcd(endpoints),
+            )
+        }
         other => Err(invalid(
             "leases",
-            format!("`{other}` is neither `store` nor a redis:// URL"),
+            format!("`{other}` is not `store`, a redis:// URL or an etcd:// one"),
         )),
     }
+}
+
+/// `etcd://h1:2379,h2:2379` as `["http://h1:2379", "http://h2:2379"]`.
+fn etcd_endpoints(url: &str) -> Result<Vec<String>, InvalidBackend> {
+    let hosts = url.trim_start_matches("etcd://").trim_end_matches('/');
+    let endpoints: Vec<String> = hosts
+        .split(',')
+        .map(str::trim)
+        .filter(|host| !host.is_empty())
+        .map(|host| format!("http://{host}"))
+        .collect();
+    let well_formed = endpoints
+        .iter()
+        .all(|e| reqwest::Url::parse(e).is_ok_and(|u| u.host().is_some() && u.path() == "/"));
+    if endpoints.is_empty() || !well_formed {
+        return Err(invalid(
+            "leases",
+            format!("`{url}` is not etcd://host:port[,host:port...]"),
+        ));
+    }
+    Ok(endpoints)
 }
 
 /// `value` when this keel was built with the cargo feature that `setting`

@@ -753,6 +753,8 @@ fn bad_configuration_is_refused_before_starting() {
     std::fs::write(&file, "listen = \"127.0.0.1:0\"\nunknown_setting = 1\n").unwrap();
     assert!(refused(&["--config", file.to_str().unwrap()]).contains("unknown"));
     assert!(refused(&["--leases", "zookeeper://x"]).contains("leases"));
+    assert!(refused(&["--leases", "etcd://"]).contains("etcd://host:port"));
+    assert!(refused(&["--leases", "etcd://h:1/path"]).contains("etcd://host:port"));
 }
 
 /// `--leases redis://...`: pruning and retention take their leases on
@@ -777,6 +779,32 @@ async fn leases_on_redis_are_pinged_by_the_deep_check() {
         .iter()
         .find(|d| d["name"] == "redis")
         .unwrap_or_else(|| panic!("redis is a dependency: {deep}"));
+    assert_eq!(pinged["status"], "ok", "{deep}");
+}
+
+/// `--leases etcd://...`: pruning and retention run on the process that
+/// leads their etcd election, which the deep check then pings; a malformed
+/// cluster address is refused before starting.
+#[tokio::test]
+async fn leases_on_etcd_are_pinged_by_the_deep_check() {
+    let Some(etcd) = keel_testkit::services::etcd_url() else {
+        return;
+    };
+    let _shared = keel_testkit::services::ServerLock::shared(keel_testkit::services::Service::Etcd);
+    let cluster = etcd.replacen("http://", "etcd://", 1);
+    let s = serve(&["--leases", &cluster]);
+    let deep: Value = reqwest::get(format!("{}/debug/deep", s.url))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let pinged = deep["dependencies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "etcd")
+        .unwrap_or_else(|| panic!("etcd is a dependency: {deep}"));
     assert_eq!(pinged["status"], "ok", "{deep}");
 }
 

@@ -42,7 +42,7 @@ use std::time::Duration;
 use keel_core::clock::{self, Instant};
 
 use crate::fence::FencingToken;
-use crate::store::{LeaseStore, StoreError};
+use crate::store::{Election, Leadership, LeaseStore, StoreError};
 
 /// A lease held: its token and when it ends by this process's clock
 /// (measured from before the request, so never later than the store's).
@@ -256,8 +256,95 @@ impl LeaseGate {
         }
     }
 
+    /// A gate open while this process leads `election` as `holder`: a
+    /// task campaigns, keeps the leadership until it is lost, then
+    /// campaigns again (after a failed campaign, 1 s to 30 s later, with
+    /// jitter). Each question is answered at once from the current
+    /// leadership, which ends by this process's own clock before the
+    /// election could pick another leader. The task stops when the last
+    /// clone of the gate is dropped. Call it inside a Tokio runtime.
+    ///
+    /// ```
+    /// # async fn demo<S: keel_store::LeaseStore>(store: S) {
+    /// use std::time::Duration;
+    /// use keel_messaging::election::LeaseElection;
+    /// use keel_messaging::lease::LeaseGate;
+    ///
+    /// let election = LeaseElection::new(store, "retention", Duration::from_secs(30));
+    /// let gate = LeaseGate::leading(election, "pod-a");
+    /// if gate.holds().await {
+    ///     // This process leads: prune.
+    /// }
+    /// # }
+    /// ```
+    pub fn leading<E: Election>(election: E, holder: impl Into<String>) -> Self {
+        let current: std::sync::Arc<parking_lot::Mutex<Option<std::sync::Arc<dyn Leadership>>>> =
+            std::sync::Arc::default();
+        let task = tokio::spawn(campaign_forever(
+            election,
+            holder.into(),
+            std::sync::Arc::clone(&current),
+        ));
+        let task = std::sync::Arc::new(AbortOnDrop(task.abort_handle()));
+        Self {
+            holds: std::sync::Arc::new(move || {
+                let _task = &task;
+                let leading = current
+                    .lock()
+                    .as_ref()
+                    .is_some_and(|leadership| leadership.is_leader());
+                Box::pin(std::future::ready(leading))
+            }),
+        }
+    }
+
     /// Takes or extends the lease; whether this process holds it.
     pub async fn holds(&self) -> bool {
         (self.holds)().await
+    }
+}
+
+/// Aborts the task when the last gate goes.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The longest a failed campaign waits before the next.
+const MAX_CAMPAIGN_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Campaigns, leads until the leadership is lost, and campaigns again.
+async fn campaign_forever<E: Election>(
+    election: E,
+    holder: String,
+    current: std::sync::Arc<parking_lot::Mutex<Option<std::sync::Arc<dyn Leadership>>>>,
+) {
+    // 1 s, 2 s, 4 s... up to 30 s, each between half and all of it.
+    let backoff =
+        keel_policy::retry::Backoff::exponential(Duration::from_secs(1), 2.0, MAX_CAMPAIGN_BACKOFF)
+            .and_then(|b| b.with_jitter(keel_policy::retry::Jitter::Equal))
+            .expect("a valid backoff");
+    let mut failures = 0;
+    loop {
+        match election.campaign(&holder).await {
+            Ok(leadership) => {
+                failures = 0;
+                let leadership: std::sync::Arc<dyn Leadership> = leadership.into();
+                tracing::info!(%holder, token = leadership.token(), "elected");
+                *current.lock() = Some(std::sync::Arc::clone(&leadership));
+                leadership.lost().await;
+                current.lock().take();
+                tracing::warn!(%holder, "leadership lost; campaigning again");
+            }
+            Err(error) => {
+                let wait = backoff.delay(failures).unwrap_or(MAX_CAMPAIGN_BACKOFF);
+                failures = failures.saturating_add(1);
+                tracing::warn!(%holder, %error, ?wait, "campaign failed; trying again");
+                tokio::time::sleep(wait).await;
+            }
+        }
     }
 }

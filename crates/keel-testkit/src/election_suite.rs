@@ -83,6 +83,48 @@ pub async fn racing_campaigns_elect_one<E: Election>(election: &E) {
     }
 }
 
+/// A gate on the election ([`LeaseGate::leading`]) is open on one process
+/// at a time; when the open one's process goes, another opens within the
+/// lease's life, and the two are never open at once.
+///
+/// [`LeaseGate::leading`]: keel_messaging::lease::LeaseGate::leading
+pub async fn a_leading_gate_is_open_on_one_process_at_a_time<E: Election>(election: &E) {
+    use keel_messaging::lease::LeaseGate;
+
+    let mut gates = [
+        Some(LeaseGate::leading(election.clone(), "pod-a")),
+        Some(LeaseGate::leading(election.clone(), "pod-b")),
+    ];
+    let first = wait_for_one_open(&gates).await;
+    gates[first] = None; // its process dies
+    let second = wait_for_one_open(&gates).await;
+    assert_ne!(first, second, "the other process took over");
+}
+
+/// Polls until exactly one gate is open; never two.
+async fn wait_for_one_open(gates: &[Option<keel_messaging::lease::LeaseGate>]) -> usize {
+    let give_up = tokio::time::Instant::now() + REPLACED_WITHIN;
+    loop {
+        let mut open = Vec::new();
+        for (i, gate) in gates.iter().enumerate() {
+            if let Some(gate) = gate
+                && gate.holds().await
+            {
+                open.push(i);
+            }
+        }
+        assert!(open.len() <= 1, "two gates open at once: {open:?}");
+        if let [one] = open[..] {
+            return one;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "no gate opened within {REPLACED_WITHIN:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Expands into one `#[tokio::test]` per behaviour, each against the
 /// election `$make` (an async expression yielding an election or a
 /// [`Fixture`](crate::store_suite::Fixture)) makes.
@@ -93,6 +135,7 @@ macro_rules! election_conformance_tests {
             one_leader_at_a_time_each_next_with_a_higher_token,
             a_dead_leader_is_replaced_once_its_lease_runs_out,
             racing_campaigns_elect_one,
+            a_leading_gate_is_open_on_one_process_at_a_time,
         );
     };
     (@tests $make:expr; $($test:ident),* $(,)?) => {
