@@ -9,6 +9,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod api;
 pub mod backend;
+pub mod blobs;
 #[cfg(feature = "chaos")]
 pub mod chaos;
 pub mod demo;

@@ -379,17 +379,12 @@ async fn pages_walk_every_order_once_in_order() {
     assert_problem(r, 400, "cursor of another filter").await;
 }
 
-#[tokio::test]
-async fn a_report_job_answers_202_then_303() {
-    let s = serve(&[]);
-    let http = reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .unwrap();
-    place(&http, &s, "rep-1", &order("c1")).await;
+/// Requests a report with `key` and follows the job to its result: the
+/// result's path and the report.
+async fn finished_report(http: &reqwest::Client, s: &Server, key: &str) -> (String, Value) {
     let r = http
         .post(format!("{}/reports", s.url))
-        .header("idempotency-key", "report-1")
+        .header("idempotency-key", key)
         .json(&json!({"month": "2026-11"}))
         .send()
         .await
@@ -419,6 +414,22 @@ async fn a_report_job_answers_202_then_303() {
         .json()
         .await
         .unwrap();
+    (result, report)
+}
+
+fn no_redirects() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_report_job_answers_202_then_303() {
+    let s = serve(&[]);
+    let http = no_redirects();
+    place(&http, &s, "rep-1", &order("c1")).await;
+    let (_, report) = finished_report(&http, &s, "report-1").await;
     assert!(report["ordersByStatus"].is_object(), "{report}");
     let r = http
         .get(format!("{}/jobs/unknown-job", s.url))
@@ -426,6 +437,39 @@ async fn a_report_job_answers_202_then_303() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::NOT_FOUND);
+}
+
+/// `--blobs s3://...`: a report lives in the bucket, so another process
+/// with the same bucket (here, a fresh one on another database) serves it.
+#[tokio::test]
+async fn reports_in_an_s3_bucket_are_served_by_any_process() {
+    let Some(endpoint) = keel_testkit::services::s3_url() else {
+        return;
+    };
+    let _shared = keel_testkit::services::ServerLock::shared(keel_testkit::services::Service::S3);
+    let blobs = format!("s3://keel-test/{}", keel_core::id::new_id().simple());
+    let env = [
+        ("AWS_ENDPOINT", endpoint.as_str()),
+        ("AWS_ALLOW_HTTP", "true"),
+        ("AWS_REGION", "us-east-1"),
+        ("AWS_ACCESS_KEY_ID", "keel"),
+        ("AWS_SECRET_ACCESS_KEY", "keel"),
+    ];
+    let http = no_redirects();
+    let first = common::serve_with_env(&[], &["--blobs", &blobs], &env);
+    place(&http, &first, "rep-s3", &order("c1")).await;
+    let (result, report) = finished_report(&http, &first, "report-s3").await;
+    drop(first);
+    let second = common::serve_with_env(&[], &["--blobs", &blobs], &env);
+    let again: Value = http
+        .get(format!("{}{result}", second.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(again, report, "the same report, from the bucket");
 }
 
 /// The status `POST /orders` answers to a request that declares a body of

@@ -7,7 +7,7 @@
 //! after that transaction commits, because SQLite has one writer and the
 //! transaction holds it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -18,62 +18,104 @@ use keel_http::jobs::{JobRequested, Jobs};
 use keel_http::problem::Problem;
 use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
 use keel_store::envelope::Envelope;
-use parking_lot::Mutex;
-use serde::Serialize;
+use object_store::ObjectStore;
+use object_store::path::Path as ObjectPath;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::shop::ShopStore;
 
-/// How many finished reports are kept: the latest 1,000. Anyone may ask
-/// for a report, so the memory they take must have a bound.
-pub const MAX_REPORTS: usize = 1000;
-
-/// Finished reports, by job id: the latest [`MAX_REPORTS`], the oldest
-/// forgotten first. Cheap to clone; clones share the reports.
-#[derive(Debug, Clone, Default)]
+/// Finished reports, one object each (`reports/<job id>.json`) in the
+/// blob store `--blobs` names: a local directory by default, an S3 bucket
+/// when several processes serve one system, so that any of them answers
+/// the `303` another's job pointed to, and a restart loses none. A sweep
+/// deletes the reports of jobs retention has pruned. Cheap to clone.
+#[derive(Debug, Clone)]
 pub struct Reports {
-    kept: Arc<Mutex<Kept>>,
+    blobs: Arc<dyn ObjectStore>,
 }
 
-/// The reports by id, and their ids oldest first.
-type Kept = (HashMap<String, Report>, VecDeque<String>);
+/// Where reports go in the blob store.
+const PREFIX: &str = "reports";
 
 impl Reports {
-    /// Keeps `report`, forgetting the oldest past [`MAX_REPORTS`].
-    pub fn insert(&self, report: Report) {
-        let mut kept = self.kept.lock();
-        let (by_id, order) = &mut *kept;
-        if by_id
-            .insert(report.job_id.clone(), report.clone())
-            .is_none()
-        {
-            order.push_back(report.job_id);
-        }
-        while order.len() > MAX_REPORTS {
-            if let Some(oldest) = order.pop_front() {
-                by_id.remove(&oldest);
+    /// Reports kept in `blobs`.
+    pub fn new(blobs: Arc<dyn ObjectStore>) -> Self {
+        Self { blobs }
+    }
+
+    /// Reports in memory, for tests and the demo.
+    pub fn in_memory() -> Self {
+        Self::new(Arc::new(object_store::memory::InMemory::new()))
+    }
+
+    fn path(id: &str) -> Option<ObjectPath> {
+        // A job id is a UUID; anything else names no report (and no path).
+        let safe = !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+        safe.then(|| ObjectPath::from(format!("{PREFIX}/{id}.json")))
+    }
+
+    /// Stores `report`, durably before this returns.
+    pub async fn insert(&self, report: &Report) -> Result<(), object_store::Error> {
+        let Some(path) = Self::path(&report.job_id) else {
+            return Err(object_store::Error::InvalidPath {
+                source: object_store::path::Error::EmptySegment {
+                    path: report.job_id.clone(),
+                },
+            });
+        };
+        let bytes = serde_json::to_vec(report).unwrap_or_default();
+        self.blobs.put(&path, bytes.into()).await.map(drop)
+    }
+
+    /// The report of job `id`; `None` if there is none (or the store
+    /// cannot be read: logged).
+    pub async fn get(&self, id: &str) -> Option<Report> {
+        let path = Self::path(id)?;
+        let bytes = match self.blobs.get(&path).await {
+            Ok(found) => found.bytes().await,
+            Err(object_store::Error::NotFound { .. }) => return None,
+            Err(e) => Err(e),
+        };
+        match bytes.map(|b| serde_json::from_slice(&b)) {
+            Ok(Ok(report)) => Some(report),
+            Ok(Err(error)) => {
+                tracing::warn!(%error, report = id, "an unreadable report");
+                None
+            }
+            Err(error) => {
+                tracing::warn!(%error, report = id, "the blob store cannot be read");
+                None
             }
         }
     }
 
-    /// The report of job `id`, if kept.
-    pub fn get(&self, id: &str) -> Option<Report> {
-        self.kept.lock().0.get(id).cloned()
-    }
+    /// Deletes the reports written before `cut_off` (their jobs are gone);
+    /// returns how many.
+    pub async fn sweep(
+        &self,
+        cut_off: chrono::DateTime<chrono::Utc>,
+    ) -> Result<u64, object_store::Error> {
+        use futures_util::TryStreamExt as _;
 
-    /// How many are kept.
-    pub fn len(&self) -> usize {
-        self.kept.lock().1.len()
-    }
-
-    /// Whether none is kept.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        let mut listed = self.blobs.list(Some(&ObjectPath::from(PREFIX)));
+        let mut swept = 0;
+        while let Some(object) = listed.try_next().await? {
+            if object.last_modified >= cut_off {
+                continue;
+            }
+            match self.blobs.delete(&object.location).await {
+                Ok(()) => swept += 1,
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(swept)
     }
 }
 
 /// A report: orders by status at the time it ran.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Report {
     /// The job that built it.
@@ -108,7 +150,12 @@ async fn build<S: ShopStore>(jobs: Jobs<S>, reports: Reports, id: String) {
                 .collect(),
             generated_at: crate::shop::db::now_rfc3339(),
         };
-        reports.insert(report);
+        // Stored before the job says where: a 303 never points at nothing.
+        reports.insert(&report).await.map_err(|e| {
+            keel_http::jobs::JobError::from(keel_store::StoreError::other(format!(
+                "the report could not be stored: {e}"
+            )))
+        })?;
         jobs.succeed(&id, &format!("/reports/{id}")).await?;
         Ok::<(), keel_http::jobs::JobError>(())
     };
@@ -144,10 +191,10 @@ impl<S: ShopStore> Handler<S::Tx> for ReportWorker<S> {
         (status = 404, description = "No finished report with this id"),
     ), tag = "reports")]
 pub async fn get_report(State(reports): State<Reports>, Path(id): Path<String>) -> Response {
-    match reports.get(&id) {
+    match reports.get(&id).await {
         Some(report) => Json(report).into_response(),
         None => Problem::not_found(format!(
-            "no finished report {id} (the latest {MAX_REPORTS} are kept)"
+            "no finished report {id} (reports go with their jobs)"
         ))
         .into_response(),
     }
@@ -193,18 +240,34 @@ pub fn doc_cancel_job() {}
 mod tests {
     use super::*;
 
-    #[test]
-    fn only_the_latest_reports_are_kept() {
-        let reports = Reports::default();
-        for i in 0..MAX_REPORTS + 5 {
-            reports.insert(Report {
-                job_id: format!("job-{i}"),
-                orders_by_status: HashMap::new(),
-                generated_at: String::new(),
-            });
+    fn report(id: &str) -> Report {
+        Report {
+            job_id: id.to_owned(),
+            orders_by_status: HashMap::from([("completed".to_owned(), 3)]),
+            generated_at: String::new(),
         }
-        assert_eq!(reports.len(), MAX_REPORTS);
-        assert!(reports.get("job-0").is_none(), "the oldest went first");
-        assert!(reports.get(&format!("job-{}", MAX_REPORTS + 4)).is_some());
+    }
+
+    #[tokio::test]
+    async fn reports_come_back_and_the_sweep_takes_the_old_ones() {
+        let reports = Reports::in_memory();
+        reports.insert(&report("job-1")).await.unwrap();
+        let got = reports.get("job-1").await.unwrap();
+        assert_eq!(got.orders_by_status["completed"], 3);
+        assert!(reports.get("job-2").await.is_none());
+        let before = keel_core::clock::utc_now() - chrono::Duration::hours(1);
+        assert_eq!(reports.sweep(before).await.unwrap(), 0);
+        let after = keel_core::clock::utc_now() + chrono::Duration::seconds(1);
+        assert_eq!(reports.sweep(after).await.unwrap(), 1);
+        assert!(reports.get("job-1").await.is_none());
+    }
+
+    #[tokio::test]
+    async fn an_id_that_is_no_job_id_names_no_path() {
+        let reports = Reports::in_memory();
+        for id in ["../x", "a/b", "", "job 1"] {
+            assert!(reports.get(id).await.is_none(), "{id}");
+            assert!(reports.insert(&report(id)).await.is_err(), "{id}");
+        }
     }
 }

@@ -81,6 +81,8 @@ pub struct ServeConfig {
     /// The client certificate names the admin API and console admit (none:
     /// no certificate needed).
     pub admin_peers: Vec<String>,
+    /// Where reports are kept.
+    pub blobs: crate::blobs::BlobsAt,
     /// Timeouts and the cap of every connection.
     pub connection_limits: ConnectionLimits,
     /// Long-lived connections per client address.
@@ -124,6 +126,7 @@ impl std::fmt::Debug for ServeConfig {
             .field("public_metrics", &self.public_metrics)
             .field("tls", &self.tls)
             .field("admin_peers", &self.admin_peers)
+            .field("blobs", &self.blobs)
             .field("connection_limits", &self.connection_limits)
             .field("retention", &self.retention)
             .field("inbound_webhook_secret", &set(&self.inbound_webhook_secret))
@@ -226,6 +229,13 @@ impl ServeArgs {
                 .unwrap_or("127.0.0.1:0"),
         )?;
         let database = parse_database(self.database_url.as_deref().unwrap_or("sqlite:keel.db"))?;
+        let blobs = match &self.blobs {
+            Some(value) => crate::blobs::BlobsAt::parse(value).map_err(|e| invalid("blobs", e))?,
+            None => crate::blobs::BlobsAt::default_for(match &database {
+                Database::Sqlite(path) => Some(path.as_path()),
+                _ => None,
+            }),
+        };
         let broker = parse_broker(self.broker.as_deref().unwrap_or("embedded"), &database)?;
         let leases = backend::parse_leases(self.leases.as_deref().unwrap_or("store"))?;
         let nats_replicas = usize::from(self.nats_replicas.unwrap_or(1));
@@ -288,6 +298,7 @@ impl ServeArgs {
             drain_timeout,
             tls: self.tls()?,
             admin_peers: self.admin_peers.clone(),
+            blobs,
             connection_limits,
             max_streams_per_client,
             ws_allowed_origins: self.ws_allowed_origins.clone(),

@@ -146,6 +146,30 @@ fn health<S: ShopStore>(c: &Components<S>) -> Result<Health, StartError> {
         .map_err(|e| StartError::Config(e.to_string()))
 }
 
+/// Deletes the reports whose jobs retention has pruned (written longer
+/// ago than a job lives plus its grace), on every retention interval until
+/// the drain starts: idempotent, so every process may run it.
+fn spawn_report_sweep<S: ShopStore>(c: &Components<S>, config: &ServeConfig, reports: Reports) {
+    let kept = config.job_ttl + config.retention.jobs_grace;
+    let kept = chrono::Duration::from_std(kept).unwrap_or(chrono::Duration::MAX);
+    let interval = config.retention.interval;
+    let drain = c.drain.clone();
+    let stop = async move { drain.wait_for(keel_http::health::Phase::Draining).await };
+    tokio::spawn(async move {
+        keel_core::clock::every(interval, stop, || async {
+            let Some(cut_off) = keel_core::clock::utc_now().checked_sub_signed(kept) else {
+                return;
+            };
+            match reports.sweep(cut_off).await {
+                Ok(0) => {}
+                Ok(swept) => tracing::info!(swept, "reports of pruned jobs deleted"),
+                Err(error) => tracing::warn!(%error, "the report sweep failed"),
+            }
+        })
+        .await;
+    });
+}
+
 /// The routes `keel serve` adds to the public API: reports and jobs,
 /// webhooks, health, metrics, OpenAPI, admin and console.
 pub fn serve_routes<S: ShopStore>(
@@ -178,6 +202,7 @@ pub fn serve_routes<S: ShopStore>(
                 drain.wait_for(keel_http::health::Phase::Draining).await;
             }),
     );
+    spawn_report_sweep(c, config, reports.clone());
     if let Some(history) = admin.history() {
         let drain = c.drain.clone();
         tokio::spawn(history.clone().run(async move {
@@ -330,7 +355,7 @@ async fn serve_on<S: ShopStore>(
         leases: Leases::open(&config.leases).map_err(anyhow::Error::msg)?,
         ..SystemConfig::default()
     };
-    let reports = Reports::default();
+    let reports = Reports::new(config.blobs.open().map_err(anyhow::Error::msg)?);
     let jobs = Jobs::new(
         Outbox::new(store.clone()),
         JobsOptions::new("report").ttl(config.job_ttl),

@@ -69,6 +69,11 @@ pub fn serve(extra: &[&str]) -> Server {
 /// [`serve`] on the backend `backend`'s flags name (`--database-url`,
 /// `--broker`, ...); none is a fresh SQLite file.
 pub fn serve_on(backend: &[String], extra: &[&str]) -> Server {
+    serve_with_env(backend, extra, &[])
+}
+
+/// [`serve_on`] with the environment variables `env` set for the process.
+pub fn serve_with_env(backend: &[String], extra: &[&str], env: &[(&str, &str)]) -> Server {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let dir = tempfile::tempdir().unwrap();
@@ -95,6 +100,7 @@ pub fn serve_on(backend: &[String], extra: &[&str]) -> Server {
     .env_remove("KEEL_ADMIN_TOKEN")
     .env_remove("KEEL_API_KEYS")
     .env("KEEL_LOG", "warn")
+    .envs(env.iter().copied())
     .stdout(Stdio::piped())
     .stderr(Stdio::from(stderr))
     .spawn()

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
-use object_store::{ClientOptions, RetryConfig};
+use object_store::{ClientConfigKey, RetryConfig};
 
 use super::{ClaimCheck, ClaimCheckError, DEFAULT_PREFIX};
 
@@ -44,11 +44,13 @@ impl ClaimCheck {
                 retry_timeout: Duration::from_secs(10),
                 ..RetryConfig::default()
             })
-            .with_client_options(
-                ClientOptions::new()
-                    .with_connect_timeout(Duration::from_secs(5))
-                    .with_timeout(Duration::from_secs(60)),
-            );
+            // Set key by key: replacing the client options would drop the
+            // ones the environment gave (AWS_ALLOW_HTTP, a proxy).
+            .with_config(
+                AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout),
+                "5s",
+            )
+            .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), "60s");
         for (key, value) in options {
             let key = key.as_ref();
             let parsed: AmazonS3ConfigKey = key

@@ -136,6 +136,13 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_TLS_KEY", requires = "tls_cert")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
+    /// Where reports are kept: a directory, or `s3://bucket[/folder]` so
+    /// that every process of a scaled-out system serves them (AWS settings
+    /// from the environment) [default: `<database>.blobs` beside a SQLite
+    /// file, `keel-blobs` otherwise].
+    #[arg(long, env = "KEEL_BLOBS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blobs: Option<String>,
     /// A PEM file of the CAs client certificates are checked against
     /// (mTLS): a client that presents a certificate must chain to one, and
     /// its names become its identity. Re-read when it changes, like
