@@ -11,7 +11,8 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{ACME_KEY, Server, eventually, order, place, placed_id, serve};
+use common::{ACME_KEY, Server, eventually, json_at, order, place, placed_id, serve};
+use keel_testkit::services::{ServerLock, Service};
 
 /// The admin token of the tests that use the admin API.
 const ADMIN_TOKEN: &str = "serve-test-admin-token-0123";
@@ -406,14 +407,7 @@ async fn finished_report(http: &reqwest::Client, s: &Server, key: &str) -> (Stri
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let result = done.expect("the job finished");
-    let report: Value = http
-        .get(format!("{}{result}", s.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let report = json_at(http, &format!("{}{result}", s.url)).await;
     (result, report)
 }
 
@@ -446,7 +440,7 @@ async fn reports_in_an_s3_bucket_are_served_by_any_process() {
     let Some(endpoint) = keel_testkit::services::s3_url() else {
         return;
     };
-    let _shared = keel_testkit::services::ServerLock::shared(keel_testkit::services::Service::S3);
+    let _shared = ServerLock::shared(Service::S3);
     let blobs = format!("s3://keel-test/{}", keel_core::id::new_id().simple());
     let env = [
         ("AWS_ENDPOINT", endpoint.as_str()),
@@ -461,14 +455,7 @@ async fn reports_in_an_s3_bucket_are_served_by_any_process() {
     let (result, report) = finished_report(&http, &first, "report-s3").await;
     drop(first);
     let second = common::serve_with_env(&[], &["--blobs", &blobs], &env);
-    let again: Value = http
-        .get(format!("{}{result}", second.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let again = json_at(&http, &format!("{}{result}", second.url)).await;
     assert_eq!(again, report, "the same report, from the bucket");
 }
 
@@ -801,6 +788,20 @@ fn bad_configuration_is_refused_before_starting() {
     assert!(refused(&["--leases", "etcd://h:1/path"]).contains("etcd://host:port"));
 }
 
+/// Serves with `--leases leases` and checks that the deep check pings
+/// `dependency` and finds it up.
+async fn deep_check_pings(leases: &str, dependency: &str) {
+    let s = serve(&["--leases", leases]);
+    let deep = json_at(&reqwest::Client::new(), &format!("{}/debug/deep", s.url)).await;
+    let pinged = deep["dependencies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == dependency)
+        .unwrap_or_else(|| panic!("{dependency} is a dependency: {deep}"));
+    assert_eq!(pinged["status"], "ok", "{deep}");
+}
+
 /// `--leases redis://...`: pruning and retention take their leases on
 /// Redis, which the deep check then pings.
 #[tokio::test]
@@ -808,48 +809,20 @@ async fn leases_on_redis_are_pinged_by_the_deep_check() {
     let Some(redis) = keel_testkit::services::redis_url() else {
         return;
     };
-    let _shared =
-        keel_testkit::services::ServerLock::shared(keel_testkit::services::Service::Redis);
-    let s = serve(&["--leases", &redis]);
-    let deep: Value = reqwest::get(format!("{}/debug/deep", s.url))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let pinged = deep["dependencies"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["name"] == "redis")
-        .unwrap_or_else(|| panic!("redis is a dependency: {deep}"));
-    assert_eq!(pinged["status"], "ok", "{deep}");
+    let _shared = ServerLock::shared(Service::Redis);
+    deep_check_pings(&redis, "redis").await;
 }
 
 /// `--leases etcd://...`: pruning and retention run on the process that
-/// leads their etcd election, which the deep check then pings; a malformed
-/// cluster address is refused before starting.
+/// leads their etcd election, which the deep check then pings (a malformed
+/// cluster address is refused before starting: above).
 #[tokio::test]
 async fn leases_on_etcd_are_pinged_by_the_deep_check() {
     let Some(etcd) = keel_testkit::services::etcd_url() else {
         return;
     };
-    let _shared = keel_testkit::services::ServerLock::shared(keel_testkit::services::Service::Etcd);
-    let cluster = etcd.replacen("http://", "etcd://", 1);
-    let s = serve(&["--leases", &cluster]);
-    let deep: Value = reqwest::get(format!("{}/debug/deep", s.url))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let pinged = deep["dependencies"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["name"] == "etcd")
-        .unwrap_or_else(|| panic!("etcd is a dependency: {deep}"));
-    assert_eq!(pinged["status"], "ok", "{deep}");
+    let _shared = ServerLock::shared(Service::Etcd);
+    deep_check_pings(&etcd.replacen("http://", "etcd://", 1), "etcd").await;
 }
 
 #[tokio::test]

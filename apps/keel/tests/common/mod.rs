@@ -126,6 +126,17 @@ pub fn serve_with_env(backend: &[String], extra: &[&str], env: &[(&str, &str)]) 
     }
 }
 
+/// `GET url`'s JSON body.
+pub async fn json_at(http: &reqwest::Client, url: &str) -> serde_json::Value {
+    http.get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: not JSON: {e}"))
+}
+
 /// Polls `check` until it holds; panics after 30 s.
 pub async fn eventually<F, Fut>(what: &str, check: F)
 where
