@@ -229,13 +229,7 @@ impl ServeArgs {
                 .unwrap_or("127.0.0.1:0"),
         )?;
         let database = parse_database(self.database_url.as_deref().unwrap_or("sqlite:keel.db"))?;
-        let blobs = match &self.blobs {
-            Some(value) => crate::blobs::BlobsAt::parse(value).map_err(|e| invalid("blobs", e))?,
-            None => crate::blobs::BlobsAt::default_for(match &database {
-                Database::Sqlite(path) => Some(path.as_path()),
-                _ => None,
-            }),
-        };
+        let blobs = self.blobs(&database)?;
         let broker = parse_broker(self.broker.as_deref().unwrap_or("embedded"), &database)?;
         let leases = backend::parse_leases(self.leases.as_deref().unwrap_or("store"))?;
         let nats_replicas = usize::from(self.nats_replicas.unwrap_or(1));
@@ -267,12 +261,7 @@ impl ServeArgs {
             self.gauge_interval_secs,
             keel_admin::history::DEFAULT_INTERVAL,
         )?;
-        let lb_notice = Duration::from_secs(self.lb_notice_secs.unwrap_or(1));
-        let drain_timeout = at_least_one_sec(
-            "drain-timeout-secs",
-            self.drain_timeout_secs,
-            Duration::from_secs(10),
-        )?;
+        let (lb_notice, drain_timeout) = self.shutdown_timing()?;
         Ok(ServeConfig {
             listen,
             shipping_grpc_listen,
@@ -312,6 +301,30 @@ impl ServeArgs {
             inbound_webhook_secret,
             cursor_key,
         })
+    }
+
+    /// `--blobs`, or its default beside a SQLite `database`.
+    fn blobs(&self, database: &Database) -> Result<crate::blobs::BlobsAt, ConfigError> {
+        match &self.blobs {
+            Some(value) => crate::blobs::BlobsAt::parse(value).map_err(|e| invalid("blobs", e)),
+            None => Ok(crate::blobs::BlobsAt::default_for(match database {
+                Database::Sqlite(path) => Some(path.as_path()),
+                #[allow(unreachable_patterns, reason = "without the postgres feature")]
+                _ => None,
+            })),
+        }
+    }
+
+    /// The load balancers' notice (default 1 s) and the drain's timeout
+    /// (default 10 s, at least 1 s).
+    fn shutdown_timing(&self) -> Result<(Duration, Duration), ConfigError> {
+        let lb_notice = Duration::from_secs(self.lb_notice_secs.unwrap_or(1));
+        let drain_timeout = at_least_one_sec(
+            "drain-timeout-secs",
+            self.drain_timeout_secs,
+            Duration::from_secs(10),
+        )?;
+        Ok((lb_notice, drain_timeout))
     }
 
     /// The admin token, and the shipping port's (the admin token unless

@@ -311,18 +311,14 @@ fn payments_faults(config: &ServeConfig) -> PaymentsFaults {
     }
 }
 
-async fn serve_on<S: ShopStore>(
-    config: ServeConfig,
-    store: S,
-    broker: Arc<dyn Broker>,
-) -> anyhow::Result<()> {
-    warn_about_exposure(&config);
-    let system = SystemConfig {
+/// The shop's configuration from `keel serve`'s.
+fn system_config(config: &ServeConfig) -> anyhow::Result<SystemConfig> {
+    Ok(SystemConfig {
         listen: config.listen,
         shipping_grpc: config.shipping_grpc_listen,
         shipping_grpc_token: config.shipping_grpc_token.clone(),
         demo_faults: config.demo_faults,
-        payments_faults: payments_faults(&config),
+        payments_faults: payments_faults(config),
         chaos_experiments: config.chaos_experiments,
         allow_loopback_webhooks: config.allow_loopback_webhooks,
         secrets: config.secrets.clone(),
@@ -354,7 +350,16 @@ async fn serve_on<S: ShopStore>(
         },
         leases: Leases::open(&config.leases).map_err(anyhow::Error::msg)?,
         ..SystemConfig::default()
-    };
+    })
+}
+
+async fn serve_on<S: ShopStore>(
+    config: ServeConfig,
+    store: S,
+    broker: Arc<dyn Broker>,
+) -> anyhow::Result<()> {
+    warn_about_exposure(&config);
+    let system = system_config(&config)?;
     let reports = Reports::new(config.blobs.open().map_err(anyhow::Error::msg)?);
     let jobs = Jobs::new(
         Outbox::new(store.clone()),
