@@ -38,6 +38,9 @@ pub enum Rule {
     UnknownSubset,
     /// Keel and the mesh both retry one dependency: the tries multiply.
     RetriesMultiply,
+    /// Keel and the mesh both split one dependency's calls by weight: a
+    /// canary's share is the product of the two.
+    SplitsMultiply,
     /// Keel waits longer than the mesh lets a call run.
     TimeoutsDisagree,
     /// Keel's own policy for the dependency does not build.
@@ -55,6 +58,7 @@ impl Rule {
             Self::Weights => "weights",
             Self::UnknownSubset => "unknown-subset",
             Self::RetriesMultiply => "retries-multiply",
+            Self::SplitsMultiply => "splits-multiply",
             Self::TimeoutsDisagree => "timeouts-disagree",
             Self::PolicyInvalid => "policy-invalid",
         }
@@ -211,6 +215,12 @@ fn check_route(
         {
             compared.push(name);
             check_against_keel(place, name, policy, &retry, timeout, report);
+            if route.route.len() > 1 && !policy.subsets.is_empty() {
+                let message = format!(
+                    "Keel splits the calls to `{name}` between its subsets and the sidecar splits                      each of them again: a canary's share is the product of the two weights;                      let one layer split (`keel mesh export` moves Keel's subsets into the mesh)"
+                );
+                report.push(Severity::Warning, Rule::SplitsMultiply, place, message);
+            }
         }
     }
 }

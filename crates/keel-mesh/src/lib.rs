@@ -23,16 +23,19 @@
 //! - **weights** and **unknown-subset** (errors): weights that do not add
 //!   up to 100, a subset the host's rule does not define.
 //! - with Keel's [`Policies`]: **retries-multiply** when both layers retry
-//!   one dependency, **timeouts-disagree** when Keel waits longer than the
-//!   mesh lets a call run, **policy-invalid** when Keel's own policy does
-//!   not build.
+//!   one dependency, **splits-multiply** when both split its calls by
+//!   weight (a canary's share becomes the product), **timeouts-disagree**
+//!   when Keel waits longer than the mesh lets a call run,
+//!   **policy-invalid** when Keel's own policy does not build.
 //!
 //! [`export`] writes the `VirtualService` and `DestinationRule` equivalent
 //! to one dependency's policy: the total timeout as the route's `timeout`,
 //! Keel's attempts as `attempts + 1` tries with the attempt timeout per
 //! try, retried only on failures that prove the request never arrived
-//! unless Keel's policy says the calls are idempotent, and the balancer's
-//! ejection as outlier detection.
+//! unless Keel's policy says the calls are idempotent, the balancer's
+//! ejection as outlier detection, and Keel's weighted subsets as the
+//! route's weighted destinations (percentages that add up to 100) with the
+//! rule's subsets selecting their pods (`version: <name>` by default).
 //!
 //! ```
 //! let yaml = r#"
@@ -65,4 +68,4 @@ pub use duration::IstioDuration;
 pub use error::MeshError;
 pub use export::{MAY_HAVE_ARRIVED, NEVER_ARRIVED, export};
 pub use istio::{Resource, parse, to_yaml};
-pub use policy::{DependencyPolicy, Policies, same_host};
+pub use policy::{DependencyPolicy, Policies, SubsetPolicy, same_host};

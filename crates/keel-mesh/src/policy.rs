@@ -30,6 +30,35 @@ pub struct DependencyPolicy {
     /// Keel's balancer over its endpoints, if Keel balances them.
     #[serde(default)]
     pub balance: Option<BalanceConfig>,
+    /// Keel's weighted subsets of its endpoints (a baseline and a canary),
+    /// if Keel splits its calls.
+    #[serde(default)]
+    pub subsets: Vec<SubsetPolicy>,
+}
+
+/// One of Keel's weighted subsets, as the mesh knows it: the pods labelled
+/// `version: <name>`, unless `labels` says otherwise.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubsetPolicy {
+    /// The subset's name (Keel's `SubsetConfig::name`).
+    pub name: String,
+    /// Its share of the calls, relative to the others' (95 and 5).
+    pub weight: u32,
+    /// The pod labels that select it (default `version: <name>`).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+impl SubsetPolicy {
+    /// The labels that select the subset's pods.
+    pub fn selector(&self) -> BTreeMap<String, String> {
+        if self.labels.is_empty() {
+            BTreeMap::from([("version".to_owned(), self.name.clone())])
+        } else {
+            self.labels.clone()
+        }
+    }
 }
 
 impl DependencyPolicy {

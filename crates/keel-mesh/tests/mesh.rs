@@ -331,3 +331,74 @@ spec:
     let report = check(&parse(yaml).unwrap(), &Policies::default());
     assert_eq!(report.of(Rule::Weights).len(), 1, "{report:#?}");
 }
+
+#[test]
+fn keels_canary_exports_as_weighted_subsets_that_pass_the_check() {
+    let keel = policies(
+        r#"
+[dependencies.payments]
+host = "payments.shop.svc.cluster.local"
+[dependencies.payments.pipeline]
+total_timeout = { timeout = "2s" }
+[[dependencies.payments.subsets]]
+name = "stable"
+weight = 2
+[[dependencies.payments.subsets]]
+name = "v2"
+weight = 1
+labels = { track = "canary" }
+"#,
+    );
+    let resources = export(&keel, "payments").unwrap();
+    let yaml = to_yaml(&resources).unwrap();
+    let read_back = parse(&yaml).unwrap();
+    assert_eq!(read_back, resources, "{yaml}");
+    let Resource::VirtualService(vs) = &read_back[0] else {
+        panic!("a VirtualService first: {read_back:#?}");
+    };
+    let split: Vec<_> = vs.spec.http[0]
+        .route
+        .iter()
+        .map(|d| (d.destination.subset.clone().unwrap(), d.weight.unwrap()))
+        .collect();
+    // 2:1 as percentages that add up to 100: the leftover point goes to
+    // the larger remainder.
+    assert_eq!(split, [("stable".to_owned(), 67), ("v2".to_owned(), 33)]);
+    let Resource::DestinationRule(dr) = &read_back[1] else {
+        panic!("a DestinationRule second: {read_back:#?}");
+    };
+    assert_eq!(dr.spec.subsets[0].labels["version"], "stable");
+    assert_eq!(dr.spec.subsets[1].labels["track"], "canary");
+    assert!(
+        dr.spec.traffic_policy.is_none(),
+        "Keel does not balance it: {yaml}"
+    );
+
+    // Moved into the mesh, the split passes the mesh's own rules...
+    let mut moved = keel.clone();
+    moved
+        .dependencies
+        .get_mut("payments")
+        .unwrap()
+        .subsets
+        .clear();
+    let report = check(&read_back, &moved);
+    assert!(report.findings.is_empty(), "{report:#?}");
+    // ...and left in Keel as well, the shares multiply.
+    let both = check(&read_back, &keel);
+    assert_eq!(both.of(Rule::SplitsMultiply).len(), 1, "{both:#?}");
+}
+
+#[test]
+fn subsets_without_any_weight_are_refused_by_export() {
+    let keel = policies(
+        r#"
+[dependencies.payments]
+host = "payments"
+[[dependencies.payments.subsets]]
+name = "stable"
+weight = 0
+"#,
+    );
+    assert!(export(&keel, "payments").is_err());
+}
