@@ -508,6 +508,34 @@ async fn status_of(http: &reqwest::Client, s: &Server, id: &str) -> String {
     o["status"].as_str().unwrap_or_default().to_owned()
 }
 
+/// The history counts the calls of the shop's gRPC dependency (shipping)
+/// as it counts the HTTP ones: calls per second beside its breaker.
+#[tokio::test]
+async fn the_history_counts_the_grpc_dependencys_calls() {
+    let s = serve(&["--admin-token", ADMIN_TOKEN, "--history-interval-secs", "1"]);
+    let http = reqwest::Client::new();
+    place(&http, &s, "hist-grpc", &order("c1")).await;
+    eventually("shipping's calls in the history", || async {
+        let history = admin(&http, &s, "/history?kind=dependency&name=shipping").await;
+        let text = history.to_string();
+        let subjects = history["subjects"].as_array().cloned().unwrap_or_default();
+        let calls: f64 = subjects
+            .iter()
+            .filter(|subject| subject["name"] == "shipping")
+            .flat_map(|subject| {
+                subject["series"]["calls"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .filter_map(|v| v.as_f64())
+            .sum();
+        assert!(!text.contains("\"error\""), "{text}");
+        calls > 0.0
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn demo_faults_end_in_a_dead_letter_and_a_stuck_saga_that_operators_fix() {
     let s = serve(&[

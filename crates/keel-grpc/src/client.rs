@@ -79,6 +79,7 @@ use crate::body::Ending;
 #[derive(Debug, Clone, Copy)]
 pub struct PropagationLayer {
     min_time_to_start: Duration,
+    dependency: Option<keel_core::Name>,
 }
 
 impl Default for PropagationLayer {
@@ -93,7 +94,20 @@ impl PropagationLayer {
     pub fn new() -> Self {
         Self {
             min_time_to_start: MIN_TIME_TO_START,
+            dependency: None,
         }
+    }
+
+    /// Also records each call, as keel-client does for an HTTP
+    /// dependency, in `keel_client_call_duration_seconds` by `dependency`
+    /// (`name`) and `outcome` (`ok`, or `error` for a failed call or an
+    /// error status in the response's headers): the figures the console's
+    /// history and the dependency alerts read, whatever protocol the
+    /// dependency speaks.
+    #[must_use]
+    pub fn dependency(mut self, name: impl Into<keel_core::Name>) -> Self {
+        self.dependency = Some(name.into());
+        self
     }
 
     /// Refuses to send with `min` or less left before the deadline.
@@ -111,6 +125,7 @@ impl<S> Layer<S> for PropagationLayer {
         Propagation {
             inner,
             min_time_to_start: self.min_time_to_start,
+            dependency: self.dependency,
         }
     }
 }
@@ -120,6 +135,7 @@ impl<S> Layer<S> for PropagationLayer {
 pub struct Propagation<S> {
     inner: S,
     min_time_to_start: Duration,
+    dependency: Option<keel_core::Name>,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -166,6 +182,7 @@ where
         let method = request.uri().path().to_owned();
         let call = self.inner.call(request);
         let started = keel_core::clock::now();
+        let dependency = self.dependency;
         let answer = async move {
             let answered = match deadline {
                 None => call.await,
@@ -173,9 +190,11 @@ where
                     Ok(answered) => answered,
                     Err(_elapsed) => {
                         count("deadline_passed");
-                        return Err(Status::deadline_exceeded(
+                        let passed = Err(Status::deadline_exceeded(
                             "the call's deadline passed before the server answered",
                         ));
+                        record_call(dependency, &passed, started);
+                        return passed;
                     }
                 },
             };
@@ -185,11 +204,41 @@ where
                 }
                 Err(err) => Err(as_status(err.into())),
             };
+            record_call(dependency, &answered, started);
             record_latency(method, &answered, started);
             answered
         };
         Box::pin(answer.instrument(client_span))
     }
+}
+
+/// Records the call to `dependency`, if named, in
+/// `keel_client_call_duration_seconds`: `error` for a failure or an error
+/// status already in the headers (a trailers-only answer).
+fn record_call(
+    dependency: Option<keel_core::Name>,
+    answered: &Result<Response<Body>, Status>,
+    started: keel_core::clock::Instant,
+) {
+    let Some(dependency) = dependency else {
+        return;
+    };
+    let failed = match answered {
+        Ok(response) => response
+            .headers()
+            .get("grpc-status")
+            .is_some_and(|code| code.as_bytes() != b"0"),
+        Err(_) => true,
+    };
+    let seconds = keel_core::clock::now()
+        .saturating_duration_since(started)
+        .as_secs_f64();
+    metrics::histogram!(
+        "keel_client_call_duration_seconds",
+        "dependency" => dependency.to_string(),
+        "outcome" => if failed { "error" } else { "ok" },
+    )
+    .record(seconds);
 }
 
 /// Records the time to the response's headers in
@@ -328,5 +377,49 @@ mod tests {
         };
         assert_eq!(recorder.samples(&key("answered")).len(), 1);
         assert_eq!(recorder.samples(&key("Unavailable")).len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_named_dependency_counts_its_calls_like_an_http_one() {
+        let recorder = keel_testkit::metrics::MetricsRecorder::global();
+        let call = || {
+            Request::builder()
+                .uri("/shop.v1.Shipping/Create")
+                .body(Body::empty())
+                .expect("a valid request")
+        };
+        let answers = tower::service_fn(|_: Request<Body>| async {
+            Ok::<_, Status>(Response::new(Body::empty()))
+        });
+        // A trailers-only answer: the error status is in the headers.
+        let fails_in_headers = tower::service_fn(|_: Request<Body>| async {
+            let mut response = Response::new(Body::empty());
+            response
+                .headers_mut()
+                .insert("grpc-status", HeaderValue::from_static("14"));
+            Ok::<_, Status>(response)
+        });
+        let refuses = tower::service_fn(|_: Request<Body>| async {
+            Err::<Response<Body>, _>(Status::unavailable("down"))
+        });
+        let layer = PropagationLayer::new().dependency("shipping-test");
+        layer.layer(answers).call(call()).await.unwrap();
+        layer.layer(fails_in_headers).call(call()).await.unwrap();
+        layer.layer(refuses).call(call()).await.unwrap_err();
+        // Unnamed, nothing is counted by dependency.
+        let plain = tower::service_fn(|_: Request<Body>| async {
+            Ok::<_, Status>(Response::new(Body::empty()))
+        });
+        PropagationLayer::new()
+            .layer(plain)
+            .call(call())
+            .await
+            .unwrap();
+
+        let key = |outcome: &str| {
+            format!("keel_client_call_duration_seconds,dependency=shipping-test,outcome={outcome}")
+        };
+        assert_eq!(recorder.samples(&key("ok")).len(), 1);
+        assert_eq!(recorder.samples(&key("error")).len(), 2);
     }
 }

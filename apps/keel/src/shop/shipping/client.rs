@@ -84,7 +84,9 @@ impl ShippingClient {
             .max_concurrent(tuning.max_concurrent)
             .build()?;
         let stack = tower::ServiceBuilder::new()
-            .layer(PropagationLayer::new())
+            // Counted as the `shipping` dependency, like the HTTP ones, so
+            // the console's history graphs its calls, failures and latency.
+            .layer(PropagationLayer::new().dependency("shipping"))
             .layer(whole.layer())
             .layer(ReplayBodyLayer::new())
             .layer(retry.layer())
