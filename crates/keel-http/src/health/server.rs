@@ -84,9 +84,11 @@ pub(super) async fn serve_connection<Io>(
 ) where
     Io: AsyncRead + AsyncWrite + Unpin + Send + ConnectionInfo + 'static,
 {
+    // Asked once per connection; a plain TCP connection knows nothing more,
+    // and its requests then pay for no copy.
     let mut known = axum::http::Extensions::new();
     io.extend(&mut known);
-    known.insert(ConnectInfo(peer));
+    let known = (!known.is_empty()).then_some(known);
     let activity = Activity::default();
     let io = TokioIo::new(Tracked {
         io,
@@ -94,7 +96,13 @@ pub(super) async fn serve_connection<Io>(
     });
     let body_read_timeout = limits.body_read();
     let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-        serve_request(router.clone(), request, known.clone(), body_read_timeout)
+        serve_request(
+            router.clone(),
+            request,
+            peer,
+            known.clone(),
+            body_read_timeout,
+        )
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -138,14 +146,15 @@ pub(super) async fn serve_connection<Io>(
 async fn serve_request(
     router: Router,
     request: Request<Incoming>,
-    connection: axum::http::Extensions,
+    peer: SocketAddr,
+    known: Option<axum::http::Extensions>,
     body_read_timeout: Duration,
 ) -> Result<axum::response::Response, std::convert::Infallible> {
     let (mut parts, body) = request.into_parts();
-    let peer = connection
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|ConnectInfo(peer)| *peer);
-    parts.extensions.extend(connection);
+    parts.extensions.insert(ConnectInfo(peer));
+    if let Some(known) = known {
+        parts.extensions.extend(known);
+    }
     if body.is_end_stream() {
         return router
             .oneshot(Request::from_parts(parts, Body::new(body)))
@@ -164,7 +173,7 @@ async fn serve_request(
         return Ok(response);
     }
     metrics::counter!("keel_http_slow_bodies_total").increment(1);
-    tracing::debug!(?peer, "request body not read within its timeout: 408");
+    tracing::debug!(%peer, "request body not read within its timeout: 408");
     let mut timed_out = Problem::new(
         StatusCode::REQUEST_TIMEOUT,
         format!("the request body did not arrive within {body_read_timeout:?}"),
