@@ -138,8 +138,8 @@ pub struct ServeArgs {
     pub tls_key: Option<PathBuf>,
     /// Where reports are kept: a directory, or `s3://bucket[/folder]` so
     /// that every process of a scaled-out system serves them (AWS settings
-    /// from the environment) [default: `<database>.blobs` beside a SQLite
-    /// file, `keel-blobs` otherwise].
+    /// from the environment) [default: the SQLite file's name and .blobs,
+    /// keel-blobs on PostgreSQL].
     #[arg(long, env = "KEEL_BLOBS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub blobs: Option<String>,
