@@ -68,17 +68,81 @@ impl BlobsAt {
     }
 
     /// Opens the store (a directory is made if missing).
-    pub fn open(&self) -> Result<Arc<dyn ObjectStore>, String> {
+    pub fn open(&self) -> Result<Blobs, String> {
         match self {
             Self::Directory(dir) => {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| format!("blobs: cannot create `{}`: {e}", dir.display()))?;
                 let store = LocalFileSystem::new_with_prefix(dir)
                     .map_err(|e| format!("blobs: `{}`: {e}", dir.display()))?;
-                Ok(Arc::new(store))
+                Ok(Blobs {
+                    store: Arc::new(store),
+                    local_root: Some(dir.clone()),
+                })
             }
-            Self::S3 { url } => open_s3(url),
+            Self::S3 { url } => Ok(Blobs {
+                store: open_s3(url)?,
+                local_root: None,
+            }),
         }
+    }
+}
+
+/// An opened blob store, which stores durably: a put is answered once the
+/// object would survive a power loss.
+#[derive(Debug, Clone)]
+pub struct Blobs {
+    store: Arc<dyn ObjectStore>,
+    /// The directory of a local store: object_store renames its files into
+    /// place without an fsync, so one follows each put.
+    local_root: Option<PathBuf>,
+}
+
+impl Blobs {
+    /// Blobs in memory (tests, the demo): nothing to survive.
+    pub fn in_memory() -> Self {
+        Self {
+            store: Arc::new(object_store::memory::InMemory::new()),
+            local_root: None,
+        }
+    }
+
+    /// The store, to read, list and delete.
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    /// Stores `bytes` at `path`, durably before it returns: an S3 store's
+    /// acknowledgement, or a local file and its directory fsynced.
+    pub async fn put(
+        &self,
+        path: &object_store::path::Path,
+        bytes: Vec<u8>,
+    ) -> Result<(), object_store::Error> {
+        self.store.put(path, bytes.into()).await?;
+        let Some(root) = &self.local_root else {
+            return Ok(());
+        };
+        let file = root.join(path.as_ref());
+        tokio::task::spawn_blocking(move || fsync_with_directory(&file))
+            .await
+            .map_err(|e| object_store::Error::Generic {
+                store: "blobs",
+                source: e.into(),
+            })?
+            .map_err(|e| object_store::Error::Generic {
+                store: "blobs",
+                source: e.into(),
+            })
+    }
+}
+
+/// Flushes `file` and the directory entry that names it.
+fn fsync_with_directory(file: &Path) -> std::io::Result<()> {
+    std::fs::File::open(file)?.sync_all()?;
+    match file.parent() {
+        Some(dir) => std::fs::File::open(dir)?.sync_all(),
+        None => Ok(()),
     }
 }
 

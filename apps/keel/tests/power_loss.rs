@@ -89,6 +89,16 @@ async fn start(disk: &FaultFs, port: u16, extra_env: &[(OsString, OsString)]) ->
     )))
     .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
     .args(["--database-url", &format!("sqlite:{}", db.display())])
+    // The shim models one flat directory, the database's; the reports'
+    // blob directory (a subdirectory by default) lives beside it.
+    .args([
+        "--blobs",
+        &disk
+            .data_dir()
+            .with_file_name("blobs")
+            .display()
+            .to_string(),
+    ])
     .env("KEEL_LOG", "error")
     .env_remove("KEEL_CONFIG")
     .envs(disk.env())

@@ -8,7 +8,6 @@
 //! transaction holds it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use async_trait::async_trait;
 use axum::Json;
@@ -18,11 +17,11 @@ use keel_http::jobs::{JobRequested, Jobs};
 use keel_http::problem::Problem;
 use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
 use keel_store::envelope::Envelope;
-use object_store::ObjectStore;
 use object_store::path::Path as ObjectPath;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::blobs::Blobs;
 use crate::shop::ShopStore;
 
 /// Finished reports, one object each (`reports/<job id>.json`) in the
@@ -32,7 +31,7 @@ use crate::shop::ShopStore;
 /// deletes the reports of jobs retention has pruned. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Reports {
-    blobs: Arc<dyn ObjectStore>,
+    blobs: Blobs,
 }
 
 /// Where reports go in the blob store.
@@ -40,13 +39,13 @@ const PREFIX: &str = "reports";
 
 impl Reports {
     /// Reports kept in `blobs`.
-    pub fn new(blobs: Arc<dyn ObjectStore>) -> Self {
+    pub fn new(blobs: Blobs) -> Self {
         Self { blobs }
     }
 
     /// Reports in memory, for tests and the demo.
     pub fn in_memory() -> Self {
-        Self::new(Arc::new(object_store::memory::InMemory::new()))
+        Self::new(Blobs::in_memory())
     }
 
     fn path(id: &str) -> Option<ObjectPath> {
@@ -55,7 +54,8 @@ impl Reports {
         safe.then(|| ObjectPath::from(format!("{PREFIX}/{id}.json")))
     }
 
-    /// Stores `report`, durably before this returns.
+    /// Stores `report`, durably before this returns (the job then points
+    /// at it, so it must survive what the job row survives).
     pub async fn insert(&self, report: &Report) -> Result<(), object_store::Error> {
         let Some(path) = Self::path(&report.job_id) else {
             return Err(object_store::Error::InvalidPath {
@@ -65,14 +65,14 @@ impl Reports {
             });
         };
         let bytes = serde_json::to_vec(report).unwrap_or_default();
-        self.blobs.put(&path, bytes.into()).await.map(drop)
+        self.blobs.put(&path, bytes).await
     }
 
     /// The report of job `id`; `None` if there is none (or the store
     /// cannot be read: logged).
     pub async fn get(&self, id: &str) -> Option<Report> {
         let path = Self::path(id)?;
-        let bytes = match self.blobs.get(&path).await {
+        let bytes = match self.blobs.store().get(&path).await {
             Ok(found) => found.bytes().await,
             Err(object_store::Error::NotFound { .. }) => return None,
             Err(e) => Err(e),
@@ -98,13 +98,14 @@ impl Reports {
     ) -> Result<u64, object_store::Error> {
         use futures_util::TryStreamExt as _;
 
-        let mut listed = self.blobs.list(Some(&ObjectPath::from(PREFIX)));
+        let store = self.blobs.store();
+        let mut listed = store.list(Some(&ObjectPath::from(PREFIX)));
         let mut swept = 0;
         while let Some(object) = listed.try_next().await? {
             if object.last_modified >= cut_off {
                 continue;
             }
-            match self.blobs.delete(&object.location).await {
+            match store.delete(&object.location).await {
                 Ok(()) => swept += 1,
                 Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(e),
