@@ -387,14 +387,15 @@ impl Dependency {
                         Ok(response) => status_class(response.status()),
                         Err(err) => err.status().map_or("error", status_class),
                     };
+                    let seconds = seconds_since(attempt_started);
                     record(
                         "keel_client_attempt_duration_seconds",
                         &name,
                         outcome,
-                        attempt_started,
+                        seconds,
                     );
                     if let Some(picked) = routed {
-                        record_subset(&name, picked.endpoint(), outcome, attempt_started);
+                        record_subset(&name, picked.endpoint(), outcome, seconds);
                         picked.record(&answered);
                     }
                     answered
@@ -408,7 +409,7 @@ impl Dependency {
             "keel_client_call_duration_seconds",
             &inner.name,
             outcome,
-            started,
+            seconds_since(started),
         );
         if let Err(err) = &result {
             tracing::debug!(dependency = %inner.name, error = %err, "dependency call failed");
@@ -421,15 +422,7 @@ impl Dependency {
 type Routed = keel_policy::balance::Picked<Endpoint>;
 
 /// Records an attempt routed to `endpoint` by its subset and track.
-fn record_subset(
-    dependency: &Name,
-    endpoint: &Endpoint,
-    outcome: &'static str,
-    started: clock::Instant,
-) {
-    let seconds = clock::now()
-        .saturating_duration_since(started)
-        .as_secs_f64();
+fn record_subset(dependency: &Name, endpoint: &Endpoint, outcome: &'static str, seconds: f64) {
     metrics::histogram!(
         "keel_client_subset_attempt_duration_seconds",
         "dependency" => dependency.to_string(),
@@ -440,11 +433,15 @@ fn record_subset(
     .record(seconds);
 }
 
-/// Records the time since `started` in histogram `metric`.
-fn record(metric: &'static str, dependency: &Name, outcome: &'static str, started: clock::Instant) {
-    let seconds = clock::now()
+/// Seconds from `started` to now.
+fn seconds_since(started: clock::Instant) -> f64 {
+    clock::now()
         .saturating_duration_since(started)
-        .as_secs_f64();
+        .as_secs_f64()
+}
+
+/// Records `seconds` in histogram `metric`.
+fn record(metric: &'static str, dependency: &Name, outcome: &'static str, seconds: f64) {
     metrics::histogram!(metric, "dependency" => dependency.to_string(), "outcome" => outcome)
         .record(seconds);
 }

@@ -193,7 +193,7 @@ where
                         let passed = Err(Status::deadline_exceeded(
                             "the call's deadline passed before the server answered",
                         ));
-                        record_call(dependency, &passed, started);
+                        record_call(dependency, &passed, seconds_since(started));
                         return passed;
                     }
                 },
@@ -204,8 +204,9 @@ where
                 }
                 Err(err) => Err(as_status(err.into())),
             };
-            record_call(dependency, &answered, started);
-            record_latency(method, &answered, started);
+            let seconds = seconds_since(started);
+            record_call(dependency, &answered, seconds);
+            record_latency(method, &answered, seconds);
             answered
         };
         Box::pin(answer.instrument(client_span))
@@ -218,7 +219,7 @@ where
 fn record_call(
     dependency: Option<keel_core::Name>,
     answered: &Result<Response<Body>, Status>,
-    started: keel_core::clock::Instant,
+    seconds: f64,
 ) {
     let Some(dependency) = dependency else {
         return;
@@ -230,9 +231,6 @@ fn record_call(
             .is_some_and(|code| code.as_bytes() != b"0"),
         Err(_) => true,
     };
-    let seconds = keel_core::clock::now()
-        .saturating_duration_since(started)
-        .as_secs_f64();
     metrics::histogram!(
         "keel_client_call_duration_seconds",
         "dependency" => dependency.to_string(),
@@ -246,20 +244,20 @@ fn record_call(
 /// client sends, so bounded by the proto) and `outcome`: `answered`, or the
 /// status code a failure became. A status in the trailers comes after this
 /// time and is not known here.
-fn record_latency(
-    method: String,
-    answered: &Result<Response<Body>, Status>,
-    started: keel_core::clock::Instant,
-) {
+fn record_latency(method: String, answered: &Result<Response<Body>, Status>, seconds: f64) {
     let outcome = match answered {
         Ok(_) => "answered".to_owned(),
         Err(status) => format!("{:?}", status.code()),
     };
-    let seconds = keel_core::clock::now()
-        .saturating_duration_since(started)
-        .as_secs_f64();
     metrics::histogram!("keel_grpc_client_duration_seconds", "method" => method, "outcome" => outcome)
         .record(seconds);
+}
+
+/// Seconds from `started` to now.
+fn seconds_since(started: keel_core::clock::Instant) -> f64 {
+    keel_core::clock::now()
+        .saturating_duration_since(started)
+        .as_secs_f64()
 }
 
 /// Writes `grpc-timeout` for the time left (or keeps a shorter one tonic
