@@ -21,6 +21,7 @@ pub mod clock;
 pub mod deadline;
 pub mod error;
 pub mod id;
+mod middleware;
 pub mod name;
 pub mod status;
 pub mod trace;

@@ -49,6 +49,8 @@ pub mod pagination;
 pub mod propagation;
 #[cfg(feature = "request-metrics")]
 pub mod request_metrics;
+#[cfg(any(feature = "idempotency", feature = "propagation", feature = "shed"))]
+mod response_future;
 #[cfg(feature = "shed")]
 pub mod shed;
 #[cfg(feature = "tls")]

@@ -61,8 +61,6 @@
 //!     .layer(HttpLoadShedLayer::new(shed));
 //! ```
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
@@ -79,6 +77,8 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::problem::Problem;
+/// The response future of [`HttpLoadShedService`].
+pub use crate::response_future::ResponseFuture;
 
 /// How far away a deadline read from the header may be by default: 30 s,
 /// as [`DeadlineLayer`](crate::propagation::DeadlineLayer)'s default.
@@ -182,20 +182,7 @@ pub struct HttpLoadShedService<S> {
 }
 
 impl<S> HttpLoadShedService<S> {
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    keel_core::inner_service_accessors!(inner: S);
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for HttpLoadShedService<S>
@@ -227,19 +214,17 @@ where
             let shared = Arc::clone(&shared);
             async move { shared.shed.call(|| inner.call(request)).await }
         };
-        ResponseFuture {
-            inner: Box::pin(async move {
-                let result = match from_header {
-                    Some(deadline) => deadline.scope(admitted).await,
-                    None => admitted.await,
-                };
-                match result {
-                    Ok(response) => Ok(response.map(Body::new)),
-                    Err(PolicyError::Inner(err)) => Err(err),
-                    Err(PolicyError::Rejected(rejected)) => Ok(shared.refuse(&rejected)),
-                }
-            }),
-        }
+        ResponseFuture::new(async move {
+            let result = match from_header {
+                Some(deadline) => deadline.scope(admitted).await,
+                None => admitted.await,
+            };
+            match result {
+                Ok(response) => Ok(response.map(Body::new)),
+                Err(PolicyError::Inner(err)) => Err(err),
+                Err(PolicyError::Rejected(rejected)) => Ok(shared.refuse(&rejected)),
+            }
+        })
     }
 }
 
@@ -274,25 +259,6 @@ impl Shared {
 fn header_deadline(headers: &HeaderMap, max: Duration) -> Option<Deadline> {
     let value = headers.get(DEADLINE_HEADER)?.to_str().ok()?;
     Some(Deadline::parse_header(value).ok()?.capped(max))
-}
-
-/// The response future of [`HttpLoadShedService`].
-pub struct ResponseFuture<E> {
-    inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
-}
-
-impl<E> std::fmt::Debug for ResponseFuture<E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<E> Future for ResponseFuture<E> {
-    type Output = Result<Response<Body>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
 }
 
 #[cfg(test)]

@@ -23,6 +23,13 @@ pub use config::ConfigError;
 
 #[cfg(feature = "adaptive")]
 pub mod adaptive;
+#[cfg(any(
+    feature = "adaptive",
+    feature = "bulkhead",
+    feature = "rate-limit",
+    feature = "shed"
+))]
+pub mod admission;
 #[cfg(feature = "balance")]
 pub mod balance;
 #[cfg(feature = "breaker")]

@@ -1,7 +1,6 @@
 //! [`Idempotency`]: the service that runs the protocol.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -23,6 +22,7 @@ use super::lease::{Lease, LockLost};
 use super::options::IdempotencyOptions;
 use super::settle::{Settle, Settled};
 use crate::problem::Problem;
+pub use crate::response_future::ResponseFuture;
 
 /// `Retry-After` on a `503` for a request that was stopped or whose
 /// response was not recorded: the store may answer again in a moment.
@@ -81,25 +81,6 @@ impl<I, S> Idempotency<I, S> {
     }
 }
 
-/// The future of [`Idempotency`].
-pub struct ResponseFuture<E> {
-    inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
-}
-
-impl<E> std::fmt::Debug for ResponseFuture<E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<E> Future for ResponseFuture<E> {
-    type Output = Result<Response<Body>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
-
 impl<I, S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<I, S>
 where
     I: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -125,9 +106,7 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let store = self.store.clone();
         let options = Arc::clone(&self.options);
-        ResponseFuture {
-            inner: Box::pin(run(inner, store, options, request.map(Body::new))),
-        }
+        ResponseFuture::new(run(inner, store, options, request.map(Body::new)))
     }
 }
 

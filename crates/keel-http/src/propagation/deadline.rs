@@ -152,20 +152,7 @@ pub struct DeadlineService<S> {
 }
 
 impl<S> DeadlineService<S> {
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    keel_core::inner_service_accessors!(inner: S);
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for DeadlineService<S>

@@ -64,36 +64,5 @@ mod trace;
 pub use deadline::{DEFAULT_MAX_DEADLINE, DeadlineLayer, DeadlineService};
 pub use trace::{TRACE_ID_HEADER, TRACERESPONSE_HEADER, TraceContextLayer, TraceContextService};
 
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
-use axum::body::Body;
-use axum::http::Response;
-
 /// The response future of the propagation layers.
-pub struct ResponseFuture<E> {
-    inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
-}
-
-impl<E> ResponseFuture<E> {
-    fn new(future: impl Future<Output = Result<Response<Body>, E>> + Send + 'static) -> Self {
-        Self {
-            inner: Box::pin(future),
-        }
-    }
-}
-
-impl<E> std::fmt::Debug for ResponseFuture<E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<E> Future for ResponseFuture<E> {
-    type Output = Result<Response<Body>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
+pub use crate::response_future::ResponseFuture;

@@ -40,7 +40,6 @@
 
 mod algorithm;
 mod config;
-mod future;
 mod layer;
 
 use std::borrow::Borrow;
@@ -50,13 +49,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use keel_core::{Classify, ErrorClass, Name, PolicyError, Rejected, clock};
+use keel_core::{
+    BoxError, Classify, ErrorClass, Name, PolicyError, Rejected, clock, error::classify,
+};
 use parking_lot::Mutex;
+
+use crate::admission::Permit;
 use tokio::time::Instant;
 
 pub use algorithm::{Aimd, Gradient, LimitAlgorithm, Outcome, Sample};
 pub use config::{AdaptiveBuilder, AdaptiveConfig, AimdConfig, AlgorithmConfig, GradientConfig};
-pub use future::ResponseFuture;
+/// The response future of an [`AdaptiveLimitService`]: the inner response,
+/// whose ending (or cancellation) is learned from, or a refusal.
+pub type ResponseFuture<F> = crate::admission::ResponseFuture<F, InFlightCall>;
 pub use layer::{AdaptiveLimitLayer, AdaptiveLimitService};
 
 /// A concurrency limit that adapts to the dependency; see the
@@ -147,9 +152,9 @@ impl AdaptiveLimit {
         &self.shared.name
     }
 
-    fn enter_owned(&self) -> Result<InFlight<Arc<Shared>>, Rejected> {
+    fn enter_owned(&self) -> Result<InFlightCall, Rejected> {
         self.shared.enter()?;
-        Ok(InFlight::new(Arc::clone(&self.shared)))
+        Ok(InFlightCall(InFlight::new(Arc::clone(&self.shared))))
     }
 }
 
@@ -265,6 +270,18 @@ impl<H: Borrow<Shared>> fmt::Debug for InFlight<H> {
         f.debug_struct("InFlight")
             .field("started", &self.started)
             .finish_non_exhaustive()
+    }
+}
+
+/// A call counted in by an [`AdaptiveLimitService`], counted out with what
+/// its ending says about load when its response is in.
+#[derive(Debug)]
+pub struct InFlightCall(InFlight<Arc<Shared>>);
+
+impl Permit for InFlightCall {
+    fn release(self, error: Option<&BoxError>) {
+        self.0
+            .finish(outcome_of(error.map(|err| classify(err.as_ref()))));
     }
 }
 

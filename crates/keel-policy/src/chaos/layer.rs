@@ -84,20 +84,7 @@ pub struct FaultInjectionService<S, M> {
 }
 
 impl<S, M> FaultInjectionService<S, M> {
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    keel_core::inner_service_accessors!(inner: S);
 }
 
 impl<S: fmt::Debug, M> fmt::Debug for FaultInjectionService<S, M> {

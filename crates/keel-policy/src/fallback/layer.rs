@@ -97,20 +97,7 @@ impl<S, H> FallbackService<S, H> {
         FallbackLayer::new(policy, handler).layer(inner)
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    keel_core::inner_service_accessors!(inner: S);
 }
 
 impl<S, H, Req> Service<Req> for FallbackService<S, H>

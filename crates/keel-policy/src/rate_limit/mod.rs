@@ -37,7 +37,6 @@
 
 mod clock;
 mod config;
-mod future;
 mod keyed;
 mod layer;
 mod store;
@@ -55,7 +54,9 @@ use keel_core::{Deadline, Name, PolicyError, Rejected};
 
 pub use clock::TokioClock;
 pub use config::{RateLimitBuilder, RateLimitConfig};
-pub use future::ResponseFuture;
+/// The response future of the rate limiting services: the inner response,
+/// or a refusal.
+pub type ResponseFuture<F> = crate::admission::ResponseFuture<F, ()>;
 pub use keyed::KeyedRateLimiter;
 pub use layer::{KeyedRateLimitLayer, KeyedRateLimitService, RateLimitLayer, RateLimitService};
 

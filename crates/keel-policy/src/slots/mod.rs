@@ -9,7 +9,6 @@
 //! and [`LoadShedService`](crate::shed::LoadShedService); a [`Slot`] can only
 //! be taken through one of those policies.
 
-mod future;
 pub(crate) mod gate;
 mod service;
 
@@ -17,9 +16,10 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
-use keel_core::Rejected;
+use keel_core::{BoxError, Rejected};
 
-pub use future::ResponseFuture;
+use crate::admission::Permit;
+
 pub use service::SlotService;
 
 use gate::Gate;
@@ -46,6 +46,15 @@ impl Drop for Slot {
         self.0.gate().leave();
     }
 }
+
+/// A slot is freed as soon as its call's response is in.
+impl Permit for Slot {
+    fn release(self, _error: Option<&BoxError>) {}
+}
+
+/// The response future of a [`SlotService`]: the bulkhead's and load
+/// shedding's.
+pub type ResponseFuture<F> = crate::admission::ResponseFuture<F, Slot>;
 
 impl fmt::Debug for Slot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -41,20 +41,7 @@ impl<S, P: Admit> SlotService<S, P> {
         }
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service (a slot taken by `poll_ready` is freed).
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    keel_core::inner_service_accessors!(inner: S);
 
     fn admit(&self) -> Admission {
         if let Some(slot) = self.policy.try_enter_owned() {

@@ -51,20 +51,7 @@ impl<S> TimeoutService<S> {
         Self { inner, policy }
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    keel_core::inner_service_accessors!(inner: S);
 }
 
 impl<S, Req> Service<Req> for TimeoutService<S>
