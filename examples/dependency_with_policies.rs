@@ -82,10 +82,4 @@ async fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn runs_to_the_end() {
-        super::run().await.expect("the example runs");
-    }
-}
+keel_examples::runs_to_the_end_test!();

@@ -99,10 +99,4 @@ async fn run() -> anyhow::Result<()> {
     keel_examples::place_one_order(&outbox, broker, emails, app, emails_sent).await
 }
 
-#[cfg(test)]
-mod tests {
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn runs_to_the_end() {
-        super::run().await.expect("the example runs");
-    }
-}
+keel_examples::runs_to_the_end_test!();

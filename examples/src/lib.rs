@@ -24,6 +24,21 @@
 //! This library holds what the outbox examples share, because none of it
 //! depends on the database: the relay, the consumer and the HTTP round trip.
 
+/// The test each self-contained example carries, so the suite runs it to
+/// the end: `keel_examples::runs_to_the_end_test!();` after its `run`.
+#[macro_export]
+macro_rules! runs_to_the_end_test {
+    () => {
+        #[cfg(test)]
+        mod tests {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn runs_to_the_end() {
+                super::run().await.expect("the example runs");
+            }
+        }
+    };
+}
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;

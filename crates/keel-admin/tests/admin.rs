@@ -22,7 +22,7 @@ use keel_sqlite::store::SqliteStore;
 use keel_store::broker::Message;
 use keel_store::{
     AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, DeliveryAttempt, DeliveryOutcome,
-    DeliveryStatus, OutboxStore, SagaStatus, Store, WebhookEndpoint, WebhookMessage, WebhookSecret,
+    DeliveryStatus, OutboxStore, SagaStatus, Store, WebhookEndpoint, WebhookMessage,
 };
 use keel_store::{WebhookDeliveryStore, WebhookEndpointStore, WebhookLogStore};
 use serde::{Deserialize, Serialize};
@@ -264,24 +264,13 @@ impl World {
     async fn failed_delivery(&self) -> i64 {
         let now = keel_core::clock::utc_now();
         let endpoint = WebhookEndpoint {
-            id: "ep_partner".to_owned(),
-            url: "https://hooks.example.com/partner".to_owned(),
             description: "partner".to_owned(),
-            event_types: Vec::new(),
-            secrets: vec![WebhookSecret {
-                secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".to_owned(),
-                created_at: now,
-                expires_at: None,
-            }],
-            enabled: true,
-            disabled_reason: None,
-            disabled_at: None,
-            failing_since: None,
-            last_success_at: None,
-            created_at: now,
-            updated_at: now,
-            tenant: String::new(),
-            format: Default::default(),
+            ..WebhookEndpoint::registered(
+                "ep_partner",
+                "https://hooks.example.com/partner",
+                "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+                now,
+            )
         };
         self.store.webhook_endpoint_create(&endpoint).await.unwrap();
         let mut tx = self.store.begin().await.unwrap();

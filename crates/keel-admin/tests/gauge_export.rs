@@ -11,9 +11,7 @@ use keel_admin::{Admin, Gauge};
 use keel_sqlite::store::SqliteStore;
 use keel_store::WebhookEndpointStore;
 use keel_store::broker::Message;
-use keel_store::{
-    AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, WebhookEndpoint, WebhookSecret,
-};
+use keel_store::{AttemptError, DeadLetter, DeadLetterStatus, DeadLetterStore, WebhookEndpoint};
 use keel_testkit::eventually;
 use keel_testkit::metrics::MetricsRecorder;
 
@@ -37,27 +35,12 @@ fn letter(id: &str, kind: &str) -> DeadLetter {
 }
 
 fn endpoint(id: &str) -> WebhookEndpoint {
-    let now = keel_core::clock::utc_now();
-    WebhookEndpoint {
-        id: id.to_owned(),
-        url: format!("https://hooks.example.com/{id}"),
-        description: String::new(),
-        event_types: Vec::new(),
-        secrets: vec![WebhookSecret {
-            secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".to_owned(),
-            created_at: now,
-            expires_at: None,
-        }],
-        enabled: true,
-        disabled_reason: None,
-        disabled_at: None,
-        failing_since: None,
-        last_success_at: None,
-        created_at: now,
-        updated_at: now,
-        tenant: String::new(),
-        format: Default::default(),
-    }
+    WebhookEndpoint::registered(
+        id,
+        format!("https://hooks.example.com/{id}"),
+        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        keel_core::clock::utc_now(),
+    )
 }
 
 async fn gauge_is(recorder: &MetricsRecorder, key: &str, value: f64) {

@@ -30,6 +30,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 pub mod access;
+pub mod body;
 pub mod problem;
 pub use keel_lifecycle::slots;
 

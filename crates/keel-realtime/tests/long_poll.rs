@@ -7,56 +7,20 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::request::Parts;
 use axum::http::{Request, StatusCode, header};
 use axum::response::Response;
 use http_body_util::BodyExt;
 use keel_realtime::{EventLog, Realtime, RealtimeOptions, Retention, StreamId};
 use keel_sqlite::SqliteStore;
 use serde_json::{Value, json};
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-struct Fixture {
-    log: EventLog<SqliteStore>,
-    realtime: Realtime<SqliteStore>,
-    app: Router,
-    drain: watch::Sender<bool>,
-    _dir: tempfile::TempDir,
-}
-
-/// `x-user: alice` authenticates as stream `user:alice` (the application's
-/// auth middleware would do this for real).
-fn authenticate(parts: &Parts) -> Option<StreamId> {
-    let user = parts.headers.get("x-user")?.to_str().ok()?;
-    StreamId::new(format!("user:{user}")).ok()
-}
+mod common;
+use common::{Fixture, alice};
 
 async fn fixture(options: RealtimeOptions) -> Fixture {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("keel.db"))
-        .await
-        .expect("open store");
-    let log = EventLog::new(store);
-    let (drain, drain_rx) = watch::channel(false);
-    let realtime = Realtime::builder(log.clone(), authenticate)
-        .options(options)
-        .drain(drain_rx)
-        .build()
-        .expect("valid options");
-    let app = Router::new().route("/updates", realtime.long_poll());
-    Fixture {
-        log,
-        realtime,
-        app,
-        drain,
-        _dir: dir,
-    }
-}
-
-fn alice() -> StreamId {
-    StreamId::new("user:alice").expect("stream id")
+    common::fixture(options, "/updates", |builder| builder, Realtime::long_poll).await
 }
 
 fn poll_request(user: Option<&str>, query: &str) -> Request<Body> {

@@ -10,55 +10,21 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::http::request::Parts;
 use axum::http::{Request, StatusCode, header};
 use axum::response::Response;
 use http_body_util::BodyExt;
-use keel_realtime::{EventLog, Realtime, RealtimeOptions, Retention, StreamId};
+use keel_realtime::{EventLog, Realtime, RealtimeOptions, Retention};
 use keel_sqlite::SqliteStore;
 use keel_store::Store;
 use serde_json::{Value, json};
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-struct Fixture {
-    log: EventLog<SqliteStore>,
-    realtime: Realtime<SqliteStore>,
-    app: Router,
-    drain: watch::Sender<bool>,
-    _dir: tempfile::TempDir,
-}
-
-fn authenticate(parts: &Parts) -> Option<StreamId> {
-    let user = parts.headers.get("x-user")?.to_str().ok()?;
-    StreamId::new(format!("user:{user}")).ok()
-}
+mod common;
+use common::{Fixture, alice};
 
 async fn fixture(options: RealtimeOptions) -> Fixture {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("keel.db"))
-        .await
-        .expect("open store");
-    let log = EventLog::new(store);
-    let (drain, drain_rx) = watch::channel(false);
-    let realtime = Realtime::builder(log.clone(), authenticate)
-        .options(options)
-        .drain(drain_rx)
-        .build()
-        .expect("valid options");
-    let app = Router::new().route("/stream", realtime.sse());
-    Fixture {
-        log,
-        realtime,
-        app,
-        drain,
-        _dir: dir,
-    }
-}
-
-fn alice() -> StreamId {
-    StreamId::new("user:alice").expect("stream id")
+    common::fixture(options, "/stream", |builder| builder, Realtime::sse).await
 }
 
 async fn publish(log: &EventLog<SqliteStore>, n: i64) -> i64 {

@@ -9,8 +9,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::Router;
-use axum::http::request::Parts;
 use keel_realtime::{EventLog, Realtime, RealtimeOptions, SendMessage, SendRejected, StreamId};
 use keel_sqlite::SqliteStore;
 use keel_store::Store;
@@ -18,6 +16,9 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::watch;
+
+mod common;
+use common::alice;
 
 const ORIGIN: &str = "https://shop.example";
 
@@ -28,12 +29,7 @@ struct Fixture {
     drain: watch::Sender<bool>,
     /// How many times the application's send handler ran.
     effects: Arc<AtomicUsize>,
-    _dir: tempfile::TempDir,
-}
-
-fn authenticate(parts: &Parts) -> Option<StreamId> {
-    let user = parts.headers.get("x-user")?.to_str().ok()?;
-    StreamId::new(format!("user:{user}")).ok()
+    _served: common::Fixture,
 }
 
 fn options() -> RealtimeOptions {
@@ -41,12 +37,6 @@ fn options() -> RealtimeOptions {
 }
 
 async fn fixture(options: RealtimeOptions) -> Fixture {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("keel.db"))
-        .await
-        .expect("open store");
-    let log = EventLog::new(store);
-    let (drain, drain_rx) = watch::channel(false);
     let effects = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&effects);
     // The application's handler: "text" is required; "fail" fails for now.
@@ -63,13 +53,13 @@ async fn fixture(options: RealtimeOptions) -> Fixture {
             Ok(())
         }
     };
-    let realtime = Realtime::builder(log.clone(), authenticate)
-        .options(options)
-        .drain(drain_rx)
-        .on_send(on_send)
-        .build()
-        .expect("valid options");
-    let app = Router::new().route("/ws", realtime.websocket());
+    let served = common::fixture(
+        options,
+        "/ws",
+        |builder| builder.on_send(on_send),
+        Realtime::websocket,
+    )
+    .await;
     // A small send buffer on the listener (inherited by accepted sockets),
     // so a client that does not read stalls the server quickly.
     let socket = TcpSocket::new_v4().expect("socket");
@@ -79,19 +69,16 @@ async fn fixture(options: RealtimeOptions) -> Fixture {
         .expect("bind");
     let listener = socket.listen(128).expect("listen");
     let addr = listener.local_addr().expect("addr");
+    let app = served.app.clone();
     tokio::spawn(async move { axum::serve(listener, app).await });
     Fixture {
-        log,
-        realtime,
+        log: served.log.clone(),
+        realtime: served.realtime.clone(),
         addr,
-        drain,
+        drain: served.drain.clone(),
         effects,
-        _dir: dir,
+        _served: served,
     }
-}
-
-fn alice() -> StreamId {
-    StreamId::new("user:alice").expect("stream id")
 }
 
 async fn publish(log: &EventLog<SqliteStore>, n: i64) -> i64 {

@@ -1,4 +1,5 @@
-//! The Store conformance suite against [`SqliteStore`], each test on a fresh
+//! The storage contracts' conformance suites (Store, and the edge's tables
+//! each behind its feature) against [`SqliteStore`], each test on a fresh
 //! database file in its own temporary directory.
 
 use keel_sqlite::store::SqliteStore;
@@ -13,3 +14,15 @@ async fn fresh_store() -> Fixture<SqliteStore> {
 }
 
 keel_testkit::store_conformance_tests!(fresh_store());
+
+#[cfg(feature = "event-log")]
+keel_testkit::event_log_conformance_tests!(fresh_store());
+
+#[cfg(feature = "idempotency")]
+keel_testkit::idempotency_conformance_tests!(fresh_store());
+
+#[cfg(feature = "jobs")]
+keel_testkit::jobs_conformance_tests!(fresh_store());
+
+#[cfg(feature = "webhooks")]
+keel_testkit::webhook_conformance_tests!(fresh_store());

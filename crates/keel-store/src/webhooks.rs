@@ -128,6 +128,38 @@ impl WebhookFormat {
 }
 
 impl WebhookEndpoint {
+    /// A new endpoint as registered at `now`: enabled, signing with
+    /// `secret` (stored as given, so sealed if the store seals), every event
+    /// type, no tenant, the default format, no delivery history yet. Set the
+    /// rest with struct update syntax.
+    pub fn registered(
+        id: impl Into<String>,
+        url: impl Into<String>,
+        secret: impl Into<String>,
+        now: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            url: url.into(),
+            description: String::new(),
+            event_types: Vec::new(),
+            secrets: vec![WebhookSecret {
+                secret: secret.into(),
+                created_at: now,
+                expires_at: None,
+            }],
+            enabled: true,
+            disabled_reason: None,
+            disabled_at: None,
+            failing_since: None,
+            last_success_at: None,
+            created_at: now,
+            updated_at: now,
+            tenant: String::new(),
+            format: WebhookFormat::default(),
+        }
+    }
+
     /// Whether it subscribes to `event_type`: no filter, an exact name, or a
     /// `prefix.*` pattern whose prefix (dot included) starts the type.
     pub fn subscribes_to(&self, event_type: &str) -> bool {

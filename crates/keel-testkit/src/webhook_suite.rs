@@ -32,7 +32,7 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use keel_store::{
     DeliveryAttempt, DeliveryFilter, DeliveryOutcome, DeliveryStatus, WebhookDelivery,
-    WebhookEndpoint, WebhookMessage, WebhookSecret, WebhookStore,
+    WebhookEndpoint, WebhookMessage, WebhookStore,
 };
 
 use crate::store_suite::at_ms;
@@ -61,24 +61,14 @@ const LEASE: Duration = Duration::from_secs(60);
 /// one secret.
 pub fn endpoint(id: &str, event_types: &[&str]) -> WebhookEndpoint {
     WebhookEndpoint {
-        id: id.to_owned(),
-        url: format!("https://hooks.example.com/{id}"),
         description: format!("endpoint {id}"),
         event_types: event_types.iter().map(|s| (*s).to_owned()).collect(),
-        secrets: vec![WebhookSecret {
-            secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".to_owned(),
-            created_at: t0(),
-            expires_at: None,
-        }],
-        enabled: true,
-        disabled_reason: None,
-        disabled_at: None,
-        failing_since: None,
-        last_success_at: None,
-        created_at: t0(),
-        updated_at: t0(),
-        tenant: String::new(),
-        format: Default::default(),
+        ..WebhookEndpoint::registered(
+            id,
+            format!("https://hooks.example.com/{id}"),
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+            t0(),
+        )
     }
 }
 

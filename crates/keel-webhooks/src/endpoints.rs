@@ -169,24 +169,16 @@ impl<S: WebhookEndpointStore> Endpoints<S> {
             ));
         }
         let endpoint = WebhookEndpoint {
-            id,
-            url: url.to_string(),
             description: new.description,
             event_types: new.event_types,
-            secrets: vec![WebhookSecret {
-                secret: self.sealer.seal(secret.expose())?,
-                created_at: now,
-                expires_at: None,
-            }],
-            enabled: true,
-            disabled_reason: None,
-            disabled_at: None,
-            failing_since: None,
-            last_success_at: None,
-            created_at: now,
-            updated_at: now,
             tenant: new.tenant,
             format: new.format,
+            ..WebhookEndpoint::registered(
+                id,
+                url.to_string(),
+                self.sealer.seal(secret.expose())?,
+                now,
+            )
         };
         self.store.webhook_endpoint_create(&endpoint).await?;
         metrics::counter!("keel_webhook_endpoints_created_total").increment(1);

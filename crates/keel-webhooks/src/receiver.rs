@@ -78,6 +78,7 @@ use super::WallClock;
 use super::signing::{
     Secret, SignatureScheme, Verified, Verifier, VerifyError, WEBHOOK_ID, WEBHOOK_TIMESTAMP,
 };
+use keel_http::body::BodyError;
 use keel_http::problem::Problem;
 
 /// The largest body read by default: 256 KiB (the sender's default cap).
@@ -393,22 +394,11 @@ async fn extract_inner<T: DeserializeOwned>(
     let config = &receiver.inner;
     let limit = config.max_body;
     let (parts, body) = request.into_parts();
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(WebhookRejection::BodyTooLarge { limit });
-    }
-    let body: Bytes = axum::body::to_bytes(Body::new(body), limit)
+    let body = keel_http::body::read_limited(&parts.headers, Body::new(body), limit)
         .await
-        .map_err(|err| {
-            if keel_core::error::find_cause::<http_body_util::LengthLimitError>(&err).is_some() {
-                WebhookRejection::BodyTooLarge { limit }
-            } else {
-                WebhookRejection::UnreadableBody(err.to_string())
-            }
+        .map_err(|err| match err {
+            BodyError::TooLarge { limit } => WebhookRejection::BodyTooLarge { limit },
+            BodyError::Unreadable(why) => WebhookRejection::UnreadableBody(why),
         })?;
     let verified = receiver.verify(&parts.headers, &body)?;
     let payload: T =

@@ -950,26 +950,12 @@ async fn an_endpoint_pointing_inside_the_network_is_never_called() {
 }
 
 fn stored_endpoint(id: &str, url: &str) -> WebhookEndpoint {
-    WebhookEndpoint {
-        id: id.to_owned(),
-        url: url.to_owned(),
-        description: String::new(),
-        event_types: Vec::new(),
-        secrets: vec![keel_store::WebhookSecret {
-            secret: Secret::generate().expect("secret").expose().to_owned(),
-            created_at: start_time(),
-            expires_at: None,
-        }],
-        enabled: true,
-        disabled_reason: None,
-        disabled_at: None,
-        failing_since: None,
-        last_success_at: None,
-        created_at: start_time(),
-        updated_at: start_time(),
-        tenant: String::new(),
-        format: Default::default(),
-    }
+    WebhookEndpoint::registered(
+        id,
+        url,
+        Secret::generate().expect("secret").expose(),
+        start_time(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@ use axum::http::request::Parts;
 use axum::http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use axum::response::IntoResponse;
 use chrono::{DateTime, Utc};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use keel_core::BoxError;
 use keel_store::StoreError;
 use keel_store::{IdempotencyBegin, IdempotencyClaim, IdempotencyStore, StoredResponse};
@@ -21,6 +21,7 @@ use super::key::{IDEMPOTENT_REPLAYED, IdempotencyRejection, parse_key};
 use super::lease::{Lease, LockLost};
 use super::options::IdempotencyOptions;
 use super::settle::{Settle, Settled};
+use crate::body::BodyError;
 use crate::problem::Problem;
 pub use crate::response_future::ResponseFuture;
 
@@ -279,24 +280,14 @@ where
     Ok(Response::from_parts(head, Body::from(body)))
 }
 
-/// Reads the whole body, refusing one over `limit` (by its `Content-Length`
-/// first, without reading it).
+/// Reads the whole body, refusing one over `limit`.
 async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, IdempotencyRejection> {
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(IdempotencyRejection::BodyTooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(IdempotencyRejection::BodyTooLarge { limit })
-        }
-        Err(err) => Err(IdempotencyRejection::UnreadableBody(err.to_string())),
-    }
+    crate::body::read_limited(&parts.headers, body, limit)
+        .await
+        .map_err(|err| match err {
+            BodyError::TooLarge { limit } => IdempotencyRejection::BodyTooLarge { limit },
+            BodyError::Unreadable(why) => IdempotencyRejection::UnreadableBody(why),
+        })
 }
 
 /// The response to store for replay.

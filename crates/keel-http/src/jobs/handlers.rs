@@ -1,5 +1,6 @@
 //! The HTTP side of [`Jobs`]: `POST` → `202`, `GET` status, `DELETE` cancel.
 
+use crate::body::BodyError;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::PathRejection;
@@ -9,7 +10,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use chrono::{DateTime, Utc};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use keel_store::{JobRecord, JobStatus, JobStore, OutboxStore};
 use serde::{Deserialize, Serialize};
 
@@ -219,23 +219,14 @@ fn parse_key(headers: &HeaderMap) -> Result<String, JobError> {
 }
 
 async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, JobError> {
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(JobError::ParamsTooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(JobError::ParamsTooLarge { limit })
-        }
-        Err(err) => Err(JobError::InvalidParams(format!(
-            "the body could not be read: {err}"
-        ))),
-    }
+    crate::body::read_limited(&parts.headers, body, limit)
+        .await
+        .map_err(|err| match err {
+            BodyError::TooLarge { limit } => JobError::ParamsTooLarge { limit },
+            unreadable @ BodyError::Unreadable(_) => {
+                JobError::InvalidParams(unreadable.to_string())
+            }
+        })
 }
 
 fn set_location(headers: &mut HeaderMap, location: &str) {
