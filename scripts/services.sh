@@ -195,6 +195,7 @@ start_postgres() {
     if as_pg "$bin/pg_ctl" -D "$dir/data" -l "$dir/log" -w -t 60 start -o \
       "-h 127.0.0.1 -p $(cat "$KEEL_TEST_SERVICES_DIR/postgres.port") -k $dir -c fsync=${KEEL_TEST_PG_FSYNC:-on} \
        -c synchronous_commit=on -c full_page_writes=${KEEL_TEST_PG_FSYNC:-on} -c max_connections=400 \
+       -c wal_level=logical -c max_replication_slots=40 -c max_wal_senders=40 \
        -c shared_buffers=128MB" >/dev/null; then
       return 0
     fi

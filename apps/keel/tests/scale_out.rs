@@ -92,6 +92,20 @@ async fn outage_mid_run(outage: fn(Service) -> Result<(), services::ServiceError
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashing_postgres_and_nats_under_wal_relays_loses_and_duplicates_nothing() {
+    for seed in keel_testkit::seeds::fault_seeds(1..=1) {
+        // A cluster (schema, slot) per seed: one seed's processes, killed,
+        // leave nothing the next one's must wait for.
+        let Some(cluster) = Cluster::new() else {
+            return;
+        };
+        let cluster = cluster.on_the_wal();
+        run_outage(&cluster, services::crash, "crashing (WAL relays)", seed).await;
+        cluster.drop_wal_slot().await;
+    }
+}
+
 /// One seeded run of [`outage_mid_run`]; `false` when no servers run.
 async fn outage_with_seed(
     outage: fn(Service) -> Result<(), services::ServiceError>,
@@ -101,6 +115,19 @@ async fn outage_with_seed(
     let Some(cluster) = Cluster::new() else {
         return false;
     };
+    run_outage(&cluster, outage, what, seed).await;
+    true
+}
+
+/// Two servers of `cluster` under the workload while `outage` hits
+/// PostgreSQL and nats-server in the order and after the pauses `seed`
+/// draws; every order must settle once, with nothing lost.
+async fn run_outage(
+    cluster: &Cluster,
+    outage: fn(Service) -> Result<(), services::ServiceError>,
+    what: &str,
+    seed: u64,
+) {
     let _lease = ServerLease::take(true);
     let a = cluster.serve("a").await;
     let b = cluster.serve("b").await;
@@ -136,7 +163,16 @@ async fn outage_with_seed(
          letters, 0 lost, 0 duplicated, 0 unexpected, {} recovered",
         invariants.recovered
     );
-    true
+    if cluster.serve_args.iter().any(|arg| arg == "wal") {
+        // The slot carried the events, not only the table's sweep.
+        let http = reqwest::Client::new();
+        let streamed = |t: &Totals| t.get("keel_outbox_wal_rows_total");
+        let (ta, tb) = (a.totals(&http).await, b.totals(&http).await);
+        assert!(
+            streamed(&ta) + streamed(&tb) > 0,
+            "no outbox row came through the slot"
+        );
+    }
 }
 
 /// A key in flight when its server is killed (`SIGKILL`: nothing completes

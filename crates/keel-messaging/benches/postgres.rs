@@ -13,6 +13,10 @@
 //!   millisecond while a relay whose poll interval is 60 s is woken only by
 //!   `PgWakeups` (LISTEN/NOTIFY); the time from each commit's return to the
 //!   broker receiving the event, in an HDR histogram;
+//! - the same with the relay on PostgreSQL's WAL (`WalOutbox`: a logical
+//!   replication slot, the relay woken by the stream), alternating with the
+//!   LISTEN/NOTIFY relay twice; each run also reports the CPU time of every
+//!   PostgreSQL process per event (from `/proc`, appends included);
 //! - append → effect latency at 1,000 events/s, end to end on the scale-out
 //!   pair: the same appends, the relay publishing to NATS JetStream
 //!   (`NatsBroker`, when `KEEL_TEST_NATS_URL` is set) and a consumer group
@@ -58,7 +62,7 @@ use keel_messaging::envelope::Envelope;
 use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::Store;
 use keel_nats::NatsBrokerOptions;
-use keel_postgres::{PgStore, PgWakeups};
+use keel_postgres::{PgStore, PgWakeups, WalOutbox, WalRelayOptions};
 use keel_testkit::bench::{self, OrderPlaced, Tally, order};
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
@@ -215,21 +219,104 @@ fn bench_relay(c: &mut Criterion, rt: &Runtime, fx: &Arc<Fixture>) {
     });
 }
 
+/// One append → publish run: the latencies, and the CPU every PostgreSQL
+/// process spent per event meanwhile (appends included, the same for
+/// every relay).
+struct LatencyRun {
+    latency: Histogram<u64>,
+    pg_cpu_per_event: Duration,
+}
+
 /// Appends at 1 kHz from another pool while a relay woken by LISTEN/NOTIFY
 /// publishes; returns the commit → publish latencies in microseconds.
-async fn latency_run(fx: &Fixture) -> Histogram<u64> {
+async fn latency_run(fx: &Fixture) -> LatencyRun {
     let broker = Arc::new(NoopBroker::default());
     *broker.arrivals.lock() = Some(HashMap::new());
     let (relay, wakeups) = spawn_relay(fx, Arc::clone(&broker) as Arc<dyn Broker>).await;
-    let committed = append_at_1khz(fx, "bench.latency").await;
-    wait_for("append -> publish", committed.len(), || {
+    let run = measure(fx, "bench.latency", &broker).await;
+    relay.stop().await;
+    drop(wakeups);
+    run
+}
+
+/// Appends at 1 kHz and waits for every event to reach `broker`; the
+/// latencies and PostgreSQL's CPU per event meanwhile.
+async fn measure(fx: &Fixture, topic: &str, broker: &NoopBroker) -> LatencyRun {
+    let cpu = PgCpu::now();
+    let committed = append_at_1khz(fx, topic).await;
+    wait_for(topic, committed.len(), || {
         broker.arrivals.lock().as_ref().map_or(0, HashMap::len)
     })
     .await;
+    let pg_cpu_per_event = cpu.since() / LATENCY_EVENTS as u32;
     let arrivals = broker.arrivals.lock().take().unwrap_or_default();
+    LatencyRun {
+        latency: histogram(&committed, &arrivals),
+        pg_cpu_per_event,
+    }
+}
+
+/// The same appends while a relay fed by a replication slot (`WalOutbox`,
+/// woken by the stream, poll interval 60 s, sweep every 10 s) publishes.
+async fn wal_latency_run(fx: &Fixture) -> LatencyRun {
+    let broker = Arc::new(NoopBroker::default());
+    *broker.arrivals.lock() = Some(HashMap::new());
+    let options = WalRelayOptions::default().named(fx.store.schema());
+    let wal = WalOutbox::start(fx.store.clone(), &fx.url, options)
+        .await
+        .expect("WAL relay (wal_level = logical?)");
+    let outbox = Outbox::new(wal.clone());
+    wal.wake_with(outbox.waker());
+    let relay = OutboxRelay::builder(&outbox, Arc::clone(&broker) as Arc<dyn Broker>)
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .expect("relay");
+    let relay = Running::spawn(|stopped| async move { relay.run(stopped).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let run = measure(fx, "bench.wal", &broker).await;
     relay.stop().await;
-    drop(wakeups);
-    histogram(&committed, &arrivals)
+    wal.decommission().await.expect("drop the slot");
+    run
+}
+
+/// CPU time of every process named `postgres` on this machine (the test
+/// server's backends, walsenders and background workers), from `/proc`.
+struct PgCpu(Duration);
+
+impl PgCpu {
+    fn now() -> Self {
+        Self(postgres_cpu())
+    }
+
+    fn since(&self) -> Duration {
+        postgres_cpu().saturating_sub(self.0)
+    }
+}
+
+fn postgres_cpu() -> Duration {
+    let ticks_per_second = 100; // USER_HZ on Linux
+    let mut ticks = 0u64;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((name, rest)) = stat.split_once(") ") else {
+            continue;
+        };
+        if !name.ends_with("(postgres") {
+            continue;
+        }
+        // After the name: state, then fields 4.., utime and stime are 14 and 15.
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |n: usize| {
+            fields
+                .get(n - 3)
+                .and_then(|f| f.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        ticks += field(14) + field(15);
+    }
+    Duration::from_millis(ticks * 1000 / ticks_per_second)
 }
 
 /// The same appends, end to end on the scale-out pair: the relay publishes
@@ -472,7 +559,7 @@ fn effect_runs() -> usize {
         .unwrap_or(1)
 }
 
-fn summary(latency: &Histogram<u64>, effects: &[Histogram<u64>]) {
+fn summary(runs: &[(&str, &LatencyRun)], effects: &[Histogram<u64>]) {
     let (first, last) = (RAW_FIRST.per_second(), RAW_LAST.per_second());
     let raw = Tally::per_second_of(&[&RAW_FIRST, &RAW_LAST]);
     let (relay, relay_raw) = (RELAY.per_second(), RELAY_RAW.per_second());
@@ -488,15 +575,20 @@ fn summary(latency: &Histogram<u64>, effects: &[Histogram<u64>]) {
         relay / raw,
         relay / relay_raw
     );
-    println!(
-        "append -> publish at 1,000 events/s (LISTEN/NOTIFY, poll 60 s): p50 {:.2} ms, \
-         p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms over {} events (goal p99 <= 10 ms)",
-        ms(latency.value_at_quantile(0.50)),
-        ms(latency.value_at_quantile(0.99)),
-        ms(latency.value_at_quantile(0.999)),
-        ms(latency.max()),
-        latency.len()
-    );
+    for (relay, run) in runs {
+        let latency = &run.latency;
+        println!(
+            "append -> publish at 1,000 events/s ({relay}): p50 {:.2} ms, p99 {:.2} ms, \
+             p99.9 {:.2} ms, max {:.2} ms over {} events (goal p99 <= 10 ms); PostgreSQL CPU \
+             {:.0} us per event (appends included)",
+            ms(latency.value_at_quantile(0.50)),
+            ms(latency.value_at_quantile(0.99)),
+            ms(latency.value_at_quantile(0.999)),
+            ms(latency.max()),
+            latency.len(),
+            run.pg_cpu_per_event.as_secs_f64() * 1e6,
+        );
+    }
     for effect in effects {
         println!(
             "append -> effect at 1,000 events/s (relay -> NATS JetStream -> consumer, inbox on \
@@ -543,12 +635,24 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     bench_raw(&mut c, &rt, &fx, "raw_insert_commit", &RAW_FIRST);
     bench_relay(&mut c, &rt, &fx);
-    let latency = rt.block_on(latency_run(&fx));
+    // Alternating, twice each: the machine's drift shows as a spread.
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        runs.push((
+            "polling relay, LISTEN/NOTIFY, poll 60 s",
+            rt.block_on(latency_run(&fx)),
+        ));
+        runs.push((
+            "WAL relay, woken by the slot's stream",
+            rt.block_on(wal_latency_run(&fx)),
+        ));
+    }
     let effects: Vec<Histogram<u64>> = (0..effect_runs())
         .map_while(|_| rt.block_on(effect_latency_run(&fx)))
         .collect();
     bench_raw(&mut c, &rt, &fx, "raw_insert_commit_again", &RAW_LAST);
     c.final_summary();
-    summary(&latency, &effects);
+    let runs: Vec<(&str, &LatencyRun)> = runs.iter().map(|(name, run)| (*name, run)).collect();
+    summary(&runs, &effects);
     rt.block_on(fx.drop_schema());
 }

@@ -11,6 +11,9 @@
 //! - [`PgWakeups`]: `LISTEN/NOTIFY`, so a commit in one process wakes the
 //!   relay, webhook worker or event-log readers of every other at once;
 //!   polling remains the fallback.
+//! - [`WalOutbox`] (feature `wal-relay`): the relay's claims from a logical
+//!   replication slot instead of the table, in commit order as each
+//!   transaction commits.
 //!
 //! Failures are classified for callers: serialization failures and
 //! deadlocks are retryable (and retried inside the store's own work), a
@@ -21,7 +24,11 @@
 mod event_log;
 pub mod store;
 pub mod wakeups;
+#[cfg(feature = "wal-relay")]
+pub mod wal;
 mod webhooks;
 
 pub use store::{Channels, InvalidSchema, PgStore, PgStoreOptions, TxOutcome};
 pub use wakeups::{EventLogWake, PgWakeups, PgWakeupsBuilder};
+#[cfg(feature = "wal-relay")]
+pub use wal::{WalOutbox, WalRelayOptions};

@@ -49,6 +49,9 @@ pub struct ServeConfig {
     pub broker: BrokerKind,
     /// Where leases are taken.
     pub leases: LeaseBackend,
+    /// Whether the relay streams the outbox from a replication slot
+    /// (`--outbox-relay wal`, PostgreSQL) rather than polling the table.
+    pub outbox_relay_wal: bool,
     /// The PostgreSQL schema.
     pub pg_schema: String,
     /// The NATS stream prefix.
@@ -118,6 +121,7 @@ impl std::fmt::Debug for ServeConfig {
             .field("database", &self.database)
             .field("broker", &self.broker)
             .field("leases", &self.leases)
+            .field("outbox_relay_wal", &self.outbox_relay_wal)
             .field("admin_token", &set(&self.admin_token))
             .field("shipping_grpc_token", &set(&self.shipping_grpc_token))
             .field("allowed_hosts", &self.allowed_hosts.describe())
@@ -232,6 +236,7 @@ impl ServeArgs {
         let blobs = self.blobs(&database)?;
         let broker = parse_broker(self.broker.as_deref().unwrap_or("embedded"), &database)?;
         let leases = backend::parse_leases(self.leases.as_deref().unwrap_or("store"))?;
+        let outbox_relay_wal = outbox_relay_wal(self.outbox_relay.as_deref(), &database)?;
         let nats_replicas = usize::from(self.nats_replicas.unwrap_or(1));
         if !(1..=5).contains(&nats_replicas) {
             return Err(invalid("nats-replicas", "must be 1 to 5".to_owned()));
@@ -269,6 +274,7 @@ impl ServeArgs {
             database,
             broker,
             leases,
+            outbox_relay_wal,
             pg_schema: (self.pg_schema.clone())
                 .unwrap_or_else(|| backend::DEFAULT_PG_SCHEMA.to_owned()),
             stream_prefix: (self.stream_prefix.clone())
@@ -521,5 +527,23 @@ impl ServeConfig {
             nats_replicas: self.nats_replicas,
             ..BackendOptions::new(self.database.clone(), self.broker.clone())
         }
+    }
+}
+
+/// `--outbox-relay`: `table` (the default) or `wal`, which needs PostgreSQL.
+fn outbox_relay_wal(setting: Option<&str>, database: &Database) -> Result<bool, ConfigError> {
+    match (setting.unwrap_or("table"), database) {
+        ("table", _) => Ok(false),
+        ("wal", Database::Postgres(_)) => Ok(true),
+        ("wal", _) => Err(invalid(
+            "outbox-relay",
+            "`wal` streams PostgreSQL's write-ahead log: use a postgres:// --database-url, \
+             or `table`"
+                .to_owned(),
+        )),
+        (other, _) => Err(invalid(
+            "outbox-relay",
+            format!("`{other}` is neither `table` nor `wal`"),
+        )),
     }
 }

@@ -349,6 +349,10 @@ fn system_config(config: &ServeConfig) -> anyhow::Result<SystemConfig> {
             format!("shop-relay-{}", keel_core::id::new_id().simple())
         },
         leases: Leases::open(&config.leases).map_err(anyhow::Error::msg)?,
+        wal_relay: match &config.database {
+            Database::Postgres(url) if config.outbox_relay_wal => Some(url.clone()),
+            _ => None,
+        },
         ..SystemConfig::default()
     })
 }

@@ -86,6 +86,25 @@ fn scale_out_backends_resolve_with_their_schema_and_prefix() {
 }
 
 #[test]
+fn the_wal_relay_is_chosen_on_postgresql_only() {
+    assert!(
+        !args().resolve().unwrap().outbox_relay_wal,
+        "the table by default"
+    );
+    let mut a = args();
+    a.outbox_relay = Some("wal".into());
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("postgres://"), "{refused}");
+    a.outbox_relay = Some("binlog".into());
+    assert!(a.resolve().unwrap_err().to_string().contains("`binlog`"));
+    if cfg!(feature = "postgres") {
+        a.outbox_relay = Some("wal".into());
+        a.database_url = Some("postgres://keel@127.0.0.1/keel".into());
+        assert!(a.resolve().unwrap().outbox_relay_wal);
+    }
+}
+
+#[test]
 fn unusable_settings_say_what_to_change() {
     let mut a = args();
     a.listen = Some("localhost".into());

@@ -123,6 +123,10 @@ pub struct SystemConfig {
     /// sharing one: each of those needs a name of its own (default
     /// `shop-relay`).
     pub relay_name: String,
+    /// PostgreSQL: the relay claims outbox rows from a logical replication
+    /// slot of the database at this URL instead of polling the table
+    /// (`keel serve --outbox-relay wal`); `None` (the default) polls.
+    pub wal_relay: Option<String>,
     /// Where the shipping service's gRPC server listens (port 0 picks one).
     pub shipping_grpc: SocketAddr,
     /// The token its calls must carry (`None`: none; loopback only). The
@@ -174,6 +178,7 @@ impl Default for SystemConfig {
             chaos_experiments: false,
             poll_interval: Duration::from_millis(50),
             relay_name: "shop-relay".to_owned(),
+            wal_relay: None,
             shipping_grpc: SocketAddr::from(([127, 0, 0, 1], 0)),
             shipping_grpc_token: None,
             courier_pace: shipping::CourierPace::default(),
@@ -335,7 +340,7 @@ impl System {
         let fulfilment =
             fulfilment::StartFulfilment::new(store.clone(), orchestrator.clone(), saga);
         let workers = pipeline::Workers {
-            relay: pipeline::relay(&store, &outbox, &broker, &config)?,
+            relay: pipeline::relay_for(&store, &outbox, &broker, &config).await?,
             consumer: pipeline::consumer(&store, &broker, fulfilment, &config)?,
             orchestrator: orchestrator.clone(),
             webhooks: worker.clone(),

@@ -96,14 +96,78 @@ pub(super) fn drain(config: &SystemConfig) -> Result<Drain, StartError> {
         .map_err(config_err)
 }
 
-/// The relay: every process relays; one at a time prunes (processes
-/// sharing a PostgreSQL database would otherwise all delete the same rows).
-pub(super) fn relay<S: ShopStore>(
+/// The relay the configuration asks for: polling `outbox`'s table, or
+/// (PostgreSQL, [`SystemConfig::wal_relay`]) streaming its inserts from a
+/// replication slot named after the schema.
+pub(super) async fn relay_for<S: ShopStore>(
     store: &S,
     outbox: &Outbox<S>,
     broker: &Arc<dyn Broker>,
     config: &SystemConfig,
-) -> Result<OutboxRelay<S, dyn Broker>, StartError> {
+) -> Result<Relay<S>, StartError> {
+    let Some(url) = &config.wal_relay else {
+        return relay(store, outbox, broker, config).map(Relay::Table);
+    };
+    wal_relay(store, url, broker, config).await
+}
+
+#[cfg(feature = "postgres")]
+async fn wal_relay<S: ShopStore>(
+    store: &S,
+    url: &str,
+    broker: &Arc<dyn Broker>,
+    config: &SystemConfig,
+) -> Result<Relay<S>, StartError> {
+    use keel_postgres::{PgStore, WalOutbox, WalRelayOptions};
+    let Some(pg) = (store as &dyn std::any::Any).downcast_ref::<PgStore>() else {
+        return Err(config_err("the WAL relay needs PostgreSQL"));
+    };
+    let options = WalRelayOptions::default().named(&format!("{}_outbox", pg.schema()));
+    let wal = WalOutbox::start(pg.clone(), url, options)
+        .await
+        .map_err(config_err)?;
+    let outbox = Outbox::new(wal.clone());
+    wal.wake_with(outbox.waker());
+    Ok(Relay::Wal(relay(store, &outbox, broker, config)?))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn wal_relay<S: ShopStore>(
+    _: &S,
+    _: &str,
+    _: &Arc<dyn Broker>,
+    _: &SystemConfig,
+) -> Result<Relay<S>, StartError> {
+    Err(config_err("the WAL relay needs the `postgres` feature"))
+}
+
+/// The outbox relay of one process.
+pub(super) enum Relay<S: ShopStore> {
+    /// Claims rows from the outbox table.
+    Table(OutboxRelay<S, dyn Broker>),
+    /// Claims rows from a replication slot (and sweeps the table).
+    #[cfg(feature = "postgres")]
+    Wal(OutboxRelay<keel_postgres::WalOutbox, dyn Broker>),
+}
+
+impl<S: ShopStore> Relay<S> {
+    async fn run(self, stopped: impl std::future::Future<Output = ()>) {
+        match self {
+            Self::Table(relay) => relay.run(stopped).await,
+            #[cfg(feature = "postgres")]
+            Self::Wal(relay) => relay.run(stopped).await,
+        }
+    }
+}
+
+/// The relay: every process relays; one at a time prunes (processes
+/// sharing a PostgreSQL database would otherwise all delete the same rows).
+fn relay<S: ShopStore, T: keel_store::OutboxStore>(
+    store: &S,
+    outbox: &Outbox<T>,
+    broker: &Arc<dyn Broker>,
+    config: &SystemConfig,
+) -> Result<OutboxRelay<T, dyn Broker>, StartError> {
     let prune_gate = config.leases.gate(
         store,
         "outbox-prune",
@@ -176,7 +240,7 @@ pub(super) fn router<S: ShopStore>(
 
 /// The loops that move work along, each run until the stop signal.
 pub(super) struct Workers<S: ShopStore> {
-    pub(super) relay: OutboxRelay<S, dyn Broker>,
+    pub(super) relay: Relay<S>,
     pub(super) consumer: Consumer<S, dyn Broker>,
     pub(super) orchestrator: SagaOrchestrator<S>,
     pub(super) webhooks: DeliveryWorker<S>,

@@ -62,6 +62,8 @@ pub struct Cluster {
     pub nats_url: String,
     pub schema: String,
     pub prefix: String,
+    /// Extra `keel serve` arguments for every server of the cluster.
+    pub serve_args: Vec<String>,
 }
 
 impl Cluster {
@@ -74,7 +76,45 @@ impl Cluster {
             nats_url,
             schema: format!("keel_so_{id}"),
             prefix: format!("so_{}", &id[id.len() - 24..]),
+            serve_args: Vec::new(),
         })
+    }
+
+    /// The same cluster with its relays streaming the outbox from a
+    /// replication slot (`--outbox-relay wal`).
+    pub fn on_the_wal(mut self) -> Self {
+        self.serve_args
+            .extend(["--outbox-relay".to_owned(), "wal".to_owned()]);
+        self
+    }
+
+    /// Drops the WAL relay's slot and publication, once every server of
+    /// the cluster is gone (a slot left behind holds WAL for good).
+    pub async fn drop_wal_slot(&self) {
+        let store = self.store().await;
+        let slot = format!("{}_outbox", self.schema);
+        for _ in 0..100 {
+            // A walsender may outlive its killed client for a while.
+            let _ = sqlx::query(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
+            )
+            .bind(&slot)
+            .execute(store.pool())
+            .await;
+            let dropped = sqlx::query(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                 WHERE slot_name = $1",
+            )
+            .bind(&slot)
+            .execute(store.pool())
+            .await;
+            if dropped.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the slot {slot} was never let go of");
     }
 
     pub async fn serve(&self, name: &str) -> Server {
@@ -92,6 +132,7 @@ impl Cluster {
         .args(["--broker", nats_url])
         .args(["--pg-schema", &self.schema])
         .args(["--stream-prefix", &self.prefix])
+        .args(&self.serve_args)
         .env("KEEL_LOG", "warn")
         .env_remove("KEEL_CONFIG")
         .stdin(Stdio::null())

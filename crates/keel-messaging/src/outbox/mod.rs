@@ -229,7 +229,10 @@ impl<S: OutboxStore> Outbox<S> {
         Ok(record)
     }
 
-    pub(crate) fn waker(&self) -> Arc<Notify> {
+    /// The relay's wake-up, for a source of rows that learns of commits
+    /// itself (keel-postgres's `WalOutbox`, as transactions stream in).
+    /// Holding it keeps nothing else alive, unlike a clone of the outbox.
+    pub fn waker(&self) -> Arc<Notify> {
         Arc::clone(&self.wake)
     }
 }

@@ -53,6 +53,13 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_LEASES")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub leases: Option<String>,
+    /// How the outbox relay finds new rows: `table` (it polls the outbox
+    /// table, woken by commits) or, on PostgreSQL, `wal` (it streams them
+    /// from a logical replication slot as they commit; the server needs
+    /// `wal_level = logical`) [default: table].
+    #[arg(long, env = "KEEL_OUTBOX_RELAY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outbox_relay: Option<String>,
     /// PostgreSQL: the schema holding every table [default: keel].
     /// Processes sharing the work must use the same one.
     #[arg(long, env = "KEEL_PG_SCHEMA")]
