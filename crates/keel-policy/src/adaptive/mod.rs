@@ -53,9 +53,9 @@ use keel_core::{
     BoxError, Classify, ErrorClass, Name, PolicyError, Rejected, clock, error::classify,
 };
 use parking_lot::Mutex;
+use tokio::time::Instant;
 
 use crate::admission::Permit;
-use tokio::time::Instant;
 
 pub use algorithm::{Aimd, Gradient, LimitAlgorithm, Outcome, Sample};
 pub use config::{AdaptiveBuilder, AdaptiveConfig, AimdConfig, AlgorithmConfig, GradientConfig};
