@@ -1,6 +1,5 @@
 //! The HTTP side of [`Jobs`]: `POST` → `202`, `GET` status, `DELETE` cancel.
 
-use crate::body::BodyError;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::PathRejection;
@@ -15,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::component::{Cancelled, Jobs};
 use super::error::JobError;
+use crate::body::BodyError;
 
 /// The longest job id looked up; longer ones are `404` without a query.
 const MAX_ID_LEN: usize = 128;
