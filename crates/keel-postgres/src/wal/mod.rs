@@ -103,8 +103,6 @@ struct Shared {
     options: WalRelayOptions,
     schema: String,
     feed: Mutex<Feed>,
-    /// Rows the relay claimed from the table (the sweep), not the stream.
-    swept: Mutex<HashSet<i64>>,
     /// Partition keys with a parked row: their later rows wait in the table.
     held: Mutex<HashSet<String>>,
     next_sweep: Mutex<Instant>,
@@ -175,7 +173,6 @@ impl WalOutbox {
         let shared = Arc::new(Shared {
             schema: store.schema().to_owned(),
             feed: Mutex::new(Feed::default()),
-            swept: Mutex::new(HashSet::new()),
             held: Mutex::new(HashSet::new()),
             // The slot delivers what was committed while no relay ran;
             // the first sweep is for what it never will (rows from before
@@ -276,7 +273,7 @@ impl WalOutbox {
         Ok(())
     }
 
-    /// Splits `ids` into the stream's and the sweep's.
+    /// Splits `ids` into the stream's and the table's (the sweep's).
     fn split(&self, ids: &[i64]) -> (Vec<i64>, Vec<i64>) {
         let feed = self.shared.feed.lock();
         ids.iter().partition(|id| feed.owns(**id))
@@ -456,15 +453,12 @@ impl OutboxStore for WalOutbox {
             return Ok(streamed);
         }
         self.refresh_held().await?;
-        let swept = self.store.outbox_claim(relay, limit, lease).await?;
-        self.shared.swept.lock().extend(swept.iter().map(|r| r.id));
-        Ok(swept)
+        self.store.outbox_claim(relay, limit, lease).await
     }
 
     async fn outbox_mark_published(&self, ids: &[i64]) -> Result<(), StoreError> {
         self.store.outbox_mark_published(ids).await?;
         let (streamed, swept) = self.split(ids);
-        self.shared.swept.lock().retain(|id| !swept.contains(id));
         let confirmable = {
             let mut feed = self.shared.feed.lock();
             feed.swept(&swept);
@@ -477,7 +471,6 @@ impl OutboxStore for WalOutbox {
     async fn outbox_release(&self, relay: &str, ids: &[i64]) -> Result<(), StoreError> {
         let (streamed, swept) = self.split(ids);
         self.shared.feed.lock().release(&streamed);
-        self.shared.swept.lock().retain(|id| !swept.contains(id));
         self.store.outbox_release(relay, &swept).await
     }
 
@@ -489,7 +482,6 @@ impl OutboxStore for WalOutbox {
     ) -> Result<(), StoreError> {
         let (streamed, swept) = self.split(ids);
         self.shared.feed.lock().release(&streamed);
-        self.shared.swept.lock().retain(|id| !swept.contains(id));
         self.store.outbox_release_failed(relay, &swept, error).await
     }
 
@@ -502,10 +494,9 @@ impl OutboxStore for WalOutbox {
                 .await
                 .map_err(db_error)?;
         let parked = self.store.outbox_park(id, error).await?;
-        if let Some(key) = key {
+        if let (true, Some(key)) = (parked, key) {
             self.shared.held.lock().insert(key);
         }
-        self.shared.swept.lock().remove(&id);
         let confirmable = self.shared.feed.lock().finish(&streamed);
         self.shared.confirm(confirmable);
         Ok(parked)

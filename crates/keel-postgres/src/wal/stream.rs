@@ -51,7 +51,7 @@ async fn stream(
     loop {
         tokio::select! {
             event = client.recv() => match event? {
-                Some(event) => reader.read(shared, event, &client)?,
+                Some(event) => reader.read(shared, event)?,
                 None => return Err("the server ended the replication stream".into()),
             },
             changed = confirm.changed() => {
@@ -69,12 +69,9 @@ struct Reader {
 }
 
 impl Reader {
-    fn read(
-        &mut self,
-        shared: &Shared,
-        event: ReplicationEvent,
-        client: &ReplicationClient,
-    ) -> Result<(), BoxError> {
+    /// Reads one event; a position that may be confirmed goes out through
+    /// [`Shared::confirm`], as the relay's do.
+    fn read(&mut self, shared: &Shared, event: ReplicationEvent) -> Result<(), BoxError> {
         match event {
             ReplicationEvent::XLogData { data, .. } => {
                 self.change(shared, pgoutput::decode(data)?)?
@@ -85,14 +82,11 @@ impl Reader {
                     metrics::counter!("keel_outbox_wal_rows_total").increment(rows as u64);
                     shared.wake();
                 }
-                if let Some(lsn) = confirmable {
-                    client.update_applied_lsn(Lsn::from_u64(lsn));
-                }
+                shared.confirm(confirmable);
             }
             ReplicationEvent::KeepAlive { wal_end, .. } => {
-                if let Some(lsn) = shared.feed.lock().idle_at(wal_end.as_u64()) {
-                    client.update_applied_lsn(Lsn::from_u64(lsn));
-                }
+                let idle = shared.feed.lock().idle_at(wal_end.as_u64());
+                shared.confirm(idle);
             }
             _ => {}
         }
