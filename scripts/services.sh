@@ -9,6 +9,8 @@
 #               states and tests
 #   etcd        from Debian's packages (apt-get install etcd-server): leader
 #               election for keel-etcd
+#   RabbitMQ    from Debian's packages (apt-get install rabbitmq-server), one
+#               node with its data on disk: quorum queues survive a crash
 #   S3          moto's S3 server from PyPI (moto[s3], Flask), with the bucket
 #               `keel-test`: the claim check's object store
 #
@@ -24,6 +26,7 @@
 #   KEEL_TEST_NATS_URL       nats://127.0.0.1:PORT
 #   KEEL_TEST_REDIS_URL      redis://127.0.0.1:PORT
 #   KEEL_TEST_ETCD_URL       http://127.0.0.1:PORT
+#   KEEL_TEST_RABBITMQ_URL   amqp://guest:guest@127.0.0.1:PORT/%2f
 #   KEEL_TEST_S3_URL         http://127.0.0.1:PORT (bucket keel-test; any credentials)
 #   KEEL_TEST_SERVICES       this script's path, for restart/stop/start
 #   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
@@ -119,6 +122,53 @@ start_etcd() {
 stop_etcd() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/etcd/pid" "$@"; }
 
 kill_etcd() { stop_etcd -KILL; }
+
+ensure_rabbitmq() {
+  if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then return; fi
+  log "installing RabbitMQ from Debian's packages"
+  sudo_if_needed apt-get update -qq
+  # The package's own service is not wanted (policy-rc.d may refuse it).
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
+  [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || { log "RabbitMQ did not install"; exit 1; }
+  sudo_if_needed sh -c 'service rabbitmq-server stop >/dev/null 2>&1 || true'
+}
+
+# Everything of the node (its Erlang cookie, data, logs) lives in the
+# services directory; the node and Erlang's distribution listen on
+# loopback only. guest may log in over loopback, which is all it sees.
+start_rabbitmq() {
+  local dir="$KEEL_TEST_SERVICES_DIR/rabbitmq" port dist
+  port="$(cat "$KEEL_TEST_SERVICES_DIR/rabbitmq.port")"
+  dist="$(cat "$KEEL_TEST_SERVICES_DIR/rabbitmq-dist.port")"
+  mkdir -p "$dir"
+  printf 'listeners.tcp.1 = 127.0.0.1:%s\n' "$port" >"$dir/rabbitmq.conf"
+  echo '[].' >"$dir/enabled_plugins"
+  HOME="$dir" RABBITMQ_NODENAME="keel-$port@localhost" RABBITMQ_CONFIG_FILE="$dir/rabbitmq.conf" \
+    RABBITMQ_MNESIA_BASE="$dir/mnesia" RABBITMQ_LOG_BASE="$dir/log" RABBITMQ_DIST_PORT="$dist" \
+    RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" RABBITMQ_PID_FILE="$dir/pid" \
+    ERL_EPMD_ADDRESS=127.0.0.1 \
+    RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \
+    setsid /usr/lib/rabbitmq/bin/rabbitmq-server </dev/null >"$dir/out" 2>&1 &
+  # Ready once this start's log says the boot completed (the listener
+  # opens a moment before), and the port answers.
+  local i started=0 logfile="$dir/log/keel-$port@localhost.log"
+  local before
+  before="$(wc -l <"$logfile" 2>/dev/null || echo 0)"
+  for i in $(seq 1 600); do
+    if [ "$started" = 0 ] && tail -n +"$((before + 1))" "$logfile" 2>/dev/null | grep -q 'Server startup complete'; then
+      started=1
+    fi
+    if [ "$started" = 1 ] && python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  log "rabbitmq-server did not start; its output and log:"; tail -n 30 "$dir/out" "$logfile" >&2 || true; exit 1
+}
+
+stop_rabbitmq() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/rabbitmq/pid" "$@"; }
+
+kill_rabbitmq() { stop_rabbitmq -KILL; }
 
 moto_dir() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/keel/moto-s3"; }
 
@@ -257,6 +307,7 @@ stop_all() {
   stop_etcd
   stop_s3
   stop_redis
+  stop_rabbitmq
   stop_nats
   stop_postgres
   if [ -n "${KEEL_TEST_SERVICES_DIR:-}" ]; then rm -rf "$KEEL_TEST_SERVICES_DIR"; fi
@@ -268,6 +319,7 @@ cmd_run() {
   ensure_redis
   ensure_s3
   ensure_etcd
+  ensure_rabbitmq
   KEEL_TEST_SERVICES_DIR="$(mktemp -d -t keel-services.XXXXXX)"
   chmod 755 "$KEEL_TEST_SERVICES_DIR"
   export KEEL_TEST_SERVICES_DIR
@@ -278,20 +330,24 @@ cmd_run() {
   free_port >"$KEEL_TEST_SERVICES_DIR/s3.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/etcd.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/etcd-peer.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/rabbitmq.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/rabbitmq-dist.port"
   start_postgres
   start_nats
   start_redis
   start_s3
   start_etcd
+  start_rabbitmq
   export KEEL_TEST_POSTGRES_URL="postgres://keel@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/postgres.port")/postgres"
   export KEEL_TEST_NATS_URL="nats://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
   export KEEL_TEST_REDIS_URL="redis://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/redis.port")"
   export KEEL_TEST_ETCD_URL="http://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/etcd.port")"
   export KEEL_TEST_S3_URL="http://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/s3.port")"
+  export KEEL_TEST_RABBITMQ_URL="amqp://guest:guest@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/rabbitmq.port")/%2f"
   export KEEL_TEST_SERVICES="$SELF"
   # For tests that run nats-servers of their own (the three-node cluster).
   export KEEL_TEST_NATS_SERVER="$(nats_dir)/bin/nats-server"
-  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL, S3 at $KEEL_TEST_S3_URL, etcd at $KEEL_TEST_ETCD_URL"
+  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL, S3 at $KEEL_TEST_S3_URL, etcd at $KEEL_TEST_ETCD_URL, RabbitMQ at $KEEL_TEST_RABBITMQ_URL"
   "$@"
 }
 
@@ -305,5 +361,5 @@ case "${1:-}" in
   crash) need_dir; "kill_$2"; "start_$2" ;;
   stop) need_dir; "stop_$2" ;;
   start) need_dir; "start_$2" ;;
-  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3|etcd"; exit 2 ;;
+  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3|etcd|rabbitmq"; exit 2 ;;
 esac

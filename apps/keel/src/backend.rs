@@ -56,6 +56,8 @@ pub enum BrokerKind {
     Embedded(PathBuf),
     /// NATS JetStream (`nats://...`), feature `nats`.
     Nats(String),
+    /// RabbitMQ (`amqp://...` or `amqps://...`), feature `rabbitmq`.
+    RabbitMq(String),
 }
 
 /// Where leases are taken (`--leases`).
@@ -180,7 +182,7 @@ pub fn parse_database(url: &str) -> Result<Database, InvalidBackend> {
 }
 
 /// Parses `--broker`: `embedded` (next to a SQLite `database`, else
-/// [`EMBEDDED_BROKER_FILE`]) or `nats://...`.
+/// [`EMBEDDED_BROKER_FILE`]), `nats://...` or `amqp://...`.
 pub fn parse_broker(broker: &str, database: &Database) -> Result<BrokerKind, InvalidBackend> {
     match broker {
         "embedded" => Ok(BrokerKind::Embedded(match database {
@@ -196,9 +198,14 @@ pub fn parse_broker(broker: &str, database: &Database) -> Result<BrokerKind, Inv
             "--broker embedded",
             BrokerKind::Nats(url.to_owned()),
         ),
+        url if url.starts_with("amqp://") || url.starts_with("amqps://") => built_with(
+            ("broker", "rabbitmq", cfg!(feature = "rabbitmq")),
+            "--broker embedded",
+            BrokerKind::RabbitMq(url.to_owned()),
+        ),
         other => Err(invalid(
             "broker",
-            format!("`{other}` is neither `embedded` nor nats://..."),
+            format!("`{other}` is none of `embedded`, nats://... and amqp://..."),
         )),
     }
 }
@@ -254,8 +261,8 @@ pub struct BackendOptions {
     pub pg_schema: String,
     /// PostgreSQL: the pool's size (default 20).
     pub pg_max_connections: u32,
-    /// NATS: the stream prefix (default `KEEL`). Processes sharing work
-    /// must use the same one.
+    /// NATS: the stream prefix; RabbitMQ: the exchanges' and queues'
+    /// (default `KEEL`). Processes sharing work must use the same one.
     pub stream_prefix: String,
     /// NATS: how many servers keep each stream (default 1; 3 on a cluster,
     /// see `NatsBrokerOptions::replicas`).
@@ -287,7 +294,10 @@ impl BackendOptions {
     pub fn shareable(&self) -> bool {
         matches!(
             (&self.database, &self.broker),
-            (Database::Postgres(_), BrokerKind::Nats(_))
+            (
+                Database::Postgres(_),
+                BrokerKind::Nats(_) | BrokerKind::RabbitMq(_)
+            )
         )
     }
 
@@ -318,6 +328,11 @@ impl BackendOptions {
             BrokerKind::Embedded(path) => format!("the embedded broker {}", path.display()),
             BrokerKind::Nats(url) => format!(
                 "NATS JetStream {} (stream prefix {})",
+                without_credentials(url),
+                self.stream_prefix
+            ),
+            BrokerKind::RabbitMq(url) => format!(
+                "RabbitMQ {} (name prefix {})",
                 without_credentials(url),
                 self.stream_prefix
             ),
@@ -466,6 +481,20 @@ async fn open_broker(options: &BackendOptions) -> Result<Arc<dyn Broker>, Broker
             parse_broker(url, &options.database)
                 .err()
                 .unwrap_or_else(|| invalid("broker", "the `nats` feature is not built"))
+                .into(),
+        )),
+        #[cfg(feature = "rabbitmq")]
+        BrokerKind::RabbitMq(url) => Ok(Arc::new(
+            keel_rabbitmq::RabbitBroker::connect(
+                keel_rabbitmq::RabbitBrokerOptions::new(url).prefix(options.stream_prefix.clone()),
+            )
+            .await?,
+        )),
+        #[cfg(not(feature = "rabbitmq"))]
+        BrokerKind::RabbitMq(url) => Err(BrokerError::Other(
+            parse_broker(url, &options.database)
+                .err()
+                .unwrap_or_else(|| invalid("broker", "the `rabbitmq` feature is not built"))
                 .into(),
         )),
     }

@@ -106,6 +106,18 @@ async fn crashing_postgres_and_nats_under_wal_relays_loses_and_duplicates_nothin
     }
 }
 
+/// The shop on PostgreSQL and RabbitMQ (`--broker amqp://`), both killed
+/// (SIGKILL) mid-run under two servers: every order settles once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashing_postgres_and_rabbitmq_loses_and_duplicates_nothing() {
+    for seed in keel_testkit::seeds::fault_seeds(1..=1) {
+        let Some(cluster) = Cluster::new().and_then(Cluster::on_rabbitmq) else {
+            return;
+        };
+        run_outage(&cluster, services::crash, "crashing (RabbitMQ)", seed).await;
+    }
+}
+
 /// One seeded run of [`outage_mid_run`]; `false` when no servers run.
 async fn outage_with_seed(
     outage: fn(Service) -> Result<(), services::ServiceError>,
@@ -120,7 +132,7 @@ async fn outage_with_seed(
 }
 
 /// Two servers of `cluster` under the workload while `outage` hits
-/// PostgreSQL and nats-server in the order and after the pauses `seed`
+/// PostgreSQL and the cluster's broker in the order and after the pauses `seed`
 /// draws; every order must settle once, with nothing lost.
 async fn run_outage(
     cluster: &Cluster,
@@ -131,9 +143,10 @@ async fn run_outage(
     let _lease = ServerLease::take(true);
     let a = cluster.serve("a").await;
     let b = cluster.serve("b").await;
+    tokio::time::sleep(cluster.settle).await;
     let servers = [&a, &b];
     let mut rng = fastrand::Rng::with_seed(seed);
-    let mut order = [Service::Postgres, Service::Nats];
+    let mut order = [Service::Postgres, cluster.broker];
     if rng.bool() {
         order.reverse();
     }

@@ -8,17 +8,14 @@
 
 mod common;
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::{ServerLock, fresh_broker, test_options};
 use keel_core::clock;
-use keel_core::{Classify, ErrorClass};
 use keel_store::broker::{Broker, Delivery, Message, SubscribeOptions, Subscription};
 use keel_testkit::broker_suite::OrderChecker;
-use keel_testkit::ledger::Ledger;
 use keel_testkit::services::{self, Service};
 use tokio::sync::Mutex;
 
@@ -297,104 +294,17 @@ async fn dropping_a_subscription_releases_what_it_held_back() {
 }
 
 /// nats-server restarts while a publisher and a consumer run: the client
-/// reconnects, errors on the way are retryable or outcome-unknown, and
-/// (republishing with the same ids, the consumer deduping by id) every
-/// message takes effect exactly once and in per-key order.
+/// reconnects, and every message takes effect exactly once and in per-key
+/// order (keel-testkit's outage scenario).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_restart_loses_nothing() {
-    const MESSAGES: usize = 400;
-    const KEYS: usize = 8;
     let Some(url) = services::nats_url() else {
         return;
     };
     let _exclusive = ServerLock::exclusive().await;
     let broker = Arc::new(test_options().open(&url).await.expect("connect"));
-    let topic = "ledger";
-    let ledger = Ledger::with_handlers(["effects"]);
-    let messages: Vec<Message> = (0..MESSAGES)
-        .map(|i| {
-            let key = format!("entity-{}", i % KEYS);
-            ledger.committed(format!("m-{i:04}"), &key, (i / KEYS + 1) as u64);
-            Message::new(format!("m-{i:04}"), topic, key, i.to_string())
-        })
-        .collect();
-    let mut sub = broker
-        .subscribe(sub_options(topic, "effects", Duration::from_secs(2)))
-        .await
-        .expect("subscribe");
-
-    let publisher = {
-        let broker = broker.clone();
-        let messages = messages.clone();
-        tokio::spawn(async move {
-            let mut errors = 0;
-            for chunk in messages.chunks(10) {
-                while let Err(error) = broker.publish(chunk).await {
-                    assert!(
-                        matches!(
-                            error.class(),
-                            ErrorClass::Retryable | ErrorClass::OutcomeUnknown
-                        ),
-                        "a restart caused a permanent error: {error}"
-                    );
-                    errors += 1;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                tokio::time::sleep(Duration::from_millis(15)).await;
-            }
-            errors
-        })
-    };
-    let consumer = {
-        let ledger = ledger.clone();
-        tokio::spawn(async move {
-            let mut applied = HashSet::new();
-            let deadline = clock::now() + Duration::from_secs(80);
-            while applied.len() < MESSAGES && clock::now() < deadline {
-                let batch = match sub.receive(32, Duration::from_millis(200)).await {
-                    Ok(batch) => batch,
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                for delivery in batch {
-                    let id = delivery.message.id.clone();
-                    ledger.published(&id);
-                    // The effect dedupes by id, as a handler with an inbox does.
-                    if applied.insert(id.clone()) {
-                        ledger.applied(&id, "effects");
-                    }
-                    // A failed ack is redelivered; the dedupe absorbs it.
-                    let _ = delivery.ack().await;
-                }
-            }
-            (applied.len(), sub)
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !publisher.is_finished(),
-        "the restart must hit a running publisher"
-    );
-    services::restart(Service::Nats).expect("restart nats-server");
-    let publish_errors = publisher.await.expect("publisher panicked");
-    let (applied, mut sub) = consumer.await.expect("consumer panicked");
-    assert_eq!(applied, MESSAGES, "every message took effect");
-    if let Err(error) = ledger.check() {
-        panic!("the restart broke an invariant: {error}");
-    }
-    broker.ping().await.expect("the client reconnected");
-    // The dedupe window survived the restart: republishing everything
-    // stores nothing new.
-    broker.publish(&messages).await.expect("republish");
-    let again = sub
-        .receive(10, Duration::from_millis(500))
-        .await
-        .expect("receive");
-    assert!(
-        again.is_empty(),
-        "a republish after the restart was stored again"
-    );
+    let restart = || services::restart(Service::Nats).expect("restart nats-server");
+    let publish_errors =
+        keel_testkit::broker_suite::an_outage_under_load_loses_nothing(broker, restart).await;
     eprintln!("publish retries during the restart: {publish_errors}");
 }

@@ -1,16 +1,19 @@
 //! The broker contract: durable topics, consumer groups, leases, acks.
 //!
-//! Keel ships two implementations: the embedded broker on SQLite
-//! (`keel-sqlite`, the default) and NATS JetStream (`keel-nats`). Both pass the
-//! same conformance suite (`keel-testkit`), which is the precise meaning of
-//! every sentence below.
+//! Keel ships three implementations: the embedded broker on SQLite
+//! (`keel-sqlite`, the default), NATS JetStream (`keel-nats`) and RabbitMQ
+//! (`keel-rabbitmq`). All pass the same conformance suite (`keel-testkit`),
+//! which is the precise meaning of every sentence below.
 //!
 //! Semantics every [`Broker`] provides:
 //!
 //! - **At-least-once.** A delivery that is not acked before its lease expires
 //!   is delivered again, with [`Delivery::delivery_count`] one higher.
 //! - **Consumer groups.** Every group on a topic receives every message; within
-//!   a group, each message goes to one consumer at a time.
+//!   a group, each message goes to one consumer at a time. A group created
+//!   after messages were published starts where [`Broker::group_start`]
+//!   says: at the oldest message the topic retains, or (RabbitMQ) at its
+//!   creation, which is why [`Broker::declare_group`] exists.
 //! - **Per-key order.** Within a group, a message is not delivered while an
 //!   earlier message with the same [`Message::key`] is unacked.
 //! - **Publisher dedupe.** A message whose id was already published on the
@@ -250,6 +253,22 @@ pub enum MessageRetention {
     Unknown,
 }
 
+/// Where a consumer group created after messages were published starts
+/// reading; see [`Broker::group_start`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GroupStart {
+    /// At the oldest message the topic retains: the topic is a log that
+    /// groups read at their own pace (the embedded broker, JetStream,
+    /// Kafka). A late group catches up on history.
+    OldestRetained,
+    /// At its creation: each group is a queue of its own that a publish
+    /// fills, so a message published while a group did not exist never
+    /// reaches it (RabbitMQ). Subscribe, or declare, every group before its
+    /// topic's first publish.
+    Creation,
+}
+
 /// How a broker settles one delivery. Implemented by brokers, used through
 /// [`Delivery`].
 #[async_trait]
@@ -298,6 +317,23 @@ pub trait Broker: Send + Sync + 'static {
     /// the broker (a claim-checked payload) must live at least this long.
     fn retention(&self) -> MessageRetention {
         MessageRetention::Unknown
+    }
+
+    /// Where a group created after messages were published starts reading.
+    /// The default is [`GroupStart::OldestRetained`].
+    fn group_start(&self) -> GroupStart {
+        GroupStart::OldestRetained
+    }
+
+    /// Creates a consumer group without reading from it, so that what is
+    /// published from now on waits for it: what a deployment does for its
+    /// groups before its producers start, where groups start at their
+    /// creation ([`GroupStart::Creation`]). Declaring an existing group
+    /// changes nothing. The default (groups that read the topic's history)
+    /// does nothing.
+    async fn declare_group(&self, options: &SubscribeOptions) -> Result<(), BrokerError> {
+        let _ = options;
+        Ok(())
     }
 
     /// Opens (creating if needed) a consumer group's subscription.

@@ -39,6 +39,7 @@ mod basics;
 mod checker;
 mod expiry;
 mod ordering;
+mod outage;
 mod redelivery;
 mod reply_topics;
 mod support;
@@ -63,6 +64,7 @@ pub use ordering::{
     a_blocked_key_does_not_block_other_keys, many_keys_interleaved_keep_order,
     per_key_order_under_lease_expiry, per_key_order_under_nack,
 };
+pub use outage::an_outage_under_load_loses_nothing;
 pub use redelivery::{
     extend_lease_keeps_it_invisible, lease_expiry_redelivers,
     nack_with_delay_redelivers_after_the_delay, nack_without_delay_redelivers_promptly,

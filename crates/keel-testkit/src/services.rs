@@ -1,5 +1,5 @@
 //! The servers that scale-out tests run against: PostgreSQL, NATS, Redis,
-//! etcd and an S3-compatible object store.
+//! etcd, RabbitMQ and an S3-compatible object store.
 //!
 //! `scripts/services.sh run CMD` (which the README's test command uses)
 //! starts them on free loopback ports and exports their URLs. A test asks for
@@ -28,6 +28,8 @@ pub const REDIS_URL: &str = "KEEL_TEST_REDIS_URL";
 pub const S3_URL: &str = "KEEL_TEST_S3_URL";
 /// The environment variable holding the etcd endpoint.
 pub const ETCD_URL: &str = "KEEL_TEST_ETCD_URL";
+/// The environment variable holding the RabbitMQ URL.
+pub const RABBITMQ_URL: &str = "KEEL_TEST_RABBITMQ_URL";
 /// The environment variable holding the path of `scripts/services.sh`.
 pub const SERVICES: &str = "KEEL_TEST_SERVICES";
 
@@ -44,6 +46,8 @@ pub enum Service {
     S3,
     /// etcd, one member.
     Etcd,
+    /// rabbitmq-server, one node.
+    RabbitMq,
 }
 
 impl Service {
@@ -54,6 +58,7 @@ impl Service {
             Self::Redis => "redis",
             Self::S3 => "s3",
             Self::Etcd => "etcd",
+            Self::RabbitMq => "rabbitmq",
         }
     }
 
@@ -64,6 +69,7 @@ impl Service {
             Self::Redis => REDIS_URL,
             Self::S3 => S3_URL,
             Self::Etcd => ETCD_URL,
+            Self::RabbitMq => RABBITMQ_URL,
         }
     }
 }
@@ -98,6 +104,13 @@ pub fn s3_url() -> Option<String> {
 /// server is missing.
 pub fn etcd_url() -> Option<String> {
     url(Service::Etcd)
+}
+
+/// The RabbitMQ URL (`amqp://guest:guest@127.0.0.1:PORT/%2f`), or `None`
+/// (after printing why) when the test should be skipped. Panics in CI when
+/// the server is missing.
+pub fn rabbitmq_url() -> Option<String> {
+    url(Service::RabbitMq)
 }
 
 /// A loopback port free right now, for a server a test starts itself (the

@@ -95,6 +95,14 @@ impl Broker for FaultyBroker {
             .map_err(unavailable)
     }
 
+    fn group_start(&self) -> keel_store::broker::GroupStart {
+        self.inner.group_start()
+    }
+
+    async fn declare_group(&self, options: &SubscribeOptions) -> Result<(), BrokerError> {
+        self.inner.declare_group(options).await
+    }
+
     async fn subscribe(
         &self,
         options: SubscribeOptions,

@@ -381,6 +381,7 @@ async fn serve_on<S: ShopStore>(
             ),
         )
         .build()?;
+    worker.declare_groups().await?;
     let cfg = config.clone();
     let jobs_for_routes = jobs.clone();
     // The shop's dependencies stand in for other services: on a SQLite

@@ -225,6 +225,9 @@ pub enum StartError {
     /// A listener could not be bound.
     #[error("listen: {0}")]
     Io(#[from] std::io::Error),
+    /// The broker refused to declare a consumer group.
+    #[error("broker: {0}")]
+    Broker(#[from] keel_store::broker::BrokerError),
 }
 
 fn config_err(e: impl std::fmt::Display) -> StartError {
@@ -371,6 +374,9 @@ impl System {
         };
         let origins = own_origins(scheme, addr);
         let router = pipeline::router(state, &drain, &config, &origins, extra(&components)?)?;
+        // Before the relay publishes: on a broker whose groups start at
+        // their creation, an event sent before its group exists is lost.
+        workers.consumer.declare_groups().await?;
         workers.spawn(&mut tasks, &stopped);
         spawn_retention(&mut tasks, &store, &log, &config, stopped.clone());
         pipeline::spawn_server(&mut tasks, listener, router, &drain, &config);

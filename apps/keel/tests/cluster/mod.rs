@@ -14,7 +14,7 @@ use keel::demo::report::{self, Invariants};
 use keel::demo::workload::WorkloadResult;
 use keel::metrics_report::Totals;
 use keel_postgres::PgStore;
-use keel_testkit::services;
+use keel_testkit::services::{self, Service};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -35,23 +35,27 @@ impl ServerLease {
         let Some(dir) = std::env::var_os("KEEL_TEST_SERVICES_DIR") else {
             return Self { _files: Vec::new() };
         };
-        let files = ["keel-postgres-tests.lock", "keel-nats-restart.lock"]
-            .iter()
-            .map(|name| {
-                let file = File::options()
-                    .create(true)
-                    .truncate(false)
-                    .write(true)
-                    .open(std::path::Path::new(&dir).join(name))
-                    .expect("open a test lock file");
-                if exclusive {
-                    file.lock().expect("exclusive test lock");
-                } else {
-                    file.lock_shared().expect("shared test lock");
-                }
-                file
-            })
-            .collect();
+        let files = [
+            "keel-postgres-tests.lock",
+            "keel-nats-restart.lock",
+            "rabbitmq.lock",
+        ]
+        .iter()
+        .map(|name| {
+            let file = File::options()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(std::path::Path::new(&dir).join(name))
+                .expect("open a test lock file");
+            if exclusive {
+                file.lock().expect("exclusive test lock");
+            } else {
+                file.lock_shared().expect("shared test lock");
+            }
+            file
+        })
+        .collect();
         Self { _files: files }
     }
 }
@@ -60,10 +64,16 @@ impl ServerLease {
 pub struct Cluster {
     pub pg_url: String,
     pub nats_url: String,
+    /// The broker every server uses: NATS unless [`on_rabbitmq`](Self::on_rabbitmq).
+    pub broker_url: String,
+    /// The server behind `broker_url`, for outages.
+    pub broker: Service,
     pub schema: String,
     pub prefix: String,
     /// Extra `keel serve` arguments for every server of the cluster.
     pub serve_args: Vec<String>,
+    /// How long the servers' setup must stand before a fault may hit it.
+    pub settle: Duration,
 }
 
 impl Cluster {
@@ -73,10 +83,13 @@ impl Cluster {
         let id = uuid::Uuid::now_v7().simple().to_string();
         Some(Self {
             pg_url,
+            broker_url: nats_url.clone(),
+            broker: Service::Nats,
             nats_url,
             schema: format!("keel_so_{id}"),
             prefix: format!("so_{}", &id[id.len() - 24..]),
             serve_args: Vec::new(),
+            settle: Duration::ZERO,
         })
     }
 
@@ -86,6 +99,18 @@ impl Cluster {
         self.serve_args
             .extend(["--outbox-relay".to_owned(), "wal".to_owned()]);
         self
+    }
+
+    /// The same cluster on RabbitMQ instead of NATS; `None` (skip) without
+    /// a RabbitMQ server.
+    pub fn on_rabbitmq(mut self) -> Option<Self> {
+        self.broker_url = services::rabbitmq_url()?;
+        self.broker = Service::RabbitMq;
+        // RabbitMQ 3.10 can lose a quorum queue declared within about a
+        // second of a SIGKILL (it comes back without a leader; see
+        // RELIABILITY.md): a deployment's queues exist long before a crash.
+        self.settle = Duration::from_secs(3);
+        Some(self)
     }
 
     /// Drops the WAL relay's slot and publication, once every server of
@@ -118,18 +143,18 @@ impl Cluster {
     }
 
     pub async fn serve(&self, name: &str) -> Server {
-        self.serve_via(name, &self.pg_url, &self.nats_url).await
+        self.serve_via(name, &self.pg_url, &self.broker_url).await
     }
 
-    /// A `keel serve` that reaches PostgreSQL and NATS at these URLs (a
-    /// fault proxy's, say) rather than the servers' own.
-    pub async fn serve_via(&self, name: &str, pg_url: &str, nats_url: &str) -> Server {
+    /// A `keel serve` that reaches PostgreSQL and the broker at these URLs
+    /// (a fault proxy's, say) rather than the servers' own.
+    pub async fn serve_via(&self, name: &str, pg_url: &str, broker_url: &str) -> Server {
         let mut child = Command::new(keel_testkit::services::keel_binary(env!(
             "CARGO_BIN_EXE_keel"
         )))
         .args(["serve", "--listen", "127.0.0.1:0"])
         .args(["--database-url", pg_url])
-        .args(["--broker", nats_url])
+        .args(["--broker", broker_url])
         .args(["--pg-schema", &self.schema])
         .args(["--stream-prefix", &self.prefix])
         .args(&self.serve_args)

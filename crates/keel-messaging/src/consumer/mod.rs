@@ -126,7 +126,7 @@ use std::time::Duration;
 use keel_policy::ConfigError;
 use tokio::sync::{Semaphore, watch};
 
-use crate::broker::Broker;
+use crate::broker::{Broker, BrokerError, SubscribeOptions};
 use crate::envelope::{Envelope, Event};
 use process::{Processor, Route};
 use runtime::{Shared, prune_inbox_loop, receive_loop};
@@ -384,6 +384,21 @@ where
     /// The options in effect.
     pub fn options(&self) -> &ConsumerOptions {
         &self.processor.options
+    }
+
+    /// Declares every group of this consumer on the broker
+    /// ([`Broker::declare_group`]), so that events published before
+    /// [`run`](Self::run) subscribes wait for them. Call it before the
+    /// producers (the outbox relay) start: on a broker whose groups start
+    /// at their creation (RabbitMQ) an event published to a topic before
+    /// its group exists never reaches the group.
+    pub async fn declare_groups(&self) -> Result<(), BrokerError> {
+        for route in &self.routes {
+            let options = SubscribeOptions::new(route.topic.as_ref(), route.group.as_ref())
+                .lease(self.processor.options.lease);
+            self.broker.declare_group(&options).await?;
+        }
+        Ok(())
     }
 
     /// Consumes until `shutdown` completes, then drains: stops receiving,

@@ -7,17 +7,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use keel_core::clock;
-use keel_store::broker::{Backlog, Broker, Delivery, Message};
+use keel_store::broker::{Backlog, Broker, Delivery, GroupStart, Message};
 
 use super::support::{
-    LONG_LEASE, PATIENCE, SHORT_LEASE, ack_all, collect, ids, message, publish, receive, subscribe,
-    unique_topic,
+    LONG_LEASE, PATIENCE, SHORT_LEASE, ack_all, collect, declare_groups, ids, message, publish,
+    receive, subscribe, unique_topic,
 };
 
 /// What was published arrives intact: id, topic, key, headers (a broker may
 /// add its own) and payload, text, binary or empty; first delivery count 1.
 pub async fn publish_then_receive<B: Broker>(broker: B) {
     let topic = unique_topic("publish-receive");
+    declare_groups(&broker, &topic, &["reader"]).await;
     let sent = vec![
         message(&topic, "m-1", "k-1", "one").with_header("x-tenant", "acme"),
         Message::new("m-2", &topic, "k-2", Bytes::from_static(&[0, 159, 255, 10])),
@@ -82,6 +83,7 @@ pub async fn every_group_gets_every_message<B: Broker>(broker: B) {
 /// message, and no message is held by two of them at once.
 pub async fn group_members_split_the_work<B: Broker>(broker: B) {
     let topic = unique_topic("split");
+    declare_groups(&broker, &topic, &["workers"]).await;
     let broker = Arc::new(broker);
     let sent: Vec<Message> = (0..20)
         .map(|i| message(&topic, &format!("m-{i:02}"), &format!("k-{i}"), "x"))
@@ -138,6 +140,7 @@ pub async fn group_members_split_the_work<B: Broker>(broker: B) {
 /// lease would have run out.
 pub async fn ack_means_never_again<B: Broker>(broker: B) {
     let topic = unique_topic("ack");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(&broker, &[message(&topic, "m-1", "k", "x")]).await;
     let mut sub = subscribe(&broker, &topic, "g", SHORT_LEASE).await;
     let got = collect(sub.as_mut(), 1, PATIENCE).await;
@@ -155,6 +158,7 @@ pub async fn ack_means_never_again<B: Broker>(broker: B) {
 /// its key is released.
 pub async fn terminate_means_never_again<B: Broker>(broker: B) {
     let topic = unique_topic("terminate");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(
         &broker,
         &[
@@ -184,6 +188,8 @@ pub async fn terminate_means_never_again<B: Broker>(broker: B) {
 pub async fn publisher_dedupes_on_message_id<B: Broker>(broker: B) {
     let topic = unique_topic("dedupe");
     let other_topic = unique_topic("dedupe-other");
+    declare_groups(&broker, &topic, &["g"]).await;
+    declare_groups(&broker, &other_topic, &["g"]).await;
     publish(
         &broker,
         &[
@@ -270,6 +276,7 @@ pub async fn receive_wakes_on_publish<B: Broker>(broker: B) {
 /// A receive never returns more than `max` deliveries.
 pub async fn receive_respects_max<B: Broker>(broker: B) {
     let topic = unique_topic("max");
+    declare_groups(&broker, &topic, &["g"]).await;
     let sent: Vec<Message> = (0..5)
         .map(|i| message(&topic, &format!("m-{i}"), &format!("k-{i}"), "x"))
         .collect();
@@ -286,8 +293,9 @@ pub async fn receive_respects_max<B: Broker>(broker: B) {
     ack_all(&got).await;
 }
 
-/// A group created after messages were published still receives them (it
-/// starts at the oldest retained message).
+/// A group created after messages were published starts where the broker
+/// says ([`Broker::group_start`]): at the oldest retained message (it reads
+/// them all), or at its creation (it reads only what came after).
 pub async fn late_group_receives_retained_messages<B: Broker>(broker: B) {
     let topic = unique_topic("late-group");
     let mut early = subscribe(&broker, &topic, "early", LONG_LEASE).await;
@@ -299,12 +307,21 @@ pub async fn late_group_receives_retained_messages<B: Broker>(broker: B) {
     ack_all(&got).await;
 
     let mut late = subscribe(&broker, &topic, "late", LONG_LEASE).await;
-    let got = collect(late.as_mut(), 3, PATIENCE).await;
-    assert_eq!(
-        ids(&got),
-        ids_of(&sent),
-        "the late group reads what the topic retains"
-    );
+    let after = message(&topic, "m-after", "k-after", "x");
+    publish(&broker, std::slice::from_ref(&after)).await;
+    let (expected, why) = match broker.group_start() {
+        GroupStart::OldestRetained => (
+            ids_of(&[sent, vec![after]].concat()),
+            "the late group reads what the topic retains",
+        ),
+        _ => (
+            ids_of(&[after]),
+            "the late group reads what was published after its creation",
+        ),
+    };
+    let mut got = collect(late.as_mut(), expected.len(), PATIENCE).await;
+    got.extend(receive(late.as_mut(), 10, Duration::from_millis(300)).await);
+    assert_eq!(ids(&got), expected, "{why}");
     ack_all(&got).await;
 }
 
@@ -388,6 +405,7 @@ pub async fn deliveries_say_when_the_broker_received_them<B: Broker>(broker: B) 
     // The broker's clock may keep milliseconds only.
     let slack = chrono::Duration::milliseconds(2);
     let topic = unique_topic("received-at");
+    declare_groups(&broker, &topic, &["reader"]).await;
     let mut windows = Vec::new();
     for id in ["m-1", "m-2"] {
         let before = clock::utc_now();

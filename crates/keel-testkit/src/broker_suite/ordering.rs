@@ -10,8 +10,8 @@ use tokio::sync::Mutex;
 
 use super::checker::OrderChecker;
 use super::support::{
-    LONG_LEASE, PATIENCE, SHORT_LEASE, SLOP, collect, drain_for, ids, message, publish, receive,
-    subscribe, unique_topic, wait_for,
+    LONG_LEASE, PATIENCE, SHORT_LEASE, SLOP, collect, declare_groups, drain_for, ids, message,
+    publish, receive, subscribe, unique_topic, wait_for,
 };
 
 /// A nacked message, while it waits out its delay, still holds back the
@@ -19,6 +19,7 @@ use super::support::{
 /// order once it is acked.
 pub async fn per_key_order_under_nack<B: Broker>(broker: B) {
     let topic = unique_topic("order-nack");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(
         &broker,
         &[
@@ -90,6 +91,7 @@ pub async fn per_key_order_under_nack<B: Broker>(broker: B) {
 /// the same message again, never the next one, until it is acked.
 pub async fn per_key_order_under_lease_expiry<B: Broker>(broker: B) {
     let topic = unique_topic("order-expiry");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(
         &broker,
         &[
@@ -127,6 +129,7 @@ pub async fn per_key_order_under_lease_expiry<B: Broker>(broker: B) {
 /// A key held back by a long nack delay does not hold back other keys.
 pub async fn a_blocked_key_does_not_block_other_keys<B: Broker>(broker: B) {
     let topic = unique_topic("order-isolation");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(
         &broker,
         &[

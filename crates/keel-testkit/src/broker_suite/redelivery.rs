@@ -11,14 +11,15 @@ use keel_core::clock;
 use keel_store::broker::{Broker, BrokerError};
 
 use super::support::{
-    LONG_LEASE, PATIENCE, SHORT_LEASE, SLOP, collect, drain_for, ids, message, publish, receive,
-    subscribe, unique_topic, wait_for,
+    LONG_LEASE, PATIENCE, SHORT_LEASE, SLOP, collect, declare_groups, drain_for, ids, message,
+    publish, receive, subscribe, unique_topic, wait_for,
 };
 
 /// A nack with a delay redelivers the message after the delay, not before,
 /// with the delivery count one higher.
 pub async fn nack_with_delay_redelivers_after_the_delay<B: Broker>(broker: B) {
     let topic = unique_topic("nack-delay");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(&broker, &[message(&topic, "m-1", "k", "x")]).await;
     let mut sub = subscribe(&broker, &topic, "g", LONG_LEASE).await;
     let first = collect(sub.as_mut(), 1, PATIENCE).await;
@@ -47,6 +48,7 @@ pub async fn nack_with_delay_redelivers_after_the_delay<B: Broker>(broker: B) {
 /// A nack without delay redelivers promptly.
 pub async fn nack_without_delay_redelivers_promptly<B: Broker>(broker: B) {
     let topic = unique_topic("nack-now");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(&broker, &[message(&topic, "m-1", "k", "x")]).await;
     let mut sub = subscribe(&broker, &topic, "g", LONG_LEASE).await;
     let first = collect(sub.as_mut(), 1, PATIENCE).await;
@@ -62,6 +64,7 @@ pub async fn nack_without_delay_redelivers_promptly<B: Broker>(broker: B) {
 /// not before, with the delivery count one higher.
 pub async fn lease_expiry_redelivers<B: Broker>(broker: B) {
     let topic = unique_topic("lease-expiry");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(&broker, &[message(&topic, "m-1", "k", "x")]).await;
     let mut sub = subscribe(&broker, &topic, "g", SHORT_LEASE).await;
     let asked_at = clock::now();
@@ -84,6 +87,7 @@ pub async fn lease_expiry_redelivers<B: Broker>(broker: B) {
 /// the original lease; it comes back only after the extended one.
 pub async fn extend_lease_keeps_it_invisible<B: Broker>(broker: B) {
     let topic = unique_topic("extend");
+    declare_groups(&broker, &topic, &["g"]).await;
     publish(&broker, &[message(&topic, "m-1", "k", "x")]).await;
     let mut holder = subscribe(&broker, &topic, "g", SHORT_LEASE).await;
     let mut other = subscribe(&broker, &topic, "g", SHORT_LEASE).await;
@@ -121,6 +125,7 @@ pub async fn extend_lease_keeps_it_invisible<B: Broker>(broker: B) {
 /// redelivered.
 pub async fn settle_after_lease_loss_is_lease_lost<B: Broker>(broker: B) {
     let topic = unique_topic("lease-lost");
+    declare_groups(&broker, &topic, &["g"]).await;
     let actions = ["ack", "nack", "extend", "terminate"];
     let sent: Vec<_> = actions.iter().map(|a| message(&topic, a, a, "x")).collect();
     publish(&broker, &sent).await;

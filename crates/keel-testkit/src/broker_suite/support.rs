@@ -46,6 +46,19 @@ pub(crate) async fn subscribe<B: Broker + ?Sized>(
         .expect("subscribe failed")
 }
 
+/// Declares `groups` on `topic` before a scenario publishes to it
+/// ([`Broker::declare_group`]): where groups start at their creation, the
+/// scenarios' point is what a group does with messages published while it
+/// exists. Elsewhere declaring does nothing.
+pub(crate) async fn declare_groups<B: Broker + ?Sized>(broker: &B, topic: &str, groups: &[&str]) {
+    for group in groups {
+        broker
+            .declare_group(&SubscribeOptions::new(topic, *group).lease(LONG_LEASE))
+            .await
+            .expect("declare_group failed");
+    }
+}
+
 /// One receive, failing the test on error.
 pub(crate) async fn receive(
     sub: &mut dyn Subscription,

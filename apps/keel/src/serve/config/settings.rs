@@ -65,8 +65,9 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_PG_SCHEMA")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pg_schema: Option<String>,
-    /// NATS: the prefix of the JetStream streams [default: KEEL].
-    /// Processes sharing the work must use the same one.
+    /// NATS: the prefix of the JetStream streams; RabbitMQ: of the
+    /// exchanges and queues [default: KEEL]. Processes sharing the work
+    /// must use the same one.
     #[arg(long, env = "KEEL_STREAM_PREFIX")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_prefix: Option<String>,

@@ -1,0 +1,459 @@
+//! [`RabbitSubscription`]: one member of a group, reading every shard.
+//!
+//! RabbitMQ hands each shard's deliveries to the group's one active member
+//! (single active consumer), in queue order. Delayed nacks and per-key
+//! holds are kept here, by the member holding the deliveries: a nacked
+//! delivery becomes available again *in this member*, so a later message
+//! of its key can never overtake it. A lease that runs out means the member
+//! is stuck or gone, so it hands its shards over: it closes its channel,
+//! RabbitMQ returns every delivery it held to the front of its queue (with
+//! `x-delivery-count` one higher) and makes the next member active, and
+//! this member joins again at the back. A member whose process died hands
+//! over the same way when its connection closes.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use futures_util::stream::select_all;
+use keel_store::broker::{
+    Backlog, BrokerError, Delivery, DeliveryControl, Message, SubscribeOptions, Subscription,
+};
+use lapin::acker::Acker;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Consumer};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::broker::Inner;
+use crate::envelope;
+use crate::error::Within;
+use crate::recent::RecentIds;
+
+/// A group member's view of its topic; see the module docs.
+pub(crate) struct RabbitSubscription {
+    inner: Arc<Inner>,
+    options: SubscribeOptions,
+    held: Arc<Held>,
+    channel: Option<Channel>,
+    forwarder: Option<JoinHandle<()>>,
+}
+
+/// The deliveries a member holds, shared with its settle handles and the
+/// task that takes them from RabbitMQ.
+pub(crate) struct Held {
+    state: Mutex<HeldState>,
+    arrived: Notify,
+    leases_changed: Notify,
+}
+
+struct HeldState {
+    entries: BTreeMap<u64, Entry>,
+    next_seq: u64,
+    next_lease: u64,
+    recent: RecentIds,
+    /// Why the channel stopped delivering, if it did.
+    broken: Option<String>,
+}
+
+struct Entry {
+    message: Message,
+    published_at: Option<DateTime<Utc>>,
+    acker: Acker,
+    deliveries: u32,
+    state: EntryState,
+}
+
+#[derive(Clone, Copy)]
+enum EntryState {
+    /// Deliverable from this instant (a nack's delay).
+    Ready(Instant),
+    /// Handed out under this lease until this instant.
+    Leased { id: u64, until: Instant },
+}
+
+/// What a group's member holds, for [`Broker::backlog`](keel_store::Broker::backlog).
+pub(crate) type GroupCounts = Held;
+
+impl Held {
+    fn new(recent: RecentIds) -> Self {
+        Self {
+            state: Mutex::new(HeldState {
+                entries: BTreeMap::new(),
+                next_seq: 0,
+                next_lease: 0,
+                recent,
+                broken: None,
+            }),
+            arrived: Notify::new(),
+            leases_changed: Notify::new(),
+        }
+    }
+
+    /// When the earliest lease runs out, if any delivery is leased.
+    fn next_lease_end(&self) -> Option<Instant> {
+        self.state
+            .lock()
+            .entries
+            .values()
+            .filter_map(|entry| match entry.state {
+                EntryState::Leased { until, .. } => Some(until),
+                EntryState::Ready(_) => None,
+            })
+            .min()
+    }
+
+    /// Held deliveries: leased ones in flight, the rest waiting.
+    pub(crate) fn backlog(&self) -> Backlog {
+        let state = self.state.lock();
+        let now = Instant::now();
+        let in_flight = state
+            .entries
+            .values()
+            .filter(|e| matches!(e.state, EntryState::Leased { until, .. } if until > now))
+            .count() as u64;
+        Backlog {
+            waiting: state.entries.len() as u64 - in_flight,
+            in_flight,
+        }
+    }
+
+    /// Takes a delivery from RabbitMQ; a repeated id is acked and dropped.
+    async fn take(&self, delivery: lapin::message::Delivery) {
+        let arrived = envelope::arrived(&delivery.properties, delivery.data);
+        let duplicate = {
+            let mut state = self.state.lock();
+            let first = state
+                .recent
+                .first_sight(&arrived.message.id, Instant::now());
+            // A delivery RabbitMQ returned to the queue comes back with the
+            // same id; only a repeated publish is a duplicate.
+            if first || delivery.redelivered {
+                let seq = state.next_seq;
+                state.next_seq += 1;
+                state.entries.insert(
+                    seq,
+                    Entry {
+                        message: arrived.message,
+                        published_at: arrived.published_at,
+                        acker: delivery.acker.clone(),
+                        deliveries: arrived.returns,
+                        state: EntryState::Ready(Instant::now()),
+                    },
+                );
+                false
+            } else {
+                true
+            }
+        };
+        if duplicate {
+            let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+        } else {
+            self.arrived.notify_one();
+        }
+    }
+
+    fn break_with(&self, why: String) {
+        let mut state = self.state.lock();
+        state.broken = Some(why);
+        // The channel's deliveries are back in their queues.
+        state.entries.clear();
+        drop(state);
+        self.arrived.notify_one();
+    }
+
+    /// Leases up to `max` deliverable entries, oldest first, skipping every
+    /// key with an earlier unsettled message; or, with none, the next
+    /// instant one may become deliverable. [`Leased::Expired`] when a lease
+    /// ran out: the member must hand its shards over.
+    fn lease(self: &Arc<Self>, max: usize, lease: Duration) -> Leased {
+        let mut state = self.state.lock();
+        let now = Instant::now();
+        if state
+            .entries
+            .values()
+            .any(|entry| matches!(entry.state, EntryState::Leased { until, .. } if until <= now))
+        {
+            return Leased::Expired;
+        }
+        let mut seen_keys = HashSet::new();
+        let mut chosen = Vec::new();
+        let mut next_wake: Option<Instant> = None;
+        for (seq, entry) in &state.entries {
+            if !seen_keys.insert(entry.message.key.as_str()) {
+                continue;
+            }
+            let from = match entry.state {
+                EntryState::Ready(at) => at,
+                EntryState::Leased { until, .. } => until,
+            };
+            if from > now {
+                next_wake = Some(next_wake.map_or(from, |wake| wake.min(from)));
+            } else if chosen.len() < max {
+                chosen.push(*seq);
+            }
+        }
+        let mut deliveries = Vec::with_capacity(chosen.len());
+        for seq in chosen {
+            let id = state.next_lease;
+            state.next_lease += 1;
+            let Some(entry) = state.entries.get_mut(&seq) else {
+                continue;
+            };
+            entry.deliveries += 1;
+            entry.state = EntryState::Leased {
+                id,
+                until: now + lease,
+            };
+            let control = Settle {
+                held: Arc::downgrade(self),
+                seq,
+                lease: id,
+            };
+            let mut delivery =
+                Delivery::new(entry.message.clone(), entry.deliveries, Box::new(control));
+            if let Some(at) = entry.published_at {
+                delivery = delivery.with_received_at(at);
+            }
+            deliveries.push(delivery);
+        }
+        drop(state);
+        if !deliveries.is_empty() {
+            self.leases_changed.notify_one();
+        }
+        Leased::Some(deliveries, next_wake)
+    }
+}
+
+/// What [`Held::lease`] found.
+enum Leased {
+    /// These deliveries (maybe none), and when to look again.
+    Some(Vec<Delivery>, Option<Instant>),
+    /// A lease ran out.
+    Expired,
+}
+
+impl RabbitSubscription {
+    pub(crate) async fn open(
+        inner: Arc<Inner>,
+        options: SubscribeOptions,
+    ) -> Result<Self, BrokerError> {
+        let held = Arc::new(Held::new(RecentIds::new(
+            inner.options.dedupe_window,
+            inner.options.dedupe_capacity,
+        )));
+        inner
+            .counts
+            .lock()
+            .entry((options.topic.clone(), options.group.clone()))
+            .or_default()
+            .push(Arc::downgrade(&held));
+        let mut subscription = Self {
+            inner,
+            options,
+            held,
+            channel: None,
+            forwarder: None,
+        };
+        subscription.consume().await?;
+        Ok(subscription)
+    }
+
+    /// Opens a channel and consumes every shard of the group on it.
+    async fn consume(&mut self) -> Result<(), BrokerError> {
+        self.close();
+        let channel = self.inner.link.channel().await?;
+        channel
+            .basic_qos(self.inner.options.prefetch, BasicQosOptions::default())
+            .within()
+            .await?;
+        let mut consumers: Vec<Consumer> = Vec::new();
+        for shard in 0..self.inner.options.shards {
+            let queue = self
+                .inner
+                .names
+                .queue(&self.options.topic, &self.options.group, shard);
+            let consumer = channel
+                .basic_consume(
+                    &queue,
+                    "",
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .within()
+                .await?;
+            consumers.push(consumer);
+        }
+        self.held.state.lock().broken = None;
+        self.forwarder = Some(tokio::spawn(forward(
+            consumers,
+            self.held.clone(),
+            channel.clone(),
+        )));
+        self.channel = Some(channel);
+        Ok(())
+    }
+
+    /// Stops reading: RabbitMQ returns what this member held to the queues.
+    fn close(&mut self) {
+        if let Some(forwarder) = self.forwarder.take() {
+            forwarder.abort();
+        }
+        if let Some(channel) = self.channel.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move {
+                let _ = channel.close(200, "member left").await;
+            });
+        }
+        self.held.state.lock().entries.clear();
+    }
+}
+
+/// Moves every delivery of the member's consumers into what it holds, and
+/// hands the shards over when a lease runs out, until the channel closes.
+async fn forward(consumers: Vec<Consumer>, held: Arc<Held>, channel: Channel) {
+    let mut deliveries = select_all(consumers);
+    let why = loop {
+        let changed = held.leases_changed.notified();
+        let lease_end = held.next_lease_end();
+        let expiry = async {
+            match lease_end {
+                Some(end) => tokio::time::sleep_until(end).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            next = deliveries.next() => match next {
+                Some(Ok(delivery)) => held.take(delivery).await,
+                Some(Err(error)) => break error.to_string(),
+                None => break "the channel closed".to_owned(),
+            },
+            () = expiry => break "a lease ran out: handing the shards over".to_owned(),
+            () = changed => {}
+        }
+    };
+    held.break_with(why);
+    let _ = channel.close(200, "handing over").await;
+}
+
+impl Drop for RabbitSubscription {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[async_trait]
+impl Subscription for RabbitSubscription {
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>, BrokerError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let broken = self.held.state.lock().broken.clone();
+            if let Some(why) = broken {
+                tracing::warn!(topic = %self.options.topic, group = %self.options.group, %why, "RabbitMQ stopped delivering; reconsuming");
+                self.consume().await?;
+            }
+            let notified = self.held.arrived.notified();
+            let (deliveries, next_wake) = match self.held.lease(max, self.options.lease) {
+                Leased::Some(deliveries, next_wake) => (deliveries, next_wake),
+                Leased::Expired => {
+                    self.held
+                        .break_with("a lease ran out: handing the shards over".to_owned());
+                    continue;
+                }
+            };
+            if !deliveries.is_empty() {
+                return Ok(deliveries);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(Vec::new());
+            }
+            let until = next_wake.map_or(deadline, |wake| wake.min(deadline));
+            let _ = tokio::time::timeout_at(until, notified).await;
+        }
+    }
+}
+
+/// Settles one leased delivery.
+struct Settle {
+    held: Weak<Held>,
+    seq: u64,
+    lease: u64,
+}
+
+impl Settle {
+    /// Runs `settle` on the entry while this lease holds it; `LeaseLost`
+    /// once it expired, was handed out again or the channel closed.
+    fn with_entry<T>(
+        &self,
+        settle: impl FnOnce(&mut BTreeMap<u64, Entry>, u64) -> T,
+    ) -> Result<T, BrokerError> {
+        let held = self.held.upgrade().ok_or(BrokerError::LeaseLost)?;
+        let mut state = held.state.lock();
+        match state.entries.get(&self.seq).map(|entry| entry.state) {
+            Some(EntryState::Leased { id, until })
+                if id == self.lease && until > Instant::now() => {}
+            _ => return Err(BrokerError::LeaseLost),
+        }
+        let outcome = settle(&mut state.entries, self.seq);
+        drop(state);
+        held.arrived.notify_one();
+        held.leases_changed.notify_one();
+        Ok(outcome)
+    }
+}
+
+#[async_trait]
+impl DeliveryControl for Settle {
+    async fn ack(&self) -> Result<(), BrokerError> {
+        let acker =
+            self.with_entry(|entries, seq| entries.remove(&seq).map(|entry| entry.acker))?;
+        if let Some(acker) = acker {
+            acker
+                .ack(BasicAckOptions::default())
+                .await
+                .map_err(|_| BrokerError::LeaseLost)?;
+        }
+        Ok(())
+    }
+
+    async fn nack(&self, delay: Duration) -> Result<(), BrokerError> {
+        self.with_entry(|entries, seq| {
+            if let Some(entry) = entries.get_mut(&seq) {
+                entry.state = EntryState::Ready(Instant::now() + delay);
+            }
+        })
+    }
+
+    async fn extend(&self, lease: Duration) -> Result<(), BrokerError> {
+        self.with_entry(|entries, seq| {
+            if let Some(entry) = entries.get_mut(&seq) {
+                entry.state = EntryState::Leased {
+                    id: self.lease,
+                    until: Instant::now() + lease,
+                };
+            }
+        })
+    }
+
+    /// Rejected without requeue: RabbitMQ moves it to the group's
+    /// dead-letter queue, with the `x-death` history.
+    async fn terminate(&self) -> Result<(), BrokerError> {
+        let acker =
+            self.with_entry(|entries, seq| entries.remove(&seq).map(|entry| entry.acker))?;
+        if let Some(acker) = acker {
+            acker
+                .reject(BasicRejectOptions { requeue: false })
+                .await
+                .map_err(|_| BrokerError::LeaseLost)?;
+        }
+        Ok(())
+    }
+}
