@@ -18,11 +18,11 @@ use lapin::{Channel, ExchangeKind};
 use parking_lot::Mutex;
 
 use crate::envelope;
-use crate::error::{CALL_TIMEOUT, Within, broker_error, is_not_found};
+use crate::error::{Within, bounded, broker_error, is_not_found};
 use crate::link::Link;
 use crate::names::{Names, shard_of};
 use crate::options::RabbitBrokerOptions;
-use crate::subscription::{GroupCounts, RabbitSubscription};
+use crate::subscription::{Held, RabbitSubscription};
 
 /// The exchange argument recording a topic's shard count, so a process
 /// configured otherwise is refused instead of scattering keys.
@@ -45,7 +45,7 @@ pub(crate) struct Inner {
     publisher: tokio::sync::Mutex<Option<Channel>>,
     declared_topics: Mutex<HashSet<String>>,
     expiring_topics: Mutex<HashSet<String>>,
-    pub(crate) counts: Mutex<HashMap<GroupName, Vec<std::sync::Weak<GroupCounts>>>>,
+    pub(crate) counts: Mutex<HashMap<GroupName, Vec<std::sync::Weak<Held>>>>,
 }
 
 impl RabbitBroker {
@@ -215,7 +215,7 @@ impl Inner {
     }
 
     fn validate(&self, message: &Message) -> Result<(), BrokerError> {
-        self.names.check(&message.topic, "g")?;
+        self.names.check_topic(&message.topic)?;
         if message.payload.len() > self.options.max_message_bytes {
             return Err(BrokerError::Invalid(format!(
                 "a payload of {} bytes is over the limit of {}",
@@ -238,27 +238,23 @@ impl Inner {
 
     /// Ready messages of each of the group's queues, `None` when it has none.
     async fn ready(&self, topic: &str, group: &str) -> Result<Option<u64>, BrokerError> {
+        // A passive declare of a missing queue closes its channel; the
+        // group's queues are declared together, so the first is enough.
+        let channel = self.link.channel().await?;
         let mut ready = 0;
         for shard in 0..self.options.shards {
-            // A passive declare of a missing queue closes its channel.
-            let channel = self.link.channel().await?;
             let queue = self.names.queue(topic, group, shard);
-            let declared = channel.queue_declare(
-                &queue,
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            );
-            match tokio::time::timeout(CALL_TIMEOUT, declared).await {
-                Ok(Ok(queue)) => ready += u64::from(queue.message_count()),
-                Ok(Err(error)) if is_not_found(&error) => return Ok(None),
-                Ok(Err(error)) => return Err(broker_error(error)),
-                Err(elapsed) => return Err(BrokerError::Unavailable(Box::new(elapsed))),
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            match bounded(channel.queue_declare(&queue, passive, FieldTable::default())).await? {
+                Ok(queue) => ready += u64::from(queue.message_count()),
+                Err(error) if is_not_found(&error) => return Ok(None),
+                Err(error) => return Err(broker_error(error)),
             }
-            let _ = channel.close(200, "counted").await;
         }
+        let _ = channel.close(200, "counted").await;
         Ok(Some(ready))
     }
 
@@ -299,10 +295,7 @@ impl Inner {
                 ..ExchangeDeleteOptions::default()
             },
         );
-        let deleted = tokio::time::timeout(CALL_TIMEOUT, deleted)
-            .await
-            .map_err(|elapsed| BrokerError::Unavailable(Box::new(elapsed)))?;
-        match deleted {
+        match bounded(deleted).await? {
             Ok(()) => {
                 let _ = channel.close(200, "deleted").await;
                 self.declared_topics.lock().remove(topic);

@@ -45,10 +45,18 @@ pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) async fn within<T>(
     call: impl Future<Output = Result<T, lapin::Error>>,
 ) -> Result<T, BrokerError> {
-    match tokio::time::timeout(CALL_TIMEOUT, call).await {
-        Ok(result) => result.map_err(broker_error),
-        Err(elapsed) => Err(BrokerError::Unavailable(Box::new(elapsed))),
-    }
+    bounded(call).await?.map_err(broker_error)
+}
+
+/// `call` within [`CALL_TIMEOUT`], its own error left for the caller to
+/// read (a missing queue, an exchange still in use); running out of time
+/// is [`BrokerError::Unavailable`].
+pub(crate) async fn bounded<T>(
+    call: impl Future<Output = Result<T, lapin::Error>>,
+) -> Result<Result<T, lapin::Error>, BrokerError> {
+    tokio::time::timeout(CALL_TIMEOUT, call)
+        .await
+        .map_err(|elapsed| BrokerError::Unavailable(Box::new(elapsed)))
 }
 
 /// [`within`] as a method of every AMQP call.

@@ -43,6 +43,12 @@ impl Names {
         format!("{}/dead/{}/{}", self.prefix, escape(topic), escape(group))
     }
 
+    /// Refuses a topic no group could ever read: one whose queues could not
+    /// be named even for a one-letter group.
+    pub(crate) fn check_topic(&self, topic: &str) -> Result<(), BrokerError> {
+        self.check(topic, "g")
+    }
+
     /// Refuses a topic or group whose names RabbitMQ could not carry.
     pub(crate) fn check(&self, topic: &str, group: &str) -> Result<(), BrokerError> {
         if topic.is_empty() || group.is_empty() {

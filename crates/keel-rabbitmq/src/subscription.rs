@@ -45,8 +45,11 @@ pub(crate) struct RabbitSubscription {
     forwarder: Option<JoinHandle<()>>,
 }
 
-/// The deliveries a member holds, shared with its settle handles and the
-/// task that takes them from RabbitMQ.
+/// Why a member hands its shards over when a lease runs out.
+const LEASE_RAN_OUT: &str = "a lease ran out: handing the shards over";
+
+/// The deliveries a member holds, shared with its settle handles, the
+/// task that takes them from RabbitMQ, and the broker's backlog count.
 pub(crate) struct Held {
     state: Mutex<HeldState>,
     arrived: Notify,
@@ -77,9 +80,6 @@ enum EntryState {
     /// Handed out under this lease until this instant.
     Leased { id: u64, until: Instant },
 }
-
-/// What a group's member holds, for [`Broker::backlog`](keel_store::Broker::backlog).
-pub(crate) type GroupCounts = Held;
 
 impl Held {
     fn new(recent: RecentIds) -> Self {
@@ -335,7 +335,7 @@ async fn forward(consumers: Vec<Consumer>, held: Arc<Held>, channel: Channel) {
                 Some(Err(error)) => break error.to_string(),
                 None => break "the channel closed".to_owned(),
             },
-            () = expiry => break "a lease ran out: handing the shards over".to_owned(),
+            () = expiry => break LEASE_RAN_OUT.to_owned(),
             () = changed => {}
         }
     };
@@ -363,8 +363,7 @@ impl Subscription for RabbitSubscription {
             let (deliveries, next_wake) = match self.held.lease(max, self.options.lease) {
                 Leased::Some(deliveries, next_wake) => (deliveries, next_wake),
                 Leased::Expired => {
-                    self.held
-                        .break_with("a lease ran out: handing the shards over".to_owned());
+                    self.held.break_with(LEASE_RAN_OUT.to_owned());
                     continue;
                 }
             };

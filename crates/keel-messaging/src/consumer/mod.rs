@@ -126,7 +126,7 @@ use std::time::Duration;
 use keel_policy::ConfigError;
 use tokio::sync::{Semaphore, watch};
 
-use crate::broker::{Broker, BrokerError, SubscribeOptions};
+use crate::broker::{Broker, BrokerError};
 use crate::envelope::{Envelope, Event};
 use process::{Processor, Route};
 use runtime::{Shared, prune_inbox_loop, receive_loop};
@@ -394,8 +394,7 @@ where
     /// its group exists never reaches the group.
     pub async fn declare_groups(&self) -> Result<(), BrokerError> {
         for route in &self.routes {
-            let options = SubscribeOptions::new(route.topic.as_ref(), route.group.as_ref())
-                .lease(self.processor.options.lease);
+            let options = route.subscribe_options(&self.processor.options);
             self.broker.declare_group(&options).await?;
         }
         Ok(())

@@ -14,7 +14,7 @@ use tracing::Instrument;
 use super::handler::{DeliveryInfo, Disposition, Handler, HandlerError};
 use super::options::ConsumerOptions;
 use super::trace::{ProducerLink, in_context};
-use crate::broker::{BrokerError, Delivery, Message, header};
+use crate::broker::{BrokerError, Delivery, Message, SubscribeOptions, header};
 use crate::dead_letter::{self, kind};
 use crate::envelope::{Envelope, EnvelopeError};
 use crate::store::{
@@ -56,6 +56,12 @@ impl<Tx> Route<Tx> {
             handlers,
             labels,
         }
+    }
+
+    /// What this route subscribes (and declares) its group with: the same
+    /// options both times, so a broker never sees the group two ways.
+    pub(crate) fn subscribe_options(&self, options: &ConsumerOptions) -> SubscribeOptions {
+        SubscribeOptions::new(self.topic.as_ref(), self.group.as_ref()).lease(options.lease)
     }
 
     fn labels_with(&self, key: &'static str, value: &'static str) -> Vec<metrics::Label> {

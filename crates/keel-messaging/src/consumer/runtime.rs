@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use super::handler::Disposition;
 use super::process::{ConsumerStore, Processor, Route};
-use crate::broker::{Broker, Delivery, SubscribeOptions, Subscription};
+use crate::broker::{Broker, Delivery, Subscription};
 
 /// What the receive loops and delivery chains share.
 pub(super) struct Shared<S: ConsumerStore> {
@@ -133,9 +133,7 @@ async fn subscribe<S: ConsumerStore, B: Broker + ?Sized>(
     let options = &shared.processor.options;
     let mut failures: u32 = 0;
     loop {
-        let request =
-            SubscribeOptions::new(route.topic.as_ref(), route.group.as_ref()).lease(options.lease);
-        match broker.subscribe(request).await {
+        match broker.subscribe(route.subscribe_options(options)).await {
             Ok(sub) => return Some(sub),
             Err(err) => {
                 let delay = options.backoff.delay(failures).unwrap_or_default();
