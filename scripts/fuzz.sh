@@ -10,6 +10,12 @@
 #   scripts/fuzz.sh 300           5 minutes per target
 #   FUZZ_RUNS=10000000 scripts/fuzz.sh   a long run: 10 million executions each
 #   scripts/fuzz.sh 60 cloudevents       one target
+#
+# FUZZ_PROFILE=dev (the test command sets it) builds without optimisation:
+# the build takes about half the time (3m26s against 7m16s here) and each
+# target runs about 11 times fewer inputs (186k against 2.1M for
+# cloudevents in 15 s), enough for the test command's smoke run. Long runs
+# keep the default, release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-15}
@@ -33,7 +39,11 @@ fi
 # needed. No sanitizer: Keel has no unsafe code (the workspace denies it),
 # and without ASan each target runs several times faster.
 export RUSTC_BOOTSTRAP=1
-cargo fuzz build --sanitizer none --fuzz-dir fuzz
+profile=()
+if [ "${FUZZ_PROFILE:-release}" = dev ]; then
+  profile=(--dev)
+fi
+cargo fuzz build "${profile[@]}" --sanitizer none --fuzz-dir fuzz
 
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
@@ -48,7 +58,7 @@ for target in "${targets[@]}"; do
   fi
   echo "==> fuzzing $target (${limit[*]})"
   log="fuzz/corpus/$target.log"
-  if ! cargo fuzz run --sanitizer none --fuzz-dir fuzz "$target" \
+  if ! cargo fuzz run "${profile[@]}" --sanitizer none --fuzz-dir fuzz "$target" \
     "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
     "${limit[@]}" -print_final_stats=1 >"$log" 2>&1; then
     tail -n 40 "$log" >&2

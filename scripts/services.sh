@@ -153,7 +153,7 @@ start_rabbitmq() {
   # opens a moment before), and the port answers.
   local i started=0 logfile="$dir/log/keel-$port@localhost.log"
   local before
-  before="$(wc -l <"$logfile" 2>/dev/null || echo 0)"
+  before="$(wc -l 2>/dev/null <"$logfile" || echo 0)"
   for i in $(seq 1 600); do
     if [ "$started" = 0 ] && tail -n +"$((before + 1))" "$logfile" 2>/dev/null | grep -q 'Server startup complete'; then
       started=1
@@ -308,6 +308,11 @@ stop_all() {
   stop_s3
   stop_redis
   stop_rabbitmq
+  # Erlang's port mapper, started by the node, outlives it: stop it once no
+  # node is registered with it (another session's node keeps it running).
+  if command -v epmd >/dev/null 2>&1 && ! epmd -names 2>/dev/null | grep -q '^name '; then
+    epmd -kill >/dev/null 2>&1 || true
+  fi
   stop_nats
   stop_postgres
   if [ -n "${KEEL_TEST_SERVICES_DIR:-}" ]; then rm -rf "$KEEL_TEST_SERVICES_DIR"; fi

@@ -11,20 +11,23 @@
 # from crates.io when missing). Set KEEL_TEST_QUICK=1 to
 # skip fmt/clippy/doc.
 #
-# KEEL_TEST_RECLAIM_DISK=1 (CI sets it) deletes each phase's build once the
-# phase is done: clippy's metadata before the docs, the docs before the
-# feature checks, theirs before the test build, the test build before the
-# fuzz build. None shares artifacts with the next, and a run that keeps them
-# all peaks at about 9.2 GB, which CI machines twice did not have (the fuzz
-# build, then the feature checks, ran out of space); reclaiming keeps the
-# peak at the test build's 4.7 GB, and the static checks' at about 2 GB
-# instead of 3.4, for build scripts run again (a clean run measured 33.5
-# minutes against 29). The free space is printed at the start and after
-# each phase, so a run that fails for space says how much it had.
+# KEEL_TEST_RECLAIM_DISK=1 (CI sets it) deletes a build once nothing after
+# it can use it: the static checks' metadata before the test build, the test
+# build before the fuzz build. A run that keeps every build peaks at about
+# 9.2 GB, which CI machines twice did not have (the fuzz build, then the
+# feature checks, ran out of space); reclaiming keeps the peak at the test
+# build's (5.7 GB). The static checks keep their metadata from clippy to
+# the feature checks: the docs and the feature checks reuse the
+# dependencies' metadata clippy built, and their sum (about 3.5 GB) stays
+# below the test build's peak, which comes later, when the installed
+# servers have taken their share of the disk. The free space is printed at
+# the start and after each phase, so a run that fails for space says how
+# much it had.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\n==> %s\n' "$*"; }
+# Each phase's line says when it started, so a run's log shows where its time went.
+log() { printf '\n==> [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 # Deletes the build of the phase that just ended, when asked to (see above).
 reclaim() {
@@ -54,10 +57,8 @@ if [ "${KEEL_TEST_QUICK:-0}" != 1 ]; then
   cargo fmt --all -- --check
   log "cargo clippy --all-targets --all-features -D warnings"
   cargo clippy --workspace --all-targets --all-features -- -D warnings
-  reclaim "clippy is done"
   log "cargo doc with warnings as errors (broken intra-doc links)"
   RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
-  reclaim "the docs are built"
   log "every crate with each feature alone, and no unused dependency"
   scripts/features.sh
   reclaim "the static checks are done"
@@ -94,5 +95,5 @@ log "doc tests"
 cargo test --workspace --all-features --doc
 reclaim "the tests are done"
 
-log "coverage-guided fuzzing of the network parsers, 15 s per target (scripts/fuzz.sh)"
-scripts/fuzz.sh 15
+log "coverage-guided fuzzing of the network parsers, 15 s per target, unoptimised build (scripts/fuzz.sh)"
+FUZZ_PROFILE=dev scripts/fuzz.sh 15
