@@ -17,9 +17,10 @@
 //!   replication slot, the relay woken by the stream), alternating with the
 //!   LISTEN/NOTIFY relay twice; each run also reports the CPU time of every
 //!   PostgreSQL process per event (from `/proc`, appends included);
-//! - append → effect latency at 1,000 events/s, end to end on the scale-out
+//! - append → effect latency at 1,000 events/s, end to end on a scale-out
 //!   pair: the same appends, the relay publishing to NATS JetStream
-//!   (`NatsBroker`, when `KEEL_TEST_NATS_URL` is set) and a consumer group
+//!   (`NatsBroker`, when `KEEL_TEST_NATS_URL` is set) and then to RabbitMQ
+//!   (`RabbitBroker`, when `KEEL_TEST_RABBITMQ_URL` is set), and a consumer group
 //!   applying each event through the inbox in a PostgreSQL transaction; the
 //!   time from each append's commit to its handler running; goal p99 <= 10 ms.
 //!   `KEEL_BENCH_EFFECT_RUNS=N` repeats it N times back to back. Events not
@@ -63,6 +64,7 @@ use keel_messaging::outbox::{Outbox, OutboxRelay};
 use keel_messaging::store::Store;
 use keel_nats::NatsBrokerOptions;
 use keel_postgres::{PgStore, PgWakeups, WalOutbox, WalRelayOptions};
+use keel_rabbitmq::{RabbitBroker, RabbitBrokerOptions};
 use keel_testkit::bench::{self, OrderPlaced, Tally, order};
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
@@ -319,22 +321,34 @@ fn postgres_cpu() -> Duration {
     Duration::from_millis(ticks * 1000 / ticks_per_second)
 }
 
-/// The same appends, end to end on the scale-out pair: the relay publishes
-/// to NATS JetStream (`NatsBroker`) and a consumer group applies each event
-/// through the inbox in a PostgreSQL transaction. Returns the time from
-/// each append's commit to its handler running inside the effect's
-/// transaction (the effect's own commit follows). `None` without
-/// `KEEL_TEST_NATS_URL`.
-async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
-    let url = std::env::var(keel_testkit::services::NATS_URL).ok()?;
+/// The brokers the append -> effect run goes through: NATS JetStream and
+/// RabbitMQ, each when the test command's URL for it is set.
+async fn effect_brokers() -> Vec<(&'static str, Arc<dyn Broker>)> {
     let prefix = format!("bench_{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
-    let broker: Arc<dyn Broker> = Arc::new(
-        NatsBrokerOptions::new()
-            .stream_prefix(prefix)
+    let mut brokers: Vec<(&'static str, Arc<dyn Broker>)> = Vec::new();
+    if let Ok(url) = std::env::var(keel_testkit::services::NATS_URL) {
+        let nats = NatsBrokerOptions::new()
+            .stream_prefix(&prefix)
             .open(&url)
             .await
-            .expect("connect to NATS"),
-    );
+            .expect("connect to NATS");
+        brokers.push(("NATS JetStream", Arc::new(nats)));
+    }
+    if let Ok(url) = std::env::var(keel_testkit::services::RABBITMQ_URL) {
+        let rabbit = RabbitBroker::connect(RabbitBrokerOptions::new(&url).prefix(&prefix))
+            .await
+            .expect("connect to RabbitMQ");
+        brokers.push(("RabbitMQ", Arc::new(rabbit)));
+    }
+    brokers
+}
+
+/// The same appends, end to end on a scale-out pair: the relay publishes
+/// to `broker` and a consumer group applies each event through the inbox in
+/// a PostgreSQL transaction. Returns the time from each append's commit to
+/// its handler running inside the effect's transaction (the effect's own
+/// commit follows).
+async fn effect_latency_run(fx: &Fixture, broker: Arc<dyn Broker>) -> Histogram<u64> {
     let effects: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let seen = Arc::clone(&effects);
     let group = Group::new("bench.effect", "bench").on_event(
@@ -347,6 +361,8 @@ async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
         .group(group)
         .build()
         .expect("consumer");
+    // A queue broker keeps only what arrives once a group exists.
+    consumer.declare_groups().await.expect("declare the group");
     let consumer = Running::spawn(|stopped| async move {
         consumer.run(stopped).await;
     });
@@ -380,7 +396,7 @@ async fn effect_latency_run(fx: &Fixture) -> Option<Histogram<u64>> {
     relay.stop().await;
     consumer.stop().await;
     drop(wakeups);
-    Some(histogram(&committed, &arrivals))
+    histogram(&committed, &arrivals)
 }
 
 /// A spawned relay or consumer, stopped between rounds. Aborting one could
@@ -559,7 +575,7 @@ fn effect_runs() -> usize {
         .unwrap_or(1)
 }
 
-fn summary(runs: &[(&str, &LatencyRun)], effects: &[Histogram<u64>]) {
+fn summary(runs: &[(&str, &LatencyRun)], effects: &[(&str, Histogram<u64>)]) {
     let (first, last) = (RAW_FIRST.per_second(), RAW_LAST.per_second());
     let raw = Tally::per_second_of(&[&RAW_FIRST, &RAW_LAST]);
     let (relay, relay_raw) = (RELAY.per_second(), RELAY_RAW.per_second());
@@ -589,9 +605,9 @@ fn summary(runs: &[(&str, &LatencyRun)], effects: &[Histogram<u64>]) {
             run.pg_cpu_per_event.as_secs_f64() * 1e6,
         );
     }
-    for effect in effects {
+    for (broker, effect) in effects {
         println!(
-            "append -> effect at 1,000 events/s (relay -> NATS JetStream -> consumer, inbox on \
+            "append -> effect at 1,000 events/s (relay -> {broker} -> consumer, inbox on \
              PostgreSQL): p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms over {} events \
              (goal p99 <= 10 ms)",
             ms(effect.value_at_quantile(0.50)),
@@ -603,8 +619,9 @@ fn summary(runs: &[(&str, &LatencyRun)], effects: &[Histogram<u64>]) {
     }
     if effects.is_empty() {
         println!(
-            "append -> effect: skipped ({} is not set)",
-            keel_testkit::services::NATS_URL
+            "append -> effect: skipped (neither {} nor {} is set)",
+            keel_testkit::services::NATS_URL,
+            keel_testkit::services::RABBITMQ_URL
         );
     }
     println!("load average at the end: {}", load.trim());
@@ -647,9 +664,15 @@ fn main() {
             rt.block_on(wal_latency_run(&fx)),
         ));
     }
-    let effects: Vec<Histogram<u64>> = (0..effect_runs())
-        .map_while(|_| rt.block_on(effect_latency_run(&fx)))
-        .collect();
+    let mut effects = Vec::new();
+    for (name, broker) in rt.block_on(effect_brokers()) {
+        for _ in 0..effect_runs() {
+            effects.push((
+                name,
+                rt.block_on(effect_latency_run(&fx, Arc::clone(&broker))),
+            ));
+        }
+    }
     bench_raw(&mut c, &rt, &fx, "raw_insert_commit_again", &RAW_LAST);
     c.final_summary();
     let runs: Vec<(&str, &LatencyRun)> = runs.iter().map(|(name, run)| (*name, run)).collect();

@@ -20,7 +20,6 @@
 //! Needs `KEEL_TEST_NATS_URL`; run through `scripts/services.sh run cargo
 //! bench -p keel-nats --bench nats`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -31,35 +30,15 @@ use futures_util::StreamExt;
 use futures_util::future::join_all;
 use keel_core::clock;
 use keel_nats::NatsBrokerOptions;
-use keel_store::broker::{Broker, Message, SubscribeOptions};
+use keel_store::broker::{Broker, SubscribeOptions};
+use keel_testkit::bench::{BROKER_PAYLOAD, next_unique, receive_and_ack, unique_messages};
 
 const BATCH: usize = 100;
-const PAYLOAD: &[u8] = &[b'x'; 256];
-
-static COUNTER: AtomicU64 = AtomicU64::new(0);
-
-fn next_id() -> u64 {
-    COUNTER.fetch_add(1, Ordering::Relaxed)
-}
-
-fn keel_batch(topic: &str) -> Vec<Message> {
-    (0..BATCH)
-        .map(|_| {
-            let n = next_id();
-            Message::new(
-                format!("m-{n}"),
-                topic,
-                format!("k-{n}"),
-                Bytes::from_static(PAYLOAD),
-            )
-        })
-        .collect()
-}
 
 async fn raw_publish(context: &jetstream::Context, base: &str) {
     let mut acks = Vec::with_capacity(BATCH);
     for _ in 0..BATCH {
-        let n = next_id();
+        let n = next_unique();
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", format!("r-{n}").as_str());
         acks.push(
@@ -67,7 +46,7 @@ async fn raw_publish(context: &jetstream::Context, base: &str) {
                 .publish_with_headers(
                     format!("{base}.k.r-{n}"),
                     headers,
-                    Bytes::from_static(PAYLOAD),
+                    Bytes::from_static(BROKER_PAYLOAD),
                 )
                 .await
                 .expect("raw publish"),
@@ -104,7 +83,10 @@ fn benches(c: &mut Criterion) {
     group.sample_size(20);
     group.bench_function("keel", |b| {
         b.to_async(&rt).iter(|| async {
-            broker.publish(&keel_batch("pub")).await.expect("publish");
+            broker
+                .publish(&unique_messages("pub", BATCH))
+                .await
+                .expect("publish");
         });
     });
     group.bench_function("raw", |b| {
@@ -134,22 +116,11 @@ fn benches(c: &mut Criterion) {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
                     broker
-                        .publish(&keel_batch("consume"))
+                        .publish(&unique_messages("consume", BATCH))
                         .await
                         .expect("publish");
                     let started = clock::now();
-                    let mut got = 0;
-                    while got < BATCH {
-                        let batch = sub
-                            .receive(BATCH - got, Duration::from_secs(5))
-                            .await
-                            .expect("receive");
-                        assert!(!batch.is_empty(), "keel consume stalled");
-                        got += batch.len();
-                        for outcome in join_all(batch.iter().map(|d| d.ack())).await {
-                            outcome.expect("ack");
-                        }
-                    }
+                    receive_and_ack(sub.as_mut(), BATCH).await;
                     total += started.elapsed();
                 }
                 total

@@ -47,54 +47,15 @@ use async_nats::client::RequestErrorKind;
 use async_nats::{Client, HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use futures_util::StreamExt;
+use keel_core::Deadline;
 use keel_core::deadline::MIN_TIME_TO_START;
-use keel_core::{Classify, Deadline, ErrorClass};
 use keel_store::broker::reply::{DEFAULT_TIMEOUT, REPLY_STATUS, STATUS_ERROR, STATUS_OK};
 use keel_store::broker::{Headers, header};
 
-/// A request-reply call failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ReplyError {
-    /// No reply arrived before the deadline. The responder may still do the
-    /// work; retry only idempotent requests.
-    #[error("no reply within {0:?}")]
-    Timeout(Duration),
-    /// The deadline left too little time to even send the request.
-    #[error("the deadline left too little time to send the request")]
-    DeadlineExceeded,
-    /// Nobody listens on the subject: start a responder, or retry later.
-    #[error("no responder listens on {0}")]
-    NoResponders(String),
-    /// The responder's handler failed and said why.
-    #[error("the responder refused: {0}")]
-    Refused(String),
-    /// A subject, header or payload NATS refuses.
-    #[error("invalid request: {0}")]
-    Invalid(String),
-    /// The connection failed; retry.
-    #[error("NATS unavailable: {0}")]
-    Unavailable(String),
-}
-
-impl Classify for ReplyError {
-    fn class(&self) -> ErrorClass {
-        match self {
-            Self::Timeout(_) => ErrorClass::OutcomeUnknown,
-            Self::NoResponders(_) | Self::Unavailable(_) => ErrorClass::Retryable,
-            Self::DeadlineExceeded | Self::Refused(_) | Self::Invalid(_) => ErrorClass::Permanent,
-        }
-    }
-}
+pub use keel_store::broker::reply::ReplyError;
 
 /// A reply as received.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NatsReply {
-    /// The body.
-    pub payload: Bytes,
-    /// The reply's headers (`correlation-id` and `reply-status` included).
-    pub headers: Headers,
-}
+pub type NatsReply = keel_store::broker::reply::Reply;
 
 /// Sends requests and waits for their replies, never past the deadline.
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use futures_util::future::try_join_all;
 use keel_store::broker::{
     Backlog, Broker, BrokerError, GroupStart, Message, MessageRetention, SubscribeOptions,
-    Subscription,
+    Subscription, header,
 };
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
@@ -22,6 +22,7 @@ use crate::error::{Within, bounded, broker_error, is_not_found};
 use crate::link::Link;
 use crate::names::{Names, shard_of};
 use crate::options::RabbitBrokerOptions;
+use crate::reply::DIRECT_REPLY_TO;
 use crate::subscription::{Held, RabbitSubscription};
 
 /// The exchange argument recording a topic's shard count, so a process
@@ -65,10 +66,19 @@ impl RabbitBroker {
         broker.inner.link.connection().await?;
         Ok(broker)
     }
+
+    /// What a [`RabbitRequester`](crate::RabbitRequester) shares with its broker.
+    pub(crate) fn inner(&self) -> Arc<Inner> {
+        self.inner.clone()
+    }
 }
 
 impl Inner {
-    async fn declare_topic(&self, channel: &Channel, topic: &str) -> Result<(), BrokerError> {
+    pub(crate) async fn declare_topic(
+        &self,
+        channel: &Channel,
+        topic: &str,
+    ) -> Result<(), BrokerError> {
         let mut arguments = FieldTable::default();
         arguments.insert(
             SHARDS_ARGUMENT.into(),
@@ -168,7 +178,11 @@ impl Inner {
         }
         let mut slot = self.publisher.lock().await;
         let channel = self.publisher(&mut slot).await?;
-        for topic in messages.iter().map(|m| &m.topic).collect::<HashSet<_>>() {
+        let topics = messages.iter().map(|m| &m.topic);
+        for topic in topics
+            .filter(|t| !is_direct_reply(t))
+            .collect::<HashSet<_>>()
+        {
             if !self.declared_topics.lock().contains(topic) {
                 self.declare_topic(&channel, topic).await?;
                 self.declared_topics.lock().insert(topic.clone());
@@ -176,10 +190,11 @@ impl Inner {
         }
         let mut confirms = Vec::with_capacity(messages.len());
         for message in messages {
+            let (exchange, routing_key) = self.route(message);
             let sent = channel
                 .basic_publish(
-                    &self.names.exchange(&message.topic),
-                    &shard_of(&message.key, self.options.shards).to_string(),
+                    &exchange,
+                    &routing_key,
                     BasicPublishOptions::default(),
                     &message.payload,
                     envelope::properties(message, keel_core::clock::utc_now()),
@@ -214,8 +229,23 @@ impl Inner {
         Ok(())
     }
 
-    fn validate(&self, message: &Message) -> Result<(), BrokerError> {
-        self.names.check_topic(&message.topic)?;
+    /// The exchange and routing key `message` is published with: its
+    /// topic's exchange and its key's shard, or, for a reply to a direct
+    /// reply-to address, the default exchange and the address.
+    pub(crate) fn route(&self, message: &Message) -> (String, String) {
+        if is_direct_reply(&message.topic) {
+            return (String::new(), message.topic.clone());
+        }
+        (
+            self.names.exchange(&message.topic),
+            shard_of(&message.key, self.options.shards).to_string(),
+        )
+    }
+
+    pub(crate) fn validate(&self, message: &Message) -> Result<(), BrokerError> {
+        if !is_direct_reply(&message.topic) {
+            self.names.check_topic(&message.topic)?;
+        }
         if message.payload.len() > self.options.max_message_bytes {
             return Err(BrokerError::Invalid(format!(
                 "a payload of {} bytes is over the limit of {}",
@@ -227,6 +257,16 @@ impl Inner {
             return Err(BrokerError::Invalid(
                 "a message id is at most 255 bytes".into(),
             ));
+        }
+        for property in [header::REPLY_TO, header::CORRELATION_ID] {
+            if message
+                .header(property)
+                .is_some_and(|value| value.len() > 255)
+            {
+                return Err(BrokerError::Invalid(format!(
+                    "a {property} of over 255 bytes (an AMQP property) cannot be carried"
+                )));
+            }
         }
         if let Some(name) = message.headers.keys().find(|name| name.len() > 200) {
             return Err(BrokerError::Invalid(format!(
@@ -328,6 +368,15 @@ impl Inner {
         }
         total
     }
+}
+
+/// Whether `topic` is a direct reply-to address (`amq.rabbitmq.reply-to.…`,
+/// RabbitMQ's rewrite of a request's `reply-to`), which a responder's reply
+/// is published to instead of a topic.
+pub(crate) fn is_direct_reply(topic: &str) -> bool {
+    topic
+        .strip_prefix(DIRECT_REPLY_TO)
+        .is_some_and(|rest| rest.starts_with('.'))
 }
 
 /// Declares a durable direct exchange.

@@ -3,14 +3,20 @@
 //! Keel's headers travel as AMQP headers, except the CloudEvents
 //! attributes (`ce-*`), which take the `cloudEvents:` prefix of the
 //! CloudEvents AMQP binding, so other AMQP clients read them as such. The
-//! id is the AMQP `message-id`; the key and the publish time (the time the
+//! id is the AMQP `message-id`, and request-reply's `reply-to` and
+//! `correlation-id` are the AMQP properties of those names, so that AMQP
+//! clients' RPC (and RabbitMQ's direct reply-to, which rewrites the
+//! `reply-to` property) meets Keel's. A request's deadline is also its
+//! AMQP `expiration`: RabbitMQ drops a request nobody took before its
+//! caller stopped waiting. The key and the publish time (the time the
 //! contract calls "received") are Keel's own headers.
 
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use keel_store::broker::{Headers, Message};
+use keel_core::Deadline;
+use keel_store::broker::{Headers, Message, header};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
@@ -26,8 +32,20 @@ const PERSISTENT: u8 = 2;
 
 /// The properties `message` is published with at `now`.
 pub(crate) fn properties(message: &Message, now: DateTime<Utc>) -> BasicProperties {
+    let mut properties = BasicProperties::default();
     let mut headers = BTreeMap::new();
     for (name, value) in &message.headers {
+        match name.as_str() {
+            header::REPLY_TO => {
+                properties = properties.with_reply_to(value.as_str().into());
+                continue;
+            }
+            header::CORRELATION_ID => {
+                properties = properties.with_correlation_id(value.as_str().into());
+                continue;
+            }
+            _ => {}
+        }
         let name = match name.strip_prefix(CLOUDEVENTS_HEADER_PREFIX) {
             Some(attribute) => format!("{CLOUDEVENTS_AMQP_PREFIX}{attribute}"),
             None => name.clone(),
@@ -40,11 +58,29 @@ pub(crate) fn properties(message: &Message, now: DateTime<Utc>) -> BasicProperti
         PUBLISHED_AT.into(),
         AMQPValue::LongLongInt(now.timestamp_micros()),
     );
-    BasicProperties::default()
+    if let Some(ttl) = request_ttl(message, now) {
+        properties = properties.with_expiration(ttl.to_string().into());
+    }
+    properties
         .with_message_id(message.id.as_str().into())
         .with_delivery_mode(PERSISTENT)
         .with_timestamp(now.timestamp().max(0) as u64)
         .with_headers(FieldTable::from(headers))
+}
+
+/// The milliseconds a request has left before its deadline (at least 1:
+/// RabbitMQ reads 0 as "deliver now or never"). Only requests, messages
+/// with a `reply-to`: an event that carries its producer's deadline must
+/// outlive it.
+fn request_ttl(message: &Message, now: DateTime<Utc>) -> Option<u64> {
+    message.header(header::REPLY_TO)?;
+    let deadline = message.header(header::DEADLINE)?;
+    Deadline::parse_header(deadline).ok()?;
+    // The header's own milliseconds: a round trip through a clock instant
+    // may round one away.
+    let deadline: u64 = deadline.trim().parse().ok()?;
+    let now = u64::try_from(now.timestamp_millis()).unwrap_or(0);
+    Some(deadline.saturating_sub(now).max(1))
 }
 
 /// What a delivery carries: the message, when it was published, and how
@@ -78,6 +114,15 @@ pub(crate) fn arrived(properties: &BasicProperties, payload: Vec<u8>) -> Arrived
                 }
             }
         }
+    }
+    if let Some(reply_to) = properties.reply_to() {
+        headers.insert(header::REPLY_TO.to_owned(), reply_to.as_str().to_owned());
+    }
+    if let Some(correlation_id) = properties.correlation_id() {
+        headers.insert(
+            header::CORRELATION_ID.to_owned(),
+            correlation_id.as_str().to_owned(),
+        );
     }
     let id = properties
         .message_id()
@@ -148,5 +193,43 @@ mod tests {
             Some(now.timestamp_micros())
         );
         assert_eq!(back.returns, 0);
+    }
+
+    #[test]
+    fn a_request_carries_its_return_address_as_properties_and_its_deadline_as_ttl() {
+        let now = keel_core::clock::utc_now();
+        let deadline = u64::try_from(now.timestamp_millis()).unwrap() + 1_500;
+        let request = Message::new("m-2", "pricing", "sku-1", &b"?"[..])
+            .with_header(header::REPLY_TO, "amq.rabbitmq.reply-to")
+            .with_header(header::CORRELATION_ID, "c-9")
+            .with_header(header::DEADLINE, deadline.to_string());
+        let props = properties(&request, now);
+        assert_eq!(
+            props.reply_to().as_ref().map(|r| r.as_str()),
+            Some("amq.rabbitmq.reply-to")
+        );
+        assert_eq!(
+            props.correlation_id().as_ref().map(|c| c.as_str()),
+            Some("c-9")
+        );
+        assert_eq!(
+            props.expiration().as_ref().map(|e| e.as_str()),
+            Some("1500")
+        );
+        assert_eq!(arrived(&props, b"?".to_vec()).message, request);
+
+        // An event that only carries its producer's deadline keeps no TTL.
+        let event = Message::new("m-3", "orders", "o-1", &b"{}"[..])
+            .with_header(header::DEADLINE, deadline.to_string());
+        assert_eq!(properties(&event, now).expiration(), &None);
+        // A deadline already passed still leaves the request 1 ms.
+        let late = request.with_header(header::DEADLINE, "5");
+        assert_eq!(
+            properties(&late, now)
+                .expiration()
+                .as_ref()
+                .map(|e| e.as_str()),
+            Some("1")
+        );
     }
 }

@@ -54,6 +54,11 @@
 //!   `x-expires`: RabbitMQ deletes them once unused for that long.
 //! - **CloudEvents**: `ce-*` headers travel as `cloudEvents:*` AMQP
 //!   headers, the id as the AMQP `message-id`.
+//! - **Request-reply**: `keel_messaging::reply` works as on every broker;
+//!   [`RabbitRequester`] waits for replies on RabbitMQ's direct reply-to
+//!   instead of a reply queue (see [`reply`](crate::RabbitRequester)).
+//!   `reply-to` and `correlation-id` are the AMQP properties, and a
+//!   request's deadline is its `expiration`.
 //!
 //! # What order holds, and when
 //!
@@ -81,7 +86,10 @@ mod link;
 mod names;
 mod options;
 mod recent;
+mod reply;
 mod subscription;
 
 pub use broker::RabbitBroker;
+pub use keel_store::broker::reply::{Reply, ReplyError};
 pub use options::RabbitBrokerOptions;
+pub use reply::{DIRECT_REPLY_TO, RabbitRequester};

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use futures_util::StreamExt;
-use futures_util::stream::select_all;
+use futures_util::stream::{SelectAll, select_all};
+use futures_util::{FutureExt, StreamExt};
 use keel_store::broker::{
     Backlog, BrokerError, Delivery, DeliveryControl, Message, SubscribeOptions, Subscription,
 };
@@ -63,6 +63,9 @@ struct HeldState {
     recent: RecentIds,
     /// Why the channel stopped delivering, if it did.
     broken: Option<String>,
+    /// When the forwarder's lease timer fires: a lease ending before it
+    /// must wake the forwarder, one ending after it need not.
+    lease_timer: Instant,
 }
 
 struct Entry {
@@ -90,23 +93,36 @@ impl Held {
                 next_lease: 0,
                 recent,
                 broken: None,
+                lease_timer: lease_timer(None),
             }),
             arrived: Notify::new(),
             leases_changed: Notify::new(),
         }
     }
 
-    /// When the earliest lease runs out, if any delivery is leased.
-    fn next_lease_end(&self) -> Option<Instant> {
-        self.state
-            .lock()
+    /// When the forwarder's lease timer should fire next (when the earliest
+    /// lease runs out), recorded so that only an earlier lease wakes it.
+    fn next_lease_timer(&self) -> Instant {
+        let mut state = self.state.lock();
+        let end = state
             .entries
             .values()
             .filter_map(|entry| match entry.state {
                 EntryState::Leased { until, .. } => Some(until),
                 EntryState::Ready(_) => None,
             })
-            .min()
+            .min();
+        state.lease_timer = lease_timer(end);
+        state.lease_timer
+    }
+
+    /// Whether a delivery is leased past its lease's end at `now`.
+    fn a_lease_ran_out(&self, now: Instant) -> bool {
+        self.state
+            .lock()
+            .entries
+            .values()
+            .any(|entry| matches!(entry.state, EntryState::Leased { until, .. } if until <= now))
     }
 
     /// Held deliveries: leased ones in flight, the rest waiting.
@@ -125,6 +141,7 @@ impl Held {
     }
 
     /// Takes a delivery from RabbitMQ; a repeated id is acked and dropped.
+    /// The caller wakes the receiver.
     async fn take(&self, delivery: lapin::message::Delivery) {
         let arrived = envelope::arrived(&delivery.properties, delivery.data);
         let duplicate = {
@@ -154,8 +171,6 @@ impl Held {
         };
         if duplicate {
             let _ = delivery.acker.ack(BasicAckOptions::default()).await;
-        } else {
-            self.arrived.notify_one();
         }
     }
 
@@ -173,15 +188,11 @@ impl Held {
     /// instant one may become deliverable. [`Leased::Expired`] when a lease
     /// ran out: the member must hand its shards over.
     fn lease(self: &Arc<Self>, max: usize, lease: Duration) -> Leased {
-        let mut state = self.state.lock();
         let now = Instant::now();
-        if state
-            .entries
-            .values()
-            .any(|entry| matches!(entry.state, EntryState::Leased { until, .. } if until <= now))
-        {
+        if self.a_lease_ran_out(now) {
             return Leased::Expired;
         }
+        let mut state = self.state.lock();
         let mut seen_keys = HashSet::new();
         let mut chosen = Vec::new();
         let mut next_wake: Option<Instant> = None;
@@ -200,6 +211,7 @@ impl Held {
             }
         }
         let mut deliveries = Vec::with_capacity(chosen.len());
+        let sooner = now + lease < state.lease_timer;
         for seq in chosen {
             let id = state.next_lease;
             state.next_lease += 1;
@@ -224,7 +236,7 @@ impl Held {
             deliveries.push(delivery);
         }
         drop(state);
-        if !deliveries.is_empty() {
+        if sooner && !deliveries.is_empty() {
             self.leases_changed.notify_one();
         }
         Leased::Some(deliveries, next_wake)
@@ -318,25 +330,31 @@ impl RabbitSubscription {
 
 /// Moves every delivery of the member's consumers into what it holds, and
 /// hands the shards over when a lease runs out, until the channel closes.
+///
+/// The earliest lease end is looked up again only when a lease ending
+/// before the timer was handed out or extended ([`Held::leases_changed`])
+/// and when the timer fires: an ack, nack or terminate only removes a
+/// lease end, so the timer may fire early, never late, and then finds
+/// nothing ran out.
 async fn forward(consumers: Vec<Consumer>, held: Arc<Held>, channel: Channel) {
     let mut deliveries = select_all(consumers);
+    let expiry = tokio::time::sleep_until(held.next_lease_timer());
+    tokio::pin!(expiry);
     let why = loop {
         let changed = held.leases_changed.notified();
-        let lease_end = held.next_lease_end();
-        let expiry = async {
-            match lease_end {
-                Some(end) => tokio::time::sleep_until(end).await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
-            next = deliveries.next() => match next {
-                Some(Ok(delivery)) => held.take(delivery).await,
-                Some(Err(error)) => break error.to_string(),
-                None => break "the channel closed".to_owned(),
-            },
-            () = expiry => break LEASE_RAN_OUT.to_owned(),
-            () = changed => {}
+            next = deliveries.next() => {
+                if let Err(why) = take_arrived(&held, next, &mut deliveries).await {
+                    break why;
+                }
+            }
+            () = &mut expiry => {
+                if held.a_lease_ran_out(Instant::now()) {
+                    break LEASE_RAN_OUT.to_owned();
+                }
+                expiry.as_mut().reset(held.next_lease_timer());
+            }
+            () = changed => expiry.as_mut().reset(held.next_lease_timer()),
         }
     };
     held.break_with(why);
@@ -380,6 +398,35 @@ impl Subscription for RabbitSubscription {
     }
 }
 
+/// Takes `next` and every delivery that has arrived behind it, then wakes
+/// the receiver once: a burst becomes one batch, not a wake-up per
+/// delivery. `Err` says why the channel stopped delivering.
+async fn take_arrived(
+    held: &Held,
+    mut next: Option<Result<lapin::message::Delivery, lapin::Error>>,
+    deliveries: &mut SelectAll<Consumer>,
+) -> Result<(), String> {
+    let outcome = loop {
+        match next {
+            Some(Ok(delivery)) => held.take(delivery).await,
+            Some(Err(error)) => break Err(error.to_string()),
+            None => break Err("the channel closed".to_owned()),
+        }
+        match deliveries.next().now_or_never() {
+            Some(arrived) => next = arrived,
+            None => break Ok(()),
+        }
+    };
+    held.arrived.notify_one();
+    outcome
+}
+
+/// When the forwarder's lease timer should fire: at `end`, or, with no
+/// delivery leased, a year from now (the timer is reset before then).
+fn lease_timer(end: Option<Instant>) -> Instant {
+    end.unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 24 * 3600))
+}
+
 /// Settles one leased delivery.
 struct Settle {
     held: Weak<Held>,
@@ -394,6 +441,17 @@ impl Settle {
         &self,
         settle: impl FnOnce(&mut BTreeMap<u64, Entry>, u64) -> T,
     ) -> Result<T, BrokerError> {
+        self.settle(settle, None)
+    }
+
+    /// [`with_entry`](Self::with_entry) for a settle that leaves the lease
+    /// ending at `lease_end`: the forwarder is woken when that is before its
+    /// timer.
+    fn settle<T>(
+        &self,
+        settle: impl FnOnce(&mut BTreeMap<u64, Entry>, u64) -> T,
+        lease_end: Option<Instant>,
+    ) -> Result<T, BrokerError> {
         let held = self.held.upgrade().ok_or(BrokerError::LeaseLost)?;
         let mut state = held.state.lock();
         match state.entries.get(&self.seq).map(|entry| entry.state) {
@@ -402,9 +460,12 @@ impl Settle {
             _ => return Err(BrokerError::LeaseLost),
         }
         let outcome = settle(&mut state.entries, self.seq);
+        let sooner = lease_end.is_some_and(|end| end < state.lease_timer);
         drop(state);
         held.arrived.notify_one();
-        held.leases_changed.notify_one();
+        if sooner {
+            held.leases_changed.notify_one();
+        }
         Ok(outcome)
     }
 }
@@ -432,14 +493,18 @@ impl DeliveryControl for Settle {
     }
 
     async fn extend(&self, lease: Duration) -> Result<(), BrokerError> {
-        self.with_entry(|entries, seq| {
+        let until = Instant::now() + lease;
+        let extend = |entries: &mut BTreeMap<u64, Entry>, seq| {
             if let Some(entry) = entries.get_mut(&seq) {
                 entry.state = EntryState::Leased {
                     id: self.lease,
-                    until: Instant::now() + lease,
+                    until,
                 };
             }
-        })
+        };
+        // A lease extended by less than it had left may now end before the
+        // forwarder's timer.
+        self.settle(extend, Some(until))
     }
 
     /// Rejected without requeue: RabbitMQ moves it to the group's

@@ -53,9 +53,63 @@ pub mod header {
 
 /// The request-reply convention both ends speak, whichever broker carries
 /// it (`keel-messaging`'s requester and responder over any [`Broker`],
-/// `keel-nats`'s over core NATS).
+/// `keel-nats`'s over core NATS, `keel-rabbitmq`'s over direct reply-to).
 pub mod reply {
     use std::time::Duration;
+
+    use bytes::Bytes;
+    use keel_core::{Classify, ErrorClass};
+
+    use super::Headers;
+
+    /// A reply as the requester receives it.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Reply {
+        /// The body.
+        pub payload: Bytes,
+        /// The reply's headers (`correlation-id` and `reply-status`
+        /// included).
+        pub headers: Headers,
+    }
+
+    /// A call of a broker's own request-reply (core NATS, RabbitMQ's direct
+    /// reply-to) failed.
+    #[derive(Debug, thiserror::Error)]
+    #[non_exhaustive]
+    pub enum ReplyError {
+        /// No reply arrived before the deadline. The responder may still do
+        /// the work; retry only idempotent requests.
+        #[error("no reply within {0:?}")]
+        Timeout(Duration),
+        /// The deadline left too little time to even send the request.
+        #[error("the deadline left too little time to send the request")]
+        DeadlineExceeded,
+        /// Nobody listens on the subject or topic: start a responder, or
+        /// retry later.
+        #[error("no responder listens on {0}")]
+        NoResponders(String),
+        /// The responder's handler failed and said why.
+        #[error("the responder refused: {0}")]
+        Refused(String),
+        /// A name, header or payload the broker refuses.
+        #[error("invalid request: {0}")]
+        Invalid(String),
+        /// The connection failed; retry.
+        #[error("broker unavailable: {0}")]
+        Unavailable(String),
+    }
+
+    impl Classify for ReplyError {
+        fn class(&self) -> ErrorClass {
+            match self {
+                Self::Timeout(_) => ErrorClass::OutcomeUnknown,
+                Self::NoResponders(_) | Self::Unavailable(_) => ErrorClass::Retryable,
+                Self::DeadlineExceeded | Self::Refused(_) | Self::Invalid(_) => {
+                    ErrorClass::Permanent
+                }
+            }
+        }
+    }
 
     /// The header carrying the request id the responder dedupes on; stable
     /// across a caller's retries of one request.

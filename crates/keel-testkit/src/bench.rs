@@ -96,3 +96,143 @@ where
     group.bench_function(name, |b| b.to_async(rt).iter_custom(&run));
     group.finish();
 }
+
+/// This process's CPU time and context switches, read from `/proc`: the
+/// figures the benchmarks report per unit of work next to the rate, since
+/// they vary less than rates between runs on a shared machine.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessUsage {
+    /// User and system CPU time.
+    pub cpu: Duration,
+    /// Voluntary and involuntary context switches of every thread.
+    pub context_switches: u64,
+}
+
+impl ProcessUsage {
+    /// The usage so far; zero where `/proc` cannot be read.
+    pub fn now() -> Self {
+        Self {
+            cpu: process_cpu(),
+            context_switches: context_switches(),
+        }
+    }
+}
+
+/// utime + stime of `/proc/self/stat`, at the kernel's usual 100 ticks/s.
+fn process_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The command may hold spaces: the fields start after its closing ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15 of stat, 11 and 12 after ')'.
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+/// The context switches of every thread of this process, summed.
+fn context_switches() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter(|line| line.contains("ctxt_switches:"))
+                .filter_map(|line| line.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// [`ProcessUsage`] summed over the timed windows of one benchmark, so that
+/// the figure per unit leaves out what criterion does between samples (its
+/// analysis alone can be most of a run's CPU).
+#[derive(Debug, Default)]
+pub struct UsageTally {
+    cpu_nanos: AtomicU64,
+    switches: AtomicU64,
+    units: AtomicU64,
+}
+
+impl UsageTally {
+    /// Counts what the process used since `before`, for `units` of work.
+    pub fn add_since(&self, before: ProcessUsage, units: u64) {
+        let now = ProcessUsage::now();
+        let cpu = now.cpu.saturating_sub(before.cpu).as_nanos();
+        self.cpu_nanos
+            .fetch_add(u64::try_from(cpu).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.switches.fetch_add(
+            now.context_switches.saturating_sub(before.context_switches),
+            Ordering::Relaxed,
+        );
+        self.units.fetch_add(units, Ordering::Relaxed);
+    }
+
+    /// CPU time and context switches per unit, and the units counted.
+    pub fn per_unit(&self) -> (Duration, f64, u64) {
+        let units = self.units.load(Ordering::Relaxed);
+        let per = units.max(1);
+        (
+            Duration::from_nanos(self.cpu_nanos.load(Ordering::Relaxed) / per),
+            self.switches.load(Ordering::Relaxed) as f64 / per as f64,
+            units,
+        )
+    }
+}
+
+/// The body of a broker benchmark's message: 256 bytes.
+pub const BROKER_PAYLOAD: &[u8] = &[b'x'; 256];
+
+/// A number no other call in this process returned: ids and keys for the
+/// broker benchmarks' messages, Keel's and the raw clients' alike.
+pub fn next_unique() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// `count` messages of [`BROKER_PAYLOAD`] to `topic`, each with an id
+/// (`m-<n>`) and a key (`k-<n>`) of its own, so per-key order never holds
+/// one back: what the brokers' publish and consume benchmarks send.
+pub fn unique_messages(topic: &str, count: usize) -> Vec<keel_store::broker::Message> {
+    (0..count)
+        .map(|_| {
+            let n = next_unique();
+            keel_store::broker::Message::new(
+                format!("m-{n}"),
+                topic,
+                format!("k-{n}"),
+                bytes::Bytes::from_static(BROKER_PAYLOAD),
+            )
+        })
+        .collect()
+}
+
+/// Receives `count` deliveries from `subscription` and acks each, the acks
+/// of a batch sent together: the consume side of the brokers' benchmarks.
+pub async fn receive_and_ack(
+    subscription: &mut dyn keel_store::broker::Subscription,
+    count: usize,
+) {
+    let mut got = 0;
+    while got < count {
+        let batch = subscription
+            .receive(count - got, Duration::from_secs(5))
+            .await
+            .expect("receive");
+        assert!(!batch.is_empty(), "consume stalled: nothing within 5 s");
+        got += batch.len();
+        for outcome in futures_util::future::join_all(batch.iter().map(|d| d.ack())).await {
+            outcome.expect("ack");
+        }
+    }
+}

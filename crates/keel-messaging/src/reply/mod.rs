@@ -156,13 +156,7 @@ impl Request {
 }
 
 /// A reply received by a [`Requester`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    /// The body.
-    pub payload: Bytes,
-    /// The reply's headers.
-    pub headers: Headers,
-}
+pub use keel_store::broker::reply::Reply;
 
 /// A request got no usable reply.
 #[derive(Debug, thiserror::Error)]

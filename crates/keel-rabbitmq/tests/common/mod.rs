@@ -26,6 +26,12 @@ static SHARED: std::sync::OnceLock<services::ServerLock> = std::sync::OnceLock::
 
 /// A broker on the test server, or `None` without one.
 pub async fn fresh_broker() -> Option<RabbitBroker> {
+    Some(fresh_broker_and_prefix().await?.0)
+}
+
+/// A broker on the test server and the prefix of its names, or `None`
+/// without a server.
+pub async fn fresh_broker_and_prefix() -> Option<(RabbitBroker, String)> {
     let url = services::rabbitmq_url()?;
     if SHARED.get().is_none() {
         let lock = tokio::task::spawn_blocking(|| services::ServerLock::shared(Service::RabbitMq))
@@ -33,9 +39,9 @@ pub async fn fresh_broker() -> Option<RabbitBroker> {
             .expect("the lock task panicked");
         let _ = SHARED.set(lock);
     }
-    Some(
-        RabbitBroker::connect(test_options(&url))
-            .await
-            .expect("connect to the test RabbitMQ"),
-    )
+    let prefix = unique_prefix();
+    let broker = RabbitBroker::connect(test_options(&url).prefix(&prefix))
+        .await
+        .expect("connect to the test RabbitMQ");
+    Some((broker, prefix))
 }
