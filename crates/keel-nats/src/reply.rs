@@ -48,8 +48,9 @@ use async_nats::{Client, HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use keel_core::Deadline;
-use keel_core::deadline::MIN_TIME_TO_START;
-use keel_store::broker::reply::{DEFAULT_TIMEOUT, REPLY_STATUS, STATUS_ERROR, STATUS_OK};
+use keel_store::broker::reply::{
+    DEFAULT_TIMEOUT, REPLY_STATUS, STATUS_ERROR, STATUS_OK, call_deadline,
+};
 use keel_store::broker::{Headers, header};
 
 pub use keel_store::broker::reply::ReplyError;
@@ -94,11 +95,7 @@ impl NatsRequester {
         headers: &Headers,
         timeout: Option<Duration>,
     ) -> Result<NatsReply, ReplyError> {
-        let deadline =
-            Deadline::after(timeout.unwrap_or(self.timeout)).min_with(Deadline::current());
-        let remaining = deadline
-            .check_start(MIN_TIME_TO_START)
-            .map_err(|_| ReplyError::DeadlineExceeded)?;
+        let (deadline, remaining) = call_deadline(timeout.unwrap_or(self.timeout))?;
         let mut map = to_header_map(headers)?;
         insert(&mut map, header::DEADLINE, &deadline.to_header_value())?;
         let correlation_id = keel_core::id::new_id().to_string();
@@ -117,16 +114,11 @@ impl NatsRequester {
                 RequestErrorKind::InvalidSubject => ReplyError::Invalid(e.to_string()),
                 _ => ReplyError::Unavailable(e.to_string()),
             })?;
-        let headers = from_header_map(reply.headers.as_ref());
-        if headers.get(REPLY_STATUS).map(String::as_str) == Some(STATUS_ERROR) {
-            return Err(ReplyError::Refused(
-                String::from_utf8_lossy(&reply.payload).into_owned(),
-            ));
-        }
-        Ok(NatsReply {
+        NatsReply {
             payload: reply.payload,
-            headers,
-        })
+            headers: from_header_map(reply.headers.as_ref()),
+        }
+        .into_result()
     }
 }
 

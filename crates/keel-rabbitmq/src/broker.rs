@@ -74,11 +74,22 @@ impl RabbitBroker {
 }
 
 impl Inner {
-    pub(crate) async fn declare_topic(
+    /// Declares `topic`'s exchange on `channel` unless this process did
+    /// since its publisher channel last opened: publishes and requests
+    /// share what they declared.
+    pub(crate) async fn ensure_topic(
         &self,
         channel: &Channel,
         topic: &str,
     ) -> Result<(), BrokerError> {
+        if !self.declared_topics.lock().contains(topic) {
+            self.declare_topic(channel, topic).await?;
+            self.declared_topics.lock().insert(topic.to_owned());
+        }
+        Ok(())
+    }
+
+    async fn declare_topic(&self, channel: &Channel, topic: &str) -> Result<(), BrokerError> {
         let mut arguments = FieldTable::default();
         arguments.insert(
             SHARDS_ARGUMENT.into(),
@@ -183,10 +194,7 @@ impl Inner {
             .filter(|t| !is_direct_reply(t))
             .collect::<HashSet<_>>()
         {
-            if !self.declared_topics.lock().contains(topic) {
-                self.declare_topic(&channel, topic).await?;
-                self.declared_topics.lock().insert(topic.clone());
-            }
+            self.ensure_topic(&channel, topic).await?;
         }
         let mut confirms = Vec::with_capacity(messages.len());
         for message in messages {

@@ -46,7 +46,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -54,10 +54,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use keel_core::Deadline;
-use keel_core::deadline::MIN_TIME_TO_START;
-use keel_store::broker::reply::{
-    DEFAULT_TIMEOUT, REPLY_STATUS, REQUEST_ID, Reply, ReplyError, STATUS_ERROR,
-};
+use keel_store::broker::reply::{DEFAULT_TIMEOUT, REQUEST_ID, Reply, ReplyError, call_deadline};
 use keel_store::broker::{BrokerError, Headers, Message, header};
 use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
@@ -94,15 +91,13 @@ struct Shared {
     generations: AtomicU64,
 }
 
-/// The channel requests go out on and replies come back to, with the
-/// topics whose exchanges it declared.
+/// The channel requests go out on and replies come back to.
 #[derive(Debug)]
 struct ReplyChannel {
     channel: Channel,
     /// Which channel a waiting call was sent on, so that the end of one
     /// fails only its own calls.
     generation: u64,
-    declared: HashSet<String>,
 }
 
 impl Drop for ReplyChannel {
@@ -174,11 +169,7 @@ impl RabbitRequester {
         headers: &Headers,
         timeout: Option<Duration>,
     ) -> Result<Reply, ReplyError> {
-        let deadline =
-            Deadline::after(timeout.unwrap_or(self.timeout)).min_with(Deadline::current());
-        let remaining = deadline
-            .check_start(MIN_TIME_TO_START)
-            .map_err(|_| ReplyError::DeadlineExceeded)?;
+        let (deadline, remaining) = call_deadline(timeout.unwrap_or(self.timeout))?;
         let correlation_id = keel_core::id::new_id().to_string();
         let request = request(topic, payload, headers, &correlation_id, deadline);
         self.shared
@@ -205,12 +196,7 @@ impl RabbitRequester {
                 return Err(ReplyError::Timeout(remaining));
             }
         };
-        if reply.headers.get(REPLY_STATUS).map(String::as_str) == Some(STATUS_ERROR) {
-            return Err(ReplyError::Refused(
-                String::from_utf8_lossy(&reply.payload).into_owned(),
-            ));
-        }
-        Ok(reply)
+        reply.into_result()
     }
 
     /// Registers the call, publishes its request mandatory on the reply
@@ -269,14 +255,11 @@ impl RabbitRequester {
             *slot = None;
             *slot = Some(self.open().await?);
         }
-        let open = slot.as_mut().expect("opened above");
-        if !open.declared.contains(topic) {
-            self.shared
-                .broker
-                .declare_topic(&open.channel, topic)
-                .await?;
-            open.declared.insert(topic.to_owned());
-        }
+        let open = slot.as_ref().expect("opened above");
+        self.shared
+            .broker
+            .ensure_topic(&open.channel, topic)
+            .await?;
         Ok((open.channel.clone(), open.generation))
     }
 
@@ -299,7 +282,6 @@ impl RabbitRequester {
         Ok(ReplyChannel {
             channel,
             generation,
-            declared: HashSet::new(),
         })
     }
 }

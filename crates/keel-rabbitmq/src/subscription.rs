@@ -68,6 +68,14 @@ struct HeldState {
     lease_timer: Instant,
 }
 
+impl HeldState {
+    fn a_lease_ran_out(&self, now: Instant) -> bool {
+        self.entries
+            .values()
+            .any(|entry| matches!(entry.state, EntryState::Leased { until, .. } if until <= now))
+    }
+}
+
 struct Entry {
     message: Message,
     published_at: Option<DateTime<Utc>>,
@@ -118,11 +126,7 @@ impl Held {
 
     /// Whether a delivery is leased past its lease's end at `now`.
     fn a_lease_ran_out(&self, now: Instant) -> bool {
-        self.state
-            .lock()
-            .entries
-            .values()
-            .any(|entry| matches!(entry.state, EntryState::Leased { until, .. } if until <= now))
+        self.state.lock().a_lease_ran_out(now)
     }
 
     /// Held deliveries: leased ones in flight, the rest waiting.
@@ -188,11 +192,11 @@ impl Held {
     /// instant one may become deliverable. [`Leased::Expired`] when a lease
     /// ran out: the member must hand its shards over.
     fn lease(self: &Arc<Self>, max: usize, lease: Duration) -> Leased {
+        let mut state = self.state.lock();
         let now = Instant::now();
-        if self.a_lease_ran_out(now) {
+        if state.a_lease_ran_out(now) {
             return Leased::Expired;
         }
-        let mut state = self.state.lock();
         let mut seen_keys = HashSet::new();
         let mut chosen = Vec::new();
         let mut next_wake: Option<Instant> = None;

@@ -58,7 +58,8 @@ pub mod reply {
     use std::time::Duration;
 
     use bytes::Bytes;
-    use keel_core::{Classify, ErrorClass};
+    use keel_core::deadline::MIN_TIME_TO_START;
+    use keel_core::{Classify, Deadline, ErrorClass};
 
     use super::Headers;
 
@@ -70,6 +71,34 @@ pub mod reply {
         /// The reply's headers (`correlation-id` and `reply-status`
         /// included).
         pub headers: Headers,
+    }
+
+    impl Reply {
+        /// The responder's reason, when this reply is a refusal
+        /// ([`REPLY_STATUS`] is [`STATUS_ERROR`]).
+        pub fn refusal(&self) -> Option<String> {
+            (self.headers.get(REPLY_STATUS).map(String::as_str) == Some(STATUS_ERROR))
+                .then(|| String::from_utf8_lossy(&self.payload).into_owned())
+        }
+
+        /// This reply, or [`ReplyError::Refused`] when it is a refusal.
+        pub fn into_result(self) -> Result<Self, ReplyError> {
+            match self.refusal() {
+                Some(reason) => Err(ReplyError::Refused(reason)),
+                None => Ok(self),
+            }
+        }
+    }
+
+    /// When a call that waits `timeout` must end (capped by the task's
+    /// [`Deadline`]) and the time it has left, or
+    /// [`ReplyError::DeadlineExceeded`] when too little is left to send it.
+    pub fn call_deadline(timeout: Duration) -> Result<(Deadline, Duration), ReplyError> {
+        let deadline = Deadline::after(timeout).min_with(Deadline::current());
+        let remaining = deadline
+            .check_start(MIN_TIME_TO_START)
+            .map_err(|_| ReplyError::DeadlineExceeded)?;
+        Ok((deadline, remaining))
     }
 
     /// A call of a broker's own request-reply (core NATS, RabbitMQ's direct

@@ -272,13 +272,13 @@ impl Requester {
 }
 
 fn reply_result(topic: &str, reply: Reply) -> Result<Reply, RequestError> {
-    if reply.headers.get(REPLY_STATUS).map(String::as_str) == Some(STATUS_ERROR) {
-        return Err(RequestError::Refused {
+    match reply.refusal() {
+        Some(reason) => Err(RequestError::Refused {
             topic: topic.to_owned(),
-            reason: String::from_utf8_lossy(&reply.payload).into_owned(),
-        });
+            reason,
+        }),
+        None => Ok(reply),
     }
-    Ok(reply)
 }
 
 /// Reads this process's reply topic and hands each reply to its waiting
