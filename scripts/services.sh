@@ -32,6 +32,9 @@
 #   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
 #   KEEL_TEST_NATS_SERVER    the nats-server binary, for tests that run their own
 #
+# KEEL_TEST_PG_OPTIONS adds server options (for measuring, e.g.
+# "-c shared_preload_libraries=pg_stat_statements").
+#
 # Tests read the URLs through keel_testkit::services; when a URL is missing they
 # skip on a developer's machine and fail loudly when CI=true.
 set -euo pipefail
@@ -246,7 +249,7 @@ start_postgres() {
       "-h 127.0.0.1 -p $(cat "$KEEL_TEST_SERVICES_DIR/postgres.port") -k $dir -c fsync=${KEEL_TEST_PG_FSYNC:-on} \
        -c synchronous_commit=on -c full_page_writes=${KEEL_TEST_PG_FSYNC:-on} -c max_connections=400 \
        -c wal_level=logical -c max_replication_slots=40 -c max_wal_senders=40 \
-       -c shared_buffers=128MB" >/dev/null; then
+       -c shared_buffers=128MB ${KEEL_TEST_PG_OPTIONS:-}" >/dev/null; then
       return 0
     fi
     sleep 0.25

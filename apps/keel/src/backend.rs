@@ -379,6 +379,19 @@ pub enum OpenedStore {
     Postgres(keel_postgres::PgStore),
 }
 
+impl OpenedStore {
+    /// The store as `S`, if it is one (code generic over the store, given
+    /// a second store opened beside the first).
+    pub fn downcast<S: ShopStore>(self) -> Option<S> {
+        let store: Box<dyn std::any::Any> = match self {
+            Self::Sqlite(store) => Box::new(store),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(store) => Box::new(store),
+        };
+        store.downcast::<S>().ok().map(|store| *store)
+    }
+}
+
 /// Code generic over the shop's store, run by [`Backend::run`] with
 /// whichever store was opened.
 pub trait OnStore {
@@ -425,6 +438,25 @@ impl Backend {
                 source,
             })?;
         Ok(Self { store, broker })
+    }
+
+    /// Opens (and migrates) another database with `options`' other
+    /// settings: the reference shop's dependencies', when they have one of
+    /// their own.
+    pub async fn open_beside(
+        options: &BackendOptions,
+        database: Database,
+    ) -> Result<OpenedStore, OpenError> {
+        let options = BackendOptions {
+            database,
+            ..options.clone()
+        };
+        open_store(&options)
+            .await
+            .map_err(|source| OpenError::Store {
+                backend: options.describe_database(),
+                source,
+            })
     }
 
     /// Runs `f` with the store and the broker.

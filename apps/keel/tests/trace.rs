@@ -336,9 +336,9 @@ async fn one_order_is_one_connected_story_on_postgres_and_nats() {
     let _pg = ServerLock::shared(Service::Postgres);
     let _nats = ServerLock::shared(Service::Nats);
     let id = uuid::Uuid::now_v7().simple().to_string();
-    let backend = [
+    let mut backend = vec![
         "--database-url".to_owned(),
-        pg,
+        pg.clone(),
         "--broker".to_owned(),
         nats,
         "--pg-schema".to_owned(),
@@ -346,5 +346,22 @@ async fn one_order_is_one_connected_story_on_postgres_and_nats() {
         "--stream-prefix".to_owned(),
         format!("tr_{}", &id[id.len() - 24..]),
     ];
+    // The dependencies in a database of their own: the story crosses it.
+    backend.extend([
+        "--dependencies-database-url".to_owned(),
+        scratch_database(&pg, &format!("keel_deps_{id}")).await,
+    ]);
     one_order_is_one_connected_story(&backend).await;
+}
+
+/// Creates database `name` on the server of `url`; returns its URL.
+async fn scratch_database(url: &str, name: &str) -> String {
+    use sqlx::Connection;
+    let mut admin = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let (server, _) = url.rsplit_once('/').unwrap();
+    format!("{server}/{name}")
 }

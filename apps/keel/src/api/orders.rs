@@ -12,8 +12,10 @@
 //! key's begin and the order) instead of three. A commit whose outcome is
 //! unknown still leaves a retry to decide: the event id is derived from
 //! the key (and the caller's `Authorization`, which is whose keys they
-//! are), so a second run finds the order placed under it and answers with
-//! that order instead of placing another.
+//! are), and unique, so a second run's insert finds the order placed under
+//! it and answers with that order instead of placing another. The first
+//! run reads nothing before its insert: only a run that finds an order
+//! pays for reading it.
 
 use axum::Json;
 use axum::body::Bytes;
@@ -143,13 +145,6 @@ pub async fn place_order<S: ShopStore>(
         })
         .flatten();
     let event_id = placed_event_id(&headers);
-    if let Some(id) = &event_id {
-        match state.store.order_by_event(id).await {
-            Ok(Some(order)) => return created(order),
-            Ok(None) => {}
-            Err(e) => return store_failed(&e),
-        }
-    }
     let order = Order {
         id: keel_core::id::new_id().to_string(),
         total_cents: new.total_cents(),
@@ -236,10 +231,13 @@ async fn insert<S: ShopStore>(
     }
     let store = &state.store;
     let mut tx = store.begin().await.map_err(|e| store_failed(&e))?;
-    store
+    let inserted = store
         .insert_order(&mut tx, &order, &envelope.id, fault)
         .await
         .map_err(|e| store_failed(&e))?;
+    if !inserted {
+        return placed_before(store, tx, &envelope.id).await;
+    }
     state
         .outbox
         .append(&mut tx, TOPIC, &envelope)
@@ -288,6 +286,26 @@ async fn insert<S: ShopStore>(
             )
             .into_response())
         }
+        Err(e) => Err(store_failed(&e)),
+    }
+}
+
+/// The answer to a run of a request whose order an earlier run placed (its
+/// commit's outcome was unknown to it, so the key was never completed):
+/// that order, read after `tx` is rolled back.
+async fn placed_before<S: ShopStore>(
+    store: &S,
+    tx: S::Tx,
+    event_id: &str,
+) -> Result<Response, Response> {
+    if let Err(err) = store.rollback(tx).await {
+        tracing::debug!(error = %err, "rolling back a duplicate order failed; the connection drops it");
+    }
+    match store.order_by_event(event_id).await {
+        Ok(Some(order)) => Ok(created(order)),
+        Ok(None) => Err(store_failed(&StoreError::Unavailable(
+            "the order placed under this key was not readable yet; retry with the same key".into(),
+        ))),
         Err(e) => Err(store_failed(&e)),
     }
 }

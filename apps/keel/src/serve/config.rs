@@ -45,6 +45,9 @@ pub struct ServeConfig {
     pub shipping_grpc_token: Option<String>,
     /// The database.
     pub database: Database,
+    /// The stand-in dependencies' own PostgreSQL database, if not the
+    /// system's (`--dependencies-database-url`).
+    pub dependencies_database: Option<String>,
     /// The broker.
     pub broker: BrokerKind,
     /// Where leases are taken.
@@ -121,6 +124,10 @@ impl std::fmt::Debug for ServeConfig {
             .field("database", &self.database)
             .field("broker", &self.broker)
             .field("leases", &self.leases)
+            .field(
+                "dependencies_database",
+                &self.dependencies_database.as_ref().map(|_| "<set>"),
+            )
             .field("outbox_relay_wal", &self.outbox_relay_wal)
             .field("admin_token", &set(&self.admin_token))
             .field("shipping_grpc_token", &set(&self.shipping_grpc_token))
@@ -233,6 +240,8 @@ impl ServeArgs {
                 .unwrap_or("127.0.0.1:0"),
         )?;
         let database = parse_database(self.database_url.as_deref().unwrap_or("sqlite:keel.db"))?;
+        let dependencies_database =
+            dependencies_database(self.dependencies_database_url.as_deref(), &database)?;
         let blobs = self.blobs(&database)?;
         let broker = parse_broker(self.broker.as_deref().unwrap_or("embedded"), &database)?;
         let leases = backend::parse_leases(self.leases.as_deref().unwrap_or("store"))?;
@@ -272,6 +281,7 @@ impl ServeArgs {
             shipping_grpc_listen,
             shipping_grpc_token,
             database,
+            dependencies_database,
             broker,
             leases,
             outbox_relay_wal,
@@ -527,6 +537,26 @@ impl ServeConfig {
             nats_replicas: self.nats_replicas,
             ..BackendOptions::new(self.database.clone(), self.broker.clone())
         }
+    }
+}
+
+/// `--dependencies-database-url`: another PostgreSQL database, beside a
+/// PostgreSQL system's.
+fn dependencies_database(
+    url: Option<&str>,
+    database: &Database,
+) -> Result<Option<String>, ConfigError> {
+    let Some(url) = url else {
+        return Ok(None);
+    };
+    match (parse_database(url)?, database) {
+        (Database::Postgres(url), Database::Postgres(_)) => Ok(Some(url)),
+        _ => Err(invalid(
+            "dependencies-database-url",
+            "give postgres://... beside a postgres:// --database-url (a SQLite \
+             system keeps its dependencies in a file beside its own)"
+                .to_owned(),
+        )),
     }
 }
 

@@ -29,7 +29,7 @@ use keel_webhooks::signing::Secret;
 use crate::api::openapi;
 use crate::api::reports::{ReportWorker, Reports};
 use crate::api::webhooks::{self, WebhookApi};
-use crate::backend::{self, Backend, OnStore};
+use crate::backend::{self, Backend, OnStore, OpenedStore};
 use crate::shop::leases::Leases;
 use crate::shop::services::PaymentsFaults;
 use crate::shop::{Components, ShopStore, StartError, System, SystemConfig, fulfilment};
@@ -255,19 +255,39 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let options = config.backend_options();
     tracing::info!(backends = %options.describe(), "opening the backends");
     let backend = Backend::open(&options).await?;
-    backend.run(Serve { config }).await
+    let dependencies = match &config.dependencies_database {
+        Some(url) => {
+            let database = Database::Postgres(url.clone());
+            Some(Backend::open_beside(&options, database).await?)
+        }
+        None => None,
+    };
+    backend
+        .run(Serve {
+            config,
+            dependencies,
+        })
+        .await
 }
 
 /// The server, on whichever store was opened.
 struct Serve {
     config: ServeConfig,
+    /// The dependencies' own database, if they have one.
+    dependencies: Option<OpenedStore>,
 }
 
 impl OnStore for Serve {
     type Output = anyhow::Result<()>;
 
     async fn run<S: ShopStore>(self, store: S, broker: Arc<dyn Broker>) -> anyhow::Result<()> {
-        serve_on(self.config, store, broker).await
+        let dependencies = match self.dependencies {
+            Some(own) => Some(own.downcast::<S>().ok_or_else(|| {
+                anyhow::anyhow!("the dependencies' database is not of the system's kind")
+            })?),
+            None => None,
+        };
+        serve_on(self.config, store, broker, dependencies).await
     }
 }
 
@@ -361,6 +381,7 @@ async fn serve_on<S: ShopStore>(
     config: ServeConfig,
     store: S,
     broker: Arc<dyn Broker>,
+    dependencies: Option<S>,
 ) -> anyhow::Result<()> {
     warn_about_exposure(&config);
     let system = system_config(&config)?;
@@ -386,7 +407,10 @@ async fn serve_on<S: ShopStore>(
     let jobs_for_routes = jobs.clone();
     // The shop's dependencies stand in for other services: on a SQLite
     // file they get a file of their own, not a turn at the system's writer.
-    let dependencies = store.dependencies_store().await?;
+    let dependencies = match dependencies {
+        Some(own) => Some(own),
+        None => store.dependencies_store().await?,
+    };
     let handle = System::start_with_dependencies(store, dependencies, broker, system, move |c| {
         serve_routes(c, &cfg, reports, &jobs_for_routes)
     })

@@ -105,6 +105,24 @@ fn the_wal_relay_is_chosen_on_postgresql_only() {
 }
 
 #[test]
+fn the_dependencies_get_a_database_of_their_own_beside_postgresql_only() {
+    assert_eq!(args().resolve().unwrap().dependencies_database, None);
+    let mut a = args();
+    a.dependencies_database_url = Some("postgres://keel@127.0.0.1/deps".into());
+    let refused = a.resolve().unwrap_err().to_string();
+    assert!(refused.contains("dependencies-database-url"), "{refused}");
+    if cfg!(feature = "postgres") {
+        a.database_url = Some("postgres://keel@127.0.0.1/keel".into());
+        assert_eq!(
+            a.resolve().unwrap().dependencies_database.as_deref(),
+            Some("postgres://keel@127.0.0.1/deps")
+        );
+        a.dependencies_database_url = Some("sqlite:deps.db".into());
+        assert!(a.resolve().is_err(), "a SQLite file beside PostgreSQL");
+    }
+}
+
+#[test]
 fn unusable_settings_say_what_to_change() {
     let mut a = args();
     a.listen = Some("localhost".into());

@@ -128,14 +128,16 @@ pub trait ShopDb: Store {
     async fn dependencies_store(&self) -> Result<Option<Self>, StoreError>
     where
         Self: Sized;
-    /// Inserts an accepted order in the caller's transaction.
+    /// Inserts an accepted order in the caller's transaction; `false` (and
+    /// nothing written) when an order with this `event_id` exists already,
+    /// so a retry learns that from its insert instead of reading first.
     async fn insert_order(
         &self,
         tx: &mut Self::Tx,
         order: &Order,
         event_id: &str,
         fault: Option<DemoFault>,
-    ) -> Result<(), StoreError>;
+    ) -> Result<bool, StoreError>;
     /// One order.
     async fn order(&self, id: &str) -> Result<Option<Order>, StoreError>;
     /// The orders with these ids, in one statement (a DataLoader's batch);

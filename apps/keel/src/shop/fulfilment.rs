@@ -3,8 +3,9 @@
 //!
 //! The runtime records `(event id, group)` in the inbox and runs this
 //! handler in the same transaction; the handler records the effect (for
-//! the invariant check) and inserts the saga. So the saga exists if and
-//! only if the event was applied, and a redelivered event is a no-op.
+//! the invariant check) and inserts the saga, its first call already
+//! claimed. So the saga exists if and only if the event was applied, a
+//! redelivered event is a no-op, and the first call waits for the commit.
 
 use async_trait::async_trait;
 use keel_messaging::consumer::{DeliveryInfo, Handler, HandlerError};
@@ -87,13 +88,16 @@ impl<S: ShopStore> Handler<S::Tx> for StartFulfilment<S> {
             demo_fault: placed.demo_fault,
             extra: placed.extra,
         };
-        self.orchestrator
-            .start(tx, &self.saga, &placed.order_id, &data)
+        // The first step's call is claimed in this insert, and the run
+        // loop makes it once this transaction has committed: a step costs
+        // one save, the first one included.
+        let started = self
+            .orchestrator
+            .start_claimed(tx, &self.saga, &placed.order_id, &data)
             .await
             .map_err(HandlerError::classify)?;
-        // Committed right after this returns; the run loop also polls, so
-        // an early wake-up costs at most one poll interval.
-        self.orchestrator.notify();
+        let orchestrator = self.orchestrator.clone();
+        info.on_commit(move || orchestrator.committed(started));
         Ok(())
     }
 }

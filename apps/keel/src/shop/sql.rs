@@ -233,7 +233,7 @@ impl<B: ShopBackend> ShopDb for B {
         order: &Order,
         event_id: &str,
         fault: Option<DemoFault>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let items = serde_json::to_string(&order.items).map_err(StoreError::other)?;
         let fault = fault.and_then(|f| {
             serde_json::to_value(f)
@@ -251,15 +251,16 @@ impl<B: ShopBackend> ShopDb for B {
             fault.as_deref().into(),
             order.created_at.as_str().into(),
         ];
-        B::Dialect::execute(
+        let inserted = B::Dialect::execute(
             Exec::Tx(tx),
             "INSERT INTO shop_orders (id, customer_id, currency, items, total_cents, status,
                                       event_id, demo_fault, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+             ON CONFLICT (event_id) DO NOTHING",
             &params,
         )
         .await?;
-        Ok(())
+        Ok(inserted == 1)
     }
 
     async fn order(&self, id: &str) -> Result<Option<Order>, StoreError> {

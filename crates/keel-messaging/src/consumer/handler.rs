@@ -31,6 +31,48 @@ pub struct DeliveryInfo {
     pub event_id: String,
     /// The consumer group (and inbox scope).
     pub group: String,
+    /// What runs once the handler's transaction committed.
+    pub(crate) committed: CommitWork,
+}
+
+impl DeliveryInfo {
+    /// Runs `work` once the transaction the handler writes in has
+    /// committed, and never if it does not (an error rolled it back, the
+    /// commit failed, or its outcome is unknown): for what must not start
+    /// before the effect is durable, such as handing a saga started in the
+    /// transaction to its orchestrator
+    /// (`SagaOrchestrator::start_claimed`). It runs before the delivery is
+    /// acknowledged, on the consumer's task: keep it short.
+    pub fn on_commit(&self, work: impl FnOnce() + Send + 'static) {
+        self.committed.0.lock().push(Box::new(work));
+    }
+}
+
+type Work = Box<dyn FnOnce() + Send>;
+
+/// The work a handler left for after its commit.
+#[derive(Clone, Default)]
+pub(crate) struct CommitWork(std::sync::Arc<parking_lot::Mutex<Vec<Work>>>);
+
+impl CommitWork {
+    /// Runs the work left, once.
+    pub(crate) fn run(&self) {
+        let work = std::mem::take(&mut *self.0.lock());
+        work.into_iter().for_each(|w| w());
+    }
+
+    /// Drops the work left: the transaction did not commit.
+    pub(crate) fn discard(&self) {
+        self.0.lock().clear();
+    }
+}
+
+impl fmt::Debug for CommitWork {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("CommitWork")
+            .field(&self.0.lock().len())
+            .finish()
+    }
 }
 
 /// Applies one event. Everything it writes goes into `tx`, which also holds

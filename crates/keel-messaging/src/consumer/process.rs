@@ -11,7 +11,7 @@ use chrono::Utc;
 use keel_core::{Deadline, clock};
 use tracing::Instrument;
 
-use super::handler::{DeliveryInfo, Disposition, Handler, HandlerError};
+use super::handler::{CommitWork, DeliveryInfo, Disposition, Handler, HandlerError};
 use super::options::ConsumerOptions;
 use super::trace::{ProducerLink, in_context};
 use crate::broker::{BrokerError, Delivery, Message, SubscribeOptions, header};
@@ -210,6 +210,7 @@ impl<S: Store + ConsumerStore> Processor<S> {
             delivery_count: delivery.delivery_count,
             event_id: event_id(msg, &envelope),
             group: route.group.to_string(),
+            committed: CommitWork::default(),
         };
         Ok(Ready {
             envelope,
@@ -303,13 +304,18 @@ impl<S: Store + ConsumerStore> Processor<S> {
                 .as_secs_f64(),
         );
         if let Err(err) = result {
+            info.committed.discard();
             self.rollback(tx).await;
             return Err(Failure::Handler(err));
         }
         fail::fail_point!("consumer-after-handler", |_| Err(Failure::Crashed(
             "consumer-after-handler"
         )));
-        self.store.commit(tx).await.map_err(Failure::Store)?;
+        if let Err(err) = self.store.commit(tx).await {
+            info.committed.discard();
+            return Err(Failure::Store(err));
+        }
+        info.committed.run();
         fail::fail_point!("consumer-after-commit", |_| Err(Failure::Crashed(
             "consumer-after-commit"
         )));

@@ -842,3 +842,45 @@ async fn the_handler_sees_the_broker_time_apart_from_occurred_at() {
         "occurredAt {occurred} stays when the fact happened"
     );
 }
+
+/// Leaves work for after its commit, then fails its first two attempts.
+struct LeavesWork {
+    attempts: AtomicU32,
+    ran: Arc<Mutex<Vec<u32>>>,
+}
+
+#[async_trait::async_trait]
+impl Handler<MemTx> for LeavesWork {
+    async fn handle(
+        &self,
+        tx: &mut MemTx,
+        _envelope: &Envelope,
+        info: &DeliveryInfo,
+    ) -> Result<(), HandlerError> {
+        let attempt = self.attempts.fetch_add(1, Ordering::SeqCst) + 1;
+        let ran = Arc::clone(&self.ran);
+        info.on_commit(move || ran.lock().push(attempt));
+        if attempt < 3 {
+            return Err(HandlerError::retryable("not yet"));
+        }
+        tx.effects.push(format!("attempt {attempt}"));
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_left_for_after_the_commit_runs_once_and_only_for_the_attempt_that_committed() {
+    let _serial = serial();
+    let (store, broker) = (MemStore::default(), MemBroker::default());
+    publish(&broker, [message(&charge("A-1", 5))]).await;
+    let ran: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let handler = LeavesWork {
+        attempts: AtomicU32::new(0),
+        ran: Arc::clone(&ran),
+    };
+    let group = Group::new(TOPIC, GROUP).on(ChargeRequested::TYPE, handler);
+    let consumer = builder(&store, &broker).group(group).build().unwrap();
+    run_until(consumer, || broker.all_done(TOPIC, GROUP)).await;
+    assert_eq!(store.ledger(), ["attempt 3"]);
+    assert_eq!(*ran.lock(), [3], "the rolled-back attempts' work never ran");
+}

@@ -124,7 +124,9 @@ pub use definition::{
 pub use error::SagaError;
 pub use hook::{AfterCommit, SagaHook};
 pub use keel_policy::retry::{Backoff, Jitter};
-pub use orchestrator::{OrchestratorBuilder, OrchestratorOptions, SagaOrchestrator, SagaView};
+pub use orchestrator::{
+    OrchestratorBuilder, OrchestratorOptions, SagaOrchestrator, SagaView, StartedSaga,
+};
 
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,7 @@
 //! The orchestrator: finds due sagas, makes their calls, saves each result
 //! before the next call, and lets operators look and steer.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,12 +15,15 @@ use tracing::Instrument;
 use super::SagaError;
 use super::definition::{ErasedSaga, SagaData, SagaDefinition};
 use super::hook::{AfterCommit, SagaHook};
-use super::machine::{self, Plan};
+use super::machine::{self, Claim, Plan};
+use started::{Claimed, Work};
 
 mod call;
 mod operator;
+mod started;
 use crate::store::{SagaRecord, SagaStatus, SagaStore, StoreError};
 pub use operator::SagaView;
+pub use started::StartedSaga;
 
 /// How an orchestrator works through sagas.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +129,7 @@ impl<S: SagaStore> OrchestratorBuilder<S> {
                     ..self.options
                 },
                 wake: Notify::new(),
+                started: Mutex::default(),
             }),
         })
     }
@@ -137,6 +141,9 @@ struct Inner<S> {
     hooks: Vec<Arc<dyn SagaHook<S>>>,
     options: OrchestratorOptions,
     wake: Notify,
+    /// Sagas started with their first call claimed, committed, and not
+    /// yet driven (see [`SagaOrchestrator::start_claimed`]).
+    started: Mutex<VecDeque<Box<Claimed>>>,
 }
 
 /// Runs sagas: a cheap handle (clone it freely) over the store and the
@@ -197,6 +204,17 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         id: &str,
         data: &D,
     ) -> Result<bool, SagaError> {
+        let record = self.new_record(definition, id, data)?;
+        self.insert(tx, &record).await
+    }
+
+    /// A new saga's first record: running, at its first step, due now.
+    fn new_record<D: SagaData>(
+        &self,
+        definition: &SagaDefinition<D>,
+        id: &str,
+        data: &D,
+    ) -> Result<SagaRecord, SagaError> {
         let kind = definition.name();
         if !self.inner.sagas.contains_key(kind) {
             return Err(SagaError::UnknownKind {
@@ -204,7 +222,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             });
         }
         let now = keel_core::clock::utc_now();
-        let record = SagaRecord {
+        Ok(SagaRecord {
             id: id.to_owned(),
             kind: kind.to_owned(),
             status: SagaStatus::Running,
@@ -219,13 +237,19 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             updated_at: now,
             version: 1,
             traceparent: TraceParent::current().map(|t| t.to_string()),
-        };
-        let created = self.inner.store.saga_insert(tx, &record).await?;
+        })
+    }
+
+    /// Inserts a new saga's `record` in `tx`; `false` if one with its id
+    /// exists.
+    async fn insert(&self, tx: &mut S::Tx, record: &SagaRecord) -> Result<bool, SagaError> {
+        let created = self.inner.store.saga_insert(tx, record).await?;
+        let (kind, id) = (&record.kind, &record.id);
         if created {
-            metrics::counter!("keel_saga_started_total", "saga" => kind.to_owned()).increment(1);
-            tracing::info!(saga = kind, saga_id = id, "saga started");
+            metrics::counter!("keel_saga_started_total", "saga" => kind.clone()).increment(1);
+            tracing::info!(saga = %kind, saga_id = %id, "saga started");
         } else {
-            tracing::debug!(saga = kind, saga_id = id, "saga already exists");
+            tracing::debug!(saga = %kind, saga_id = %id, "saga already exists");
         }
         Ok(created)
     }
@@ -246,11 +270,34 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let in_flight: Arc<Mutex<HashSet<String>>> = Arc::default();
         let mut tasks = JoinSet::new();
         tracing::info!(sagas = self.inner.sagas.len(), "saga orchestrator running");
+        let spawn = |tasks: &mut JoinSet<()>, work: Work| {
+            if !in_flight.lock().insert(work.id().to_owned()) {
+                return;
+            }
+            let this = self.clone();
+            let stop = stop.clone();
+            let in_flight = in_flight.clone();
+            tasks.spawn(async move {
+                let id = work.id().to_owned();
+                let result = this.drive_work(work, &stop).await;
+                in_flight.lock().remove(&id);
+                if let Err(e) = result {
+                    tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
+                }
+            });
+        };
         loop {
             while let Some(done) = tasks.try_join_next() {
                 log_join(done);
             }
-            let free = self.inner.options.concurrency.saturating_sub(tasks.len());
+            let mut free = self.inner.options.concurrency.saturating_sub(tasks.len());
+            while free > 0 {
+                let Some(started) = self.inner.started.lock().pop_front() else {
+                    break;
+                };
+                spawn(&mut tasks, Work::Started(started));
+                free -= 1;
+            }
             if free > 0 {
                 let limit = free.min(self.inner.options.batch);
                 match self
@@ -259,24 +306,9 @@ impl<S: SagaStore> SagaOrchestrator<S> {
                     .saga_due(&self.kinds(), keel_core::clock::utc_now(), limit)
                     .await
                 {
-                    Ok(due) => {
-                        for record in due {
-                            if !in_flight.lock().insert(record.id.clone()) {
-                                continue;
-                            }
-                            let this = self.clone();
-                            let stop = stop.clone();
-                            let in_flight = in_flight.clone();
-                            tasks.spawn(async move {
-                                let id = record.id.clone();
-                                let result = this.drive_record(record, &stop).await;
-                                in_flight.lock().remove(&id);
-                                if let Err(e) = result {
-                                    tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
-                                }
-                            });
-                        }
-                    }
+                    Ok(due) => due
+                        .into_iter()
+                        .for_each(|record| spawn(&mut tasks, Work::Due(record))),
                     Err(e) => tracing::warn!(error = %e, "could not load due sagas"),
                 }
             }
@@ -294,11 +326,21 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         tracing::info!("saga orchestrator stopped");
     }
 
-    /// Drives every saga that is due now, one after the other, as far as
-    /// each goes; returns how many it looked at. A saga that fails to move
+    /// Drives every saga handed over by [`committed`](Self::committed) and
+    /// every saga that is due now, one after the other, as far as each
+    /// goes; returns how many it looked at. A saga that fails to move
     /// (a store error) is logged and left for the next tick. For tests and
     /// for cron-style use without [`run`](Self::run).
     pub async fn tick(&self) -> Result<usize, SagaError> {
+        let never = std::sync::atomic::AtomicBool::new(false);
+        let started: Vec<_> = self.inner.started.lock().drain(..).collect();
+        let mut n = started.len();
+        for started in started {
+            let id = started.claim.record.id.clone();
+            if let Err(e) = self.drive_work(Work::Started(started), &never).await {
+                tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
+            }
+        }
         let due = self
             .inner
             .store
@@ -308,8 +350,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
                 self.inner.options.batch,
             )
             .await?;
-        let never = std::sync::atomic::AtomicBool::new(false);
-        let n = due.len();
+        n += due.len();
         for record in due {
             let id = record.id.clone();
             if let Err(e) = self.drive_record(record, &never).await {
@@ -361,26 +402,73 @@ impl<S: SagaStore> SagaOrchestrator<S> {
     /// saved at once, so that hooks see every one.
     async fn drive_record(
         &self,
-        mut record: SagaRecord,
+        record: SagaRecord,
         stop: &std::sync::atomic::AtomicBool,
     ) -> Result<SagaRecord, SagaError> {
-        let saga = self.saga(&record.kind)?;
-        let span = tracing::info_span!("saga", saga = %record.kind, saga_id = %record.id);
+        self.drive_from(record, None, stop).await
+    }
+
+    /// Drives `work`: a due saga as [`drive_record`](Self::drive_record)
+    /// does, a started one from its claimed first call while its lease has
+    /// time for the call, else (the run loop fell behind) from its
+    /// unclaimed record, claiming anew.
+    async fn drive_work(
+        &self,
+        work: Work,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<SagaRecord, SagaError> {
+        match work {
+            Work::Due(record) => self.drive_from(record, None, stop).await,
+            Work::Started(started) => {
+                let Claimed { claim, unclaimed } = *started;
+                let claimed_at = claim.record.updated_at;
+                let fresh = keel_core::clock::utc_now() - claimed_at
+                    < chrono::TimeDelta::from_std(self.inner.options.lease_grace / 2)
+                        .unwrap_or(chrono::TimeDelta::MAX);
+                if fresh {
+                    self.drive_from(claim.record.clone(), Some(claim), stop)
+                        .await
+                } else {
+                    self.drive_from(unclaimed, None, stop).await
+                }
+            }
+        }
+    }
+
+    /// Runs `saved` (as stored) forward, making `claimed`'s call first if
+    /// given (its claim is `saved`).
+    async fn drive_from(
+        &self,
+        saved: SagaRecord,
+        mut claimed: Option<Claim>,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<SagaRecord, SagaError> {
+        let saga = self.saga(&saved.kind)?;
+        let span = tracing::info_span!("saga", saga = %saved.kind, saga_id = %saved.id);
         async move {
             let grace = self.inner.options.lease_grace;
-            let mut saved = record.clone();
-            while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                let now = keel_core::clock::utc_now();
-                match machine::plan(&record, saga.shape(), now, grace) {
-                    Plan::Idle => break,
-                    Plan::Save(next) => record = machine::rebase(next, &saved),
-                    Plan::Call(mut claim) => {
-                        claim.record = machine::rebase(claim.record, &saved);
-                        if !self.save(&saved, &claim.record).await? {
-                            return Ok(saved);
+            let mut saved = saved;
+            let mut record = saved.clone();
+            loop {
+                if let Some(claim) = claimed.take() {
+                    record = self.call(saga.as_ref(), &claim).await?;
+                } else {
+                    if stop.load(std::sync::atomic::Ordering::Acquire) {
+                        break;
+                    }
+                    let now = keel_core::clock::utc_now();
+                    match machine::plan(&record, saga.shape(), now, grace) {
+                        Plan::Idle => break,
+                        Plan::Save(next) => record = machine::rebase(next, &saved),
+                        Plan::Call(mut claim) => {
+                            claim.record = machine::rebase(claim.record, &saved);
+                            if !self.save(&saved, &claim.record).await? {
+                                return Ok(saved);
+                            }
+                            saved = claim.record.clone();
+                            claimed = Some(claim);
+                            continue;
                         }
-                        saved = claim.record.clone();
-                        record = self.call(saga.as_ref(), &claim).await?;
                     }
                 }
                 if record.status != saved.status && !self.catch_up(&mut saved, &record).await? {

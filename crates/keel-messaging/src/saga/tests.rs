@@ -323,6 +323,107 @@ async fn a_saga_runs_every_step_once_and_saves_each_result_with_the_next_claim()
     assert_eq!(order.payment_id.as_deref(), Some("pay-A-1"));
 }
 
+const ALL_STEPS: [&str; 4] = [
+    "capture_payment",
+    "reserve_stock",
+    "schedule_shipment",
+    "send_receipt",
+];
+
+impl World {
+    /// Starts `id` with its first call claimed and commits; returns what
+    /// to hand to the orchestrator.
+    async fn start_claimed(&self, orch: &SagaOrchestrator<MemStore>, id: &str) -> StartedSaga {
+        let mut tx = self.store.begin().await.unwrap();
+        let started = orch
+            .start_claimed(&mut tx, &self.def, id, &order(id))
+            .await
+            .unwrap();
+        assert!(started.created());
+        self.store.commit(tx).await.unwrap();
+        started
+    }
+}
+
+#[tokio::test]
+async fn a_claimed_start_makes_its_first_call_after_the_commit_without_a_save_of_its_own() {
+    let w = world();
+    let orch = SagaOrchestrator::builder(w.store.clone())
+        .saga(&w.def)
+        .build()
+        .unwrap();
+    let started = w.start_claimed(&orch, "C-1").await;
+    let stored = w.store.state.lock().sagas["C-1"].clone();
+    assert_eq!((stored.attempts, stored.outcome_unknown), (1, true));
+    assert!(
+        stored.next_attempt_at > keel_core::clock::utc_now(),
+        "leased"
+    );
+    assert_eq!(
+        orch.tick().await.unwrap(),
+        0,
+        "not due: its claim is leased"
+    );
+    assert!(w.svc.effects().is_empty(), "no call before the hand-over");
+
+    orch.committed(started);
+    assert_eq!(orch.tick().await.unwrap(), 1);
+    let done = orch.drive("C-1").await.unwrap();
+    assert_eq!(done.status, SagaStatus::Completed);
+    assert_eq!(w.svc.effects(), keys("C-1", &ALL_STEPS));
+    assert_eq!(
+        w.store.saves(),
+        4,
+        "the first claim rode in the insert: a claim per later step, then the last result"
+    );
+}
+
+#[tokio::test]
+async fn a_claimed_start_never_handed_over_runs_once_its_lease_ends() {
+    let w = world();
+    let orch = SagaOrchestrator::builder(w.store.clone())
+        .saga(&w.def)
+        .build()
+        .unwrap();
+    // The process stopped between the commit and the hand-over.
+    drop(w.start_claimed(&orch, "C-2").await);
+    assert_eq!(orch.tick().await.unwrap(), 0);
+    w.store.expire_waits();
+    let done = w.settle("C-2").await;
+    assert_eq!(done.status, SagaStatus::Completed);
+    assert_eq!(w.svc.effects(), keys("C-2", &ALL_STEPS), "each step once");
+}
+
+#[tokio::test]
+async fn a_claimed_start_handed_over_too_late_for_its_lease_claims_anew() {
+    // No lease grace: by the time the run loop takes it, a claim could not
+    // cover the call, so the attempt it counted is given back.
+    let w = world();
+    let started = w.start_claimed(&w.orch, "C-3").await;
+    w.orch.committed(started);
+    assert_eq!(w.orch.tick().await.unwrap(), 1);
+    let done = w.orch.drive("C-3").await.unwrap();
+    assert_eq!(done.status, SagaStatus::Completed);
+    assert_eq!(w.svc.effects(), keys("C-3", &ALL_STEPS));
+    assert_eq!(w.store.saves(), 5, "the first step claimed again");
+}
+
+#[tokio::test]
+async fn a_claimed_start_that_rolled_back_leaves_nothing_to_run() {
+    let w = world();
+    let mut tx = w.store.begin().await.unwrap();
+    let started = w
+        .orch
+        .start_claimed(&mut tx, &w.def, "C-4", &order("C-4"))
+        .await
+        .unwrap();
+    w.store.rollback(tx).await.unwrap();
+    drop(started);
+    assert_eq!(w.orch.tick().await.unwrap(), 0);
+    assert!(w.store.state.lock().sagas.is_empty());
+    assert!(w.svc.effects().is_empty());
+}
+
 #[tokio::test]
 async fn a_failure_before_the_pivot_undoes_completed_steps_in_reverse() {
     let w = world();

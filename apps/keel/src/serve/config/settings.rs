@@ -41,6 +41,13 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_DATABASE_URL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub database_url: Option<String>,
+    /// `postgres://...`: a database of their own for the reference shop's
+    /// stand-in dependencies (payments, inventory), as other services have
+    /// theirs; with a postgres:// --database-url only [default: a file
+    /// beside a SQLite database; the system's own PostgreSQL database].
+    #[arg(long, env = "KEEL_DEPENDENCIES_DATABASE_URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dependencies_database_url: Option<String>,
     /// `embedded` (a SQLite broker next to the database), or `nats://...`
     /// with the `nats` feature.
     #[arg(long, env = "KEEL_BROKER")]
