@@ -549,7 +549,9 @@ fn dependencies_database(
     let Some(url) = url else {
         return Ok(None);
     };
-    match (parse_database(url)?, database) {
+    let parsed =
+        backend::parse_database(url).map_err(|e| invalid("dependencies-database-url", e.reason))?;
+    match (parsed, database) {
         (Database::Postgres(url), Database::Postgres(_)) => Ok(Some(url)),
         _ => Err(invalid(
             "dependencies-database-url",

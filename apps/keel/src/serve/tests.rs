@@ -119,6 +119,9 @@ fn the_dependencies_get_a_database_of_their_own_beside_postgresql_only() {
         );
         a.dependencies_database_url = Some("sqlite:deps.db".into());
         assert!(a.resolve().is_err(), "a SQLite file beside PostgreSQL");
+        a.dependencies_database_url = Some("mysql://h/deps".into());
+        let refused = a.resolve().unwrap_err().to_string();
+        assert!(refused.contains("dependencies-database-url"), "{refused}");
     }
 }
 
