@@ -39,9 +39,9 @@ for bin in "$@"; do
   db=orders_$(date +%s%N | tail -c 9)
   psql "$KEEL_TEST_POSTGRES_URL" -qc "CREATE DATABASE $db" >/dev/null
   url="${KEEL_TEST_POSTGRES_URL%/*}/$db"
-  deps_url=$url
   deps_flag=()
-  if [ "${SEPARATE_DEPENDENCIES:-0}" = 1 ]; then
+  separate=${SEPARATE_DEPENDENCIES:-0}
+  if [ "$separate" = 1 ]; then
     psql "$KEEL_TEST_POSTGRES_URL" -qc "CREATE DATABASE ${db}_deps" >/dev/null
     deps_url="${url}_deps"
     deps_flag=(--dependencies-database-url "$deps_url")
@@ -54,19 +54,21 @@ for bin in "$@"; do
   load=$(cut -d' ' -f1 /proc/loadavg)
   statements=$(psql "$url" -Atc "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()" \
     >/dev/null 2>&1 && echo yes)
-  keel0=$(cpu_ticks $pid) pg0=$(postgres_ticks) tx0=$(commits "$url") dtx0=$(commits "$deps_url")
+  keel0=$(cpu_ticks $pid) pg0=$(postgres_ticks) tx0=$(commits "$url") dtx0=0
+  [ "$separate" = 1 ] && dtx0=$(commits "$deps_url")
   wrk -t2 -c32 -d"${secs}s" -s "$here/orders.lua" http://127.0.0.1:18080 >"$dir/wrk.txt"
   sleep 10
-  keel1=$(cpu_ticks $pid) pg1=$(postgres_ticks) tx1=$(commits "$url") dtx1=$(commits "$deps_url")
+  keel1=$(cpu_ticks $pid) pg1=$(postgres_ticks) tx1=$(commits "$url") dtx1=0
+  [ "$separate" = 1 ] && dtx1=$(commits "$deps_url")
   orders=$(psql "$url" -Atc "SELECT count(*) FROM shop_orders")
   unsettled=$(psql "$url" -Atc \
     "SELECT count(*) FROM keel_sagas WHERE status NOT IN ('completed', 'compensated')")
   awk -v b="$bin" -v l="$load" -v o="$orders" -v u="$unsettled" -v hz="$hz" \
     -v r="$(awk '/Requests\/sec/ {print $2}' "$dir/wrk.txt")" \
     -v k=$((keel1 - keel0)) -v p=$((pg1 - pg0)) -v t=$((tx1 - tx0)) -v d=$((dtx1 - dtx0)) \
-    -v sep="$([ "$deps_url" != "$url" ] && echo 1)" 'BEGIN {
+    -v sep="$separate" 'BEGIN {
       o = (o > 0) ? o : 1
-      deps = sep ? sprintf(" (dependencies %.1f)", d / o) : ""
+      deps = (sep == 1) ? sprintf(" (dependencies %.1f)", d / o) : ""
       printf "%s load=%s orders=%d unsettled=%d req/s=%s txns/order=%.1f%s keel=%.2fms/order postgres=%.2fms/order\n",
         b, l, o, u, r, t / o, deps, k * 1000 / hz / o, p * 1000 / hz / o
     }'

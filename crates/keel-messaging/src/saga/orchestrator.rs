@@ -279,11 +279,8 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             let in_flight = in_flight.clone();
             tasks.spawn(async move {
                 let id = work.id().to_owned();
-                let result = this.drive_work(work, &stop).await;
+                this.drive_logged(work, &stop).await;
                 in_flight.lock().remove(&id);
-                if let Err(e) = result {
-                    tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
-                }
             });
         };
         loop {
@@ -336,10 +333,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         let started: Vec<_> = self.inner.started.lock().drain(..).collect();
         let mut n = started.len();
         for started in started {
-            let id = started.claim.record.id.clone();
-            if let Err(e) = self.drive_work(Work::Started(started), &never).await {
-                tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
-            }
+            self.drive_logged(Work::Started(started), &never).await;
         }
         let due = self
             .inner
@@ -352,12 +346,18 @@ impl<S: SagaStore> SagaOrchestrator<S> {
             .await?;
         n += due.len();
         for record in due {
-            let id = record.id.clone();
-            if let Err(e) = self.drive_record(record, &never).await {
-                tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
-            }
+            self.drive_logged(Work::Due(record), &never).await;
         }
         Ok(n)
+    }
+
+    /// [`drive_work`](Self::drive_work), logging a saga that an error
+    /// stopped: it resumes when due again.
+    async fn drive_logged(&self, work: Work, stop: &std::sync::atomic::AtomicBool) {
+        let id = work.id().to_owned();
+        if let Err(e) = self.drive_work(work, stop).await {
+            tracing::warn!(saga_id = %id, error = %e, "saga paused by an error; it resumes when due again");
+        }
     }
 
     /// Drives one saga as far as it goes now (until it finishes, is stuck,
@@ -418,7 +418,7 @@ impl<S: SagaStore> SagaOrchestrator<S> {
         stop: &std::sync::atomic::AtomicBool,
     ) -> Result<SagaRecord, SagaError> {
         match work {
-            Work::Due(record) => self.drive_from(record, None, stop).await,
+            Work::Due(record) => self.drive_record(record, stop).await,
             Work::Started(started) => {
                 let Claimed { claim, unclaimed } = *started;
                 let claimed_at = claim.record.updated_at;
