@@ -11,6 +11,10 @@
 #               election for keel-etcd
 #   RabbitMQ    from Debian's packages (apt-get install rabbitmq-server), one
 #               node with its data on disk: quorum queues survive a crash
+#   Kafka       tansu, a Kafka-protocol broker, built from crates.io (Apache
+#               Kafka itself is not in the registries we reach) and cached,
+#               one node with its log in SQLite: a crash loses nothing it
+#               acknowledged
 #   S3          moto's S3 server from PyPI (moto[s3], Flask), with the bucket
 #               `keel-test`: the claim check's object store
 #
@@ -27,10 +31,12 @@
 #   KEEL_TEST_REDIS_URL      redis://127.0.0.1:PORT
 #   KEEL_TEST_ETCD_URL       http://127.0.0.1:PORT
 #   KEEL_TEST_RABBITMQ_URL   amqp://guest:guest@127.0.0.1:PORT/%2f
+#   KEEL_TEST_KAFKA_URL      kafka://127.0.0.1:PORT
 #   KEEL_TEST_S3_URL         http://127.0.0.1:PORT (bucket keel-test; any credentials)
 #   KEEL_TEST_SERVICES       this script's path, for restart/stop/start
 #   KEEL_TEST_SERVICES_DIR   the temporary directory holding both servers' state
 #   KEEL_TEST_NATS_SERVER    the nats-server binary, for tests that run their own
+#   KEEL_TEST_TANSU          the tansu binary, for tests that run their own
 #
 # KEEL_TEST_PG_OPTIONS adds server options (for measuring, e.g.
 # "-c shared_preload_libraries=pg_stat_statements").
@@ -173,6 +179,42 @@ stop_rabbitmq() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/rabbitmq/pid" "$@"; }
 
 kill_rabbitmq() { stop_rabbitmq -KILL; }
 
+tansu_dir() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/keel/tansu"; }
+TANSU_VERSION=0.6.0
+
+# tansu's SQLite storage engine only: the memory engine forgets on a
+# restart, and the others need servers of their own. A debug build takes
+# a third of a release build's time, and the broker is fast enough for the
+# tests either way.
+ensure_kafka() {
+  if [ -x "$(tansu_dir)/bin/tansu" ]; then return; fi
+  log "building tansu $TANSU_VERSION (a Kafka-protocol broker) from crates.io; once per machine"
+  cargo install --quiet --locked --debug tansu --version "$TANSU_VERSION" \
+    --no-default-features --features libsql --root "$(tansu_dir)"
+  [ -x "$(tansu_dir)/bin/tansu" ] || { log "tansu did not build"; exit 1; }
+}
+
+start_kafka() {
+  local dir="$KEEL_TEST_SERVICES_DIR/kafka" port
+  port="$(cat "$KEEL_TEST_SERVICES_DIR/kafka.port")"
+  mkdir -p "$dir"
+  (cd "$dir" && setsid "$(tansu_dir)/bin/tansu" broker \
+    --listener-url "tcp://127.0.0.1:$port" --advertised-listener-url "tcp://127.0.0.1:$port" \
+    --storage-engine sqlite://tansu.db </dev/null >"$dir/log" 2>&1 & echo $! >"$dir/pid")
+  local i
+  for i in $(seq 1 100); do
+    if python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  log "tansu did not start; its log:"; tail -n 20 "$dir/log" >&2 || true; exit 1
+}
+
+stop_kafka() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/kafka/pid" "$@"; }
+
+kill_kafka() { stop_kafka -KILL; }
+
 moto_dir() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/keel/moto-s3"; }
 
 ensure_s3() {
@@ -311,6 +353,7 @@ stop_all() {
   stop_s3
   stop_redis
   stop_rabbitmq
+  stop_kafka
   # Erlang's port mapper, started by the node, outlives it: stop it once no
   # node is registered with it (another session's node keeps it running).
   if command -v epmd >/dev/null 2>&1 && ! epmd -names 2>/dev/null | grep -q '^name '; then
@@ -328,6 +371,7 @@ cmd_run() {
   ensure_s3
   ensure_etcd
   ensure_rabbitmq
+  ensure_kafka
   KEEL_TEST_SERVICES_DIR="$(mktemp -d -t keel-services.XXXXXX)"
   chmod 755 "$KEEL_TEST_SERVICES_DIR"
   export KEEL_TEST_SERVICES_DIR
@@ -340,22 +384,28 @@ cmd_run() {
   free_port >"$KEEL_TEST_SERVICES_DIR/etcd-peer.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/rabbitmq.port"
   free_port >"$KEEL_TEST_SERVICES_DIR/rabbitmq-dist.port"
+  free_port >"$KEEL_TEST_SERVICES_DIR/kafka.port"
   start_postgres
   start_nats
   start_redis
   start_s3
   start_etcd
   start_rabbitmq
+  start_kafka
   export KEEL_TEST_POSTGRES_URL="postgres://keel@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/postgres.port")/postgres"
   export KEEL_TEST_NATS_URL="nats://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
   export KEEL_TEST_REDIS_URL="redis://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/redis.port")"
   export KEEL_TEST_ETCD_URL="http://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/etcd.port")"
   export KEEL_TEST_S3_URL="http://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/s3.port")"
   export KEEL_TEST_RABBITMQ_URL="amqp://guest:guest@127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/rabbitmq.port")/%2f"
+  export KEEL_TEST_KAFKA_URL="kafka://127.0.0.1:$(cat "$KEEL_TEST_SERVICES_DIR/kafka.port")"
   export KEEL_TEST_SERVICES="$SELF"
   # For tests that run nats-servers of their own (the three-node cluster).
   export KEEL_TEST_NATS_SERVER="$(nats_dir)/bin/nats-server"
-  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL, S3 at $KEEL_TEST_S3_URL, etcd at $KEEL_TEST_ETCD_URL, RabbitMQ at $KEEL_TEST_RABBITMQ_URL"
+  # For tests that run a tansu of their own (deleting topics on the shared
+  # one would delete every test's: see crates/keel-kafka/tests).
+  export KEEL_TEST_TANSU="$(tansu_dir)/bin/tansu"
+  log "PostgreSQL at $KEEL_TEST_POSTGRES_URL, NATS at $KEEL_TEST_NATS_URL, Redis at $KEEL_TEST_REDIS_URL, S3 at $KEEL_TEST_S3_URL, etcd at $KEEL_TEST_ETCD_URL, RabbitMQ at $KEEL_TEST_RABBITMQ_URL, Kafka (tansu) at $KEEL_TEST_KAFKA_URL"
   "$@"
 }
 
@@ -369,5 +419,5 @@ case "${1:-}" in
   crash) need_dir; "kill_$2"; "start_$2" ;;
   stop) need_dir; "stop_$2" ;;
   start) need_dir; "start_$2" ;;
-  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3|etcd|rabbitmq"; exit 2 ;;
+  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3|etcd|rabbitmq|kafka"; exit 2 ;;
 esac

@@ -86,6 +86,10 @@ log "Python's gRPC (grpcio) for the shipping service's interop test"
 KEEL_TEST_GRPC_PYTHON="$(scripts/grpc_python.sh)"
 export KEEL_TEST_GRPC_PYTHON
 
+log "confluent-kafka, the foreign Kafka client of keel-kafka's interop test"
+KEEL_TEST_KAFKA_PYTHON="$(scripts/kafka_python.sh)"
+export KEEL_TEST_KAFKA_PYTHON
+
 log "cargo nextest run (unit, integration and behaviour tests) with PostgreSQL and NATS"
 # Build first, so the servers only run while the tests do.
 cargo nextest run --workspace --all-features --no-run

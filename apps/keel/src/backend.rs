@@ -58,6 +58,8 @@ pub enum BrokerKind {
     Nats(String),
     /// RabbitMQ (`amqp://...` or `amqps://...`), feature `rabbitmq`.
     RabbitMq(String),
+    /// Kafka (`kafka://host:port[,host:port...]`), feature `kafka`.
+    Kafka(String),
 }
 
 /// Where leases are taken (`--leases`).
@@ -182,7 +184,7 @@ pub fn parse_database(url: &str) -> Result<Database, InvalidBackend> {
 }
 
 /// Parses `--broker`: `embedded` (next to a SQLite `database`, else
-/// [`EMBEDDED_BROKER_FILE`]), `nats://...` or `amqp://...`.
+/// [`EMBEDDED_BROKER_FILE`]), `nats://...`, `amqp://...` or `kafka://...`.
 pub fn parse_broker(broker: &str, database: &Database) -> Result<BrokerKind, InvalidBackend> {
     match broker {
         "embedded" => Ok(BrokerKind::Embedded(match database {
@@ -203,9 +205,14 @@ pub fn parse_broker(broker: &str, database: &Database) -> Result<BrokerKind, Inv
             "--broker embedded",
             BrokerKind::RabbitMq(url.to_owned()),
         ),
+        url if url.starts_with("kafka://") => built_with(
+            ("broker", "kafka", cfg!(feature = "kafka")),
+            "--broker embedded",
+            BrokerKind::Kafka(url.to_owned()),
+        ),
         other => Err(invalid(
             "broker",
-            format!("`{other}` is none of `embedded`, nats://... and amqp://..."),
+            format!("`{other}` is none of `embedded`, nats://..., amqp://... and kafka://..."),
         )),
     }
 }
@@ -261,8 +268,8 @@ pub struct BackendOptions {
     pub pg_schema: String,
     /// PostgreSQL: the pool's size (default 20).
     pub pg_max_connections: u32,
-    /// NATS: the stream prefix; RabbitMQ: the exchanges' and queues'
-    /// (default `KEEL`). Processes sharing work must use the same one.
+    /// NATS: the stream prefix; RabbitMQ: the exchanges' and queues';
+    /// Kafka: the topics' (default `KEEL`). Processes sharing work must use the same one.
     pub stream_prefix: String,
     /// NATS: how many servers keep each stream (default 1; 3 on a cluster,
     /// see `NatsBrokerOptions::replicas`).
@@ -296,7 +303,7 @@ impl BackendOptions {
             (&self.database, &self.broker),
             (
                 Database::Postgres(_),
-                BrokerKind::Nats(_) | BrokerKind::RabbitMq(_)
+                BrokerKind::Nats(_) | BrokerKind::RabbitMq(_) | BrokerKind::Kafka(_)
             )
         )
     }
@@ -333,6 +340,11 @@ impl BackendOptions {
             ),
             BrokerKind::RabbitMq(url) => format!(
                 "RabbitMQ {} (name prefix {})",
+                without_credentials(url),
+                self.stream_prefix
+            ),
+            BrokerKind::Kafka(url) => format!(
+                "Kafka {} (topic prefix {})",
                 without_credentials(url),
                 self.stream_prefix
             ),
@@ -529,6 +541,22 @@ async fn open_broker(options: &BackendOptions) -> Result<Arc<dyn Broker>, Broker
                 .unwrap_or_else(|| invalid("broker", "the `rabbitmq` feature is not built"))
                 .into(),
         )),
+        #[cfg(feature = "kafka")]
+        BrokerKind::Kafka(url) => {
+            let kafka = keel_kafka::KafkaBrokerOptions::from_url(url)
+                .ok_or_else(|| BrokerError::Invalid(format!("`{url}` names no Kafka server")))?;
+            Ok(Arc::new(
+                keel_kafka::KafkaBroker::connect(kafka.prefix(options.stream_prefix.clone()))
+                    .await?,
+            ))
+        }
+        #[cfg(not(feature = "kafka"))]
+        BrokerKind::Kafka(url) => Err(BrokerError::Other(
+            parse_broker(url, &options.database)
+                .err()
+                .unwrap_or_else(|| invalid("broker", "the `kafka` feature is not built"))
+                .into(),
+        )),
     }
 }
 
@@ -659,7 +687,7 @@ mod tests {
             ("mysql://x", "embedded", "database-url"),
             ("sqlite:", "embedded", "database-url"),
             ("sqlite::memory:", "embedded", "database-url"),
-            ("sqlite:k.db", "kafka://x", "broker"),
+            ("sqlite:k.db", "pulsar://x", "broker"),
         ] {
             let err = BackendOptions::parse(url, broker).unwrap_err();
             assert_eq!(err.setting, setting, "{url} {broker}");

@@ -118,6 +118,20 @@ async fn crashing_postgres_and_rabbitmq_loses_and_duplicates_nothing() {
     }
 }
 
+/// The shop on PostgreSQL and Kafka (`--broker kafka://`, tansu in the
+/// tests), both killed (SIGKILL) mid-run under two servers: every order
+/// settles once.
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashing_postgres_and_kafka_loses_and_duplicates_nothing() {
+    for seed in keel_testkit::seeds::fault_seeds(1..=1) {
+        let Some(cluster) = Cluster::new().and_then(Cluster::on_kafka) else {
+            return;
+        };
+        run_outage(&cluster, services::crash, "crashing (Kafka)", seed).await;
+    }
+}
+
 /// One seeded run of [`outage_mid_run`]; `false` when no servers run.
 async fn outage_with_seed(
     outage: fn(Service) -> Result<(), services::ServiceError>,

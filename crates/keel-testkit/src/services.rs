@@ -1,5 +1,6 @@
 //! The servers that scale-out tests run against: PostgreSQL, NATS, Redis,
-//! etcd, RabbitMQ and an S3-compatible object store.
+//! etcd, RabbitMQ, a Kafka-protocol broker (tansu) and an S3-compatible
+//! object store.
 //!
 //! `scripts/services.sh run CMD` (which the README's test command uses)
 //! starts them on free loopback ports and exports their URLs. A test asks for
@@ -30,6 +31,8 @@ pub const S3_URL: &str = "KEEL_TEST_S3_URL";
 pub const ETCD_URL: &str = "KEEL_TEST_ETCD_URL";
 /// The environment variable holding the RabbitMQ URL.
 pub const RABBITMQ_URL: &str = "KEEL_TEST_RABBITMQ_URL";
+/// The environment variable holding the Kafka URL (`kafka://host:port`).
+pub const KAFKA_URL: &str = "KEEL_TEST_KAFKA_URL";
 /// The environment variable holding the path of `scripts/services.sh`.
 pub const SERVICES: &str = "KEEL_TEST_SERVICES";
 
@@ -48,6 +51,8 @@ pub enum Service {
     Etcd,
     /// rabbitmq-server, one node.
     RabbitMq,
+    /// tansu, a Kafka-protocol broker, one node with its log in SQLite.
+    Kafka,
 }
 
 impl Service {
@@ -59,6 +64,7 @@ impl Service {
             Self::S3 => "s3",
             Self::Etcd => "etcd",
             Self::RabbitMq => "rabbitmq",
+            Self::Kafka => "kafka",
         }
     }
 
@@ -70,6 +76,7 @@ impl Service {
             Self::S3 => S3_URL,
             Self::Etcd => ETCD_URL,
             Self::RabbitMq => RABBITMQ_URL,
+            Self::Kafka => KAFKA_URL,
         }
     }
 }
@@ -113,6 +120,13 @@ pub fn rabbitmq_url() -> Option<String> {
     url(Service::RabbitMq)
 }
 
+/// The Kafka URL (`kafka://127.0.0.1:PORT`), or `None` (after printing
+/// why) when the test should be skipped. Panics in CI when the server is
+/// missing.
+pub fn kafka_url() -> Option<String> {
+    url(Service::Kafka)
+}
+
 /// A loopback port free right now, for a server a test starts itself (the
 /// port is released before the server binds it, so another may take it in
 /// between: rare enough on loopback).
@@ -139,6 +153,22 @@ pub fn nats_server_binary() -> Option<std::path::PathBuf> {
         return Some(path.into());
     }
     let why = "KEEL_TEST_NATS_SERVER is not set: run the tests through scripts/services.sh";
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{why}; in CI this is an error"
+    );
+    eprintln!("skipped: {why}");
+    None
+}
+
+/// The tansu binary `scripts/services.sh` built, for tests that run a
+/// Kafka-protocol broker of their own (`KEEL_TEST_TANSU`), or `None` when
+/// the test should be skipped. Panics in CI when it is missing.
+pub fn tansu_binary() -> Option<std::path::PathBuf> {
+    if let Some(path) = std::env::var_os("KEEL_TEST_TANSU") {
+        return Some(path.into());
+    }
+    let why = "KEEL_TEST_TANSU is not set: run the tests through scripts/services.sh";
     assert!(
         std::env::var_os("CI").is_none(),
         "{why}; in CI this is an error"

@@ -134,7 +134,7 @@ fn unusable_settings_say_what_to_change() {
     a.database_url = Some("mysql://x".into());
     assert!(a.resolve().is_err());
     let mut a = args();
-    a.broker = Some("kafka://127.0.0.1:9092".into());
+    a.broker = Some("pulsar://127.0.0.1:6650".into());
     assert!(a.resolve().unwrap_err().to_string().contains("nats://"));
     let mut a = args();
     a.listen = Some("192.0.2.1:8080".into());

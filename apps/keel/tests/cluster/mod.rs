@@ -39,6 +39,7 @@ impl ServerLease {
             "keel-postgres-tests.lock",
             "keel-nats-restart.lock",
             "rabbitmq.lock",
+            "kafka.lock",
         ]
         .iter()
         .map(|name| {
@@ -64,7 +65,8 @@ impl ServerLease {
 pub struct Cluster {
     pub pg_url: String,
     pub nats_url: String,
-    /// The broker every server uses: NATS unless [`on_rabbitmq`](Self::on_rabbitmq).
+    /// The broker every server uses: NATS unless [`on_rabbitmq`](Self::on_rabbitmq)
+    /// or [`on_kafka`](Self::on_kafka).
     pub broker_url: String,
     /// The server behind `broker_url`, for outages.
     pub broker: Service,
@@ -110,6 +112,14 @@ impl Cluster {
         // second of a SIGKILL (it comes back without a leader; see
         // RELIABILITY.md): a deployment's queues exist long before a crash.
         self.settle = Duration::from_secs(3);
+        Some(self)
+    }
+
+    /// The same cluster on Kafka (tansu) instead of NATS; `None` (skip)
+    /// without a Kafka server.
+    pub fn on_kafka(mut self) -> Option<Self> {
+        self.broker_url = services::kafka_url()?;
+        self.broker = Service::Kafka;
         Some(self)
     }
 
