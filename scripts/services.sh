@@ -24,6 +24,7 @@
 #   scripts/services.sh crash NAME      kill it as a crash would (SIGKILL, every process), then start it
 #   scripts/services.sh stop NAME       stop one of them (tests use it for outages)
 #   scripts/services.sh start NAME      start it again on the same port and data
+#   scripts/services.sh ensure NAME     install (or build) it if missing, and nothing else
 #
 # `run` exports, for CMD and its children:
 #   KEEL_TEST_POSTGRES_URL   postgres://keel@127.0.0.1:PORT/keel
@@ -419,5 +420,6 @@ case "${1:-}" in
   crash) need_dir; "kill_$2"; "start_$2" ;;
   stop) need_dir; "stop_$2" ;;
   start) need_dir; "start_$2" ;;
-  *) log "usage: $0 run CMD... | restart|crash|stop|start postgres|nats|redis|s3|etcd|rabbitmq|kafka"; exit 2 ;;
+  ensure) "ensure_$2" ;;
+  *) log "usage: $0 run CMD... | restart|crash|stop|start|ensure postgres|nats|redis|s3|etcd|rabbitmq|kafka"; exit 2 ;;
 esac

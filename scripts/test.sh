@@ -47,6 +47,13 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # keel-etcd's client generates code from .proto files when it builds.
 scripts/protoc.sh
 
+# tansu, the Kafka-protocol test broker, builds from crates.io for about
+# 5 minutes on a fresh machine: beside the static checks, not before the
+# tests (scripts/services.sh skips the build once it is there).
+tansu_log="$(mktemp)"
+scripts/services.sh ensure kafka >"$tansu_log" 2>&1 &
+tansu_build=$!
+
 if ! command -v cargo-nextest >/dev/null 2>&1; then
   log "installing cargo-nextest"
   cargo install --locked cargo-nextest
@@ -93,6 +100,9 @@ export KEEL_TEST_KAFKA_PYTHON
 log "cargo nextest run (unit, integration and behaviour tests) with PostgreSQL and NATS"
 # Build first, so the servers only run while the tests do.
 cargo nextest run --workspace --all-features --no-run
+if ! wait "$tansu_build"; then
+  log "building tansu failed:"; cat "$tansu_log" >&2; exit 1
+fi
 scripts/services.sh run cargo nextest run --workspace --all-features --no-fail-fast
 
 log "doc tests"
