@@ -184,13 +184,13 @@ tansu_dir() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/keel/tansu"; }
 TANSU_VERSION=0.6.0
 
 # tansu's SQLite storage engine only: the memory engine forgets on a
-# restart, and the others need servers of their own. A debug build takes
-# a third of a release build's time, and the broker is fast enough for the
-# tests either way.
+# restart, and the others need servers of their own. A debug build without
+# debug info takes less than half a release build's time, and the broker is
+# fast enough for the tests either way.
 ensure_kafka() {
   if [ -x "$(tansu_dir)/bin/tansu" ]; then return; fi
   log "building tansu $TANSU_VERSION (a Kafka-protocol broker) from crates.io; once per machine"
-  cargo install --quiet --locked --debug tansu --version "$TANSU_VERSION" \
+  CARGO_PROFILE_DEV_DEBUG=false cargo install --quiet --locked --debug tansu --version "$TANSU_VERSION" \
     --no-default-features --features libsql --root "$(tansu_dir)"
   [ -x "$(tansu_dir)/bin/tansu" ] || { log "tansu did not build"; exit 1; }
 }
@@ -199,9 +199,12 @@ start_kafka() {
   local dir="$KEEL_TEST_SERVICES_DIR/kafka" port
   port="$(cat "$KEEL_TEST_SERVICES_DIR/kafka.port")"
   mkdir -p "$dir"
-  (cd "$dir" && setsid "$(tansu_dir)/bin/tansu" broker \
+  # tansu opens its SQLite file relative to its working directory. `exec`
+  # makes the pid the subshell's, so the pid file names tansu itself.
+  (cd "$dir" && exec setsid "$(tansu_dir)/bin/tansu" broker \
     --listener-url "tcp://127.0.0.1:$port" --advertised-listener-url "tcp://127.0.0.1:$port" \
-    --storage-engine sqlite://tansu.db </dev/null >"$dir/log" 2>&1 & echo $! >"$dir/pid")
+    --storage-engine sqlite://tansu.db </dev/null >>"$dir/log" 2>&1) &
+  echo $! >"$dir/pid"
   local i
   for i in $(seq 1 100); do
     if python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null; then

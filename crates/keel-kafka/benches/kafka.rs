@@ -42,30 +42,28 @@ use tokio::sync::Mutex;
 const BATCH: usize = 100;
 const PARTITIONS: i32 = 12;
 
-/// The raw client's side.
+/// The raw client's side: a topic to publish to and one to consume from,
+/// as Keel's side has.
 struct Raw {
     producer: FutureProducer,
-    topic: String,
+    publish_topic: String,
+    consume_topic: String,
 }
 
 impl Raw {
     async fn connect(bootstrap: &str, prefix: &str) -> Self {
-        let topic = format!("{prefix}.raw");
+        let (publish_topic, consume_topic) =
+            (format!("{prefix}.raw-pub"), format!("{prefix}.raw-consume"));
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
             .set("bootstrap.servers", bootstrap)
             .create()
             .expect("admin");
+        let topics = [&publish_topic, &consume_topic]
+            .map(|topic| NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1)));
         admin
-            .create_topics(
-                [&NewTopic::new(
-                    &topic,
-                    PARTITIONS,
-                    TopicReplication::Fixed(1),
-                )],
-                &AdminOptions::new(),
-            )
+            .create_topics(&topics, &AdminOptions::new())
             .await
-            .expect("create the raw topic");
+            .expect("create the raw topics");
         let producer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap)
             .set("enable.idempotence", "true")
@@ -74,10 +72,14 @@ impl Raw {
             .set("linger.ms", "1")
             .create()
             .expect("raw producer");
-        Self { producer, topic }
+        Self {
+            producer,
+            publish_topic,
+            consume_topic,
+        }
     }
 
-    async fn publish(&self) {
+    async fn publish(&self, topic: &str) {
         let mut acks = Vec::with_capacity(BATCH);
         for _ in 0..BATCH {
             let n = next_unique();
@@ -86,7 +88,7 @@ impl Raw {
                 key: "event-id",
                 value: Some(id.as_str()),
             });
-            let record = FutureRecord::to(&self.topic)
+            let record = FutureRecord::to(topic)
                 .key(key.as_bytes())
                 .payload(BROKER_PAYLOAD)
                 .headers(headers);
@@ -101,7 +103,7 @@ impl Raw {
     fn consumer(&self, bootstrap: &str) -> StreamConsumer {
         let consumer: StreamConsumer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap)
-            .set("group.id", format!("{}.readers", self.topic))
+            .set("group.id", format!("{}.readers", self.consume_topic))
             .set("enable.auto.commit", "true")
             .set("auto.commit.interval.ms", "200")
             .set("enable.auto.offset.store", "false")
@@ -110,7 +112,9 @@ impl Raw {
             .set("fetch.wait.max.ms", "100")
             .create()
             .expect("raw consumer");
-        consumer.subscribe(&[&self.topic]).expect("raw subscribe");
+        consumer
+            .subscribe(&[&self.consume_topic])
+            .expect("raw subscribe");
         consumer
     }
 }
@@ -194,7 +198,12 @@ fn bench_publish(
     });
     group.bench_function("raw", |b| {
         b.to_async(rt).iter_custom(|iters| {
-            timed_batches(iters, &usage.publish_raw, || async {}, || raw.publish())
+            timed_batches(
+                iters,
+                &usage.publish_raw,
+                || async {},
+                || raw.publish(&raw.publish_topic),
+            )
         });
     });
     group.finish();
@@ -235,7 +244,7 @@ fn bench_consume(
     // Untimed: the first batch waits for the group's first assignment.
     let consumer = rt.block_on(async {
         let consumer = raw.consumer(bootstrap);
-        raw.publish().await;
+        raw.publish(&raw.consume_topic).await;
         for _ in 0..BATCH {
             let record = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
                 .await
@@ -261,7 +270,8 @@ fn bench_consume(
                         .expect("raw store");
                 }
             };
-            timed_batches(iters, &usage.consume_raw, || raw.publish(), consume)
+            let publish = || raw.publish(&raw.consume_topic);
+            timed_batches(iters, &usage.consume_raw, publish, consume)
         });
     });
     group.finish();

@@ -13,12 +13,12 @@ use keel_store::broker::{
 use parking_lot::Mutex;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 
 use crate::envelope;
 use crate::error::{broker_error, task_failed};
+use crate::log::ClientLog;
 use crate::member::{Member, MemberSubscription};
 use crate::names::{self, check_group, check_topic};
 use crate::offsets;
@@ -43,10 +43,14 @@ impl std::fmt::Debug for KafkaBroker {
 
 pub(crate) struct Inner {
     pub(crate) options: KafkaBrokerOptions,
-    pub(crate) producer: FutureProducer,
-    admin: AdminClient<DefaultClientContext>,
+    pub(crate) producer: FutureProducer<ClientLog>,
+    admin: AdminClient<ClientLog>,
     created_topics: Mutex<HashSet<String>>,
     members: Mutex<HashMap<GroupName, Weak<Member>>>,
+    /// Per group, held while its member joins, so that two subscriptions
+    /// of one group at once share one member (and other groups' joins go
+    /// on meanwhile).
+    joining: Mutex<HashMap<GroupName, Arc<tokio::sync::Mutex<()>>>>,
     /// Groups this process subscribed and did not remove: they exist even
     /// before they committed an offset.
     known_groups: Mutex<HashSet<GroupName>>,
@@ -64,9 +68,12 @@ impl KafkaBroker {
     /// Connects to the cluster `options` names: fails unless a broker
     /// answers a metadata request within the request timeout.
     pub async fn connect(options: KafkaBrokerOptions) -> Result<Self, BrokerError> {
-        let producer: FutureProducer = producer_config(&options).create().map_err(broker_error)?;
-        let admin: AdminClient<DefaultClientContext> =
-            client_config(&options).create().map_err(broker_error)?;
+        let producer = producer_config(&options)
+            .create_with_context(ClientLog)
+            .map_err(broker_error)?;
+        let admin = client_config(&options)
+            .create_with_context(ClientLog)
+            .map_err(broker_error)?;
         let broker = Self {
             inner: Arc::new(Inner {
                 options,
@@ -74,6 +81,7 @@ impl KafkaBroker {
                 admin,
                 created_topics: Mutex::new(HashSet::new()),
                 members: Mutex::new(HashMap::new()),
+                joining: Mutex::new(HashMap::new()),
                 known_groups: Mutex::new(HashSet::new()),
                 expiring: Mutex::new(HashMap::new()),
                 expiring_topics: Mutex::new(HashSet::new()),
@@ -322,6 +330,14 @@ impl Broker for KafkaBroker {
             );
         }
         self.inner.known_groups.lock().insert(name.clone());
+        let joining = self
+            .inner
+            .joining
+            .lock()
+            .entry(name.clone())
+            .or_default()
+            .clone();
+        let _joining = joining.lock().await;
         let member = match self.inner.member(&name) {
             Some(member) => member,
             None => {
@@ -417,6 +433,7 @@ impl KafkaBroker {
             .await?;
         self.inner.known_groups.lock().remove(&name);
         self.inner.expiring.lock().remove(&name);
+        self.inner.joining.lock().remove(&name);
         let mut deleted = 1;
         let last_on_topic = !self
             .inner

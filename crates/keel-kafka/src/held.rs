@@ -9,12 +9,12 @@
 //! oldest unsettled record's (ack last): a crash or a rebalance redelivers
 //! from there, never past a record whose effect did not commit.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use keel_core::clock::{self, Instant};
+use keel_store::broker::held::HeldDeliveries;
 use keel_store::broker::{BrokerError, Delivery, DeliveryControl, Message};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -34,50 +34,23 @@ pub(crate) struct Held {
 }
 
 struct HeldState {
-    entries: BTreeMap<Place, Entry>,
+    entries: HeldDeliveries<Place, ()>,
     /// Per assigned partition, the offset after the last record fetched.
     fetched_to: HashMap<i32, i64>,
     /// Per partition, the offset last stored for commit.
     stored: HashMap<i32, i64>,
     recent: RecentPlaces,
-    next_lease: u64,
     assigned: bool,
-}
-
-struct Entry {
-    message: Message,
-    published_at: Option<DateTime<Utc>>,
-    deliveries: u32,
-    state: EntryState,
-}
-
-#[derive(Clone, Copy)]
-enum EntryState {
-    /// Deliverable from this instant (a nack's delay).
-    Ready(Instant),
-    /// Handed out under this lease until this instant; deliverable again
-    /// after it.
-    Leased { id: u64, until: Instant },
-}
-
-impl EntryState {
-    fn deliverable_from(self) -> Instant {
-        match self {
-            Self::Ready(at) => at,
-            Self::Leased { until, .. } => until,
-        }
-    }
 }
 
 impl Held {
     pub(crate) fn new(recent: RecentPlaces) -> Self {
         Self {
             state: Mutex::new(HeldState {
-                entries: BTreeMap::new(),
+                entries: HeldDeliveries::default(),
                 fetched_to: HashMap::new(),
                 stored: HashMap::new(),
                 recent,
-                next_lease: 0,
                 assigned: false,
             }),
             changed: Notify::new(),
@@ -85,28 +58,21 @@ impl Held {
     }
 
     /// Takes a fetched record; a message id seen lately at another offset
-    /// is a republish and is dropped (its offset counts as settled).
+    /// is a republish and is dropped (its offset counts as settled). The
+    /// caller wakes the receivers ([`Held::changed`]) once per burst.
     pub(crate) fn take(&self, place: Place, arrived: Arrived) {
         let mut state = self.state.lock();
         let (partition, offset) = place;
         let fetched_to = state.fetched_to.entry(partition).or_insert(offset);
         *fetched_to = (*fetched_to).max(offset + 1);
-        if state.entries.contains_key(&place)
-            || state.recent.is_duplicate(&arrived.message.id, place)
-        {
+        if state.entries.contains(&place) || state.recent.is_duplicate(&arrived.message.id, place) {
             return;
         }
-        state.entries.insert(
-            place,
-            Entry {
-                message: arrived.message,
-                published_at: arrived.published_at,
-                deliveries: 0,
-                state: EntryState::Ready(clock::now()),
-            },
-        );
-        drop(state);
-        self.changed.notify_waiters();
+        let (message, published_at) = (arrived.message, arrived.published_at);
+        let now = clock::now();
+        state
+            .entries
+            .insert(place, message, published_at, 0, (), now);
     }
 
     /// How many records are held.
@@ -116,13 +82,7 @@ impl Held {
 
     /// How many are handed out under a lease that has not run out.
     pub(crate) fn in_flight(&self) -> u64 {
-        let now = clock::now();
-        let state = self.state.lock();
-        state
-            .entries
-            .values()
-            .filter(|e| matches!(e.state, EntryState::Leased { until, .. } if until > now))
-            .count() as u64
+        self.state.lock().entries.in_flight(clock::now())
     }
 
     /// Partitions whose commit point moved past what was stored, with the
@@ -135,9 +95,9 @@ impl Held {
         for (partition, fetched_to) in partitions {
             let oldest = state
                 .entries
-                .range((partition, i64::MIN)..=(partition, i64::MAX))
+                .places_in((partition, i64::MIN)..=(partition, i64::MAX))
                 .next()
-                .map(|(place, _)| place.1);
+                .map(|place| place.1);
             let point = oldest.unwrap_or(fetched_to);
             if state
                 .stored
@@ -156,9 +116,7 @@ impl Held {
     /// from the committed offset.
     pub(crate) fn revoke(&self, partitions: &HashSet<i32>) {
         let mut state = self.state.lock();
-        state
-            .entries
-            .retain(|place, _| !partitions.contains(&place.0));
+        state.entries.retain(|place| !partitions.contains(&place.0));
         for partition in partitions {
             state.fetched_to.remove(partition);
             state.stored.remove(partition);
@@ -177,92 +135,34 @@ impl Held {
         self.state.lock().assigned
     }
 
-    /// Leases up to `max` deliverable records, oldest first per partition,
-    /// skipping every key with an earlier unsettled record; also says when
-    /// the next held record becomes deliverable.
-    pub(crate) fn lease<F>(
+    /// Leases up to `max` deliverable records (see
+    /// [`HeldDeliveries::lease`]).
+    pub(crate) fn lease(
         &self,
         max: usize,
         lease: Duration,
-        control: F,
-    ) -> (Vec<Delivery>, Option<Instant>)
-    where
-        F: Fn(Place, u64) -> Box<dyn DeliveryControl>,
-    {
-        let mut state = self.state.lock();
+        control: impl Fn(Place, u64) -> Box<dyn DeliveryControl>,
+    ) -> (Vec<Delivery>, Option<Instant>) {
         let now = clock::now();
-        let mut seen_keys = HashSet::new();
-        let mut chosen = Vec::new();
-        let mut next_wake: Option<Instant> = None;
-        for (place, entry) in &state.entries {
-            if !seen_keys.insert(entry.message.key.as_str()) {
-                continue;
-            }
-            let from = entry.state.deliverable_from();
-            if from > now {
-                next_wake = Some(next_wake.map_or(from, |wake| wake.min(from)));
-            } else if chosen.len() < max {
-                chosen.push(*place);
-            }
-        }
-        let mut deliveries = Vec::with_capacity(chosen.len());
-        for place in chosen {
-            let id = state.next_lease;
-            state.next_lease += 1;
-            let Some(entry) = state.entries.get_mut(&place) else {
-                continue;
-            };
-            entry.deliveries += 1;
-            entry.state = EntryState::Leased {
-                id,
-                until: now + lease,
-            };
-            let mut delivery =
-                Delivery::new(entry.message.clone(), entry.deliveries, control(place, id));
-            if let Some(at) = entry.published_at {
-                delivery = delivery.with_received_at(at);
-            }
-            deliveries.push(delivery);
-        }
-        (deliveries, next_wake)
-    }
-
-    /// Runs `settle` on the record at `place` while lease `lease` holds it;
-    /// [`BrokerError::LeaseLost`] once it ran out, was handed out again or
-    /// the partition was revoked.
-    fn settle<T>(
-        &self,
-        place: Place,
-        lease: u64,
-        settle: impl FnOnce(&mut BTreeMap<Place, Entry>) -> T,
-    ) -> Result<T, BrokerError> {
-        let mut state = self.state.lock();
-        match state.entries.get(&place).map(|entry| entry.state) {
-            Some(EntryState::Leased { id, until }) if id == lease && until > clock::now() => {}
-            _ => return Err(BrokerError::LeaseLost),
-        }
-        let outcome = settle(&mut state.entries);
-        drop(state);
-        self.changed.notify_waiters();
-        Ok(outcome)
+        self.state.lock().entries.lease(max, lease, now, control)
     }
 
     /// Done with the record at `place`.
     pub(crate) fn remove(&self, place: Place, lease: u64) -> Result<(), BrokerError> {
-        self.settle(place, lease, |entries| {
-            entries.remove(&place);
-        })
+        let mut state = self.state.lock();
+        state.entries.settle(place, lease, clock::now())?.done();
+        drop(state);
+        self.changed.notify_waiters();
+        Ok(())
     }
 
     /// The record at `place` and how often it was delivered, while `lease`
     /// holds it.
     pub(crate) fn message(&self, place: Place, lease: u64) -> Result<(Message, u32), BrokerError> {
-        self.settle(place, lease, |entries| {
-            entries
-                .get(&place)
-                .map(|entry| (entry.message.clone(), entry.deliveries))
-        })?
-        .ok_or(BrokerError::LeaseLost)
+        let mut state = self.state.lock();
+        let settling = state.entries.settle(place, lease, clock::now())?;
+        let entry = settling.entry().ok_or(BrokerError::LeaseLost)?;
+        Ok((entry.message.clone(), entry.deliveries))
     }
 
     /// Deliverable again after `delay`.
@@ -272,11 +172,15 @@ impl Held {
         lease: u64,
         delay: Duration,
     ) -> Result<(), BrokerError> {
-        self.settle(place, lease, |entries| {
-            if let Some(entry) = entries.get_mut(&place) {
-                entry.state = EntryState::Ready(clock::now() + delay);
-            }
-        })
+        let now = clock::now();
+        let mut state = self.state.lock();
+        state
+            .entries
+            .settle(place, lease, now)?
+            .release(now + delay);
+        drop(state);
+        self.changed.notify_waiters();
+        Ok(())
     }
 
     /// Kept out of others' reach for `lease_for` from now.
@@ -286,12 +190,13 @@ impl Held {
         lease: u64,
         lease_for: Duration,
     ) -> Result<(), BrokerError> {
-        let until = clock::now() + lease_for;
-        self.settle(place, lease, |entries| {
-            if let Some(entry) = entries.get_mut(&place) {
-                entry.state = EntryState::Leased { id: lease, until };
-            }
-        })
+        let now = clock::now();
+        let mut state = self.state.lock();
+        state
+            .entries
+            .settle(place, lease, now)?
+            .extend(now + lease_for);
+        Ok(())
     }
 }
 

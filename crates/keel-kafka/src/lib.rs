@@ -72,6 +72,7 @@ mod broker;
 mod envelope;
 mod error;
 mod held;
+mod log;
 mod member;
 mod names;
 mod offsets;

@@ -12,6 +12,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures_util::FutureExt;
 use keel_core::clock;
 use keel_store::broker::{BrokerError, Delivery, Message, Subscription};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
@@ -53,7 +54,11 @@ pub(crate) struct MemberContext {
     topic: String,
 }
 
-impl ClientContext for MemberContext {}
+impl ClientContext for MemberContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, facility: &str, line: &str) {
+        crate::log::emit(level, facility, line);
+    }
+}
 
 impl ConsumerContext for MemberContext {
     /// Before partitions go: their settled offsets are stored (librdkafka
@@ -184,7 +189,7 @@ fn consumer_config(inner: &Inner, name: &GroupName) -> rdkafka::ClientConfig {
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set("session.timeout.ms", "10000")
         .set("heartbeat.interval.ms", "1000")
-        .set("fetch.wait.max.ms", "100")
+        .set("fetch.wait.max.ms", millis(options.fetch_wait).to_string())
         .set("enable.partition.eof", "false");
     config
 }
@@ -232,7 +237,7 @@ async fn fetch(
         tokio::select! {
             _ = &mut stopped => break,
             record = consumer.recv() => match record {
-                Ok(record) => take(&held, &record, &keel_topic),
+                Ok(record) => take_arrived(&consumer, &held, record, &keel_topic),
                 Err(error) => {
                     tracing::warn!(%topic, %error, "fetching from Kafka failed; retrying");
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -247,11 +252,31 @@ async fn fetch(
     let _ = left.send(true);
 }
 
-fn take(held: &Held, record: &BorrowedMessage<'_>, keel_topic: &str) {
+/// The most records taken in one burst before the receivers are woken.
+const BURST: usize = 256;
+
+/// Takes `first` and the records already fetched behind it (up to
+/// [`BURST`]), then wakes the receivers once: a burst becomes one batch,
+/// not a wake-up per record.
+fn take_arrived(
+    consumer: &MemberConsumer,
+    held: &Held,
+    first: BorrowedMessage<'_>,
+    keel_topic: &str,
+) {
     use rdkafka::Message as _;
-    let mut arrived = envelope::arrived(record);
-    arrived.message.topic = keel_topic.to_owned();
-    held.take((record.partition(), record.offset()), arrived);
+    let mut next = Some(first);
+    let mut taken = 0;
+    while let Some(record) = next.take() {
+        let mut arrived = envelope::arrived(&record);
+        arrived.message.topic = keel_topic.to_owned();
+        held.take((record.partition(), record.offset()), arrived);
+        taken += 1;
+        if taken < BURST {
+            next = consumer.recv().now_or_never().and_then(Result::ok);
+        }
+    }
+    held.changed.notify_waiters();
 }
 
 /// Pauses the assignment once `held` reaches `max`, resumes it below half.

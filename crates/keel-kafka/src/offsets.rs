@@ -11,6 +11,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use crate::broker::{Inner, client_config};
 use crate::error::{broker_error, task_failed};
+use crate::log::ClientLog;
 use crate::member::Member;
 use crate::names;
 
@@ -46,7 +47,7 @@ pub(crate) async fn lag(
     tokio::task::spawn_blocking(move || match consumer {
         Some(consumer) => lag_of(consumer.as_ref(), &topic, timeout),
         None => {
-            let consumer: BaseConsumer = config.create()?;
+            let consumer: BaseConsumer<ClientLog> = config.create_with_context(ClientLog)?;
             lag_of(&consumer, &topic, timeout)
         }
     })

@@ -18,6 +18,7 @@ pub struct KafkaBrokerOptions {
     pub(crate) max_message_bytes: usize,
     pub(crate) max_held: usize,
     pub(crate) commit_interval: Duration,
+    pub(crate) fetch_wait: Duration,
     pub(crate) delete_topics: bool,
     pub(crate) extra: Vec<(String, String)>,
 }
@@ -37,6 +38,8 @@ impl KafkaBrokerOptions {
     /// - at most 1,024 messages held per group member before it pauses its
     ///   partitions (backpressure);
     /// - settled offsets committed every 200 ms;
+    /// - fetches waiting up to 100 ms for records (see
+    ///   [`fetch_wait`](Self::fetch_wait));
     /// - the topic of an expiring group deleted with its last group (see
     ///   [`delete_topics`](Self::delete_topics)).
     pub fn new(bootstrap: impl Into<String>) -> Self {
@@ -53,6 +56,7 @@ impl KafkaBrokerOptions {
             max_message_bytes: 1 << 20,
             max_held: 1024,
             commit_interval: Duration::from_millis(200),
+            fetch_wait: Duration::from_millis(100),
             delete_topics: true,
             extra: Vec::new(),
         }
@@ -137,6 +141,16 @@ impl KafkaBrokerOptions {
     /// was settled within the last interval (the inbox drops it).
     pub fn commit_interval(mut self, interval: Duration) -> Self {
         self.commit_interval = interval.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How long a fetch may wait at the broker for records to arrive
+    /// (librdkafka's `fetch.wait.max.ms`). Kafka answers as soon as a
+    /// record arrives, so this only bounds idle polling; tansu 0.6.0
+    /// answers every fetch only after this long, records or not, so there
+    /// it is the floor of every delivery's latency. At least 1 ms.
+    pub fn fetch_wait(mut self, wait: Duration) -> Self {
+        self.fetch_wait = wait.max(Duration::from_millis(1));
         self
     }
 

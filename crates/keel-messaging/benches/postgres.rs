@@ -19,8 +19,9 @@
 //!   PostgreSQL process per event (from `/proc`, appends included);
 //! - append → effect latency at 1,000 events/s, end to end on a scale-out
 //!   pair: the same appends, the relay publishing to NATS JetStream
-//!   (`NatsBroker`, when `KEEL_TEST_NATS_URL` is set) and then to RabbitMQ
-//!   (`RabbitBroker`, when `KEEL_TEST_RABBITMQ_URL` is set), and a consumer group
+//!   (`NatsBroker`, when `KEEL_TEST_NATS_URL` is set), then to RabbitMQ
+//!   (`RabbitBroker`, when `KEEL_TEST_RABBITMQ_URL` is set) and then to Kafka
+//!   (`KafkaBroker`, when `KEEL_TEST_KAFKA_URL` is set), and a consumer group
 //!   applying each event through the inbox in a PostgreSQL transaction; the
 //!   time from each append's commit to its handler running; goal p99 <= 10 ms.
 //!   `KEEL_BENCH_EFFECT_RUNS=N` repeats it N times back to back. Events not
@@ -57,6 +58,7 @@ use async_trait::async_trait;
 use criterion::Criterion;
 use hdrhistogram::Histogram;
 use keel_core::clock::{self, Instant};
+use keel_kafka::{KafkaBroker, KafkaBrokerOptions};
 use keel_messaging::broker::{Broker, BrokerError, Message, SubscribeOptions, Subscription};
 use keel_messaging::consumer::{Consumer, Group};
 use keel_messaging::envelope::Envelope;
@@ -321,8 +323,8 @@ fn postgres_cpu() -> Duration {
     Duration::from_millis(ticks * 1000 / ticks_per_second)
 }
 
-/// The brokers the append -> effect run goes through: NATS JetStream and
-/// RabbitMQ, each when the test command's URL for it is set.
+/// The brokers the append -> effect run goes through: NATS JetStream,
+/// RabbitMQ and Kafka, each when the test command's URL for it is set.
 async fn effect_brokers() -> Vec<(&'static str, Arc<dyn Broker>)> {
     let prefix = format!("bench_{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
     let mut brokers: Vec<(&'static str, Arc<dyn Broker>)> = Vec::new();
@@ -339,6 +341,19 @@ async fn effect_brokers() -> Vec<(&'static str, Arc<dyn Broker>)> {
             .await
             .expect("connect to RabbitMQ");
         brokers.push(("RabbitMQ", Arc::new(rabbit)));
+    }
+    if let Ok(url) = std::env::var(keel_testkit::services::KAFKA_URL) {
+        // tansu answers a fetch only after its wait, records or not (Kafka
+        // answers as they arrive): the wait is the latency's floor there.
+        let options = KafkaBrokerOptions::from_url(&url)
+            .expect("a kafka:// URL")
+            .prefix(&prefix)
+            .fetch_wait(Duration::from_millis(5))
+            .delete_topics(false);
+        let kafka = KafkaBroker::connect(options)
+            .await
+            .expect("connect to Kafka");
+        brokers.push(("Kafka", Arc::new(kafka)));
     }
     brokers
 }

@@ -11,16 +11,15 @@
 //! this member joins again at the back. A member whose process died hands
 //! over the same way when its connection closes.
 
-use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
 use futures_util::stream::{SelectAll, select_all};
 use futures_util::{FutureExt, StreamExt};
+use keel_store::broker::held::{HeldDeliveries, Settling};
 use keel_store::broker::{
-    Backlog, BrokerError, Delivery, DeliveryControl, Message, SubscribeOptions, Subscription,
+    Backlog, BrokerError, Delivery, DeliveryControl, SubscribeOptions, Subscription,
 };
 use lapin::acker::Acker;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
@@ -57,9 +56,8 @@ pub(crate) struct Held {
 }
 
 struct HeldState {
-    entries: BTreeMap<u64, Entry>,
+    entries: HeldDeliveries<u64, Acker>,
     next_seq: u64,
-    next_lease: u64,
     recent: RecentIds,
     /// Why the channel stopped delivering, if it did.
     broken: Option<String>,
@@ -68,37 +66,12 @@ struct HeldState {
     lease_timer: Instant,
 }
 
-impl HeldState {
-    fn a_lease_ran_out(&self, now: Instant) -> bool {
-        self.entries
-            .values()
-            .any(|entry| matches!(entry.state, EntryState::Leased { until, .. } if until <= now))
-    }
-}
-
-struct Entry {
-    message: Message,
-    published_at: Option<DateTime<Utc>>,
-    acker: Acker,
-    deliveries: u32,
-    state: EntryState,
-}
-
-#[derive(Clone, Copy)]
-enum EntryState {
-    /// Deliverable from this instant (a nack's delay).
-    Ready(Instant),
-    /// Handed out under this lease until this instant.
-    Leased { id: u64, until: Instant },
-}
-
 impl Held {
     fn new(recent: RecentIds) -> Self {
         Self {
             state: Mutex::new(HeldState {
-                entries: BTreeMap::new(),
+                entries: HeldDeliveries::default(),
                 next_seq: 0,
-                next_lease: 0,
                 recent,
                 broken: None,
                 lease_timer: lease_timer(None),
@@ -112,32 +85,20 @@ impl Held {
     /// lease runs out), recorded so that only an earlier lease wakes it.
     fn next_lease_timer(&self) -> Instant {
         let mut state = self.state.lock();
-        let end = state
-            .entries
-            .values()
-            .filter_map(|entry| match entry.state {
-                EntryState::Leased { until, .. } => Some(until),
-                EntryState::Ready(_) => None,
-            })
-            .min();
+        let end = state.entries.next_lease_end();
         state.lease_timer = lease_timer(end);
         state.lease_timer
     }
 
     /// Whether a delivery is leased past its lease's end at `now`.
     fn a_lease_ran_out(&self, now: Instant) -> bool {
-        self.state.lock().a_lease_ran_out(now)
+        self.state.lock().entries.a_lease_ran_out(now)
     }
 
     /// Held deliveries: leased ones in flight, the rest waiting.
     pub(crate) fn backlog(&self) -> Backlog {
         let state = self.state.lock();
-        let now = Instant::now();
-        let in_flight = state
-            .entries
-            .values()
-            .filter(|e| matches!(e.state, EntryState::Leased { until, .. } if until > now))
-            .count() as u64;
+        let in_flight = state.entries.in_flight(Instant::now());
         Backlog {
             waiting: state.entries.len() as u64 - in_flight,
             in_flight,
@@ -158,16 +119,12 @@ impl Held {
             if first || delivery.redelivered {
                 let seq = state.next_seq;
                 state.next_seq += 1;
-                state.entries.insert(
-                    seq,
-                    Entry {
-                        message: arrived.message,
-                        published_at: arrived.published_at,
-                        acker: delivery.acker.clone(),
-                        deliveries: arrived.returns,
-                        state: EntryState::Ready(Instant::now()),
-                    },
-                );
+                let acker = delivery.acker.clone();
+                let (message, published_at) = (arrived.message, arrived.published_at);
+                let now = Instant::now();
+                state
+                    .entries
+                    .insert(seq, message, published_at, arrived.returns, acker, now);
                 false
             } else {
                 true
@@ -194,51 +151,17 @@ impl Held {
     fn lease(self: &Arc<Self>, max: usize, lease: Duration) -> Leased {
         let mut state = self.state.lock();
         let now = Instant::now();
-        if state.a_lease_ran_out(now) {
+        if state.entries.a_lease_ran_out(now) {
             return Leased::Expired;
         }
-        let mut seen_keys = HashSet::new();
-        let mut chosen = Vec::new();
-        let mut next_wake: Option<Instant> = None;
-        for (seq, entry) in &state.entries {
-            if !seen_keys.insert(entry.message.key.as_str()) {
-                continue;
-            }
-            let from = match entry.state {
-                EntryState::Ready(at) => at,
-                EntryState::Leased { until, .. } => until,
-            };
-            if from > now {
-                next_wake = Some(next_wake.map_or(from, |wake| wake.min(from)));
-            } else if chosen.len() < max {
-                chosen.push(*seq);
-            }
-        }
-        let mut deliveries = Vec::with_capacity(chosen.len());
         let sooner = now + lease < state.lease_timer;
-        for seq in chosen {
-            let id = state.next_lease;
-            state.next_lease += 1;
-            let Some(entry) = state.entries.get_mut(&seq) else {
-                continue;
-            };
-            entry.deliveries += 1;
-            entry.state = EntryState::Leased {
-                id,
-                until: now + lease,
-            };
-            let control = Settle {
+        let (deliveries, next_wake) = state.entries.lease(max, lease, now, |seq, id| {
+            Box::new(Settle {
                 held: Arc::downgrade(self),
                 seq,
                 lease: id,
-            };
-            let mut delivery =
-                Delivery::new(entry.message.clone(), entry.deliveries, Box::new(control));
-            if let Some(at) = entry.published_at {
-                delivery = delivery.with_received_at(at);
-            }
-            deliveries.push(delivery);
-        }
+            })
+        });
         drop(state);
         if sooner && !deliveries.is_empty() {
             self.leases_changed.notify_one();
@@ -439,11 +362,11 @@ struct Settle {
 }
 
 impl Settle {
-    /// Runs `settle` on the entry while this lease holds it; `LeaseLost`
+    /// Runs `settle` on the delivery while this lease holds it; `LeaseLost`
     /// once it expired, was handed out again or the channel closed.
     fn with_entry<T>(
         &self,
-        settle: impl FnOnce(&mut BTreeMap<u64, Entry>, u64) -> T,
+        settle: impl FnOnce(Settling<'_, u64, Acker>) -> T,
     ) -> Result<T, BrokerError> {
         self.settle(settle, None)
     }
@@ -453,18 +376,14 @@ impl Settle {
     /// timer.
     fn settle<T>(
         &self,
-        settle: impl FnOnce(&mut BTreeMap<u64, Entry>, u64) -> T,
+        settle: impl FnOnce(Settling<'_, u64, Acker>) -> T,
         lease_end: Option<Instant>,
     ) -> Result<T, BrokerError> {
         let held = self.held.upgrade().ok_or(BrokerError::LeaseLost)?;
         let mut state = held.state.lock();
-        match state.entries.get(&self.seq).map(|entry| entry.state) {
-            Some(EntryState::Leased { id, until })
-                if id == self.lease && until > Instant::now() => {}
-            _ => return Err(BrokerError::LeaseLost),
-        }
-        let outcome = settle(&mut state.entries, self.seq);
-        let sooner = lease_end.is_some_and(|end| end < state.lease_timer);
+        let lease_timer = state.lease_timer;
+        let outcome = settle(state.entries.settle(self.seq, self.lease, Instant::now())?);
+        let sooner = lease_end.is_some_and(|end| end < lease_timer);
         drop(state);
         held.arrived.notify_one();
         if sooner {
@@ -477,8 +396,7 @@ impl Settle {
 #[async_trait]
 impl DeliveryControl for Settle {
     async fn ack(&self) -> Result<(), BrokerError> {
-        let acker =
-            self.with_entry(|entries, seq| entries.remove(&seq).map(|entry| entry.acker))?;
+        let acker = self.with_entry(|entry| entry.done().map(|entry| entry.extra))?;
         if let Some(acker) = acker {
             acker
                 .ack(BasicAckOptions::default())
@@ -489,33 +407,20 @@ impl DeliveryControl for Settle {
     }
 
     async fn nack(&self, delay: Duration) -> Result<(), BrokerError> {
-        self.with_entry(|entries, seq| {
-            if let Some(entry) = entries.get_mut(&seq) {
-                entry.state = EntryState::Ready(Instant::now() + delay);
-            }
-        })
+        self.with_entry(|entry| entry.release(Instant::now() + delay))
     }
 
     async fn extend(&self, lease: Duration) -> Result<(), BrokerError> {
         let until = Instant::now() + lease;
-        let extend = |entries: &mut BTreeMap<u64, Entry>, seq| {
-            if let Some(entry) = entries.get_mut(&seq) {
-                entry.state = EntryState::Leased {
-                    id: self.lease,
-                    until,
-                };
-            }
-        };
         // A lease extended by less than it had left may now end before the
         // forwarder's timer.
-        self.settle(extend, Some(until))
+        self.settle(|entry| entry.extend(until), Some(until))
     }
 
     /// Rejected without requeue: RabbitMQ moves it to the group's
     /// dead-letter queue, with the `x-death` history.
     async fn terminate(&self) -> Result<(), BrokerError> {
-        let acker =
-            self.with_entry(|entries, seq| entries.remove(&seq).map(|entry| entry.acker))?;
+        let acker = self.with_entry(|entry| entry.done().map(|entry| entry.extra))?;
         if let Some(acker) = acker {
             acker
                 .reject(BasicRejectOptions { requeue: false })

@@ -1,8 +1,9 @@
 //! The broker contract: durable topics, consumer groups, leases, acks.
 //!
-//! Keel ships three implementations: the embedded broker on SQLite
-//! (`keel-sqlite`, the default), NATS JetStream (`keel-nats`) and RabbitMQ
-//! (`keel-rabbitmq`). All pass the same conformance suite (`keel-testkit`),
+//! Keel ships four implementations: the embedded broker on SQLite
+//! (`keel-sqlite`, the default), NATS JetStream (`keel-nats`), RabbitMQ
+//! (`keel-rabbitmq`) and Kafka (`keel-kafka`). All pass the same
+//! conformance suite (`keel-testkit`),
 //! which is the precise meaning of every sentence below.
 //!
 //! Semantics every [`Broker`] provides:
@@ -20,6 +21,8 @@
 //!   topic (within the broker's dedupe window) is accepted and dropped.
 //! - **Ack last.** Consumers ack only after their effect committed (the
 //!   consumer runtime in `keel-messaging` does).
+
+pub mod held;
 
 use std::collections::BTreeMap;
 use std::fmt;
