@@ -634,9 +634,10 @@ fn summary(runs: &[(&str, &LatencyRun)], effects: &[(&str, Histogram<u64>)]) {
     }
     if effects.is_empty() {
         println!(
-            "append -> effect: skipped (neither {} nor {} is set)",
+            "append -> effect: skipped (none of {}, {} and {} is set)",
             keel_testkit::services::NATS_URL,
-            keel_testkit::services::RABBITMQ_URL
+            keel_testkit::services::RABBITMQ_URL,
+            keel_testkit::services::KAFKA_URL
         );
     }
     println!("load average at the end: {}", load.trim());
