@@ -125,6 +125,17 @@ impl Held {
         self.changed.notify_waiters();
     }
 
+    /// Forgets every record: the member left its group, and whoever reads
+    /// the partitions next starts at the committed offsets.
+    pub(crate) fn forget_all(&self) {
+        let mut state = self.state.lock();
+        state.entries.clear();
+        state.fetched_to.clear();
+        state.stored.clear();
+        drop(state);
+        self.changed.notify_waiters();
+    }
+
     /// Records that the member has its first assignment.
     pub(crate) fn mark_assigned(&self) {
         self.state.lock().assigned = true;

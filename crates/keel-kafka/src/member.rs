@@ -160,6 +160,7 @@ impl Member {
         }
         let mut gone = self.gone.clone();
         let _ = gone.wait_for(|gone| *gone).await;
+        self.held.forget_all();
     }
 
     /// The consumer, while the member reads.

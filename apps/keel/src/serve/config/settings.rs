@@ -73,8 +73,8 @@ pub struct ServeArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pg_schema: Option<String>,
     /// NATS: the prefix of the JetStream streams; RabbitMQ: of the
-    /// exchanges and queues [default: KEEL]. Processes sharing the work
-    /// must use the same one.
+    /// exchanges and queues; Kafka: of the topics [default: KEEL].
+    /// Processes sharing the work must use the same one.
     #[arg(long, env = "KEEL_STREAM_PREFIX")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_prefix: Option<String>,
