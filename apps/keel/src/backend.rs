@@ -545,6 +545,9 @@ async fn open_broker(options: &BackendOptions) -> Result<Arc<dyn Broker>, Broker
         BrokerKind::Kafka(url) => {
             let kafka = keel_kafka::KafkaBrokerOptions::from_url(url)
                 .ok_or_else(|| BrokerError::Invalid(format!("`{url}` names no Kafka server")))?;
+            for warning in kafka.durability_warnings() {
+                tracing::warn!("Kafka durability: {warning}");
+            }
             Ok(Arc::new(
                 keel_kafka::KafkaBroker::connect(kafka.prefix(options.stream_prefix.clone()))
                     .await?,

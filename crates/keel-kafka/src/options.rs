@@ -173,9 +173,37 @@ impl KafkaBrokerOptions {
     }
 }
 
+impl KafkaBrokerOptions {
+    /// What in these options breaks Keel's durability guarantees (a
+    /// publish acknowledged is never lost), one sentence each: `keel
+    /// serve` logs them at start. With fewer than 3 replicas, `acks=all`
+    /// is one or two brokers' page cache, and a machine crash can lose
+    /// what Kafka acknowledged.
+    pub fn durability_warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if self.replication < 3 {
+            warnings.push(format!(
+                "the topics this broker creates get {} replica(s): a machine crash can lose \
+                 messages Kafka acknowledged; use 3 (KafkaBrokerOptions::replication), with \
+                 min.insync.replicas = 2 on the brokers, or create the topics beforehand",
+                self.replication
+            ));
+        }
+        warnings
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fewer_than_three_replicas_is_a_durability_warning() {
+        let options = KafkaBrokerOptions::new("k:9092");
+        assert_eq!(options.durability_warnings().len(), 1);
+        assert!(options.durability_warnings()[0].contains("1 replica"));
+        assert!(options.replication(3).durability_warnings().is_empty());
+    }
 
     #[test]
     fn a_kafka_url_names_the_bootstrap_servers() {
