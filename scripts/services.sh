@@ -106,6 +106,18 @@ await_http() {
   log "$name did not start; its log:"; tail -n 20 "$logfile" >&2 || true; exit 1
 }
 
+# Waits up to 10 s for PORT to accept a connection; else shows LOG and fails.
+await_port() {
+  local name="$1" logfile="$2" port="$3" i
+  for i in $(seq 1 100); do
+    if python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  log "$name did not start; its log:"; tail -n 20 "$logfile" >&2 || true; exit 1
+}
+
 ensure_etcd() {
   if command -v etcd >/dev/null 2>&1; then return; fi
   log "installing etcd from Debian's packages"
@@ -205,14 +217,7 @@ start_kafka() {
     --listener-url "tcp://127.0.0.1:$port" --advertised-listener-url "tcp://127.0.0.1:$port" \
     --storage-engine sqlite://tansu.db </dev/null >>"$dir/log" 2>&1) &
   echo $! >"$dir/pid"
-  local i
-  for i in $(seq 1 100); do
-    if python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null; then
-      return 0
-    fi
-    sleep 0.1
-  done
-  log "tansu did not start; its log:"; tail -n 20 "$dir/log" >&2 || true; exit 1
+  await_port tansu "$dir/log" "$port"
 }
 
 stop_kafka() { stop_by_pidfile "$KEEL_TEST_SERVICES_DIR/kafka/pid" "$@"; }
@@ -315,14 +320,7 @@ start_nats() {
   mkdir -p "$dir/store"
   setsid "$(nats_dir)/bin/nats-server" -a 127.0.0.1 -p "$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")" \
     -js -sd "$dir/store" -l "$dir/log" -P "$dir/pid" </dev/null >/dev/null 2>&1 &
-  local i
-  for i in $(seq 1 100); do
-    if python3 -c "import socket,sys; socket.create_connection(('127.0.0.1', $(cat "$KEEL_TEST_SERVICES_DIR/nats.port")), 0.2)" 2>/dev/null; then
-      return 0
-    fi
-    sleep 0.1
-  done
-  log "nats-server did not start; its log:"; cat "$dir/log" >&2 || true; exit 1
+  await_port nats-server "$dir/log" "$(cat "$KEEL_TEST_SERVICES_DIR/nats.port")"
 }
 
 # A crash, not a shutdown: SIGKILL to the postmaster and every backend at

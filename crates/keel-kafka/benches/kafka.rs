@@ -20,15 +20,13 @@
 //! Needs `KEEL_TEST_KAFKA_URL`; run through `scripts/services.sh run
 //! cargo bench -p keel-kafka --bench kafka`.
 
-use std::future::Future;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use keel_core::clock;
 use keel_kafka::{KafkaBroker, KafkaBrokerOptions};
 use keel_store::broker::{Broker, SubscribeOptions};
 use keel_testkit::bench::{
-    BROKER_PAYLOAD, ProcessUsage, UsageTally, next_unique, receive_and_ack, unique_messages,
+    BROKER_PAYLOAD, BrokerUsage, next_unique, receive_and_ack, timed_batches, unique_messages,
 };
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -119,64 +117,11 @@ impl Raw {
     }
 }
 
-/// This process's CPU time and context switches in each benchmark's timed
-/// windows.
-#[derive(Default)]
-struct Usage {
-    publish_keel: UsageTally,
-    publish_raw: UsageTally,
-    consume_keel: UsageTally,
-    consume_raw: UsageTally,
-}
-
-impl Usage {
-    fn report(&self) {
-        println!("\n== kafka: this process's CPU and context switches, timed windows only ==");
-        for (name, tally) in [
-            ("publish/keel", &self.publish_keel),
-            ("publish/raw", &self.publish_raw),
-            ("consume/keel", &self.consume_keel),
-            ("consume/raw", &self.consume_raw),
-        ] {
-            let (cpu, switches, messages) = tally.per_unit();
-            println!(
-                "{name}: {:.1} us of CPU and {switches:.2} context switches per message \
-                 ({messages} messages)",
-                cpu.as_secs_f64() * 1e6
-            );
-        }
-    }
-}
-
-/// Times `iters` runs of `work` (one batch each), after `prepare` (not
-/// timed), counting the process's usage in the timed part.
-async fn timed_batches<P, W>(
-    iters: u64,
-    tally: &UsageTally,
-    mut prepare: impl FnMut() -> P,
-    mut work: impl FnMut() -> W,
-) -> Duration
-where
-    P: Future<Output = ()>,
-    W: Future<Output = ()>,
-{
-    let mut total = Duration::ZERO;
-    for _ in 0..iters {
-        prepare().await;
-        let before = ProcessUsage::now();
-        let started = clock::now();
-        work().await;
-        total += started.elapsed();
-        tally.add_since(before, BATCH as u64);
-    }
-    total
-}
-
 fn bench_publish(
     c: &mut Criterion,
     rt: &Runtime,
     (broker, raw): (&KafkaBroker, &Raw),
-    usage: &Usage,
+    usage: &BrokerUsage,
 ) {
     let mut group = c.benchmark_group("kafka/publish");
     group.throughput(Throughput::Elements(BATCH as u64));
@@ -185,6 +130,7 @@ fn bench_publish(
         b.to_async(rt).iter_custom(|iters| {
             timed_batches(
                 iters,
+                BATCH,
                 &usage.publish_keel,
                 || async {},
                 || async {
@@ -200,6 +146,7 @@ fn bench_publish(
         b.to_async(rt).iter_custom(|iters| {
             timed_batches(
                 iters,
+                BATCH,
                 &usage.publish_raw,
                 || async {},
                 || raw.publish(&raw.publish_topic),
@@ -215,7 +162,7 @@ fn bench_consume(
     c: &mut Criterion,
     rt: &Runtime,
     (broker, raw, bootstrap): (&KafkaBroker, &Raw, &str),
-    usage: &Usage,
+    usage: &BrokerUsage,
 ) {
     let mut group = c.benchmark_group("kafka/consume");
     group.throughput(Throughput::Elements(BATCH as u64));
@@ -238,7 +185,7 @@ fn bench_consume(
             let consume = || async {
                 receive_and_ack(sub.lock().await.as_mut(), BATCH).await;
             };
-            timed_batches(iters, &usage.consume_keel, publish, consume)
+            timed_batches(iters, BATCH, &usage.consume_keel, publish, consume)
         });
     });
     // Untimed: the first batch waits for the group's first assignment.
@@ -271,7 +218,7 @@ fn bench_consume(
                 }
             };
             let publish = || raw.publish(&raw.consume_topic);
-            timed_batches(iters, &usage.consume_raw, publish, consume)
+            timed_batches(iters, BATCH, &usage.consume_raw, publish, consume)
         });
     });
     group.finish();
@@ -301,10 +248,10 @@ fn benches(c: &mut Criterion) {
         let raw = Raw::connect(&bootstrap, &prefix).await;
         (broker, raw)
     });
-    let usage = Usage::default();
+    let usage = BrokerUsage::default();
     bench_publish(c, &rt, (&broker, &raw), &usage);
     bench_consume(c, &rt, (&broker, &raw, &bootstrap), &usage);
-    usage.report();
+    usage.report("kafka");
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average at the end: {}", load.trim());
 }

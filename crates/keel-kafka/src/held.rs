@@ -10,11 +10,10 @@
 //! from there, never past a record whose effect did not commit.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use keel_core::clock::{self, Instant};
-use keel_store::broker::held::HeldDeliveries;
+use keel_store::broker::held::{HeldDeliveries, Settling};
 use keel_store::broker::{BrokerError, Delivery, DeliveryControl, Message};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -158,10 +157,19 @@ impl Held {
         self.state.lock().entries.lease(max, lease, now, control)
     }
 
-    /// Done with the record at `place`.
-    pub(crate) fn remove(&self, place: Place, lease: u64) -> Result<(), BrokerError> {
+    /// Runs `settle` on the record at `place` (with the time it reads)
+    /// while `lease` holds it, and wakes the receivers: an ack, a nack or
+    /// an extension. [`BrokerError::LeaseLost`] once the lease ran out, the
+    /// record was handed out again or its partition was revoked.
+    pub(crate) fn settle(
+        &self,
+        place: Place,
+        lease: u64,
+        settle: impl FnOnce(Settling<'_, Place, ()>, Instant),
+    ) -> Result<(), BrokerError> {
+        let now = clock::now();
         let mut state = self.state.lock();
-        state.entries.settle(place, lease, clock::now())?.done();
+        settle(state.entries.settle(place, lease, now)?, now);
         drop(state);
         self.changed.notify_waiters();
         Ok(())
@@ -174,84 +182,5 @@ impl Held {
         let settling = state.entries.settle(place, lease, clock::now())?;
         let entry = settling.entry().ok_or(BrokerError::LeaseLost)?;
         Ok((entry.message.clone(), entry.deliveries))
-    }
-
-    /// Deliverable again after `delay`.
-    pub(crate) fn release(
-        &self,
-        place: Place,
-        lease: u64,
-        delay: Duration,
-    ) -> Result<(), BrokerError> {
-        let now = clock::now();
-        let mut state = self.state.lock();
-        state
-            .entries
-            .settle(place, lease, now)?
-            .release(now + delay);
-        drop(state);
-        self.changed.notify_waiters();
-        Ok(())
-    }
-
-    /// Kept out of others' reach for `lease_for` from now.
-    pub(crate) fn extend(
-        &self,
-        place: Place,
-        lease: u64,
-        lease_for: Duration,
-    ) -> Result<(), BrokerError> {
-        let now = clock::now();
-        let mut state = self.state.lock();
-        state
-            .entries
-            .settle(place, lease, now)?
-            .extend(now + lease_for);
-        Ok(())
-    }
-}
-
-/// Settles one leased delivery through its member.
-pub(crate) struct Settle<M> {
-    pub(crate) member: Weak<M>,
-    pub(crate) place: Place,
-    pub(crate) lease: u64,
-}
-
-/// What a settle needs from the member that holds the record.
-#[async_trait::async_trait]
-pub(crate) trait Holder: Send + Sync + 'static {
-    fn held(&self) -> &Arc<Held>;
-    /// Writes `message` to the group's dead-letter topic.
-    async fn dead_letter(&self, message: Message, deliveries: u32) -> Result<(), BrokerError>;
-}
-
-impl<M: Holder> Settle<M> {
-    fn member(&self) -> Result<Arc<M>, BrokerError> {
-        self.member.upgrade().ok_or(BrokerError::LeaseLost)
-    }
-}
-
-#[async_trait::async_trait]
-impl<M: Holder> DeliveryControl for Settle<M> {
-    async fn ack(&self) -> Result<(), BrokerError> {
-        self.member()?.held().remove(self.place, self.lease)
-    }
-
-    async fn nack(&self, delay: Duration) -> Result<(), BrokerError> {
-        self.member()?.held().release(self.place, self.lease, delay)
-    }
-
-    async fn extend(&self, lease: Duration) -> Result<(), BrokerError> {
-        self.member()?.held().extend(self.place, self.lease, lease)
-    }
-
-    /// Written to the group's dead-letter topic, then settled: a record
-    /// whose dead letter was not acknowledged stays held.
-    async fn terminate(&self) -> Result<(), BrokerError> {
-        let member = self.member()?;
-        let (message, deliveries) = member.held().message(self.place, self.lease)?;
-        member.dead_letter(message, deliveries).await?;
-        member.held().remove(self.place, self.lease)
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::FutureExt;
 use keel_core::clock;
-use keel_store::broker::{BrokerError, Delivery, Message, Subscription};
+use keel_store::broker::{BrokerError, Delivery, DeliveryControl, Message, Subscription};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::BorrowedMessage;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
@@ -23,7 +23,7 @@ use tokio::sync::{oneshot, watch};
 use crate::broker::{GroupName, Inner, client_config, millis};
 use crate::envelope;
 use crate::error::broker_error;
-use crate::held::{Held, Holder, Settle};
+use crate::held::{Held, Place};
 use crate::names;
 use crate::recent::RecentPlaces;
 
@@ -203,12 +203,8 @@ impl Drop for Member {
     }
 }
 
-#[async_trait]
-impl Holder for Member {
-    fn held(&self) -> &Arc<Held> {
-        &self.held
-    }
-
+impl Member {
+    /// Writes `message` to the group's dead-letter topic.
     async fn dead_letter(&self, message: Message, deliveries: u32) -> Result<(), BrokerError> {
         let topic = names::dead_letter_topic(&self.name.0, &self.name.1);
         let mut letter = message.with_header(DEAD_LETTER_GROUP, self.name.1.clone());
@@ -349,5 +345,51 @@ impl Subscription for MemberSubscription {
             let until = next_wake.map_or(deadline, |wake| wake.min(deadline));
             let _ = tokio::time::timeout_at(until, changed).await;
         }
+    }
+}
+
+/// Settles one leased delivery through its member.
+struct Settle {
+    member: Weak<Member>,
+    place: Place,
+    lease: u64,
+}
+
+impl Settle {
+    fn member(&self) -> Result<Arc<Member>, BrokerError> {
+        self.member.upgrade().ok_or(BrokerError::LeaseLost)
+    }
+}
+
+#[async_trait]
+impl DeliveryControl for Settle {
+    async fn ack(&self) -> Result<(), BrokerError> {
+        let held = &self.member()?.held;
+        held.settle(self.place, self.lease, |entry, _| drop(entry.done()))
+    }
+
+    async fn nack(&self, delay: Duration) -> Result<(), BrokerError> {
+        let held = &self.member()?.held;
+        held.settle(self.place, self.lease, |entry, now| {
+            entry.release(now + delay)
+        })
+    }
+
+    async fn extend(&self, lease: Duration) -> Result<(), BrokerError> {
+        let held = &self.member()?.held;
+        held.settle(self.place, self.lease, |entry, now| {
+            entry.extend(now + lease)
+        })
+    }
+
+    /// Written to the group's dead-letter topic, then settled: a record
+    /// whose dead letter was not acknowledged stays held.
+    async fn terminate(&self) -> Result<(), BrokerError> {
+        let member = self.member()?;
+        let (message, deliveries) = member.held.message(self.place, self.lease)?;
+        member.dead_letter(message, deliveries).await?;
+        member
+            .held
+            .settle(self.place, self.lease, |entry, _| drop(entry.done()))
     }
 }

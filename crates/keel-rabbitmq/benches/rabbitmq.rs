@@ -23,18 +23,16 @@
 //! Needs `KEEL_TEST_RABBITMQ_URL`; run through `scripts/services.sh run
 //! cargo bench -p keel-rabbitmq --bench rabbitmq`.
 
-use std::future::Future;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use futures_util::future::{join_all, try_join_all};
 use futures_util::stream::{SelectAll, select_all};
 use futures_util::{FutureExt, StreamExt};
-use keel_core::clock;
 use keel_rabbitmq::{RabbitBroker, RabbitBrokerOptions};
 use keel_store::broker::{Broker, SubscribeOptions};
 use keel_testkit::bench::{
-    BROKER_PAYLOAD, ProcessUsage, UsageTally, next_unique, receive_and_ack, unique_messages,
+    BROKER_PAYLOAD, BrokerUsage, next_unique, receive_and_ack, timed_batches, unique_messages,
 };
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -222,64 +220,11 @@ async fn declare_quorum_queue(channel: &Channel, queue: &str) {
         .expect("raw queue");
 }
 
-/// This process's CPU time and context switches in each benchmark's timed
-/// windows.
-#[derive(Default)]
-struct Usage {
-    publish_keel: UsageTally,
-    publish_raw: UsageTally,
-    consume_keel: UsageTally,
-    consume_raw: UsageTally,
-}
-
-impl Usage {
-    fn report(&self) {
-        println!("\n== rabbitmq: this process's CPU and context switches, timed windows only ==");
-        for (name, tally) in [
-            ("publish/keel", &self.publish_keel),
-            ("publish/raw", &self.publish_raw),
-            ("consume/keel", &self.consume_keel),
-            ("consume/raw", &self.consume_raw),
-        ] {
-            let (cpu, switches, messages) = tally.per_unit();
-            println!(
-                "{name}: {:.1} us of CPU and {switches:.2} context switches per message \
-                 ({messages} messages)",
-                cpu.as_secs_f64() * 1e6
-            );
-        }
-    }
-}
-
-/// Times `iters` runs of `work` (one batch each), after `prepare` (not
-/// timed), counting the process's usage in the timed part.
-async fn timed_batches<P, W>(
-    iters: u64,
-    tally: &UsageTally,
-    mut prepare: impl FnMut() -> P,
-    mut work: impl FnMut() -> W,
-) -> Duration
-where
-    P: Future<Output = ()>,
-    W: Future<Output = ()>,
-{
-    let mut total = Duration::ZERO;
-    for _ in 0..iters {
-        prepare().await;
-        let before = ProcessUsage::now();
-        let started = clock::now();
-        work().await;
-        total += started.elapsed();
-        tally.add_since(before, BATCH as u64);
-    }
-    total
-}
-
 fn bench_publish(
     c: &mut Criterion,
     rt: &Runtime,
     (broker, raw): (&RabbitBroker, &Raw),
-    usage: &Usage,
+    usage: &BrokerUsage,
 ) {
     let mut group = c.benchmark_group("rabbitmq/publish");
     group.throughput(Throughput::Elements(BATCH as u64));
@@ -288,6 +233,7 @@ fn bench_publish(
         b.to_async(rt).iter_custom(|iters| {
             timed_batches(
                 iters,
+                BATCH,
                 &usage.publish_keel,
                 || async {},
                 || async {
@@ -301,7 +247,13 @@ fn bench_publish(
     });
     group.bench_function("raw", |b| {
         b.to_async(rt).iter_custom(|iters| {
-            timed_batches(iters, &usage.publish_raw, || async {}, || raw.publish())
+            timed_batches(
+                iters,
+                BATCH,
+                &usage.publish_raw,
+                || async {},
+                || raw.publish(),
+            )
         });
     });
     group.finish();
@@ -317,7 +269,7 @@ fn bench_consume(
     c: &mut Criterion,
     rt: &Runtime,
     (broker, raw): (&RabbitBroker, &Raw),
-    usage: &Usage,
+    usage: &BrokerUsage,
 ) {
     let mut group = c.benchmark_group("rabbitmq/consume");
     group.throughput(Throughput::Elements(BATCH as u64));
@@ -340,7 +292,7 @@ fn bench_consume(
             let consume = || async {
                 receive_and_ack(sub.lock().await.as_mut(), BATCH).await;
             };
-            timed_batches(iters, &usage.consume_keel, publish, consume)
+            timed_batches(iters, BATCH, &usage.consume_keel, publish, consume)
         });
     });
     let consumers = Mutex::new(rt.block_on(async {
@@ -364,7 +316,7 @@ fn bench_consume(
                     }
                 }
             };
-            timed_batches(iters, &usage.consume_raw, || raw.publish(), consume)
+            timed_batches(iters, BATCH, &usage.consume_raw, || raw.publish(), consume)
         });
     });
     group.finish();
@@ -404,10 +356,10 @@ fn benches(c: &mut Criterion) {
         raw.declare().await;
         (broker, raw)
     });
-    let usage = Usage::default();
+    let usage = BrokerUsage::default();
     bench_publish(c, &rt, (&broker, &raw), &usage);
     bench_consume(c, &rt, (&broker, &raw), &usage);
-    usage.report();
+    usage.report("rabbitmq");
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average at the end: {}", load.trim());
 }

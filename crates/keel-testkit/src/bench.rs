@@ -236,3 +236,64 @@ pub async fn receive_and_ack(
         }
     }
 }
+
+/// This process's CPU time and context switches in each of a broker
+/// benchmark's four timed windows: publishing and consuming, through Keel
+/// and through the raw client beside it.
+#[derive(Debug, Default)]
+pub struct BrokerUsage {
+    /// Publishing through Keel.
+    pub publish_keel: UsageTally,
+    /// Publishing through the raw client.
+    pub publish_raw: UsageTally,
+    /// Consuming through Keel.
+    pub consume_keel: UsageTally,
+    /// Consuming through the raw client.
+    pub consume_raw: UsageTally,
+}
+
+impl BrokerUsage {
+    /// Prints the figures per message under `broker`'s name.
+    pub fn report(&self, broker: &str) {
+        println!("\n== {broker}: this process's CPU and context switches, timed windows only ==");
+        for (name, tally) in [
+            ("publish/keel", &self.publish_keel),
+            ("publish/raw", &self.publish_raw),
+            ("consume/keel", &self.consume_keel),
+            ("consume/raw", &self.consume_raw),
+        ] {
+            let (cpu, switches, messages) = tally.per_unit();
+            println!(
+                "{name}: {:.1} us of CPU and {switches:.2} context switches per message \
+                 ({messages} messages)",
+                cpu.as_secs_f64() * 1e6
+            );
+        }
+    }
+}
+
+/// Times `iters` runs of `work` (one batch of `batch` messages each), after
+/// `prepare` (not timed), counting the process's usage in the timed part
+/// into `tally`: a criterion `iter_custom` body for the broker benchmarks.
+pub async fn timed_batches<P, W>(
+    iters: u64,
+    batch: usize,
+    tally: &UsageTally,
+    mut prepare: impl FnMut() -> P,
+    mut work: impl FnMut() -> W,
+) -> Duration
+where
+    P: Future<Output = ()>,
+    W: Future<Output = ()>,
+{
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        prepare().await;
+        let before = ProcessUsage::now();
+        let started = keel_core::clock::now();
+        work().await;
+        total += started.elapsed();
+        tally.add_since(before, batch as u64);
+    }
+    total
+}
